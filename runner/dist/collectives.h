@@ -1,0 +1,35 @@
+// The data-parallel hook of the runner. At world size 1 every operation is the identity; the DP
+// build provides an implementation over c10d (Gloo for control and CPU, NCCL for CUDA gradients).
+//
+// Note [Reduce once]: gradients are reduced exactly once per optimizer step, in OptimStep, over
+// the accumulated buffers. Never per call (an accumulated buffer reduced per call counts earlier
+// calls again), never zeroed per call. Counters are global: summed over ranks once per call.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace tinkerd {
+
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // In place: each tensor becomes the sum over ranks. (A DDP-style mean all-reduce followed by
+  // multiplication by world_size is the same sum; implementations may do either.)
+  virtual absl::Status AllReduceSumGradients(std::vector<at::Tensor>& grads) = 0;
+  // In place: each count becomes the sum over ranks.
+  virtual absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) = 0;
+  // In place: true on every rank when true on all (a call commits only if every rank succeeded).
+  virtual absl::Status AllAgree(bool& ok) = 0;
+};
+
+// World size 1.
+std::shared_ptr<Collectives> MakeLocalCollectives();
+
+}  // namespace tinkerd

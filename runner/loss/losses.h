@@ -1,0 +1,44 @@
+// Per-token losses ℓ_t of Tinker's loss functions (DESIGN.md §4). Each returns ℓ for every
+// position; masking and the sum over tokens happen in the runner, so every loss is a plain sum.
+//
+// r = exp(logp − logq) with logq the sampler's logprobs; A the advantages; sg = stop-gradient.
+//   cross_entropy        ℓ = −w·logp
+//   importance_sampling  ℓ = −r·A
+//   ppo                  ℓ = −min(r·A, clip(r, lo, hi)·A)
+//   cispo                ℓ = −sg(clip(r, lo, hi))·logp·A
+//   dro                  ℓ = −(logp·A − ½·β·(logp − logq)²)
+// Shape suffix: T tokens of a packed micro-batch.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+
+namespace tinkerd {
+
+struct LossTokenInputs {
+  at::Tensor logp_T;     // learner logprobs of the targets (differentiable)
+  at::Tensor weights_T;  // cross_entropy only
+  at::Tensor logq_T;     // sampler logprobs (RL losses)
+  at::Tensor adv_T;      // advantages (RL losses)
+};
+
+struct LossTokenOutputs {
+  at::Tensor loss_T;
+  at::Tensor clipped_T;  // bool, defined for ppo/cispo: the ratio was outside [lo, hi]
+};
+
+using Config = std::map<std::string, double>;
+
+LossTokenOutputs CrossEntropyLoss(const LossTokenInputs& in, const Config& cfg);
+LossTokenOutputs ImportanceSamplingLoss(const LossTokenInputs& in, const Config& cfg);
+LossTokenOutputs PpoLoss(const LossTokenInputs& in, const Config& cfg);
+LossTokenOutputs CispoLoss(const LossTokenInputs& in, const Config& cfg);
+LossTokenOutputs DroLoss(const LossTokenInputs& in, const Config& cfg);
+
+// Dispatches on the loss name (already validated by ResolveLoss).
+LossTokenOutputs PerTokenLoss(const std::string& name, const LossTokenInputs& in,
+                              const Config& cfg);
+
+}  // namespace tinkerd

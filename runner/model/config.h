@@ -1,0 +1,53 @@
+// The architecture hyper-parameters read from a Hugging Face config.json. Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace tinkerd {
+
+// RoPE frequency scaling, as the `rope_scaling` block of Llama / Qwen / Mistral configs.
+struct RopeScaling {
+  enum class Type { kNone, kLinear, kDynamic, kYarn, kLlama3 };
+  Type type = Type::kNone;
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 0;  // 0: use max_position_embeddings
+  double low_freq_factor = 1.0;                  // llama3
+  double high_freq_factor = 4.0;                 // llama3
+  double beta_fast = 32.0;                       // yarn
+  double beta_slow = 1.0;                        // yarn
+  double attention_factor = 0.0;                 // yarn; 0: derived as 0.1·ln(factor) + 1
+};
+
+struct ModelConfig {
+  std::string architecture;  // "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", ...
+  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // bias on q/k/v projections (Qwen2 always)
+  bool qk_norm = false;         // per-head RMSNorm on q and k before RoPE (Qwen3)
+  int64_t sliding_window = 0;   // 0: full causal attention
+  std::string torch_dtype;      // informational
+
+  std::string DebugString() const;
+};
+
+// Parses config.json text. Unknown architectures, missing or inconsistent sizes are InvalidArgument.
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text);
+// Serializes back to a config.json that ParseModelConfig and Hugging Face both read.
+std::string ModelConfigToJson(const ModelConfig& config);
+
+}  // namespace tinkerd

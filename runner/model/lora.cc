@@ -1,0 +1,71 @@
+#include "runner/model/lora.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "runner/util/rng.h"
+
+namespace tinkerd {
+
+absl::StatusOr<LoraAdapter> LoraAdapter::Create(const ModelConfig& c, const LoraConfig& lora,
+                                                uint64_t seed, at::ScalarType dtype) {
+  if (lora.rank <= 0 || lora.rank > 4096) {
+    return absl::InvalidArgumentError("lora.rank: must be in [1, 4096]");
+  }
+  if (!(lora.alpha > 0) || !std::isfinite(lora.alpha)) {
+    return absl::InvalidArgumentError("lora.alpha: must be a positive finite number");
+  }
+  if (!lora.train_attn && !lora.train_mlp && !lora.train_unembed) {
+    return absl::InvalidArgumentError(
+        "lora: at least one of train_attn, train_mlp, train_unembed must be true");
+  }
+  LoraAdapter a;
+  a.scale_ = lora.alpha / static_cast<double>(lora.rank);
+  const int64_t r = lora.rank;
+  auto add = [&](const std::string& module, int64_t in, int64_t out) {
+    at::Tensor A = at::empty({r, in}, at::kDouble);
+    double* p = A.data_ptr<double>();
+    SplitMix64 g(MixSeed(seed, module.c_str()));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    for (int64_t i = 0; i < A.numel(); ++i) p[i] = g.Uniform(-bound, bound);
+    LoraPair pair{A.to(dtype), at::zeros({out, r}, at::TensorOptions().dtype(dtype))};
+    pair.A_rI.set_requires_grad(true);
+    pair.B_Or.set_requires_grad(true);
+    a.pairs_[module] = std::move(pair);
+  };
+  const int64_t D = c.hidden_size, I = c.intermediate_size;
+  const int64_t q_out = c.num_attention_heads * c.head_dim;
+  const int64_t kv_out = c.num_key_value_heads * c.head_dim;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    if (lora.train_attn) {
+      add(p + "self_attn.q_proj", D, q_out);
+      add(p + "self_attn.k_proj", D, kv_out);
+      add(p + "self_attn.v_proj", D, kv_out);
+      add(p + "self_attn.o_proj", q_out, D);
+    }
+    if (lora.train_mlp) {
+      add(p + "mlp.gate_proj", D, I);
+      add(p + "mlp.up_proj", D, I);
+      add(p + "mlp.down_proj", I, D);
+    }
+  }
+  if (lora.train_unembed) add("lm_head", D, c.vocab_size);
+  return a;
+}
+
+const LoraPair* LoraAdapter::Find(const std::string& module) const {
+  auto it = pairs_.find(module);
+  return it == pairs_.end() ? nullptr : &it->second;
+}
+
+std::map<std::string, at::Tensor> LoraAdapter::Parameters() const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [module, pair] : pairs_) {
+    out[module + ".lora_A"] = pair.A_rI;
+    out[module + ".lora_B"] = pair.B_Or;
+  }
+  return out;
+}
+
+}  // namespace tinkerd

@@ -1,0 +1,41 @@
+// A LoRA adapter: for each adapted linear W [out, in], y = x·Wᵀ + (alpha/r)·(x·Aᵀ)·Bᵀ with
+// A [r, in] and B [out, r]. A starts uniform in ±1/sqrt(in) (PEFT's kaiming-uniform bound), B at
+// zero, so a fresh adapter leaves the base model's function unchanged.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "runner/model/config.h"
+#include "runner/types.h"
+
+namespace tinkerd {
+
+struct LoraPair {
+  at::Tensor A_rI;  // [r, in]
+  at::Tensor B_Or;  // [out, r]
+};
+
+class LoraAdapter {
+ public:
+  // Adapts q,k,v,o (train_attn), gate,up,down (train_mlp) and lm_head (train_unembed).
+  static absl::StatusOr<LoraAdapter> Create(const ModelConfig& config, const LoraConfig& lora,
+                                            uint64_t seed, at::ScalarType dtype);
+
+  // The pair adapting `module` (an HF module path such as "model.layers.3.self_attn.q_proj"),
+  // or null when that module is not adapted.
+  const LoraPair* Find(const std::string& module) const;
+  double scale() const { return scale_; }
+
+  // Trainable tensors by name: "<module>.lora_A" and "<module>.lora_B".
+  std::map<std::string, at::Tensor> Parameters() const;
+
+ private:
+  double scale_ = 1.0;
+  std::map<std::string, LoraPair> pairs_;
+};
+
+}  // namespace tinkerd

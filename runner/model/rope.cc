@@ -1,0 +1,116 @@
+#include "runner/model/rope.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace tinkerd {
+
+std::vector<double> RopeInvFreq(const ModelConfig& c, int64_t seq_len) {
+  const int64_t d = c.head_dim;
+  const int64_t R = d / 2;
+  const RopeScaling& s = c.rope_scaling;
+  double base = c.rope_theta;
+  if (s.type == RopeScaling::Type::kDynamic) {
+    const double orig = static_cast<double>(s.original_max_position_embeddings);
+    if (seq_len > orig) {
+      base *= std::pow(s.factor * seq_len / orig - (s.factor - 1.0),
+                       static_cast<double>(d) / static_cast<double>(d - 2));
+    }
+  }
+  std::vector<double> inv(R);
+  for (int64_t j = 0; j < R; ++j) inv[j] = 1.0 / std::pow(base, 2.0 * j / static_cast<double>(d));
+
+  switch (s.type) {
+    case RopeScaling::Type::kNone:
+    case RopeScaling::Type::kDynamic:
+      break;
+    case RopeScaling::Type::kLinear:
+      for (double& f : inv) f /= s.factor;
+      break;
+    case RopeScaling::Type::kLlama3: {
+      const double orig = static_cast<double>(s.original_max_position_embeddings);
+      const double low_wavelen = orig / s.low_freq_factor;
+      const double high_wavelen = orig / s.high_freq_factor;
+      for (double& f : inv) {
+        const double wavelen = 2.0 * M_PI / f;
+        if (wavelen < high_wavelen) continue;  // high frequencies: untouched
+        if (wavelen > low_wavelen) {           // low frequencies: fully interpolated
+          f /= s.factor;
+          continue;
+        }
+        const double smooth =
+            (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        f = (1.0 - smooth) * f / s.factor + smooth * f;
+      }
+      break;
+    }
+    case RopeScaling::Type::kYarn: {
+      const double orig = static_cast<double>(s.original_max_position_embeddings);
+      // Dimension index whose wavelength completes `rotations` turns over the original context.
+      auto correction_dim = [&](double rotations) {
+        return d * std::log(orig / (rotations * 2.0 * M_PI)) / (2.0 * std::log(c.rope_theta));
+      };
+      double low = std::max(0.0, std::floor(correction_dim(s.beta_fast)));
+      double high = std::min(static_cast<double>(d - 1), std::ceil(correction_dim(s.beta_slow)));
+      if (low == high) high += 0.001;  // avoid a zero-width ramp
+      for (int64_t j = 0; j < R; ++j) {
+        const double ramp = std::clamp((j - low) / (high - low), 0.0, 1.0);
+        const double extrapolation_weight = 1.0 - ramp;
+        const double extrapolated = inv[j];
+        const double interpolated = inv[j] / s.factor;
+        inv[j] = interpolated * (1.0 - extrapolation_weight) + extrapolated * extrapolation_weight;
+      }
+      break;
+    }
+  }
+  return inv;
+}
+
+double RopeAttentionFactor(const ModelConfig& c) {
+  const RopeScaling& s = c.rope_scaling;
+  if (s.type != RopeScaling::Type::kYarn) return 1.0;
+  if (s.attention_factor > 0) return s.attention_factor;
+  return s.factor <= 1.0 ? 1.0 : 0.1 * std::log(s.factor) + 1.0;
+}
+
+RopeTables BuildRopeTables(const ModelConfig& c, const std::vector<int64_t>& cu_seqlens,
+                           at::ScalarType dtype) {
+  const int64_t T = cu_seqlens.back();
+  const int64_t d = c.head_dim;
+  const int64_t R = d / 2;
+  const double scale = RopeAttentionFactor(c);
+  // Computed in double on the host: the tables are small (T·d) and exactness tests run in f64.
+  at::Tensor cos_Td = at::empty({T, d}, at::kDouble);
+  at::Tensor sin_Td = at::empty({T, d}, at::kDouble);
+  double* pc = cos_Td.data_ptr<double>();
+  double* ps = sin_Td.data_ptr<double>();
+  std::vector<double> inv;
+  int64_t inv_len = -1;
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t len = cu_seqlens[s + 1] - cu_seqlens[s];
+    const int64_t key = c.rope_scaling.type == RopeScaling::Type::kDynamic ? len : 0;
+    if (key != inv_len) {
+      inv = RopeInvFreq(c, len);
+      inv_len = key;
+    }
+    for (int64_t p = 0; p < len; ++p) {
+      const int64_t row = (cu_seqlens[s] + p) * d;
+      for (int64_t j = 0; j < R; ++j) {
+        const double angle = static_cast<double>(p) * inv[j];
+        pc[row + j] = pc[row + j + R] = std::cos(angle) * scale;
+        ps[row + j] = ps[row + j + R] = std::sin(angle) * scale;
+      }
+    }
+  }
+  return {cos_Td.to(dtype), sin_Td.to(dtype)};
+}
+
+at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables) {
+  const int64_t R = x_THd.size(2) / 2;
+  at::Tensor x1 = x_THd.narrow(2, 0, R);
+  at::Tensor x2 = x_THd.narrow(2, R, R);
+  at::Tensor rotated = at::cat({-x2, x1}, 2);
+  return x_THd * tables.cos_Td.unsqueeze(1) + rotated * tables.sin_Td.unsqueeze(1);
+}
+
+}  // namespace tinkerd

@@ -1,0 +1,36 @@
+// Rotary position embeddings with the rope_scaling variants of Llama / Qwen / Mistral configs.
+//
+// For head dimension d and j in [0, d/2): inv_freq_j = θ^(-2j/d), modified by the scaling type;
+// the angle of position p is p·inv_freq_j and cos/sin are multiplied by an attention factor
+// (yarn only). Vectors are rotated in Hugging Face's "rotate_half" convention:
+//   out = x·cos + [-x₂, x₁]·sin with x = [x₁, x₂] split into halves.
+//
+// Shape suffixes: T tokens, H heads, d head_dim, R = d/2 rotary frequencies.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "runner/model/config.h"
+
+namespace tinkerd {
+
+struct RopeTables {
+  at::Tensor cos_Td;  // [T, d], already scaled by the attention factor
+  at::Tensor sin_Td;
+};
+
+// Frequencies for a sequence of `seq_len` tokens (only "dynamic" scaling depends on it).
+std::vector<double> RopeInvFreq(const ModelConfig& config, int64_t seq_len);
+double RopeAttentionFactor(const ModelConfig& config);
+
+// cos/sin for a packed micro-batch: positions restart at 0 in every sequence. Each sequence uses
+// the frequencies it would use if run alone (matters only for "dynamic").
+RopeTables BuildRopeTables(const ModelConfig& config, const std::vector<int64_t>& cu_seqlens,
+                           at::ScalarType dtype);
+
+// Applies the rotation to x_THd with cos/sin [T, d].
+at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables);
+
+}  // namespace tinkerd

@@ -1,0 +1,149 @@
+#include "runner/model/tiny_model.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "runner/model/safetensors.h"
+#include "runner/model/weights.h"
+#include "runner/util/rng.h"
+#include "runner/util/status_macros.h"
+
+namespace tinkerd {
+namespace {
+
+// Fills a float64 tensor from a named, seeded stream so each weight is independent of the
+// order weights are generated in (adding a tensor never changes the others).
+at::Tensor Random(const std::string& name, std::vector<int64_t> shape, uint64_t seed, double mean,
+                  double std) {
+  at::Tensor t = at::empty(shape, at::kDouble);
+  double* p = t.data_ptr<double>();
+  SplitMix64 g(MixSeed(seed, name.c_str()));
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = mean + std * g.Normal();
+  return t;
+}
+
+}  // namespace
+
+ModelConfig TinyConfig(const std::string& family) {
+  ModelConfig c;
+  c.vocab_size = 128;
+  c.hidden_size = 32;
+  c.intermediate_size = 64;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.max_position_embeddings = 256;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 10000.0;
+  if (family == "mistral") {
+    c.architecture = "MistralForCausalLM";
+    c.model_type = "mistral";
+  } else if (family == "qwen2") {
+    c.architecture = "Qwen2ForCausalLM";
+    c.model_type = "qwen2";
+    c.attention_bias = true;
+    c.tie_word_embeddings = true;
+    c.rope_theta = 1000000.0;
+  } else if (family == "qwen3") {
+    c.architecture = "Qwen3ForCausalLM";
+    c.model_type = "qwen3";
+    c.qk_norm = true;
+    c.tie_word_embeddings = true;
+    c.rope_theta = 1000000.0;
+  } else {
+    c.architecture = "LlamaForCausalLM";
+    c.model_type = "llama";
+  }
+  return c;
+}
+
+ModelConfig DefaultDemoConfig() {
+  ModelConfig c = TinyConfig("llama");
+  c.vocab_size = 512;
+  c.hidden_size = 256;
+  c.intermediate_size = 688;
+  c.num_hidden_layers = 4;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 4;
+  c.head_dim = 32;
+  c.max_position_embeddings = 1024;
+  return c;
+}
+
+absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec) {
+  const ModelConfig& c = spec.config;
+  // Round-trip through the parser so an inconsistent spec fails here, not at load.
+  ASSIGN_OR_RETURN(ModelConfig checked, ParseModelConfig(ModelConfigToJson(c)));
+  const int64_t D = checked.hidden_size, I = checked.intermediate_size, V = checked.vocab_size;
+  const int64_t H = checked.num_attention_heads, Hkv = checked.num_key_value_heads;
+  const int64_t hd = checked.head_dim;
+  const double s = spec.init_std;
+  const uint64_t seed = spec.seed;
+
+  TensorMap w;
+  w["model.embed_tokens.weight"] = Random("model.embed_tokens.weight", {V, D}, seed, 0, s);
+  w["model.norm.weight"] = Random("model.norm.weight", {D}, seed, 1.0, 0.1);
+  if (!checked.tie_word_embeddings) w["lm_head.weight"] = Random("lm_head.weight", {V, D}, seed, 0, s);
+  for (int64_t l = 0; l < checked.num_hidden_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    auto add = [&](const std::string& n, std::vector<int64_t> shape, double mean, double std) {
+      w[p + n] = Random(p + n, std::move(shape), seed, mean, std);
+    };
+    add("input_layernorm.weight", {D}, 1.0, 0.1);
+    add("post_attention_layernorm.weight", {D}, 1.0, 0.1);
+    add("self_attn.q_proj.weight", {H * hd, D}, 0, s);
+    add("self_attn.k_proj.weight", {Hkv * hd, D}, 0, s);
+    add("self_attn.v_proj.weight", {Hkv * hd, D}, 0, s);
+    add("self_attn.o_proj.weight", {D, H * hd}, 0, s);
+    if (checked.attention_bias) {
+      add("self_attn.q_proj.bias", {H * hd}, 0, s);
+      add("self_attn.k_proj.bias", {Hkv * hd}, 0, s);
+      add("self_attn.v_proj.bias", {Hkv * hd}, 0, s);
+    }
+    if (checked.qk_norm) {
+      add("self_attn.q_norm.weight", {hd}, 1.0, 0.1);
+      add("self_attn.k_norm.weight", {hd}, 1.0, 0.1);
+    }
+    add("mlp.gate_proj.weight", {I, D}, 0, s);
+    add("mlp.up_proj.weight", {I, D}, 0, s);
+    add("mlp.down_proj.weight", {D, I}, 0, s);
+  }
+
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("create ", dir, ": ", ec.message()));
+  ModelConfig out_cfg = checked;
+  out_cfg.torch_dtype = spec.stored_dtype;
+  RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "config.json").string(),
+                                      ModelConfigToJson(out_cfg)));
+  if (spec.num_shards <= 1) {
+    return SaveSafetensorsFile((fs::path(dir) / "model.safetensors").string(), w,
+                               spec.stored_dtype);
+  }
+  // Shards: names distributed round-robin so every shard is non-empty for any model.
+  const int n = spec.num_shards;
+  std::vector<TensorMap> shards(n);
+  nlohmann::json weight_map = nlohmann::json::object();
+  int k = 0;
+  for (const auto& [name, t] : w) {
+    shards[k % n][name] = t;
+    weight_map[name] = absl::StrFormat("model-%05d-of-%05d.safetensors", k % n + 1, n);
+    ++k;
+  }
+  for (int i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(SaveSafetensorsFile(
+        (fs::path(dir) / absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, n)).string(),
+        shards[i], spec.stored_dtype));
+  }
+  nlohmann::json index = {{"metadata", nlohmann::json::object()}, {"weight_map", weight_map}};
+  return WriteFileAtomically((fs::path(dir) / "model.safetensors.index.json").string(),
+                             index.dump(2));
+}
+
+}  // namespace tinkerd

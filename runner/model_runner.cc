@@ -1,0 +1,217 @@
+#include "runner/model_runner.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "runner/dist/collectives.h"
+#include "runner/model/safetensors.h"
+#include "runner/model/weights.h"
+#include "runner/tenant.h"
+#include "runner/util/log.h"
+#include "runner/util/status_macros.h"
+#include "runner/validate.h"
+
+namespace tinkerd {
+namespace {
+
+// The one place per entry point where LibTorch exceptions become a Status (they never escape).
+template <typename F>
+auto Guarded(const char* what, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+  }
+}
+
+at::Tensor CloneTrainable(const at::Tensor& t) { return t.detach().clone().set_requires_grad(true); }
+
+}  // namespace
+
+struct ModelRunner::Impl {
+  RunnerConfig config;
+  ModelConfig model_config;
+  BaseWeights base;
+  at::ScalarType dtype = at::kFloat;
+  std::shared_ptr<Collectives> collectives;
+  mutable absl::Mutex mu;
+  std::map<std::string, Tenant> tenants ABSL_GUARDED_BY(mu);
+  int64_t next_id ABSL_GUARDED_BY(mu) = 0;
+
+  StepContext Context() const {
+    return {&model_config, &base, collectives.get(), dtype, config.micro_batch_tokens,
+            config.test_hooks.get()};
+  }
+  absl::StatusOr<Tenant*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = tenants.find(id);
+    if (it == tenants.end()) return absl::NotFoundError(absl::StrCat("model_id: no model '", id, "'"));
+    return &it->second;
+  }
+  ModelLimits Limits() const {
+    return {model_config.vocab_size, model_config.max_position_embeddings};
+  }
+};
+
+ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ModelRunner::~ModelRunner() = default;
+const RunnerConfig& ModelRunner::config() const { return impl_->config; }
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerConfig& config) {
+  RETURN_IF_ERROR(config.Validate());
+  return Guarded("loading base model", [&]() -> absl::StatusOr<std::unique_ptr<ModelRunner>> {
+    auto impl = std::make_unique<Impl>();
+    impl->config = config;
+    impl->dtype = config.compute_dtype == ComputeDType::kFloat64 ? at::kDouble : at::kFloat;
+    impl->collectives = config.collectives ? config.collectives : MakeLocalCollectives();
+    if (config.num_threads > 0) at::set_num_threads(config.num_threads);
+    const auto cfg_path = std::filesystem::path(config.base_model_path) / "config.json";
+    ASSIGN_OR_RETURN(std::string cfg_text, ReadFileToString(cfg_path.string()));
+    auto parsed = ParseModelConfig(cfg_text);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(cfg_path.string(), ": ", parsed.status().message()));
+    }
+    impl->model_config = *parsed;
+    ASSIGN_OR_RETURN(TensorMap tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype));
+    ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
+    TLOG_INFO("runner: {} | {}", config.DebugString(), impl->model_config.DebugString());
+    return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
+  });
+}
+
+absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& options) {
+  absl::MutexLock lock(&impl_->mu);
+  if (static_cast<int>(impl_->tenants.size()) >= impl_->config.max_models) {
+    return absl::ResourceExhaustedError(absl::StrCat("create_model: the server holds its maximum of ",
+                                                     impl_->config.max_models, " models"));
+  }
+  return Guarded("create_model", [&]() -> absl::StatusOr<std::string> {
+    Tenant t;
+    t.options = options;
+    // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
+    const at::ScalarType train_dtype = impl_->dtype == at::kDouble ? at::kDouble : at::kFloat;
+    if (options.lora) {
+      ASSIGN_OR_RETURN(LoraAdapter a, LoraAdapter::Create(impl_->model_config, *options.lora,
+                                                          options.seed, train_dtype));
+      t.params = a.Parameters();
+      t.lora = std::move(a);
+    } else {
+      const bool tied = impl_->model_config.tie_word_embeddings;
+      BaseWeights own = impl_->base;  // shallow; every tensor is replaced below
+      own.embed_VD = CloneTrainable(impl_->base.embed_VD);
+      own.final_norm_D = CloneTrainable(impl_->base.final_norm_D);
+      own.lm_head_VD = tied ? own.embed_VD : CloneTrainable(impl_->base.lm_head_VD);
+      for (LayerWeights& L : own.layers) {
+        for (at::Tensor* w : {&L.input_norm_D, &L.post_norm_D, &L.q_proj, &L.k_proj, &L.v_proj,
+                              &L.o_proj, &L.q_bias, &L.k_bias, &L.v_bias, &L.q_norm_d, &L.k_norm_d,
+                              &L.gate_proj, &L.up_proj, &L.down_proj}) {
+          if (w->defined()) *w = CloneTrainable(*w);
+        }
+      }
+      t.params = own.Named(tied);
+      t.full = std::move(own);
+    }
+    for (const auto& [name, p] : t.params) {
+      t.grad_sum[name] = at::zeros_like(p).set_requires_grad(false);
+      t.exp_avg[name] = at::zeros_like(p).set_requires_grad(false);
+      t.exp_avg_sq[name] = at::zeros_like(p).set_requires_grad(false);
+    }
+    t.id = absl::StrCat("model-", impl_->next_id++);
+    const std::string id = t.id;
+    impl_->tenants.emplace(id, std::move(t));
+    TLOG_INFO("create_model {}: {} reduction={}", id,
+              options.lora ? absl::StrCat("lora rank=", options.lora->rank) : "full",
+              std::string(LossReductionName(options.loss_reduction)));
+    return id;
+  });
+}
+
+absl::Status ModelRunner::DeleteModel(const std::string& model_id) {
+  absl::MutexLock lock(&impl_->mu);
+  if (impl_->tenants.erase(model_id) == 0) {
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> ModelRunner::ListModels() const {
+  absl::MutexLock lock(&impl_->mu);
+  std::vector<std::string> ids;
+  for (const auto& [id, t] : impl_->tenants) ids.push_back(id);
+  return ids;
+}
+
+absl::StatusOr<ModelInfo> ModelRunner::GetInfo(const std::string& model_id) const {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ModelInfo info;
+  info.model_id = t->id;
+  info.base_model = impl_->config.base_model_path;
+  info.architecture = impl_->model_config.architecture;
+  info.is_lora = t->options.lora.has_value();
+  if (info.is_lora) info.lora = *t->options.lora;
+  info.loss_reduction = t->options.loss_reduction;
+  info.step = t->step;
+  info.accumulated_tokens = t->accumulated_tokens;
+  info.accumulated_sequences = t->accumulated_sequences;
+  info.skipped_steps = t->skipped_steps;
+  for (const auto& [n, p] : t->params) info.trainable_parameters += p.numel();
+  info.vocab_size = impl_->model_config.vocab_size;
+  info.max_context_length = impl_->model_config.max_position_embeddings;
+  return info;
+}
+
+absl::StatusOr<ForwardBackwardResult> ModelRunner::Forward(
+    const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
+    const std::map<std::string, double>& loss_fn_config) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
+  RETURN_IF_ERROR(ValidateData(data, *loss.spec, impl_->Limits()));
+  return Guarded("forward", [&] { return RunForward(impl_->Context(), *t, data, loss, false); });
+}
+
+absl::StatusOr<ForwardBackwardResult> ModelRunner::ForwardBackward(
+    const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
+    const std::map<std::string, double>& loss_fn_config) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
+  RETURN_IF_ERROR(ValidateData(data, *loss.spec, impl_->Limits()));
+  return Guarded("forward_backward",
+                 [&] { return RunForward(impl_->Context(), *t, data, loss, true); });
+}
+
+absl::StatusOr<OptimStepResult> ModelRunner::OptimStep(const std::string& model_id,
+                                                       const AdamParams& params) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  return Guarded("optim_step", [&] { return ApplyOptimStep(impl_->Context(), *t, params); });
+}
+
+absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string& model_id,
+                                                               StateKind kind) const {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  const std::map<std::string, at::Tensor>* src = &t->params;
+  if (kind == StateKind::kGrads) src = &t->grad_sum;
+  if (kind == StateKind::kAdamExpAvg) src = &t->exp_avg;
+  if (kind == StateKind::kAdamExpAvgSq) src = &t->exp_avg_sq;
+  return Guarded("snapshot", [&]() -> absl::StatusOr<std::vector<NamedValues>> {
+    std::vector<NamedValues> out;
+    for (const auto& [name, tensor] : *src) {
+      at::Tensor d = tensor.detach().to(at::kDouble).contiguous();
+      NamedValues v{name, d.sizes().vec(), {}};
+      v.values.assign(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+      out.push_back(std::move(v));
+    }
+    return out;
+  });
+}
+
+}  // namespace tinkerd

@@ -1,0 +1,66 @@
+// ModelRunner: trains many adapters ("models") of one frozen base model with Tinker's losses.
+//
+// Semantics (DESIGN.md §3): ForwardBackward back-propagates the raw summed loss of its datums into
+// per-model gradient accumulators and adds the call's valid-token and valid-sequence counts to the
+// model's counters; it never normalizes and never zeroes. OptimStep is the only place that
+// normalizes (by the denominator of the model's LossReduction), reduces across data-parallel ranks,
+// clips on the global norm and applies AdamW. The result is independent of how a logical batch was
+// split into calls and micro-batches.
+//
+// Errors: every method returns absl::Status; no exception escapes. A method that fails leaves the
+// model exactly as it was (weights, accumulators, counters, optimizer moments, step).
+// Thread-safety: methods may be called from any thread; calls are serialized internally.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "runner/runner_config.h"
+#include "runner/types.h"
+
+namespace tinkerd {
+
+class ModelRunner {
+ public:
+  // Loads the base model named by config.base_model_path (Hugging Face layout).
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const RunnerConfig& config);
+  ~ModelRunner();
+  ModelRunner(const ModelRunner&) = delete;
+  ModelRunner& operator=(const ModelRunner&) = delete;
+
+  absl::StatusOr<std::string> CreateModel(const CreateModelOptions& options);
+  absl::Status DeleteModel(const std::string& model_id);
+  absl::StatusOr<ModelInfo> GetInfo(const std::string& model_id) const;
+  std::vector<std::string> ListModels() const;
+
+  // Logprobs of target_tokens and the loss metrics, without touching any state.
+  absl::StatusOr<ForwardBackwardResult> Forward(const std::string& model_id,
+                                                const std::vector<Datum>& data,
+                                                const std::string& loss_fn,
+                                                const std::map<std::string, double>& loss_fn_config);
+
+  // Accumulates the raw summed loss gradient of `data`. On error nothing is accumulated.
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(
+      const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
+      const std::map<std::string, double>& loss_fn_config);
+
+  // Normalizes, reduces, clips and applies AdamW, then clears accumulators and counters.
+  // FAILED_PRECONDITION (nothing changed) when no valid token was accumulated.
+  absl::StatusOr<OptimStepResult> OptimStep(const std::string& model_id, const AdamParams& params);
+
+  // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.
+  absl::StatusOr<std::vector<NamedValues>> Snapshot(const std::string& model_id,
+                                                    StateKind kind) const;
+
+  const RunnerConfig& config() const;
+
+ private:
+  struct Impl;
+  explicit ModelRunner(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tinkerd

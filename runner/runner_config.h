@@ -1,0 +1,37 @@
+// Typed configuration of the runner; validated once, logged at start-up.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace tinkerd {
+
+class Collectives;  // runner/dist/collectives.h
+
+enum class ComputeDType { kFloat32, kFloat64 };
+
+struct RunnerConfig {
+  std::string base_model_path;  // directory with config.json and *.safetensors
+  ComputeDType compute_dtype = ComputeDType::kFloat32;
+  // Token budget of one packed micro-batch. A single sequence longer than this runs alone.
+  int64_t micro_batch_tokens = 4096;
+  int num_threads = 0;       // intra-op threads for LibTorch; 0 keeps LibTorch's default
+  int max_models = 64;       // tenants resident at once
+  // Data-parallel hook; null means a single process (world size 1).
+  std::shared_ptr<Collectives> collectives;
+
+  // Fault injection for tests (never set by flags): forward_backward throws inside the runner
+  // just before micro-batch `fail_at_micro_batch` (0-based) of its next call, once.
+  struct TestHooks {
+    int fail_at_micro_batch = -1;
+  };
+  std::shared_ptr<TestHooks> test_hooks;
+
+  absl::Status Validate() const;
+  std::string DebugString() const;
+};
+
+}  // namespace tinkerd

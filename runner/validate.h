@@ -1,0 +1,27 @@
+// Checks a batch of datums against a loss and a model before anything runs. Torch-free: the gRPC
+// server calls it before queueing a request, the runner again at its boundary.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "runner/loss/loss_spec.h"
+#include "runner/types.h"
+
+namespace tinkerd {
+
+struct ModelLimits {
+  int64_t vocab_size = 0;
+  int64_t max_context_length = 0;
+};
+
+// InvalidArgument naming the datum, the field and the reason, e.g.
+//   data[3].loss_fn_inputs["weights"]: length 5 does not match model_input length 7
+// Checks: a non-empty batch; non-empty datums within the context length; token ids (inputs and
+// targets) in [0, vocab); exactly the inputs the loss takes (plus an optional "mask" of 0/1);
+// dtypes (int64 targets, float32 others); 1-D shapes equal to the input length; finite values.
+absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
+                          const ModelLimits& limits);
+
+}  // namespace tinkerd

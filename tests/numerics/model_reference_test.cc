@@ -1,0 +1,995 @@
+// Checks ModelRunner's forward pass (compute_dtype float64) against an independent float64
+// re-implementation of the Llama / Mistral / Qwen2 / Qwen3 decoder.
+//
+// Independence is the point: the reference reads config.json with nlohmann/json and the
+// safetensors files with its own parser, never ParseModelConfig or the runner's loader, and its
+// forward pass is written with plain loops over one sequence, one position and one head at a time
+// (no batching, no packing, no masks). A bug would have to be written twice, in two different
+// shapes, to slip through.
+//
+// Shape-suffix legend. Vectors are std::vector<double>; nested vectors follow the suffix order.
+//   T  positions of one sequence     D  hidden size         I  intermediate (MLP) size
+//   V  vocabulary                    H  query heads         G  key/value heads
+//   E  head_dim                      F  rotary frequencies (head_dim / 2)
+// e.g. h_TD[t][d], q_THE[t][h][e]. A RefMatrix is flat and row-major in Hugging Face's [out][in]
+// layout, so a linear layer is y = W x (+ b), i.e. x Wᵀ for a row vector x.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "runner/model/config.h"
+#include "runner/model/tiny_model.h"
+#include "runner/model_runner.h"
+#include "runner/runner_config.h"
+#include "runner/types.h"
+
+namespace tinkerd {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Vec = std::vector<double>;
+
+constexpr double kPi = 3.14159265358979323846;
+
+// ============================================================================ config.json
+
+struct RefRope {
+  std::string type = "default";  // default | linear | dynamic | yarn | llama3
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 0;  // resolved: never 0 after parsing
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  std::optional<double> attention_factor;  // yarn; unset: 0.1·ln(factor) + 1
+};
+
+struct RefConfig {
+  std::string architecture;
+  int64_t vocab = 0, hidden = 0, intermediate = 0, layers = 0;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;
+  bool qk_norm = false;
+  int64_t sliding_window = 0;  // 0: full causal attention
+  RefRope rope;
+};
+
+// A present-but-null field reads as absent, as Hugging Face's config classes treat it.
+template <typename T>
+T Field(const json& j, const char* key, T fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  return it->get<T>();
+}
+
+absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError("reference: config.json is not a JSON object");
+  }
+  try {
+    RefConfig c;
+    c.architecture = j.at("architectures").at(0).get<std::string>();
+    const bool llama = c.architecture == "LlamaForCausalLM";
+    const bool mistral = c.architecture == "MistralForCausalLM";
+    const bool qwen2 = c.architecture == "Qwen2ForCausalLM";
+    const bool qwen3 = c.architecture == "Qwen3ForCausalLM";
+    if (!(llama || mistral || qwen2 || qwen3)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reference: architecture ", c.architecture, " is not modelled"));
+    }
+    c.vocab = j.at("vocab_size").get<int64_t>();
+    c.hidden = j.at("hidden_size").get<int64_t>();
+    c.intermediate = j.at("intermediate_size").get<int64_t>();
+    c.layers = j.at("num_hidden_layers").get<int64_t>();
+    c.heads = j.at("num_attention_heads").get<int64_t>();
+    if (c.heads <= 0) return absl::InvalidArgumentError("reference: num_attention_heads <= 0");
+    c.kv_heads = Field<int64_t>(j, "num_key_value_heads", c.heads);
+    c.head_dim = Field<int64_t>(j, "head_dim", c.hidden / c.heads);
+    c.max_position_embeddings = Field<int64_t>(j, "max_position_embeddings", 2048);
+    c.rms_norm_eps = Field<double>(j, "rms_norm_eps", 1e-6);
+    c.rope_theta = Field<double>(j, "rope_theta", 10000.0);
+    c.tie_word_embeddings = Field<bool>(j, "tie_word_embeddings", false);
+    // Qwen2's q/k/v projections carry a bias unconditionally; the others follow attention_bias.
+    c.qkv_bias = qwen2 ? true : Field<bool>(j, "attention_bias", false);
+    c.qk_norm = qwen3;
+    if (mistral) c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
+    if ((qwen2 || qwen3) && Field<bool>(j, "use_sliding_window", false)) {
+      // Qwen windows only some layers (max_window_layers); this reference does not model that.
+      return absl::UnimplementedError("reference: Qwen sliding-window attention is not modelled");
+    }
+    if (c.kv_heads <= 0 || c.heads % c.kv_heads != 0 || c.head_dim <= 0 || c.head_dim % 2 != 0) {
+      return absl::InvalidArgumentError("reference: inconsistent head counts or odd head_dim");
+    }
+
+    auto rs = j.find("rope_scaling");
+    if (rs != j.end() && !rs->is_null()) {
+      RefRope& r = c.rope;
+      r.type = rs->contains("rope_type") ? rs->at("rope_type").get<std::string>()
+                                         : rs->at("type").get<std::string>();
+      if (r.type != "default" && r.type != "linear" && r.type != "dynamic" && r.type != "yarn" &&
+          r.type != "llama3") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("reference: rope type ", r.type, " is not modelled"));
+      }
+      r.factor = Field<double>(*rs, "factor", 1.0);
+      r.original_max_position_embeddings =
+          Field<int64_t>(*rs, "original_max_position_embeddings", 0);
+      r.low_freq_factor = Field<double>(*rs, "low_freq_factor", 1.0);
+      r.high_freq_factor = Field<double>(*rs, "high_freq_factor", 4.0);
+      r.beta_fast = Field<double>(*rs, "beta_fast", 32.0);
+      r.beta_slow = Field<double>(*rs, "beta_slow", 1.0);
+      if (rs->contains("attention_factor") && !rs->at("attention_factor").is_null()) {
+        r.attention_factor = rs->at("attention_factor").get<double>();
+      }
+    }
+    if (c.rope.original_max_position_embeddings <= 0) {
+      c.rope.original_max_position_embeddings = c.max_position_embeddings;
+    }
+    return c;
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("reference: config.json: ", e.what()));
+  }
+}
+
+// ============================================================================ safetensors
+
+struct RefTensor {
+  std::vector<int64_t> shape;
+  Vec values;
+  std::string dtype;  // as stored: F32, BF16, F16, F64
+  std::string file;   // which file it came from, to check the shard index
+};
+using TensorMap = std::map<std::string, RefTensor>;
+
+// Assembled byte by byte so that the reader does not depend on the host's byte order.
+uint64_t LoadLittleEndian(const unsigned char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+double FloatBitsToDouble(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+double HalfBitsToDouble(uint16_t bits) {
+  const double sign = (bits & 0x8000) ? -1.0 : 1.0;
+  const int exponent = (bits >> 10) & 0x1f;
+  const int mantissa = bits & 0x3ff;
+  if (exponent == 0) return sign * std::ldexp(mantissa, -24);  // zero and subnormals
+  if (exponent == 31) return mantissa ? std::nan("") : sign * INFINITY;
+  return sign * std::ldexp(mantissa + 1024, exponent - 25);  // (1 + m/2^10) · 2^(e-15)
+}
+
+int ElementSize(const std::string& dtype) {
+  if (dtype == "F32") return 4;
+  if (dtype == "BF16" || dtype == "F16") return 2;
+  if (dtype == "F64") return 8;
+  return 0;
+}
+
+double DecodeElement(const std::string& dtype, const unsigned char* p) {
+  if (dtype == "F32") return FloatBitsToDouble(static_cast<uint32_t>(LoadLittleEndian(p, 4)));
+  // bfloat16 is the upper half of a float32.
+  if (dtype == "BF16")
+    return FloatBitsToDouble(static_cast<uint32_t>(LoadLittleEndian(p, 2)) << 16);
+  if (dtype == "F16") return HalfBitsToDouble(static_cast<uint16_t>(LoadLittleEndian(p, 2)));
+  uint64_t bits = LoadLittleEndian(p, 8);
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+// Layout: u64 little-endian header length N, N bytes of JSON, then the data section; every
+// tensor's data_offsets are relative to the start of the data section.
+absl::Status ReadSafetensorsFile(const fs::path& path, const std::string& file_name,
+                                 TensorMap* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("reference: cannot open ", path.string()));
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (bytes.size() < 8)
+    return absl::DataLossError(absl::StrCat(file_name, ": shorter than 8 bytes"));
+  const auto* raw = reinterpret_cast<const unsigned char*>(bytes.data());
+  const uint64_t header_len = LoadLittleEndian(raw, 8);
+  if (header_len > bytes.size() - 8) {
+    return absl::DataLossError(absl::StrCat(file_name, ": header runs past the end of the file"));
+  }
+  json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(header_len),
+                            nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) {
+    return absl::DataLossError(absl::StrCat(file_name, ": header is not a JSON object"));
+  }
+  const uint64_t data_begin = 8 + header_len;
+  const uint64_t data_size = bytes.size() - data_begin;
+  try {
+    for (const auto& [name, info] : header.items()) {
+      if (name == "__metadata__") continue;
+      RefTensor t;
+      t.file = file_name;
+      t.dtype = info.at("dtype").get<std::string>();
+      t.shape = info.at("shape").get<std::vector<int64_t>>();
+      const auto offsets = info.at("data_offsets").get<std::vector<uint64_t>>();
+      const int elem = ElementSize(t.dtype);
+      if (elem == 0) {
+        return absl::UnimplementedError(absl::StrCat(name, ": dtype ", t.dtype, " not read"));
+      }
+      uint64_t numel = 1;
+      for (int64_t s : t.shape) numel *= static_cast<uint64_t>(s);
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size ||
+          offsets[1] - offsets[0] != numel * elem) {
+        return absl::DataLossError(absl::StrCat(file_name, ": bad data_offsets for ", name));
+      }
+      const unsigned char* p = raw + data_begin + offsets[0];
+      t.values.resize(numel);
+      for (uint64_t i = 0; i < numel; ++i) t.values[i] = DecodeElement(t.dtype, p + i * elem);
+      if (!out->emplace(name, std::move(t)).second) {
+        return absl::DataLossError(absl::StrCat("tensor ", name, " appears twice"));
+      }
+    }
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(file_name, ": ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+struct Checkpoint {
+  RefConfig config;
+  TensorMap tensors;
+  bool sharded = false;
+};
+
+absl::StatusOr<std::string> ReadTextFile(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("reference: cannot open ", path.string()));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::StatusOr<Checkpoint> LoadCheckpoint(const fs::path& dir) {
+  Checkpoint ck;
+  absl::StatusOr<std::string> config_text = ReadTextFile(dir / "config.json");
+  if (!config_text.ok()) return config_text.status();
+  absl::StatusOr<RefConfig> config = ParseRefConfig(*config_text);
+  if (!config.ok()) return config.status();
+  ck.config = *config;
+
+  const fs::path index_path = dir / "model.safetensors.index.json";
+  if (!fs::exists(index_path)) {
+    absl::Status st =
+        ReadSafetensorsFile(dir / "model.safetensors", "model.safetensors", &ck.tensors);
+    if (!st.ok()) return st;
+    return ck;
+  }
+  ck.sharded = true;
+  absl::StatusOr<std::string> index_text = ReadTextFile(index_path);
+  if (!index_text.ok()) return index_text.status();
+  json index = json::parse(*index_text, nullptr, /*allow_exceptions=*/false);
+  if (index.is_discarded() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    return absl::DataLossError("reference: index has no weight_map object");
+  }
+  const json& weight_map = index["weight_map"];
+  std::set<std::string> files;
+  for (const auto& [name, file] : weight_map.items()) {
+    if (!file.is_string()) return absl::DataLossError("reference: weight_map value not a string");
+    files.insert(file.get<std::string>());
+  }
+  for (const std::string& file : files) {
+    absl::Status st = ReadSafetensorsFile(dir / file, file, &ck.tensors);
+    if (!st.ok()) return st;
+  }
+  // The index must describe the shards exactly: a tensor in the wrong shard, or one the index
+  // does not list, is a checkpoint Hugging Face would load differently.
+  for (const auto& [name, file] : weight_map.items()) {
+    auto it = ck.tensors.find(name);
+    if (it == ck.tensors.end() || it->second.file != file.get<std::string>()) {
+      return absl::DataLossError(absl::StrCat("reference: ", name, " is not in ", file.dump()));
+    }
+  }
+  if (ck.tensors.size() != weight_map.size()) {
+    return absl::DataLossError("reference: shards hold tensors the index does not list");
+  }
+  return ck;
+}
+
+// ============================================================================ the model
+
+struct RefMatrix {
+  int64_t rows = 0, cols = 0;
+  Vec w;  // [rows][cols], row-major
+};
+
+struct RefLayer {
+  Vec input_norm_D, post_norm_D;
+  RefMatrix q, k, v, o;        // q: [H·E, D]  k, v: [G·E, D]  o: [D, H·E]
+  Vec q_bias, k_bias, v_bias;  // empty without attention bias
+  Vec q_norm_E, k_norm_E;      // empty without qk-norm
+  RefMatrix gate, up, down;    // gate, up: [I, D]  down: [D, I]
+};
+
+struct RefModel {
+  RefConfig c;
+  RefMatrix embed_VD;
+  std::vector<RefLayer> layers;
+  Vec final_norm_D;
+  RefMatrix lm_head_VD;  // empty when tied: the embedding is the unembedding
+};
+
+// Takes tensors out of the map with shape checks, so that whatever is left at the end is a tensor
+// the architecture does not use (e.g. lm_head.weight in a tied checkpoint).
+class TensorTaker {
+ public:
+  explicit TensorTaker(TensorMap* tensors) : tensors_(tensors) {}
+
+  RefMatrix Matrix(const std::string& name, int64_t rows, int64_t cols) {
+    RefMatrix m;
+    m.rows = rows;
+    m.cols = cols;
+    m.w = Take(name, {rows, cols});
+    return m;
+  }
+  Vec Vector(const std::string& name, int64_t n) { return Take(name, {n}); }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  Vec Take(const std::string& name, const std::vector<int64_t>& shape) {
+    auto it = tensors_->find(name);
+    if (it == tensors_->end()) {
+      Fail(absl::StrCat("reference: missing tensor ", name));
+      return Vec(Numel(shape), 0.0);
+    }
+    if (it->second.shape != shape) {
+      Fail(absl::StrCat("reference: tensor ", name, " has an unexpected shape"));
+      return Vec(Numel(shape), 0.0);
+    }
+    Vec v = std::move(it->second.values);
+    tensors_->erase(it);
+    return v;
+  }
+  static size_t Numel(const std::vector<int64_t>& shape) {
+    size_t n = 1;
+    for (int64_t s : shape) n *= static_cast<size_t>(s);
+    return n;
+  }
+  void Fail(std::string message) {
+    if (status_.ok()) status_ = absl::DataLossError(std::move(message));
+  }
+
+  TensorMap* tensors_;
+  absl::Status status_;
+};
+
+absl::StatusOr<RefModel> BuildModel(Checkpoint ck) {
+  RefModel m;
+  m.c = ck.config;
+  const RefConfig& c = m.c;
+  const int64_t D = c.hidden, I = c.intermediate, V = c.vocab, E = c.head_dim;
+  const int64_t HE = c.heads * E, GE = c.kv_heads * E;
+  TensorTaker take(&ck.tensors);
+  m.embed_VD = take.Matrix("model.embed_tokens.weight", V, D);
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    RefLayer layer;
+    layer.input_norm_D = take.Vector(p + "input_layernorm.weight", D);
+    layer.post_norm_D = take.Vector(p + "post_attention_layernorm.weight", D);
+    layer.q = take.Matrix(p + "self_attn.q_proj.weight", HE, D);
+    layer.k = take.Matrix(p + "self_attn.k_proj.weight", GE, D);
+    layer.v = take.Matrix(p + "self_attn.v_proj.weight", GE, D);
+    layer.o = take.Matrix(p + "self_attn.o_proj.weight", D, HE);
+    if (c.qkv_bias) {
+      layer.q_bias = take.Vector(p + "self_attn.q_proj.bias", HE);
+      layer.k_bias = take.Vector(p + "self_attn.k_proj.bias", GE);
+      layer.v_bias = take.Vector(p + "self_attn.v_proj.bias", GE);
+    }
+    if (c.qk_norm) {
+      layer.q_norm_E = take.Vector(p + "self_attn.q_norm.weight", E);
+      layer.k_norm_E = take.Vector(p + "self_attn.k_norm.weight", E);
+    }
+    layer.gate = take.Matrix(p + "mlp.gate_proj.weight", I, D);
+    layer.up = take.Matrix(p + "mlp.up_proj.weight", I, D);
+    layer.down = take.Matrix(p + "mlp.down_proj.weight", D, I);
+    m.layers.push_back(std::move(layer));
+  }
+  m.final_norm_D = take.Vector("model.norm.weight", D);
+  if (!c.tie_word_embeddings) m.lm_head_VD = take.Matrix("lm_head.weight", V, D);
+  if (!take.status().ok()) return take.status();
+  if (!ck.tensors.empty()) {
+    return absl::DataLossError(
+        absl::StrCat("reference: checkpoint has unused tensor ", ck.tensors.begin()->first));
+  }
+  return m;
+}
+
+// ============================================================================ reference forward
+
+// Deliberate mistakes, for the controls that show the comparison is sensitive.
+struct Variant {
+  bool drop_rope_scaling = false;  // plain RoPE whatever rope_scaling says
+  bool wrong_gqa_mapping = false;  // query head h reads kv head h mod G instead of h / (H/G)
+  bool ignore_sliding_window = false;
+};
+
+struct Rotary {
+  Vec inv_freq_F;
+  double attention_factor = 1.0;  // multiplies both cos and sin (yarn)
+};
+
+// The inverse frequencies of one sequence, as Hugging Face's rope init functions define them.
+// seq_len matters only for dynamic NTK, which the runner evaluates per sequence, as if each
+// packed sequence ran alone.
+Rotary RotaryForSequence(const RefConfig& c, int64_t seq_len, const Variant& variant) {
+  const int64_t E = c.head_dim, F = E / 2;
+  const double theta = c.rope_theta;
+  auto plain = [&](double base) {
+    Vec inv_freq_F(F);
+    for (int64_t j = 0; j < F; ++j) inv_freq_F[j] = 1.0 / std::pow(base, (2.0 * j) / E);
+    return inv_freq_F;
+  };
+  Rotary r;
+  r.inv_freq_F = plain(theta);
+  const RefRope& s = c.rope;
+  const double orig = static_cast<double>(s.original_max_position_embeddings);
+  if (variant.drop_rope_scaling || s.type == "default") return r;
+
+  if (s.type == "linear") {
+    // Dividing positions by the factor is the same as dividing every frequency by it.
+    for (double& f : r.inv_freq_F) f /= s.factor;
+  } else if (s.type == "dynamic") {
+    // NTK-aware: stretch the base, and only once the sequence outgrows the original context.
+    if (seq_len > s.original_max_position_embeddings) {
+      const double base = theta * std::pow(s.factor * seq_len / orig - (s.factor - 1.0),
+                                           static_cast<double>(E) / (E - 2.0));
+      r.inv_freq_F = plain(base);
+    }
+  } else if (s.type == "llama3") {
+    // Short wavelengths untouched, long ones divided by the factor, a linear blend in between.
+    const double low_freq_wavelen = orig / s.low_freq_factor;
+    const double high_freq_wavelen = orig / s.high_freq_factor;
+    for (double& f : r.inv_freq_F) {
+      const double wavelen = 2.0 * kPi / f;
+      if (wavelen < high_freq_wavelen) continue;
+      if (wavelen > low_freq_wavelen) {
+        f /= s.factor;
+      } else {
+        const double smooth =
+            (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        f = (1.0 - smooth) * f / s.factor + smooth * f;
+      }
+    }
+  } else if (s.type == "yarn") {
+    // Dimensions that rotate more than beta_fast times over the original context extrapolate,
+    // fewer than beta_slow times interpolate, with a linear ramp over the dimension index between.
+    auto correction_dim = [&](double rotations) {
+      return E * std::log(orig / (rotations * 2.0 * kPi)) / (2.0 * std::log(theta));
+    };
+    const double low = std::max(std::floor(correction_dim(s.beta_fast)), 0.0);
+    double high = std::min(std::ceil(correction_dim(s.beta_slow)), static_cast<double>(E - 1));
+    if (low == high) high += 0.001;  // as HF: avoids a zero-width ramp
+    for (int64_t j = 0; j < F; ++j) {
+      const double ramp = std::clamp((j - low) / (high - low), 0.0, 1.0);
+      const double extrapolation_weight = 1.0 - ramp;
+      const double pos_freq = std::pow(theta, (2.0 * j) / E);
+      const double extrapolated = 1.0 / pos_freq;
+      const double interpolated = 1.0 / (s.factor * pos_freq);
+      r.inv_freq_F[j] =
+          interpolated * (1.0 - extrapolation_weight) + extrapolated * extrapolation_weight;
+    }
+    r.attention_factor = s.attention_factor ? *s.attention_factor : 0.1 * std::log(s.factor) + 1.0;
+  }
+  return r;
+}
+
+// HF's "rotate_half" convention: dimension e is paired with e ± E/2 (not with its neighbour) and
+// turns at frequency inv_freq[e mod E/2].
+Vec ApplyRotary(const Vec& x_E, int64_t position, const Rotary& rot) {
+  const size_t E = x_E.size(), F = E / 2;
+  Vec out_E(E);
+  for (size_t e = 0; e < E; ++e) {
+    const double angle = static_cast<double>(position) * rot.inv_freq_F[e % F];
+    const double cos = std::cos(angle) * rot.attention_factor;
+    const double sin = std::sin(angle) * rot.attention_factor;
+    const double rotated = e < F ? -x_E[e + F] : x_E[e - F];
+    out_E[e] = x_E[e] * cos + rotated * sin;
+  }
+  return out_E;
+}
+
+Vec RmsNorm(const Vec& x, const Vec& weight, double eps) {
+  double sum_sq = 0;
+  for (double v : x) sum_sq += v * v;
+  const double inv_rms = 1.0 / std::sqrt(sum_sq / static_cast<double>(x.size()) + eps);
+  Vec out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = x[i] * inv_rms * weight[i];
+  return out;
+}
+
+Vec Linear(const RefMatrix& W, const Vec& x, const Vec& bias = {}) {
+  Vec y(W.rows);
+  for (int64_t o = 0; o < W.rows; ++o) {
+    double acc = 0;
+    for (int64_t i = 0; i < W.cols; ++i) acc += W.w[o * W.cols + i] * x[i];
+    y[o] = acc + (bias.empty() ? 0.0 : bias[o]);
+  }
+  return y;
+}
+
+Vec Slice(const Vec& v, int64_t begin, int64_t n) {
+  return Vec(v.begin() + begin, v.begin() + begin + n);
+}
+
+double Silu(double x) {
+  return x / (1.0 + std::exp(-x));
+}
+
+// log p(targets[t] | tokens[0..t]) for one sequence, alone, starting at position 0.
+Vec ReferenceLogprobs(const RefModel& m, const std::vector<int64_t>& tokens,
+                      const std::vector<int64_t>& targets, const Variant& variant = {}) {
+  const RefConfig& c = m.c;
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  const int64_t D = c.hidden, H = c.heads, G = c.kv_heads, E = c.head_dim;
+  const int64_t window = variant.ignore_sliding_window ? 0 : c.sliding_window;
+  const Rotary rot = RotaryForSequence(c, T, variant);
+
+  std::vector<Vec> h_TD(T);
+  for (int64_t t = 0; t < T; ++t) h_TD[t] = Slice(m.embed_VD.w, tokens[t] * D, D);
+
+  for (const RefLayer& layer : m.layers) {
+    std::vector<std::vector<Vec>> q_THE(T, std::vector<Vec>(H));
+    std::vector<std::vector<Vec>> k_TGE(T, std::vector<Vec>(G));
+    std::vector<std::vector<Vec>> v_TGE(T, std::vector<Vec>(G));
+    for (int64_t t = 0; t < T; ++t) {
+      const Vec x_D = RmsNorm(h_TD[t], layer.input_norm_D, c.rms_norm_eps);
+      const Vec q_flat = Linear(layer.q, x_D, layer.q_bias);
+      const Vec k_flat = Linear(layer.k, x_D, layer.k_bias);
+      const Vec v_flat = Linear(layer.v, x_D, layer.v_bias);
+      for (int64_t h = 0; h < H; ++h) {
+        Vec q_E = Slice(q_flat, h * E, E);
+        if (c.qk_norm) q_E = RmsNorm(q_E, layer.q_norm_E, c.rms_norm_eps);  // before RoPE
+        q_THE[t][h] = ApplyRotary(q_E, t, rot);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        Vec k_E = Slice(k_flat, g * E, E);
+        if (c.qk_norm) k_E = RmsNorm(k_E, layer.k_norm_E, c.rms_norm_eps);
+        k_TGE[t][g] = ApplyRotary(k_E, t, rot);
+        v_TGE[t][g] = Slice(v_flat, g * E, E);
+      }
+    }
+
+    // Every q/k/v of this layer exists already, so the residual can be updated position by
+    // position inside the attention loop.
+    const double scale = 1.0 / std::sqrt(static_cast<double>(E));
+    for (int64_t t = 0; t < T; ++t) {
+      // Causal, and with a window only keys with t - j < window.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;
+      Vec attn_flat(H * E, 0.0);
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t g = variant.wrong_gqa_mapping ? h % G : h / (H / G);
+        Vec score(t - first + 1);
+        double max_score = -INFINITY;
+        for (int64_t j = first; j <= t; ++j) {
+          double dot = 0;
+          for (int64_t e = 0; e < E; ++e) dot += q_THE[t][h][e] * k_TGE[j][g][e];
+          score[j - first] = dot * scale;
+          max_score = std::max(max_score, score[j - first]);
+        }
+        double z = 0;
+        for (double& s : score) z += (s = std::exp(s - max_score));
+        for (int64_t j = first; j <= t; ++j) {
+          const double p = score[j - first] / z;
+          for (int64_t e = 0; e < E; ++e) attn_flat[h * E + e] += p * v_TGE[j][g][e];
+        }
+      }
+      const Vec o_D = Linear(layer.o, attn_flat);
+      for (int64_t d = 0; d < D; ++d) h_TD[t][d] += o_D[d];
+    }
+
+    for (int64_t t = 0; t < T; ++t) {
+      const Vec x_D = RmsNorm(h_TD[t], layer.post_norm_D, c.rms_norm_eps);
+      const Vec gate_I = Linear(layer.gate, x_D);
+      const Vec up_I = Linear(layer.up, x_D);
+      Vec act_I(gate_I.size());
+      for (size_t i = 0; i < act_I.size(); ++i) act_I[i] = Silu(gate_I[i]) * up_I[i];
+      const Vec down_D = Linear(layer.down, act_I);
+      for (int64_t d = 0; d < D; ++d) h_TD[t][d] += down_D[d];
+    }
+  }
+
+  const RefMatrix& unembed_VD = c.tie_word_embeddings ? m.embed_VD : m.lm_head_VD;
+  Vec logprob_T(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const Vec logits_V = Linear(unembed_VD, RmsNorm(h_TD[t], m.final_norm_D, c.rms_norm_eps));
+    const double max_logit = *std::max_element(logits_V.begin(), logits_V.end());
+    double sum_exp = 0;
+    for (double l : logits_V) sum_exp += std::exp(l - max_logit);
+    logprob_T[t] = logits_V[targets[t]] - (max_logit + std::log(sum_exp));
+  }
+  return logprob_T;
+}
+
+// ============================================================================ tolerance
+
+// The runner computes in float64 but returns float32 logprobs. Rounding a double x to the nearest
+// float32 moves it by at most half an ulp, 2^-24·|x| relative. What remains is the difference
+// between two float64 evaluations of this tiny network (other summation orders, ATen's
+// vectorized exp/log/cos): a few ulp of quantities of order 10, i.e. about 1e-14..1e-12, far
+// below 2^-24 ≈ 6e-8. So tol = 4·2^-24·max(1, |ref|): a 4x margin over the rounding bound, and the
+// max(1, ·) keeps logprobs near 0 from demanding a relative precision that float64 noise alone
+// could not guarantee. A real modelling error (a wrong frequency, a missing bias) moves some
+// logprob by far more (see the ModelReferenceControl tests).
+double LogprobTolerance(double ref) {
+  return 4.0 * std::ldexp(1.0, -24) * std::max(1.0, std::abs(ref));
+}
+
+// ============================================================================ runner side
+
+struct Case {
+  std::string name;
+  std::string family;  // TinyConfig family
+  std::function<void(ModelConfig&)> tweak;
+  std::string stored_dtype = "float32";
+  int num_shards = 1;
+  uint64_t seed = 1;
+  // What the written checkpoint must show, so a writer that silently drops a feature cannot turn
+  // the case into a plain-Llama comparison that passes for the wrong reason.
+  std::string want_rope_type = "default";
+  bool want_tied = false;
+  bool want_qkv_bias = false;
+  bool want_qk_norm = false;
+  int64_t want_sliding_window = 0;
+  std::string want_safetensors_dtype = "F32";
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
+
+// Strongly unequal lengths, out of order, so that the runner packs several sequences per
+// micro-batch (16 tokens), runs the 20-token one alone, and so that some sequences exceed the
+// sliding window (4), the dynamic-NTK original length (8) and the llama3/yarn original length (16)
+// while others do not.
+const std::vector<int64_t> kSequenceLengths = {12, 1, 20, 3, 9, 7};
+constexpr int64_t kMicroBatchTokens = 16;
+
+// Larger than TinyModelSpec's default 0.02, whose attention scores are ~0.01 and whose softmax is
+// therefore nearly uniform: positions would hardly matter, and a RoPE or masking bug would move
+// logprobs by only a few hundred tolerances. At this scale scores are O(1).
+constexpr double kInitStd = 0.2;
+
+std::vector<Case> AllCases() {
+  RopeScaling none;
+  return {
+      Case{.name = "LlamaGqaUntied",
+           .family = "llama",
+           .tweak =
+               [none](ModelConfig& m) {
+                 m.num_attention_heads = 4;
+                 m.num_key_value_heads = 2;
+                 m.tie_word_embeddings = false;
+                 m.rope_scaling = none;
+               },
+           .seed = 11},
+      Case{.name = "LlamaTiedLlama3Rope",
+           .family = "llama",
+           .tweak =
+               [](ModelConfig& m) {
+                 m.tie_word_embeddings = true;
+                 m.rope_scaling.type = RopeScaling::Type::kLlama3;
+                 m.rope_scaling.factor = 8;
+                 m.rope_scaling.low_freq_factor = 1;
+                 m.rope_scaling.high_freq_factor = 4;
+                 // Small enough that head_dim 8 has frequencies in all three llama3 bands.
+                 m.rope_scaling.original_max_position_embeddings = 16;
+               },
+           .seed = 12,
+           .want_rope_type = "llama3",
+           .want_tied = true},
+      Case{.name = "Qwen2BiasYarnRope",
+           .family = "qwen2",
+           .tweak =
+               [](ModelConfig& m) {
+                 m.attention_bias = true;
+                 m.tie_word_embeddings = false;  // untied Qwen2 (tied is covered elsewhere)
+                 m.rope_scaling.type = RopeScaling::Type::kYarn;
+                 m.rope_scaling.factor = 4;
+                 m.rope_scaling.original_max_position_embeddings = 16;
+                 m.rope_scaling.beta_fast = 32;
+                 m.rope_scaling.beta_slow = 1;
+                 m.rope_scaling.attention_factor = 0;  // unset: 0.1·ln(4) + 1
+                 // = factor · original, so that HF versions that derive the yarn factor as
+                 // max_position_embeddings / original_max_position_embeddings agree with `factor`.
+                 m.max_position_embeddings = 64;
+               },
+           .seed = 13,
+           .want_rope_type = "yarn",
+           .want_qkv_bias = true},
+      Case{.name = "Qwen3QkNormTied",
+           .family = "qwen3",
+           .tweak =
+               [none](ModelConfig& m) {
+                 m.qk_norm = true;
+                 m.tie_word_embeddings = true;
+                 m.rope_scaling = none;
+               },
+           .seed = 14,
+           .want_tied = true,
+           .want_qk_norm = true},
+      Case{.name = "MistralSlidingWindow4",
+           .family = "mistral",
+           .tweak =
+               [none](ModelConfig& m) {
+                 m.sliding_window = 4;
+                 m.rope_scaling = none;
+               },
+           .seed = 15,
+           .want_sliding_window = 4},
+      Case{.name = "LlamaLinearRope",
+           .family = "llama",
+           .tweak =
+               [](ModelConfig& m) {
+                 m.rope_scaling = RopeScaling{};
+                 m.rope_scaling.type = RopeScaling::Type::kLinear;
+                 m.rope_scaling.factor = 2;
+               },
+           .seed = 16,
+           .want_rope_type = "linear"},
+      Case{.name = "LlamaDynamicRope",
+           .family = "llama",
+           .tweak =
+               [](ModelConfig& m) {
+                 m.rope_scaling = RopeScaling{};
+                 m.rope_scaling.type = RopeScaling::Type::kDynamic;
+                 m.rope_scaling.factor = 2;
+                 m.rope_scaling.original_max_position_embeddings = 8;
+               },
+           .seed = 17,
+           .want_rope_type = "dynamic"},
+      Case{.name = "LlamaBf16TwoShards",
+           .family = "llama",
+           .tweak = [none](ModelConfig& m) { m.rope_scaling = none; },
+           .stored_dtype = "bfloat16",
+           .num_shards = 2,
+           .seed = 18,
+           .want_safetensors_dtype = "BF16"},
+      Case{.name = "Qwen2Fp16ThreeShards",
+           .family = "qwen2",
+           .tweak =
+               [none](ModelConfig& m) {
+                 m.rope_scaling = none;
+                 m.tie_word_embeddings = false;
+               },
+           .stored_dtype = "float16",
+           .num_shards = 3,
+           .seed = 19,
+           .want_qkv_bias = true,
+           .want_safetensors_dtype = "F16"},
+  };
+}
+
+Case FindCase(const std::string& name) {
+  for (const Case& c : AllCases()) {
+    if (c.name == name) return c;
+  }
+  ADD_FAILURE() << "no case named " << name;
+  return {};
+}
+
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag) {
+    static int counter = 0;
+    path_ = fs::temp_directory_path() /
+            absl::StrCat("tinkerd_model_reference_", tag, "_", getpid(), "_", counter++);
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+    fs::create_directories(path_, ec);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+struct Scenario {
+  std::unique_ptr<TempDir> dir;
+  RefModel model;
+  std::vector<Datum> data;
+  std::vector<std::vector<float>> runner_logprobs;  // [datum][T]
+  std::map<std::string, double> metrics;
+};
+
+// Writes the case's checkpoint, loads it into the reference, and runs the runner's Forward on it.
+void RunScenario(const Case& c, Scenario* s) {
+  ModelConfig config = TinyConfig(c.family);
+  c.tweak(config);
+  s->dir = std::make_unique<TempDir>(c.name);
+  const absl::Status written =
+      WriteTinyModel(s->dir->path().string(),
+                     TinyModelSpec{config, c.seed, c.stored_dtype, c.num_shards, kInitStd});
+  ASSERT_TRUE(written.ok()) << written.message();
+
+  absl::StatusOr<Checkpoint> ck = LoadCheckpoint(s->dir->path());
+  ASSERT_TRUE(ck.ok()) << ck.status().message();
+  std::set<std::string> dtypes, files;
+  for (const auto& [name, t] : ck->tensors) {
+    dtypes.insert(t.dtype);
+    files.insert(t.file);
+  }
+  EXPECT_EQ(dtypes, std::set<std::string>{c.want_safetensors_dtype});
+  EXPECT_EQ(ck->sharded, c.num_shards > 1);
+  if (c.num_shards > 1) {
+    EXPECT_GE(files.size(), 2u) << "a sharded case must span several files";
+  }
+
+  absl::StatusOr<RefModel> model = BuildModel(*std::move(ck));
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  s->model = *std::move(model);
+  const RefConfig& rc = s->model.c;
+  EXPECT_EQ(rc.rope.type, c.want_rope_type);
+  EXPECT_EQ(rc.tie_word_embeddings, c.want_tied);
+  EXPECT_EQ(rc.qkv_bias, c.want_qkv_bias);
+  EXPECT_EQ(rc.qk_norm, c.want_qk_norm);
+  EXPECT_EQ(rc.sliding_window, c.want_sliding_window);
+  EXPECT_LT(rc.kv_heads, rc.heads) << "every case should exercise grouped-query attention";
+
+  std::mt19937_64 rng(c.seed * 7919 + 1);  // the raw engine: identical on every platform
+  for (int64_t len : kSequenceLengths) {
+    Datum d;
+    std::vector<int64_t> targets;
+    for (int64_t t = 0; t < len; ++t) {
+      d.tokens.push_back(static_cast<int64_t>(rng() % static_cast<uint64_t>(rc.vocab)));
+      targets.push_back(static_cast<int64_t>(rng() % static_cast<uint64_t>(rc.vocab)));
+    }
+    d.loss_fn_inputs["target_tokens"] = TensorData::Int64(std::move(targets));
+    d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(len, 1.0f));
+    s->data.push_back(std::move(d));
+  }
+
+  RunnerConfig runner_config;
+  runner_config.base_model_path = s->dir->path().string();
+  runner_config.compute_dtype = ComputeDType::kFloat64;
+  runner_config.micro_batch_tokens = kMicroBatchTokens;
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner = ModelRunner::Create(runner_config);
+  ASSERT_TRUE(runner.ok()) << runner.status().message();
+  // A LoRA adapter starts with B = 0, so the adapted model is exactly the base model.
+  absl::StatusOr<std::string> model_id = (*runner)->CreateModel(CreateModelOptions{});
+  ASSERT_TRUE(model_id.ok()) << model_id.status().message();
+  absl::StatusOr<ForwardBackwardResult> result =
+      (*runner)->Forward(*model_id, s->data, "cross_entropy", {});
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  ASSERT_EQ(result->outputs.size(), s->data.size());
+  for (size_t i = 0; i < s->data.size(); ++i) {
+    ASSERT_EQ(result->outputs[i].logprobs.size(), s->data[i].tokens.size()) << "datum " << i;
+    s->runner_logprobs.push_back(result->outputs[i].logprobs);
+  }
+  s->metrics = result->metrics;
+}
+
+std::vector<int64_t> Targets(const Datum& d) {
+  return d.loss_fn_inputs.at("target_tokens").int64_data;
+}
+
+// max over every token of |runner - reference| / tolerance.
+double WorstDeviationInTolerances(const Scenario& s, const Variant& variant) {
+  double worst = 0;
+  for (size_t i = 0; i < s.data.size(); ++i) {
+    const Vec ref = ReferenceLogprobs(s.model, s.data[i].tokens, Targets(s.data[i]), variant);
+    for (size_t t = 0; t < ref.size(); ++t) {
+      worst =
+          std::max(worst, std::abs(s.runner_logprobs[i][t] - ref[t]) / LogprobTolerance(ref[t]));
+    }
+  }
+  return worst;
+}
+
+// ============================================================================ tests
+
+class ModelReferenceTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ModelReferenceTest, LogprobsMatchFloat64Reference) {
+  Scenario s;
+  ASSERT_NO_FATAL_FAILURE(RunScenario(GetParam(), &s));
+
+  int mismatches = 0;
+  std::string report;
+  double ref_loss_sum = 0, loss_tolerance = 0;
+  for (size_t i = 0; i < s.data.size(); ++i) {
+    const Vec ref = ReferenceLogprobs(s.model, s.data[i].tokens, Targets(s.data[i]));
+    for (size_t t = 0; t < ref.size(); ++t) {
+      const double got = s.runner_logprobs[i][t];
+      ref_loss_sum -= ref[t];  // weights are all 1
+      loss_tolerance += LogprobTolerance(ref[t]);
+      if (!(std::abs(got - ref[t]) <= LogprobTolerance(ref[t]))) {  // NaN counts as a mismatch
+        if (++mismatches <= 8) {
+          absl::StrAppend(&report, "\n  datum ", i, " (length ", ref.size(), ") position ", t,
+                          ": runner ", got, " reference ", ref[t], " diff ", got - ref[t], " tol ",
+                          LogprobTolerance(ref[t]));
+        }
+      }
+    }
+  }
+  EXPECT_EQ(mismatches, 0) << "logprobs outside tolerance (first 8):" << report;
+
+  // Cross-entropy's summed loss is -Σ w·logprob; the same per-token bound summed covers it.
+  auto loss = s.metrics.find("loss:sum");
+  ASSERT_NE(loss, s.metrics.end()) << "Forward should report the metric \"loss:sum\"";
+  EXPECT_NEAR(loss->second, ref_loss_sum, loss_tolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, ModelReferenceTest, ::testing::ValuesIn(AllCases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
+
+// Sensitivity controls: a reference with one deliberate mistake must miss the runner by far more
+// than the tolerance, or the agreement above would prove little. 1000 tolerances is ~2e-3 in
+// logprob here. With kInitStd = 0.2, a batched LibTorch stand-in for the runner put every one of
+// these mistakes at 3e5 tolerances or more; with init_std 0.02 (near-uniform attention) the RoPE
+// mistakes were only ~100-400, which is why kInitStd is raised.
+constexpr double kBrokenMinToleranceMultiple = 1000;
+
+void ExpectMistakeDetected(const std::string& case_name, const Variant& mistake) {
+  Scenario s;
+  ASSERT_NO_FATAL_FAILURE(RunScenario(FindCase(case_name), &s));
+  EXPECT_LE(WorstDeviationInTolerances(s, Variant{}), 1.0) << "the correct reference must agree";
+  EXPECT_GE(WorstDeviationInTolerances(s, mistake), kBrokenMinToleranceMultiple);
+}
+
+TEST(ModelReferenceControl, DroppingLlama3ScalingIsDetected) {
+  ExpectMistakeDetected("LlamaTiedLlama3Rope", Variant{.drop_rope_scaling = true});
+}
+
+TEST(ModelReferenceControl, DroppingYarnScalingIsDetected) {
+  ExpectMistakeDetected("Qwen2BiasYarnRope", Variant{.drop_rope_scaling = true});
+}
+
+TEST(ModelReferenceControl, DroppingDynamicScalingIsDetected) {
+  ExpectMistakeDetected("LlamaDynamicRope", Variant{.drop_rope_scaling = true});
+}
+
+TEST(ModelReferenceControl, WrongGqaHeadMappingIsDetected) {
+  ExpectMistakeDetected("LlamaGqaUntied", Variant{.wrong_gqa_mapping = true});
+}
+
+TEST(ModelReferenceControl, IgnoringSlidingWindowIsDetected) {
+  ExpectMistakeDetected("MistralSlidingWindow4", Variant{.ignore_sliding_window = true});
+}
+
+}  // namespace
+}  // namespace tinkerd

@@ -1,0 +1,126 @@
+// Helpers shared by the test suites: temp dirs, tiny models, random batches, state comparison.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runner/model/tiny_model.h"
+#include "runner/model_runner.h"
+#include "runner/util/rng.h"
+
+namespace tinkerd::testing {
+
+// A directory removed at scope exit.
+class TempDir {
+ public:
+  TempDir() {
+    static int counter = 0;
+    path_ = (std::filesystem::temp_directory_path() /
+             ("tinkerd-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++)))
+                .string();
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+  std::string Sub(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+inline std::string WriteModel(const TempDir& dir, const ModelConfig& config, uint64_t seed = 1,
+                              const std::string& name = "model") {
+  TinyModelSpec spec;
+  spec.config = config;
+  spec.seed = seed;
+  // Larger than the usual 0.02 so logits vary enough for gradients to be well above rounding.
+  spec.init_std = 0.2;
+  const std::string out = dir.Sub(name);
+  absl::Status st = WriteTinyModel(out, spec);
+  EXPECT_TRUE(st.ok()) << st.message();
+  return out;
+}
+
+inline std::unique_ptr<ModelRunner> MakeRunner(const std::string& model_dir,
+                                               ComputeDType dtype = ComputeDType::kFloat64,
+                                               int64_t micro_batch_tokens = 4096) {
+  RunnerConfig rc;
+  rc.base_model_path = model_dir;
+  rc.compute_dtype = dtype;
+  rc.micro_batch_tokens = micro_batch_tokens;
+  auto r = ModelRunner::Create(rc);
+  EXPECT_TRUE(r.ok()) << r.status().message();
+  return r.ok() ? std::move(*r) : nullptr;
+}
+
+// Random datums with the inputs `loss` needs. Some weights/advantages are zero (masked), and for
+// cross_entropy some weights are negative or fractional, as Tinker allows.
+inline std::vector<Datum> RandomData(SplitMix64& g, const std::vector<int>& lengths,
+                                     const std::string& loss, int64_t vocab) {
+  std::vector<Datum> out;
+  for (int len : lengths) {
+    Datum d;
+    std::vector<int64_t> targets;
+    std::vector<float> w, logq, adv;
+    for (int t = 0; t < len; ++t) {
+      d.tokens.push_back(static_cast<int64_t>(g.Next() % vocab));
+      targets.push_back(static_cast<int64_t>(g.Next() % vocab));
+      const bool prompt = t < len / 4;  // masked "prompt" tokens
+      w.push_back(prompt ? 0.0f : static_cast<float>(g.Uniform(-0.5, 1.5)));
+      adv.push_back(prompt ? 0.0f : static_cast<float>(g.Uniform(-1.0, 1.0)));
+      logq.push_back(static_cast<float>(-std::log(static_cast<double>(vocab)) + g.Uniform(-0.6, 0.6)));
+    }
+    d.loss_fn_inputs["target_tokens"] = TensorData::Int64(targets);
+    if (loss == "cross_entropy") {
+      d.loss_fn_inputs["weights"] = TensorData::Float32(w);
+    } else {
+      d.loss_fn_inputs["advantages"] = TensorData::Float32(adv);
+      d.loss_fn_inputs["logprobs"] = TensorData::Float32(logq);
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+inline std::vector<NamedValues> Snap(ModelRunner& r, const std::string& id, StateKind kind) {
+  auto s = r.Snapshot(id, kind);
+  EXPECT_TRUE(s.ok()) << s.status().message();
+  return s.ok() ? *s : std::vector<NamedValues>{};
+}
+
+// Flattens a snapshot into one vector (names sorted, so two snapshots line up).
+inline std::vector<double> Flat(const std::vector<NamedValues>& s) {
+  std::vector<double> v;
+  for (const auto& n : s) v.insert(v.end(), n.values.begin(), n.values.end());
+  return v;
+}
+
+inline double MaxAbs(const std::vector<double>& a) {
+  double m = 0;
+  for (double x : a) m = std::max(m, std::abs(x));
+  return m;
+}
+
+inline double MaxAbsDiff(const std::vector<double>& a, const std::vector<double>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+inline std::vector<double> Scaled(std::vector<double> v, double s) {
+  for (double& x : v) x *= s;
+  return v;
+}
+
+inline std::vector<Datum> Slice(const std::vector<Datum>& d, size_t begin, size_t end) {
+  return std::vector<Datum>(d.begin() + begin, d.begin() + end);
+}
+
+}  // namespace tinkerd::testing

@@ -1,0 +1,135 @@
+// Loading Hugging Face model directories, and the runner's model (tenant) management.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "runner/model/weights.h"
+#include "tests/test_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+absl::Status CreateStatus(const std::string& dir) {
+  RunnerConfig rc;
+  rc.base_model_path = dir;
+  return ModelRunner::Create(rc).status();
+}
+
+TEST(ModelLoading, ShardedBf16LoadsTheSameWeightsRounded) {
+  TempDir dir;
+  TinyModelSpec spec{TinyConfig("qwen3")};
+  ASSERT_TRUE(WriteTinyModel(dir.Sub("f32"), spec).ok());
+  spec.stored_dtype = "bfloat16";
+  spec.num_shards = 3;
+  ASSERT_TRUE(WriteTinyModel(dir.Sub("bf16"), spec).ok());
+  EXPECT_TRUE(std::filesystem::exists(dir.Sub("bf16/model.safetensors.index.json")));
+  auto a = LoadSafetensorsDir(dir.Sub("f32"), at::kFloat);
+  auto b = LoadSafetensorsDir(dir.Sub("bf16"), at::kFloat);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status().message() << b.status().message();
+  ASSERT_EQ(a->size(), b->size());
+  for (const auto& [name, t] : *a) {
+    // bf16 keeps 8 significant bits: relative rounding error at most 2^-8.
+    EXPECT_TRUE(at::allclose(t, b->at(name), /*rtol=*/1.0 / 256, /*atol=*/0)) << name;
+  }
+  EXPECT_TRUE(CreateStatus(dir.Sub("bf16")).ok());
+}
+
+TEST(ModelLoading, BrokenDirectoriesGiveClearErrors) {
+  TempDir dir;
+  const std::string good = WriteModel(dir, TinyConfig("llama"));
+  EXPECT_EQ(CreateStatus(dir.Sub("absent")).code(), absl::StatusCode::kNotFound);
+
+  auto copy = [&](const std::string& name) {
+    std::filesystem::copy(good, dir.Sub(name), std::filesystem::copy_options::recursive);
+    return dir.Sub(name);
+  };
+  // Unknown architecture.
+  {
+    const std::string d = copy("arch");
+    ModelConfig c = TinyConfig("llama");
+    c.architecture = "LlamaForCausalLM";
+    std::string text = ModelConfigToJson(c);
+    text.replace(text.find("LlamaForCausalLM"), 16, "FalconForCausalLM");
+    std::ofstream(d + "/config.json") << text;
+    absl::Status st = CreateStatus(d);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("FalconForCausalLM"), absl::string_view::npos) << st.message();
+  }
+  // Truncated weights file.
+  {
+    const std::string d = copy("trunc");
+    std::filesystem::resize_file(d + "/model.safetensors",
+                                 std::filesystem::file_size(d + "/model.safetensors") / 2);
+    absl::Status st = CreateStatus(d);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("model.safetensors"), absl::string_view::npos) << st.message();
+  }
+  // Config that disagrees with the weights (another hidden size).
+  {
+    const std::string d = copy("shape");
+    ModelConfig c = TinyConfig("llama");
+    c.intermediate_size = 48;
+    std::ofstream(d + "/config.json") << ModelConfigToJson(c);
+    absl::Status st = CreateStatus(d);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("gate_proj.weight has shape"), absl::string_view::npos) << st.message();
+  }
+  // Weights of a deeper model: extra tensors are refused, not ignored.
+  {
+    ModelConfig c = TinyConfig("llama");
+    c.num_hidden_layers = 3;
+    const std::string deeper = WriteModel(dir, c, 1, "deeper");
+    std::ofstream(deeper + "/config.json") << ModelConfigToJson(TinyConfig("llama"));
+    absl::Status st = CreateStatus(deeper);
+    EXPECT_NE(st.message().find("unexpected tensor model.layers.2"), absl::string_view::npos)
+        << st.message();
+  }
+}
+
+TEST(Models, CreateInfoListDelete) {
+  TempDir dir;
+  auto r = MakeRunner(WriteModel(dir, TinyConfig("llama")), ComputeDType::kFloat32);
+  CreateModelOptions o;
+  o.lora = LoraConfig{4, 8, true, false, true};
+  o.loss_reduction = LossReduction::kSeqMeanTokenSum;
+  auto id = r->CreateModel(o);
+  ASSERT_TRUE(id.ok());
+  auto info = r->GetInfo(*id);
+  ASSERT_TRUE(info.ok());
+  // attention: per layer q(32→32) k(32→16) v(32→16) o(32→32); unembed 32→128; r·(in+out) each.
+  const int64_t per_layer = 4 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32));
+  EXPECT_EQ(info->trainable_parameters, 2 * per_layer + 4 * (32 + 128));
+  EXPECT_EQ(info->loss_reduction, LossReduction::kSeqMeanTokenSum);
+  EXPECT_EQ(info->vocab_size, 128);
+  EXPECT_EQ(r->ListModels(), std::vector<std::string>{*id});
+  EXPECT_TRUE(r->DeleteModel(*id).ok());
+  EXPECT_EQ(r->DeleteModel(*id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r->GetInfo(*id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r->OptimStep(*id, AdamParams{}).status().code(), absl::StatusCode::kNotFound);
+  o.lora = LoraConfig{0, 8, true, true, true};
+  EXPECT_EQ(r->CreateModel(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.lora = LoraConfig{4, 8, false, false, false};
+  EXPECT_EQ(r->CreateModel(o).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(r->ListModels().empty());
+}
+
+TEST(Models, FreshAdapterLeavesBaseFunctionUnchanged) {
+  TempDir dir;
+  auto r = MakeRunner(WriteModel(dir, TinyConfig("qwen2")), ComputeDType::kFloat64);
+  CreateModelOptions lora, full;
+  full.lora.reset();
+  auto a = r->CreateModel(lora);
+  auto b = r->CreateModel(full);
+  SplitMix64 g(1);
+  auto data = RandomData(g, {6, 11}, "cross_entropy", 128);
+  auto fa = r->Forward(*a, data, "cross_entropy", {});
+  auto fb = r->Forward(*b, data, "cross_entropy", {});
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  EXPECT_EQ(fa->outputs[1].logprobs, fb->outputs[1].logprobs);
+  EXPECT_DOUBLE_EQ(fa->metrics.at("loss:sum"), fb->metrics.at("loss:sum"));
+  EXPECT_EQ(r->GetInfo(*a)->accumulated_tokens, 0);  // Forward changes no state
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
