@@ -9,6 +9,7 @@
 #include "absl/synchronization/mutex.h"
 #include "runner/dist/collectives.h"
 #include "runner/model/safetensors.h"
+#include "runner/model/tiny_model.h"
 #include "runner/model/weights.h"
 #include "runner/tenant.h"
 #include "runner/util/log.h"
@@ -44,6 +45,28 @@ struct ModelRunner::Impl {
   std::map<std::string, Tenant> tenants ABSL_GUARDED_BY(mu);
   int64_t next_id ABSL_GUARDED_BY(mu) = 0;
 
+  struct Stream {
+    std::unique_ptr<CallStage> stage;
+    ResolvedLoss loss;
+    std::vector<Datum> buffered;
+    int64_t buffered_tokens = 0;
+    absl::Status failed;  // first error; the stream can then only be finished (with it) or aborted
+  };
+  std::map<int64_t, Stream> streams ABSL_GUARDED_BY(mu);
+  int64_t next_stream = 1;
+
+  bool HasOpenStream(const std::string& model_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const auto& [sid, st] : streams) {
+      if (st.stage->model_id() == model_id) return true;
+    }
+    return false;
+  }
+  absl::Status NoOpenStream(const std::string& model_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!HasOpenStream(model_id)) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("model ", model_id, " has an open forward_backward stream"));
+  }
+
   StepContext Context() const {
     return {&model_config, &base, collectives.get(), dtype, config.micro_batch_tokens,
             config.test_hooks.get()};
@@ -61,6 +84,7 @@ struct ModelRunner::Impl {
 ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelRunner::~ModelRunner() = default;
 const RunnerConfig& ModelRunner::config() const { return impl_->config; }
+ModelLimits ModelRunner::limits() const { return impl_->Limits(); }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerConfig& config) {
   RETURN_IF_ERROR(config.Validate());
@@ -70,14 +94,23 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     impl->dtype = config.compute_dtype == ComputeDType::kFloat64 ? at::kDouble : at::kFloat;
     impl->collectives = config.collectives ? config.collectives : MakeLocalCollectives();
     if (config.num_threads > 0) at::set_num_threads(config.num_threads);
-    const auto cfg_path = std::filesystem::path(config.base_model_path) / "config.json";
-    ASSIGN_OR_RETURN(std::string cfg_text, ReadFileToString(cfg_path.string()));
-    auto parsed = ParseModelConfig(cfg_text);
-    if (!parsed.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(cfg_path.string(), ": ", parsed.status().message()));
+    TensorMap tensors;
+    if (config.base_model_path == kEmbeddedDefaultModel) {
+      TinyModelSpec spec{DefaultDemoConfig()};
+      impl->model_config = spec.config;
+      ASSIGN_OR_RETURN(tensors, GenerateTinyWeights(spec));
+      for (auto& [name, t] : tensors) t = t.to(impl->dtype);
+    } else {
+      const auto cfg_path = std::filesystem::path(config.base_model_path) / "config.json";
+      ASSIGN_OR_RETURN(std::string cfg_text, ReadFileToString(cfg_path.string()));
+      auto parsed = ParseModelConfig(cfg_text);
+      if (!parsed.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(cfg_path.string(), ": ", parsed.status().message()));
+      }
+      impl->model_config = *parsed;
+      ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype));
     }
-    impl->model_config = *parsed;
-    ASSIGN_OR_RETURN(TensorMap tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype));
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
     TLOG_INFO("runner: {} | {}", config.DebugString(), impl->model_config.DebugString());
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
@@ -133,6 +166,9 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
 
 absl::Status ModelRunner::DeleteModel(const std::string& model_id) {
   absl::MutexLock lock(&impl_->mu);
+  for (auto it = impl_->streams.begin(); it != impl_->streams.end();) {
+    it = it->second.stage->model_id() == model_id ? impl_->streams.erase(it) : std::next(it);
+  }
   if (impl_->tenants.erase(model_id) == 0) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
   }
@@ -181,6 +217,7 @@ absl::StatusOr<ForwardBackwardResult> ModelRunner::ForwardBackward(
     const std::map<std::string, double>& loss_fn_config) {
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
   ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
   RETURN_IF_ERROR(ValidateData(data, *loss.spec, impl_->Limits()));
   return Guarded("forward_backward",
@@ -191,7 +228,66 @@ absl::StatusOr<OptimStepResult> ModelRunner::OptimStep(const std::string& model_
                                                        const AdamParams& params) {
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
   return Guarded("optim_step", [&] { return ApplyOptimStep(impl_->Context(), *t, params); });
+}
+
+absl::StatusOr<int64_t> ModelRunner::BeginStream(
+    const std::string& model_id, const std::string& loss_fn,
+    const std::map<std::string, double>& loss_fn_config) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
+  ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
+  return Guarded("stream", [&]() -> absl::StatusOr<int64_t> {
+    Impl::Stream s;
+    s.stage = std::make_unique<CallStage>(impl_->Context(), *t, loss, /*backward=*/true);
+    s.loss = loss;
+    const int64_t id = impl_->next_stream++;
+    impl_->streams.emplace(id, std::move(s));
+    return id;
+  });
+}
+
+absl::Status ModelRunner::StreamAppend(int64_t stream_id, std::vector<Datum> data) {
+  absl::MutexLock lock(&impl_->mu);
+  auto it = impl_->streams.find(stream_id);
+  if (it == impl_->streams.end()) return absl::NotFoundError("stream: unknown or closed stream");
+  Impl::Stream& s = it->second;
+  RETURN_IF_ERROR(s.failed);
+  RETURN_IF_ERROR(ValidateData(data, *s.loss.spec, impl_->Limits()));
+  for (Datum& d : data) {
+    s.buffered_tokens += static_cast<int64_t>(d.tokens.size());
+    s.buffered.push_back(std::move(d));
+  }
+  if (s.buffered_tokens < impl_->config.micro_batch_tokens) return absl::OkStatus();
+  // A full budget is buffered: run it now (lazy intake) instead of holding it until the end.
+  absl::Status st = Guarded("stream", [&]() -> absl::Status {
+    s.stage->Run(s.buffered);
+    return absl::OkStatus();
+  });
+  s.buffered.clear();
+  s.buffered_tokens = 0;
+  if (!st.ok()) s.failed = st;
+  return st;
+}
+
+absl::StatusOr<ForwardBackwardResult> ModelRunner::FinishStream(int64_t stream_id) {
+  absl::MutexLock lock(&impl_->mu);
+  auto it = impl_->streams.find(stream_id);
+  if (it == impl_->streams.end()) return absl::NotFoundError("stream: unknown or closed stream");
+  Impl::Stream s = std::move(it->second);
+  impl_->streams.erase(it);
+  RETURN_IF_ERROR(s.failed);
+  return Guarded("stream", [&]() -> absl::StatusOr<ForwardBackwardResult> {
+    if (!s.buffered.empty()) s.stage->Run(s.buffered);
+    return s.stage->Commit();
+  });
+}
+
+void ModelRunner::AbortStream(int64_t stream_id) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->streams.erase(stream_id);
 }
 
 absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string& model_id,

@@ -20,12 +20,17 @@
 #include "absl/status/statusor.h"
 #include "runner/runner_config.h"
 #include "runner/types.h"
+#include "runner/validate.h"
 
 namespace tinkerd {
 
+// base_model_path naming the small default model generated deterministically in memory.
+inline constexpr char kEmbeddedDefaultModel[] = "embedded:default";
+
 class ModelRunner {
  public:
-  // Loads the base model named by config.base_model_path (Hugging Face layout).
+  // Loads the base model named by config.base_model_path (Hugging Face layout), or generates the
+  // embedded default model in memory when that path is kEmbeddedDefaultModel.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const RunnerConfig& config);
   ~ModelRunner();
   ModelRunner(const ModelRunner&) = delete;
@@ -47,6 +52,18 @@ class ModelRunner {
       const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
       const std::map<std::string, double>& loss_fn_config);
 
+  // Streaming forward_backward, for rollout services that produce trajectories over time. Datums
+  // appended to a stream run in packed micro-batches as soon as micro_batch_tokens of them are
+  // buffered; FinishStream runs the rest and commits the whole stream as ONE forward_backward
+  // (atomically: a stream that fails or is aborted changes nothing). Exact, because nothing is
+  // normalized before OptimStep. While a stream is open its model takes no other ForwardBackward,
+  // OptimStep or stream (FAILED_PRECONDITION); the server orders requests so this never happens.
+  absl::StatusOr<int64_t> BeginStream(const std::string& model_id, const std::string& loss_fn,
+                                      const std::map<std::string, double>& loss_fn_config);
+  absl::Status StreamAppend(int64_t stream_id, std::vector<Datum> data);
+  absl::StatusOr<ForwardBackwardResult> FinishStream(int64_t stream_id);
+  void AbortStream(int64_t stream_id);
+
   // Normalizes, reduces, clips and applies AdamW, then clears accumulators and counters.
   // FAILED_PRECONDITION (nothing changed) when no valid token was accumulated.
   absl::StatusOr<OptimStepResult> OptimStep(const std::string& model_id, const AdamParams& params);
@@ -56,6 +73,8 @@ class ModelRunner {
                                                     StateKind kind) const;
 
   const RunnerConfig& config() const;
+  // The base model's vocabulary and context length, for validating requests up front.
+  ModelLimits limits() const;
 
  private:
   struct Impl;

@@ -47,9 +47,32 @@ struct StepContext {
   RunnerConfig::TestHooks* test_hooks;  // may be null
 };
 
-// Runs `data` through the model in packed micro-batches. With `backward`, the call's raw loss
-// gradient and global counts are added to the tenant only after every micro-batch succeeded;
-// on error the tenant is untouched. Data must already be validated.
+// One logical forward(_backward) call in progress. Run() may be called many times (a stream);
+// each runs its datums in packed micro-batches into a staged gradient. Commit() adds the staged
+// gradient and the global counts to the tenant, once. Destroying a stage without Commit()
+// discards its contribution: the tenant is untouched until Commit.
+class CallStage {
+ public:
+  CallStage(const StepContext& ctx, Tenant& tenant, ResolvedLoss loss, bool backward);
+  // Data must already be validated. Throws on LibTorch errors (callers convert to Status).
+  void Run(const std::vector<Datum>& data);
+  absl::StatusOr<ForwardBackwardResult> Commit();
+  const std::string& model_id() const { return tenant_.id; }
+
+ private:
+  StepContext ctx_;
+  Tenant& tenant_;
+  ResolvedLoss loss_;
+  bool backward_;
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> staged_;  // this call's gradient, same order as tenant_.params
+  ForwardBackwardResult result_;
+  double loss_sum_ = 0;
+  int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;
+  int micro_batches_run_ = 0;
+};
+
+// Runs `data` as one call: a CallStage run once and committed.
 absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant& tenant,
                                                  const std::vector<Datum>& data,
                                                  const ResolvedLoss& loss, bool backward);

@@ -44,40 +44,32 @@ at::Tensor GatherInt(const std::vector<Datum>& data, const std::vector<int>& mb,
 
 }  // namespace
 
-absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant& tenant,
-                                                 const std::vector<Datum>& data,
-                                                 const ResolvedLoss& loss, bool backward) {
-  const at::ScalarType dt = ctx.compute_dtype;
-  const std::string& mask_key = loss.spec->implicit_mask_input;
-  const bool seq_token_mean =
-      tenant.options.loss_reduction == LossReduction::kSeqMeanTokenMean;
-  std::vector<std::string> names;
-  std::vector<at::Tensor> params;
-  for (const auto& [n, p] : tenant.params) {
-    names.push_back(n);
-    params.push_back(p);
+CallStage::CallStage(const StepContext& ctx, Tenant& tenant, ResolvedLoss loss, bool backward)
+    : ctx_(ctx), tenant_(tenant), loss_(std::move(loss)), backward_(backward) {
+  for (const auto& [name, p] : tenant_.params) {
+    params_.push_back(p);
+    if (backward_) staged_.push_back(at::zeros_like(p).set_requires_grad(false));
   }
-  std::vector<at::Tensor> staged;  // this call's gradient; committed only at the end
-  if (backward) {
-    for (const at::Tensor& p : params) staged.push_back(at::zeros_like(p));
-  }
+}
 
+void CallStage::Run(const std::vector<Datum>& data) {
+  const at::ScalarType dt = ctx_.compute_dtype;
+  const std::string& mask_key = loss_.spec->implicit_mask_input;
+  const bool seq_token_mean = tenant_.options.loss_reduction == LossReduction::kSeqMeanTokenMean;
   std::vector<int64_t> lengths;
   for (const Datum& d : data) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
-  ForwardBackwardResult result;
-  result.outputs.resize(data.size());
-  double loss_sum = 0;
-  int64_t valid_tokens = 0, valid_sequences = 0, clipped_tokens = 0;
+  const size_t first_output = result_.outputs.size();
+  result_.outputs.resize(first_output + data.size());
 
   // ---- TRAINING SECTION BEGIN: one packed micro-batch per iteration ----
-  int mb_index = 0;
-  for (const std::vector<int>& mb : PlanMicroBatches(lengths, ctx.micro_batch_tokens)) {
-    if (ctx.test_hooks && ctx.test_hooks->fail_at_micro_batch == mb_index++) {
-      ctx.test_hooks->fail_at_micro_batch = -1;
+  for (const std::vector<int>& mb : PlanMicroBatches(lengths, ctx_.micro_batch_tokens)) {
+    if (ctx_.test_hooks && ctx_.test_hooks->fail_at_micro_batch == micro_batches_run_) {
+      ctx_.test_hooks->fail_at_micro_batch = -1;
       throw std::runtime_error("injected fault (test hook)");
     }
+    ++micro_batches_run_;
     std::optional<at::NoGradGuard> no_grad;
-    if (!backward) no_grad.emplace();
+    if (!backward_) no_grad.emplace();
     PackedBatch batch{GatherInt(data, mb, /*targets=*/false), {0}};
     for (int i : mb) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + lengths[i]);
     at::Tensor targets_T = GatherInt(data, mb, /*targets=*/true);
@@ -90,8 +82,8 @@ absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant&
       const auto& src = in.count("mask") ? in.at("mask").float32_data : in.at(mask_key).float32_data;
       int64_t n_i = 0;
       for (float v : src) n_i += (v != 0.0f);
-      valid_tokens += n_i;
-      valid_sequences += (n_i > 0);
+      valid_tokens_ += n_i;
+      valid_sequences_ += (n_i > 0);
       const double s = seq_token_mean && n_i > 0 ? 1.0 / static_cast<double>(n_i) : 1.0;
       for (float v : src) {
         mask.push_back(v != 0.0f ? 1.0 : 0.0);
@@ -103,57 +95,70 @@ absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant&
     at::Tensor scale_T =
         at::from_blob(scale.data(), {T}, at::kDouble).to(dt, /*non_blocking=*/false, /*copy=*/true);
 
-    at::Tensor logits_TV = ForwardLogits(*ctx.config, WeightsOf(ctx, tenant),
-                                         tenant.lora ? &*tenant.lora : nullptr, batch);
+    at::Tensor logits_TV = ForwardLogits(*ctx_.config, WeightsOf(ctx_, tenant_),
+                                         tenant_.lora ? &*tenant_.lora : nullptr, batch);
     at::Tensor logp_T = logits_TV.gather(1, targets_T.unsqueeze(1)).squeeze(1) -
                         at::logsumexp(logits_TV, 1);
     LossTokenInputs li{logp_T, {}, {}, {}};
-    if (loss.spec->name == "cross_entropy") {
+    if (loss_.spec->name == "cross_entropy") {
       li.weights_T = GatherFloat(data, mb, "weights", dt);
     } else {
       li.logq_T = GatherFloat(data, mb, "logprobs", dt);
       li.adv_T = GatherFloat(data, mb, "advantages", dt);
     }
-    LossTokenOutputs lo = PerTokenLoss(loss.spec->name, li, loss.config);
+    LossTokenOutputs lo = PerTokenLoss(loss_.spec->name, li, loss_.config);
     // where(), not multiply: a masked token's loss may be inf/nan and must not leak through.
     at::Tensor raw = at::where(keep_T, lo.loss_T * scale_T, at::zeros_like(lo.loss_T)).sum();
-    if (lo.clipped_T.defined()) clipped_tokens += lo.clipped_T.logical_and(keep_T).sum().item<int64_t>();
-
-    if (backward && keep_T.any().item<bool>()) {
+    if (lo.clipped_T.defined()) {
+      clipped_tokens_ += lo.clipped_T.logical_and(keep_T).sum().item<int64_t>();
+    }
+    if (backward_ && keep_T.any().item<bool>()) {
       std::vector<at::Tensor> grads =
-          torch::autograd::grad({raw}, params, /*grad_outputs=*/{}, /*retain_graph=*/false,
+          torch::autograd::grad({raw}, params_, /*grad_outputs=*/{}, /*retain_graph=*/false,
                                 /*create_graph=*/false, /*allow_unused=*/true);
       for (size_t k = 0; k < grads.size(); ++k) {
-        if (grads[k].defined()) staged[k].add_(grads[k]);
+        if (grads[k].defined()) staged_[k].add_(grads[k]);
       }
     }
-    loss_sum += raw.item<double>();
+    loss_sum_ += raw.item<double>();
     at::Tensor logp_f = logp_T.detach().to(at::kFloat).contiguous();
     const float* lp = logp_f.data_ptr<float>();
     for (size_t j = 0; j < mb.size(); ++j) {
-      const int i = mb[j];
-      result.outputs[i].logprobs.assign(lp + batch.cu_seqlens[j], lp + batch.cu_seqlens[j + 1]);
+      result_.outputs[first_output + mb[j]].logprobs.assign(lp + batch.cu_seqlens[j],
+                                                            lp + batch.cu_seqlens[j + 1]);
     }
   }
   // ---- TRAINING SECTION END ----
+}
 
-  std::vector<int64_t> counts{valid_tokens, valid_sequences};
-  if (auto st = ctx.collectives->AllReduceSumCounts(counts); !st.ok()) return st;
-  result.metrics["loss:sum"] = loss_sum;
+absl::StatusOr<ForwardBackwardResult> CallStage::Commit() {
+  std::vector<int64_t> counts{valid_tokens_, valid_sequences_};
+  if (auto st = ctx_.collectives->AllReduceSumCounts(counts); !st.ok()) return st;
+  ForwardBackwardResult result = std::move(result_);
+  result.metrics["loss:sum"] = loss_sum_;
   result.metrics["num_tokens:sum"] = static_cast<double>(counts[0]);
   result.metrics["num_sequences:sum"] = static_cast<double>(counts[1]);
-  if (loss.spec->config.count("clip_low_threshold")) {
+  if (loss_.spec->config.count("clip_low_threshold")) {
     result.metrics["clip_fraction:mean"] =
-        valid_tokens > 0 ? static_cast<double>(clipped_tokens) / valid_tokens : 0.0;
+        valid_tokens_ > 0 ? static_cast<double>(clipped_tokens_) / valid_tokens_ : 0.0;
   }
-  if (backward) {
-    // Commit: the only place a call changes training state.
+  if (backward_) {
+    // The only place a call changes training state.
     at::NoGradGuard no_grad;
-    for (size_t k = 0; k < names.size(); ++k) tenant.grad_sum[names[k]].add_(staged[k]);
-    tenant.accumulated_tokens += counts[0];
-    tenant.accumulated_sequences += counts[1];
+    size_t k = 0;
+    for (auto& [name, g] : tenant_.grad_sum) g.add_(staged_[k++]);
+    tenant_.accumulated_tokens += counts[0];
+    tenant_.accumulated_sequences += counts[1];
   }
   return result;
+}
+
+absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant& tenant,
+                                                 const std::vector<Datum>& data,
+                                                 const ResolvedLoss& loss, bool backward) {
+  CallStage stage(ctx, tenant, loss, backward);
+  stage.Run(data);
+  return stage.Commit();
 }
 
 absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, Tenant& t,

@@ -75,10 +75,9 @@ ModelConfig DefaultDemoConfig() {
   return c;
 }
 
-absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec) {
-  const ModelConfig& c = spec.config;
+absl::StatusOr<TensorMap> GenerateTinyWeights(const TinyModelSpec& spec) {
   // Round-trip through the parser so an inconsistent spec fails here, not at load.
-  ASSIGN_OR_RETURN(ModelConfig checked, ParseModelConfig(ModelConfigToJson(c)));
+  ASSIGN_OR_RETURN(ModelConfig checked, ParseModelConfig(ModelConfigToJson(spec.config)));
   const int64_t D = checked.hidden_size, I = checked.intermediate_size, V = checked.vocab_size;
   const int64_t H = checked.num_attention_heads, Hkv = checked.num_key_value_heads;
   const int64_t hd = checked.head_dim;
@@ -113,7 +112,12 @@ absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec) {
     add("mlp.up_proj.weight", {I, D}, 0, s);
     add("mlp.down_proj.weight", {D, I}, 0, s);
   }
+  return w;
+}
 
+absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec) {
+  ASSIGN_OR_RETURN(ModelConfig checked, ParseModelConfig(ModelConfigToJson(spec.config)));
+  ASSIGN_OR_RETURN(TensorMap w, GenerateTinyWeights(spec));
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(dir, ec);

@@ -9,9 +9,13 @@
 #pragma once
 
 #include <cstdint>
+#include <ATen/ATen.h>
+
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "runner/model/config.h"
 
 namespace tinkerd {
@@ -32,5 +36,8 @@ ModelConfig TinyConfig(const std::string& family);
 ModelConfig DefaultDemoConfig();
 
 absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec);
+
+// The same weights in memory, as float64 tensors by HF name (no files). The config is checked.
+absl::StatusOr<std::map<std::string, at::Tensor>> GenerateTinyWeights(const TinyModelSpec& spec);
 
 }  // namespace tinkerd

@@ -1,0 +1,438 @@
+#include "client/client.h"
+
+#include <algorithm>
+#include <bit>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace tinkerd::client {
+namespace {
+
+using tinkerd::v1::Tinkerd;
+
+// gRPC reports an over-limit message as RESOURCE_EXHAUSTED; resending it cannot help.
+bool Retryable(const grpc::Status& status) {
+  switch (status.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE:
+      return true;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return status.error_message().find("larger than max") == std::string::npos;
+    default:
+      return false;
+  }
+}
+
+// Jitter spreads out clients that all lost the server at the same moment.
+std::chrono::milliseconds Jittered(std::chrono::milliseconds backoff) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  const int64_t hi = std::max<int64_t>(1, backoff.count());
+  std::uniform_int_distribution<int64_t> dist(hi / 2, hi);
+  return std::chrono::milliseconds(dist(rng));
+}
+
+// One retried unary call. The request is built once by the caller and resent untouched, which is
+// what makes a retried mutating call exactly-once on the server.
+template <typename Request, typename Response>
+absl::StatusOr<Response> Unary(const ClientOptions& options, Tinkerd::Stub& stub,
+                               grpc::Status (Tinkerd::Stub::*method)(grpc::ClientContext*,
+                                                                     const Request&, Response*),
+                               const Request& request) {
+  Response response;
+  absl::Status status = CallWithRetry(options, [&](grpc::ClientContext& context) {
+    response.Clear();  // a failed attempt may have left a partial message behind
+    return (stub.*method)(&context, request, &response);
+  });
+  if (!status.ok()) return status;
+  return response;
+}
+
+void PrepareContext(const ClientOptions& options, grpc::ClientContext& context) {
+  context.set_deadline(std::chrono::system_clock::now() + options.deadline);
+  if (!options.api_key.empty()) context.AddMetadata("x-api-key", options.api_key);
+}
+
+constexpr char kHealthCheckMethod[] = "/grpc.health.v1.Health/Check";
+constexpr int kHealthServing = 1;  // grpc.health.v1.HealthCheckResponse.ServingStatus.SERVING
+
+// HealthCheckResponse is { ServingStatus status = 1; }: read field 1, skip anything else.
+absl::StatusOr<int> ParseHealthStatus(const grpc::ByteBuffer& buffer) {
+  grpc::Slice slice;
+  if (!buffer.Valid() || !buffer.DumpToSingleSlice(&slice).ok()) {
+    return absl::InternalError("health check: unreadable response");
+  }
+  namespace wire = google::protobuf::internal;
+  google::protobuf::io::CodedInputStream in(slice.begin(), static_cast<int>(slice.size()));
+  int serving_status = 0;  // UNKNOWN when absent, as proto3 omits a zero enum
+  while (uint32_t tag = in.ReadTag()) {
+    if (wire::WireFormatLite::GetTagFieldNumber(tag) == 1 &&
+        wire::WireFormatLite::GetTagWireType(tag) == wire::WireFormatLite::WIRETYPE_VARINT) {
+      uint32_t value = 0;
+      if (!in.ReadVarint32(&value)) return absl::InternalError("health check: malformed response");
+      serving_status = static_cast<int>(value);
+    } else if (!wire::WireFormatLite::SkipField(&in, tag)) {
+      return absl::InternalError("health check: malformed response");
+    }
+  }
+  return serving_status;
+}
+
+}  // namespace
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  using G = grpc::StatusCode;
+  using A = absl::StatusCode;
+  A code = A::kUnknown;
+  switch (status.error_code()) {
+    case G::OK:
+      return absl::OkStatus();
+    case G::CANCELLED:
+      code = A::kCancelled;
+      break;
+    case G::UNKNOWN:
+      code = A::kUnknown;
+      break;
+    case G::INVALID_ARGUMENT:
+      code = A::kInvalidArgument;
+      break;
+    case G::DEADLINE_EXCEEDED:
+      code = A::kDeadlineExceeded;
+      break;
+    case G::NOT_FOUND:
+      code = A::kNotFound;
+      break;
+    case G::ALREADY_EXISTS:
+      code = A::kAlreadyExists;
+      break;
+    case G::PERMISSION_DENIED:
+      code = A::kPermissionDenied;
+      break;
+    case G::UNAUTHENTICATED:
+      code = A::kUnauthenticated;
+      break;
+    case G::RESOURCE_EXHAUSTED:
+      code = A::kResourceExhausted;
+      break;
+    case G::FAILED_PRECONDITION:
+      code = A::kFailedPrecondition;
+      break;
+    case G::ABORTED:
+      code = A::kAborted;
+      break;
+    case G::OUT_OF_RANGE:
+      code = A::kOutOfRange;
+      break;
+    case G::UNIMPLEMENTED:
+      code = A::kUnimplemented;
+      break;
+    case G::INTERNAL:
+      code = A::kInternal;
+      break;
+    case G::UNAVAILABLE:
+      code = A::kUnavailable;
+      break;
+    case G::DATA_LOSS:
+      code = A::kDataLoss;
+      break;
+    default:
+      break;
+  }
+  return absl::Status(code, status.error_message());
+}
+
+absl::Status CallWithRetry(const ClientOptions& options,
+                           const std::function<grpc::Status(grpc::ClientContext&)>& attempt) {
+  const int max_attempts = std::max(1, options.max_attempts);
+  std::chrono::milliseconds backoff = options.initial_backoff;
+  for (int n = 1;; ++n) {
+    grpc::ClientContext context;  // a context serves one call only
+    PrepareContext(options, context);
+    const grpc::Status status = attempt(context);
+    if (status.ok() || !Retryable(status)) return FromGrpc(status);
+    if (n >= max_attempts) {
+      absl::Status last = FromGrpc(status);
+      if (n == 1) return last;
+      return absl::Status(last.code(),
+                          absl::StrCat(last.message(), " (gave up after ", n, " attempts)"));
+    }
+    std::this_thread::sleep_for(Jittered(backoff));
+    backoff = std::min(backoff * 2, options.max_backoff);
+  }
+}
+
+// ---- Connection ----
+
+Connection::Connection(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(Tinkerd::NewStub(channel_)),
+      generic_stub_(channel_) {}
+
+std::shared_ptr<Connection> Connection::Create(ClientOptions options) {
+  grpc::ChannelArguments args;
+  // gRPC's 4 MiB receive default is far below a large batch's logprobs.
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  auto channel =
+      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  return CreateWithChannel(std::move(options), std::move(channel));
+}
+
+std::shared_ptr<Connection> Connection::CreateWithChannel(ClientOptions options,
+                                                          std::shared_ptr<grpc::Channel> channel) {
+  // Not make_shared: the constructor is private so every Connection is owned by a shared_ptr,
+  // which Attach (shared_from_this) relies on.
+  return std::shared_ptr<Connection>(new Connection(std::move(options), std::move(channel)));
+}
+
+absl::StatusOr<tinkerd::v1::ModelInfo> Connection::CreateModel(
+    const tinkerd::v1::CreateModelRequest& request) {
+  return Unary(options_, *stub_, &Tinkerd::Stub::CreateModel, request);
+}
+
+absl::StatusOr<tinkerd::v1::ModelInfo> Connection::GetInfo(const std::string& model_id) {
+  tinkerd::v1::ModelRef ref;
+  ref.set_model_id(model_id);
+  return Unary(options_, *stub_, &Tinkerd::Stub::GetInfo, ref);
+}
+
+absl::StatusOr<std::vector<tinkerd::v1::ModelInfo>> Connection::ListModels() {
+  auto response =
+      Unary(options_, *stub_, &Tinkerd::Stub::ListModels, tinkerd::v1::ListModelsRequest());
+  if (!response.ok()) return response.status();
+  return std::vector<tinkerd::v1::ModelInfo>(response->models().begin(), response->models().end());
+}
+
+absl::Status Connection::DeleteModel(const std::string& model_id) {
+  tinkerd::v1::ModelRef ref;
+  ref.set_model_id(model_id);
+  int attempts = 0;
+  tinkerd::v1::DeleteModelResponse response;
+  absl::Status status = CallWithRetry(options_, [&](grpc::ClientContext& context) {
+    ++attempts;
+    return stub_->DeleteModel(&context, ref, &response);
+  });
+  // A retry that finds the model gone means an earlier attempt deleted it and its reply was lost.
+  if (absl::IsNotFound(status) && attempts > 1) return absl::OkStatus();
+  return status;
+}
+
+absl::StatusOr<bool> Connection::Health() {
+  // HealthCheckRequest{service: ""} serializes to zero bytes, so there is nothing to encode.
+  grpc::Slice empty;
+  const grpc::ByteBuffer request(&empty, 1);
+  grpc::ByteBuffer response;
+  absl::Status status = CallWithRetry(options_, [&](grpc::ClientContext& context) {
+    // GenericStub has no blocking unary call in gRPC 1.51; wait on the callback instead. The
+    // callback owns the promise so it stays alive until set_value has fully returned.
+    auto done = std::make_shared<std::promise<grpc::Status>>();
+    std::future<grpc::Status> result = done->get_future();
+    generic_stub_.UnaryCall(&context, kHealthCheckMethod, grpc::StubOptions(), &request, &response,
+                            [done](grpc::Status s) { done->set_value(std::move(s)); });
+    return result.get();
+  });
+  if (!status.ok()) return status;
+  auto serving = ParseHealthStatus(response);
+  if (!serving.ok()) return serving.status();
+  return *serving == kHealthServing;
+}
+
+std::unique_ptr<TrainingClient> Connection::Attach(const std::string& model_id,
+                                                   int64_t next_seq_id) {
+  return std::make_unique<TrainingClient>(shared_from_this(), model_id, next_seq_id);
+}
+
+// ---- TrajectoryStream ----
+
+TrajectoryStream::TrajectoryStream(std::shared_ptr<Connection> connection, int64_t seq_id)
+    : connection_(std::move(connection)), seq_id_(seq_id) {
+  PrepareContext(connection_->options(), context_);
+  writer_ = connection_->stub().StreamForwardBackward(&context_, &response_);
+}
+
+TrajectoryStream::~TrajectoryStream() {
+  if (finished_) return;
+  // Cancel rather than half-close: a half-close would ask the server to apply a partial stream.
+  context_.TryCancel();
+  writer_->Finish();
+}
+
+void TrajectoryStream::Close(absl::Status status) {
+  finished_ = true;
+  status_ = std::move(status);
+}
+
+absl::Status TrajectoryStream::Write(const tinkerd::v1::Datum& datum) {
+  if (finished_) {
+    return status_.ok() ? absl::FailedPreconditionError("Write on a finished TrajectoryStream")
+                        : status_;
+  }
+  tinkerd::v1::StreamForwardBackwardMessage message;
+  *message.mutable_datum() = datum;
+  if (writer_->Write(message)) return absl::OkStatus();
+  // A failed write only says the stream is gone; Finish has the server's reason.
+  absl::Status status = FromGrpc(writer_->Finish());
+  if (status.ok()) status = absl::UnknownError("stream closed before the client finished it");
+  Close(status);
+  return status;
+}
+
+absl::StatusOr<tinkerd::v1::ForwardBackwardOutput> TrajectoryStream::Finish() {
+  if (!finished_) {
+    writer_->WritesDone();
+    Close(FromGrpc(writer_->Finish()));
+  }
+  if (!status_.ok()) return status_;
+  return response_;
+}
+
+// ---- TrainingClient ----
+
+TrainingClient::TrainingClient(std::shared_ptr<Connection> connection, std::string model_id,
+                               int64_t next_seq_id)
+    : connection_(std::move(connection)),
+      model_id_(std::move(model_id)),
+      next_seq_id_(next_seq_id) {}
+
+std::future<absl::StatusOr<tinkerd::v1::ForwardBackwardOutput>> TrainingClient::SendForwardBackward(
+    std::vector<tinkerd::v1::Datum> data, tinkerd::v1::LossFn loss, bool backward) {
+  tinkerd::v1::ForwardBackwardRequest request;
+  request.set_model_id(model_id_);
+  request.set_seq_id(next_seq_id_.fetch_add(1));  // now, in the caller's thread: call order
+  request.mutable_data()->Reserve(static_cast<int>(data.size()));
+  for (auto& datum : data) *request.add_data() = std::move(datum);
+  *request.mutable_loss_fn() = std::move(loss);
+  auto method = backward ? &Tinkerd::Stub::ForwardBackward : &Tinkerd::Stub::Forward;
+  return std::async(std::launch::async,
+                    [connection = connection_, method, request = std::move(request)] {
+                      return Unary(connection->options(), connection->stub(), method, request);
+                    });
+}
+
+std::future<absl::StatusOr<tinkerd::v1::ForwardBackwardOutput>> TrainingClient::ForwardBackward(
+    std::vector<tinkerd::v1::Datum> data, tinkerd::v1::LossFn loss) {
+  return SendForwardBackward(std::move(data), std::move(loss), /*backward=*/true);
+}
+
+std::future<absl::StatusOr<tinkerd::v1::ForwardBackwardOutput>> TrainingClient::Forward(
+    std::vector<tinkerd::v1::Datum> data, tinkerd::v1::LossFn loss) {
+  return SendForwardBackward(std::move(data), std::move(loss), /*backward=*/false);
+}
+
+std::future<absl::StatusOr<tinkerd::v1::OptimStepResponse>> TrainingClient::OptimStep(
+    tinkerd::v1::AdamParams adam) {
+  tinkerd::v1::OptimStepRequest request;
+  request.set_model_id(model_id_);
+  request.set_seq_id(next_seq_id_.fetch_add(1));
+  *request.mutable_adam_params() = std::move(adam);
+  return std::async(std::launch::async, [connection = connection_, request = std::move(request)] {
+    return Unary(connection->options(), connection->stub(), &Tinkerd::Stub::OptimStep, request);
+  });
+}
+
+std::unique_ptr<TrajectoryStream> TrainingClient::StreamForwardBackward(tinkerd::v1::LossFn loss) {
+  std::unique_ptr<TrajectoryStream> stream(
+      new TrajectoryStream(connection_, next_seq_id_.fetch_add(1)));
+  tinkerd::v1::StreamForwardBackwardMessage header;
+  header.mutable_header()->set_model_id(model_id_);
+  header.mutable_header()->set_seq_id(stream->seq_id());
+  *header.mutable_header()->mutable_loss_fn() = std::move(loss);
+  if (!stream->writer_->Write(header)) {
+    absl::Status status = FromGrpc(stream->writer_->Finish());
+    if (status.ok()) status = absl::UnknownError("stream closed before its header was sent");
+    stream->Close(status);
+  }
+  return stream;
+}
+
+absl::StatusOr<tinkerd::v1::RetrieveResultResponse> TrainingClient::RetrieveResult(int64_t seq_id) {
+  tinkerd::v1::RetrieveResultRequest request;
+  request.set_model_id(model_id_);
+  request.set_seq_id(seq_id);
+  return Unary(connection_->options(), connection_->stub(), &Tinkerd::Stub::RetrieveResult,
+               request);
+}
+
+absl::StatusOr<tinkerd::v1::ModelInfo> TrainingClient::GetInfo() {
+  return connection_->GetInfo(model_id_);
+}
+
+// ---- Builders ----
+
+tinkerd::v1::Tensor Int64Tensor(const std::vector<int64_t>& values) {
+  tinkerd::v1::Tensor tensor;
+  tensor.set_dtype(tinkerd::v1::INT64);
+  tensor.add_shape(static_cast<int64_t>(values.size()));
+  std::string* data = tensor.mutable_data();
+  data->reserve(values.size() * 8);
+  for (int64_t v : values) {
+    const auto u = static_cast<uint64_t>(v);
+    for (int b = 0; b < 8; ++b) data->push_back(static_cast<char>(u >> (8 * b)));
+  }
+  return tensor;
+}
+
+tinkerd::v1::Tensor Float32Tensor(const std::vector<float>& values) {
+  tinkerd::v1::Tensor tensor;
+  tensor.set_dtype(tinkerd::v1::FLOAT32);
+  tensor.add_shape(static_cast<int64_t>(values.size()));
+  std::string* data = tensor.mutable_data();
+  data->reserve(values.size() * 4);
+  for (float v : values) {
+    const auto u = std::bit_cast<uint32_t>(v);
+    for (int b = 0; b < 4; ++b) data->push_back(static_cast<char>(u >> (8 * b)));
+  }
+  return tensor;
+}
+
+namespace {
+template <typename U>
+U LoadLittleEndian(const char* p) {
+  U u = 0;
+  for (size_t b = 0; b < sizeof(U); ++b)
+    u |= static_cast<U>(static_cast<unsigned char>(p[b])) << (8 * b);
+  return u;
+}
+}  // namespace
+
+std::vector<float> ToFloats(const tinkerd::v1::Tensor& tensor) {
+  std::vector<float> out;
+  if (tensor.dtype() != tinkerd::v1::FLOAT32) return out;
+  const std::string& data = tensor.data();
+  out.reserve(data.size() / 4);
+  for (size_t i = 0; i + 4 <= data.size(); i += 4) {
+    out.push_back(std::bit_cast<float>(LoadLittleEndian<uint32_t>(data.data() + i)));
+  }
+  return out;
+}
+
+std::vector<int64_t> ToInt64s(const tinkerd::v1::Tensor& tensor) {
+  std::vector<int64_t> out;
+  if (tensor.dtype() != tinkerd::v1::INT64) return out;
+  const std::string& data = tensor.data();
+  out.reserve(data.size() / 8);
+  for (size_t i = 0; i + 8 <= data.size(); i += 8) {
+    out.push_back(static_cast<int64_t>(LoadLittleEndian<uint64_t>(data.data() + i)));
+  }
+  return out;
+}
+
+tinkerd::v1::Datum MakeDatum(const std::vector<int64_t>& tokens,
+                             const std::map<std::string, tinkerd::v1::Tensor>& inputs) {
+  tinkerd::v1::Datum datum;
+  auto* chunk = datum.mutable_model_input()->add_chunks()->mutable_encoded_text();
+  chunk->mutable_tokens()->Add(tokens.begin(), tokens.end());
+  for (const auto& [name, tensor] : inputs) (*datum.mutable_loss_fn_inputs())[name] = tensor;
+  return datum;
+}
+
+}  // namespace tinkerd::client

@@ -1,0 +1,26 @@
+// Conversion between the wire types (tinkerd.v1) and the runner's types. Decoding checks the
+// encoding (dtype set, byte length a whole number of elements, shape agreeing with the data);
+// semantic checks (vocab, lengths, finiteness) are runner/validate.h's.
+#pragma once
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runner/types.h"
+#include "tinkerd/v1/tinkerd.pb.h"
+
+namespace tinkerd {
+
+absl::StatusOr<std::vector<Datum>> DatumsFromProto(
+    const google::protobuf::RepeatedPtrField<v1::Datum>& data, size_t first_index = 0);
+absl::StatusOr<Datum> DatumFromProto(const v1::Datum& d, size_t index);
+
+v1::Tensor Float32ToProto(const std::vector<float>& v);
+void ResultToProto(const ForwardBackwardResult& r, v1::ForwardBackwardOutput* out);
+void OptimStepToProto(const OptimStepResult& r, v1::OptimStepResponse* out);
+void InfoToProto(const ModelInfo& info, v1::ModelInfo* out);
+AdamParams AdamFromProto(const v1::AdamParams& p);
+absl::StatusOr<CreateModelOptions> CreateOptionsFromProto(const v1::CreateModelRequest& r);
+std::map<std::string, double> ConfigFromProto(const v1::LossFn& loss);
+
+}  // namespace tinkerd

@@ -1,0 +1,245 @@
+#include "server/scheduler.h"
+
+#include "absl/strings/str_cat.h"
+#include "runner/util/log.h"
+
+namespace tinkerd {
+
+Scheduler::Scheduler(SchedulerConfig config) : config_(config) {}
+
+Scheduler::~Scheduler() { Stop(absl::ZeroDuration()); }
+
+void Scheduler::Start() { thread_ = std::thread([this] { Loop(); }); }
+
+void Scheduler::Stop(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopping_) {
+      accepting_ = false;
+      stopping_ = true;
+      stop_deadline_ = absl::Now() + grace;
+    }
+    wake_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void Scheduler::AddModel(const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  queues_[model_id];
+}
+
+void Scheduler::RemoveModel(const std::string& model_id) {
+  std::vector<std::pair<JobCallback, JobResult>> calls;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = queues_.find(model_id);
+    if (it == queues_.end()) return;
+    Queue& q = it->second;
+    q.removed = true;
+    const absl::Status gone = absl::NotFoundError(absl::StrCat("model ", model_id, " was deleted"));
+    for (auto p = q.pending.begin(); p != q.pending.end();) {
+      if (p->second.running) {
+        ++p;
+        continue;
+      }
+      for (auto& w : p->second.waiters) calls.emplace_back(std::move(w), gone);
+      if (p->second.spec.on_drop) p->second.spec.on_drop();
+      p = q.pending.erase(p);
+    }
+    if (q.pending.empty()) queues_.erase(it);
+  }
+  for (auto& [cb, r] : calls) cb(r);
+}
+
+bool Scheduler::HasModel(const std::string& model_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(model_id);
+  return it != queues_.end() && !it->second.removed;
+}
+
+std::vector<std::string> Scheduler::Models() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> out;
+  for (const auto& [id, q] : queues_) {
+    if (!q.removed) out.push_back(id);
+  }
+  return out;
+}
+
+absl::StatusOr<int64_t> Scheduler::NextSeqId(const std::string& model_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(model_id);
+  if (it == queues_.end() || it->second.removed) {
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+  }
+  return it->second.next_seq;
+}
+
+void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
+                       JobCallback done) {
+  JobResult immediate = absl::UnknownError("unset");
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = queues_.find(model_id);
+    if (seq_id < 1) {
+      immediate = absl::InvalidArgumentError(absl::StrCat("seq_id: must be >= 1, got ", seq_id));
+    } else if (it == queues_.end() || it->second.removed) {
+      immediate = absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    } else {
+      Queue& q = it->second;
+      auto cached = q.done.find(seq_id);
+      auto pending = q.pending.find(seq_id);
+      const absl::Status conflict = absl::AlreadyExistsError(absl::StrCat(
+          "seq_id ", seq_id, " of model ", model_id,
+          " was already used for a different request; a retry must resend the same payload"));
+      if (cached != q.done.end()) {
+        immediate = cached->second.first == job.payload_hash ? cached->second.second : conflict;
+      } else if (pending != q.pending.end()) {
+        if (pending->second.spec.payload_hash != job.payload_hash) {
+          immediate = conflict;
+        } else {
+          pending->second.waiters.push_back(std::move(done));  // a retry joins the original
+          return;
+        }
+      } else if (seq_id < q.next_seq) {
+        immediate = absl::FailedPreconditionError(absl::StrCat(
+            "seq_id ", seq_id, " of model ", model_id,
+            " was applied already and its result has left the cache; next seq_id is ", q.next_seq));
+      } else if (!accepting_) {
+        immediate = absl::UnavailableError("server is shutting down");
+      } else if (static_cast<int>(q.pending.size()) >= config_.max_pending_per_model) {
+        immediate = absl::ResourceExhaustedError(
+            absl::StrCat("model ", model_id, " has ", q.pending.size(),
+                         " queued requests (the limit); retry later"));
+      } else {
+        Pending p;
+        p.spec = std::move(job);
+        p.waiters.push_back(std::move(done));
+        p.enqueued = absl::Now();
+        q.pending.emplace(seq_id, std::move(p));
+        wake_ = true;
+        return;
+      }
+    }
+  }
+  if (job.on_drop) job.on_drop();
+  done(immediate);
+}
+
+void Scheduler::Wake() {
+  absl::MutexLock lock(&mu_);
+  wake_ = true;
+}
+
+JobResult Scheduler::Retrieve(const std::string& model_id, int64_t seq_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(model_id);
+  if (it == queues_.end()) return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+  auto d = it->second.done.find(seq_id);
+  if (d != it->second.done.end()) return d->second.second;
+  if (seq_id >= it->second.next_seq) {
+    return absl::FailedPreconditionError(absl::StrCat("seq_id ", seq_id, " has not finished yet"));
+  }
+  return absl::NotFoundError(absl::StrCat("seq_id ", seq_id, ": result no longer cached"));
+}
+
+std::pair<Scheduler::Queue*, Scheduler::Pending*> Scheduler::PickLocked(std::string* model) {
+  if (queues_.empty()) return {nullptr, nullptr};
+  // Round-robin: start just after the model served last.
+  auto start = queues_.upper_bound(last_served_);
+  for (size_t n = 0; n < queues_.size(); ++n, ++start) {
+    if (start == queues_.end()) start = queues_.begin();
+    Queue& q = start->second;
+    auto head = q.pending.find(q.next_seq);
+    if (head == q.pending.end()) continue;
+    if (head->second.spec.ready && !head->second.spec.ready()) continue;
+    *model = start->first;
+    return {&q, &head->second};
+  }
+  return {nullptr, nullptr};
+}
+
+void Scheduler::ExpireLocked(std::vector<std::pair<JobCallback, JobResult>>* calls) {
+  const absl::Time now = absl::Now();
+  for (auto& [id, q] : queues_) {
+    for (auto p = q.pending.begin(); p != q.pending.end();) {
+      const bool blocked = p->first > q.next_seq;
+      if (blocked && now - p->second.enqueued > config_.order_timeout) {
+        const absl::Status st = absl::DeadlineExceededError(absl::StrCat(
+            "seq_id ", p->first, " of model ", id, " waited ",
+            absl::FormatDuration(config_.order_timeout), " for seq_id ", q.next_seq,
+            ", which never arrived; send it (or retry this request after it)"));
+        for (auto& w : p->second.waiters) calls->emplace_back(std::move(w), st);
+        if (p->second.spec.on_drop) p->second.spec.on_drop();
+        p = q.pending.erase(p);
+      } else {
+        ++p;
+      }
+    }
+  }
+}
+
+void Scheduler::Loop() {
+  std::vector<std::pair<JobCallback, JobResult>> calls;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    ExpireLocked(&calls);
+    std::string model;
+    auto [q, job] = PickLocked(&model);
+    const bool past_deadline = stopping_ && absl::Now() >= stop_deadline_;
+    if (job == nullptr || past_deadline) {
+      if (stopping_ && (past_deadline || [&] {
+            for (auto& [id, qq] : queues_) {
+              if (qq.pending.count(qq.next_seq)) return false;  // a stream may still get data
+            }
+            return true;
+          }())) {
+        break;
+      }
+      if (!calls.empty()) {
+        mu_.Unlock();
+        for (auto& [cb, r] : calls) cb(r);
+        calls.clear();
+        mu_.Lock();
+        continue;
+      }
+      // Poll at least every 50 ms so order timeouts and the stop deadline are noticed.
+      mu_.AwaitWithTimeout(absl::Condition(&wake_), absl::Milliseconds(50));
+      wake_ = false;
+      continue;
+    }
+    job->running = true;
+    const int64_t seq = q->next_seq;
+    std::function<JobStep()> run = job->spec.run;
+    mu_.Unlock();
+    for (auto& [cb, r] : calls) cb(r);
+    calls.clear();
+    JobStep step = run();
+    mu_.Lock();
+    last_served_ = model;
+    job->running = false;
+    if (!step.done) continue;
+    // Finished: cache the result, advance the model, answer every waiter (retries included).
+    for (auto& w : job->waiters) calls.emplace_back(std::move(w), step.result);
+    q->done[seq] = {job->spec.payload_hash, step.result};
+    while (static_cast<int>(q->done.size()) > config_.result_cache_per_model) q->done.erase(q->done.begin());
+    q->pending.erase(seq);
+    q->next_seq = seq + 1;
+    if (q->removed && q->pending.empty()) queues_.erase(model);
+  }
+  // Whatever could not run in time fails, so no client waits forever.
+  for (auto& [id, q] : queues_) {
+    for (auto& [seq, p] : q.pending) {
+      for (auto& w : p.waiters) calls.emplace_back(std::move(w), absl::UnavailableError("server shut down before this request ran"));
+      if (p.spec.on_drop) p.spec.on_drop();
+    }
+    q.pending.clear();
+  }
+  mu_.Unlock();
+  for (auto& [cb, r] : calls) cb(r);
+  mu_.Lock();
+  TLOG_INFO("scheduler stopped");
+}
+
+}  // namespace tinkerd

@@ -1,0 +1,109 @@
+// The scheduler: one thread that owns the runner and applies each model's requests in seq_id
+// order, serving models round-robin.
+//
+// Per model: requests wait in an ordered queue until every earlier seq_id was applied (or time
+// out with DEADLINE_EXCEEDED, the slot left open for a retry). Each result stays in a bounded
+// cache keyed by seq_id, with a hash of the request: a retry with the same key and payload gets
+// that result (or joins the one in flight) and is never applied twice; the same key with another
+// payload gets ALREADY_EXISTS. Past `max_pending_per_model` queued requests, RESOURCE_EXHAUSTED.
+//
+// Thread-safety: every public method may be called from any thread (gRPC handlers). Completion
+// callbacks run on the scheduler thread or, for immediate answers, on the caller's thread; they
+// must not block.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "tinkerd/v1/tinkerd.pb.h"
+
+namespace tinkerd {
+
+using JobResult = absl::StatusOr<v1::RetrieveResultResponse>;
+using JobCallback = std::function<void(const JobResult&)>;
+
+// One step of a job. A unary request finishes in one step; a stream yields (done = false) until
+// its client closes it, letting other models run meanwhile.
+struct JobStep {
+  bool done = true;
+  JobResult result = absl::UnknownError("unset");
+};
+
+struct JobSpec {
+  uint64_t payload_hash = 0;
+  std::function<JobStep()> run;   // on the scheduler thread
+  std::function<bool()> ready;    // null: always ready; else polled before each step
+  std::function<void()> on_drop;  // called if the job is dropped without finishing (optional)
+};
+
+struct SchedulerConfig {
+  int max_pending_per_model = 64;
+  int result_cache_per_model = 256;
+  absl::Duration order_timeout = absl::Seconds(60);
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerConfig config);
+  ~Scheduler();  // Stop()s
+
+  void Start();
+  // Stops taking requests (UNAVAILABLE), finishes every job that can run within `grace`, fails
+  // the rest with UNAVAILABLE, and joins the thread.
+  void Stop(absl::Duration grace);
+
+  void AddModel(const std::string& model_id);
+  // Fails the model's queued requests with NOT_FOUND (a running one completes first).
+  void RemoveModel(const std::string& model_id);
+  bool HasModel(const std::string& model_id) const;
+  std::vector<std::string> Models() const;
+  // The next seq_id the model will apply, or NOT_FOUND.
+  absl::StatusOr<int64_t> NextSeqId(const std::string& model_id) const;
+
+  // Calls `done` exactly once with the job's result (or the reason it was not run).
+  void Submit(const std::string& model_id, int64_t seq_id, JobSpec job, JobCallback done);
+  // Wakes the thread to re-check `ready` predicates (a stream received data).
+  void Wake();
+  // A finished result again, from the cache.
+  JobResult Retrieve(const std::string& model_id, int64_t seq_id) const;
+
+ private:
+  struct Pending {
+    JobSpec spec;
+    std::vector<JobCallback> waiters;
+    absl::Time enqueued;
+    bool running = false;
+  };
+  struct Queue {
+    int64_t next_seq = 1;
+    std::map<int64_t, Pending> pending;
+    std::map<int64_t, std::pair<uint64_t, JobResult>> done;  // bounded cache
+    bool removed = false;
+  };
+
+  void Loop();
+  // Under mu_: the next runnable (model, job) in round-robin order, or nulls.
+  std::pair<Queue*, Pending*> PickLocked(std::string* model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_: fails out-of-order jobs that waited longer than order_timeout.
+  void ExpireLocked(std::vector<std::pair<JobCallback, JobResult>>* calls)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SchedulerConfig config_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Queue> queues_ ABSL_GUARDED_BY(mu_);
+  std::string last_served_ ABSL_GUARDED_BY(mu_);
+  bool accepting_ ABSL_GUARDED_BY(mu_) = true;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace tinkerd

@@ -1,0 +1,81 @@
+#include "server/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "runner/util/log.h"
+
+namespace tinkerd {
+
+absl::Status ServerConfig::Validate() const {
+  if (listen_address.empty()) return absl::InvalidArgumentError("server: listen address is empty");
+  if (max_message_bytes < 1024) return absl::InvalidArgumentError("server: max_message_bytes < 1 KiB");
+  if (scheduler.max_pending_per_model < 1) return absl::InvalidArgumentError("server: max_pending_per_model < 1");
+  if (scheduler.result_cache_per_model < 1) return absl::InvalidArgumentError("server: result_cache_per_model < 1");
+  if (scheduler.order_timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("server: order_timeout <= 0");
+  return absl::OkStatus();
+}
+
+std::string ServerConfig::DebugString() const {
+  return absl::StrFormat(
+      "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
+      "result_cache_per_model=%d order_timeout=%s",
+      listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
+      scheduler.max_pending_per_model, scheduler.result_cache_per_model,
+      absl::FormatDuration(scheduler.order_timeout));
+}
+
+absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
+    const ServerConfig& config, std::unique_ptr<ModelRunner> runner) {
+  if (auto st = config.Validate(); !st.ok()) return st;
+  std::unique_ptr<TinkerdServer> s(new TinkerdServer());
+  s->config_ = config;
+  s->runner_ = std::move(runner);
+  s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
+  s->service_ = std::make_unique<TinkerdService>(s->runner_.get(), s->scheduler_.get(),
+                                                 s->runner_->limits());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen_address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.SetMaxReceiveMessageSize(config.max_message_bytes);
+  builder.SetMaxSendMessageSize(config.max_message_bytes);
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen_address));
+  }
+  s->scheduler_->Start();
+  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  TLOG_INFO("tinkerd serving on port {} | {}", s->port_, config.DebugString());
+  return s;
+}
+
+void TinkerdServer::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  TLOG_INFO("shutting down: not serving; finishing accepted work (grace {})",
+            absl::FormatDuration(config_.shutdown_grace));
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  // Order matters: the RPCs in flight wait on the scheduler, so it keeps running while gRPC
+  // stops accepting and waits for them; then the scheduler is stopped.
+  std::thread drain([this] { scheduler_->Stop(config_.shutdown_grace); });
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    absl::ToChronoSeconds(config_.shutdown_grace));
+  drain.join();
+  server_->Wait();
+  TLOG_INFO("shut down");
+}
+
+TinkerdServer::~TinkerdServer() {
+  if (server_) Shutdown();
+}
+
+}  // namespace tinkerd

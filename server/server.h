@@ -1,0 +1,40 @@
+// TinkerdServer: the gRPC server, its scheduler and health service around one ModelRunner.
+// Used by the tinkerd binary and, in process on a loopback port, by the e2e tests.
+#pragma once
+
+#include <grpcpp/server.h>
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "runner/model_runner.h"
+#include "server/scheduler.h"
+#include "server/server_config.h"
+#include "server/service.h"
+
+namespace tinkerd {
+
+class TinkerdServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<TinkerdServer>> Start(const ServerConfig& config,
+                                                              std::unique_ptr<ModelRunner> runner);
+  ~TinkerdServer();  // Shutdown()
+
+  int port() const { return port_; }
+  // Graceful stop, as on SIGTERM: health turns NOT_SERVING, new requests are refused, requests
+  // already accepted run to completion within the grace period, then everything stops.
+  void Shutdown();
+  ModelRunner* runner() const { return runner_.get(); }
+
+ private:
+  TinkerdServer() = default;
+  ServerConfig config_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<TinkerdService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace tinkerd

@@ -1,0 +1,22 @@
+// Typed configuration of the gRPC front end; set from flags in tinkerd_main.cc, logged at start.
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "server/scheduler.h"
+
+namespace tinkerd {
+
+struct ServerConfig {
+  std::string listen_address = "127.0.0.1:50051";  // port 0 picks a free port
+  int max_message_bytes = 256 << 20;  // larger requests get RESOURCE_EXHAUSTED from gRPC
+  absl::Duration shutdown_grace = absl::Seconds(30);
+  SchedulerConfig scheduler;
+
+  absl::Status Validate() const;
+  std::string DebugString() const;
+};
+
+}  // namespace tinkerd

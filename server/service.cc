@@ -1,0 +1,344 @@
+#include "server/service.h"
+
+#include <deque>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
+#include "absl/strings/str_cat.h"
+#include "runner/loss/loss_spec.h"
+#include "server/convert.h"
+#include "server/status_map.h"
+
+namespace tinkerd {
+
+uint64_t PayloadHash(const google::protobuf::Message& m) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream out(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.SetSerializationDeterministic(true);  // map order must not change the hash
+    m.SerializeToCodedStream(&coded);
+  }
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+TinkerdService::TinkerdService(ModelRunner* runner, Scheduler* scheduler, ModelLimits limits)
+    : runner_(runner), scheduler_(scheduler), limits_(limits) {}
+
+grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContext* ctx,
+                                                      const v1::CreateModelRequest* req,
+                                                      v1::ModelInfo* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = [&]() -> absl::Status {
+    auto opts = CreateOptionsFromProto(*req);
+    if (!opts.ok()) return opts.status();
+    auto id = runner_->CreateModel(*opts);
+    if (!id.ok()) return id.status();
+    scheduler_->AddModel(*id);
+    auto info = runner_->GetInfo(*id);
+    if (!info.ok()) return info.status();
+    InfoToProto(*info, resp);
+    resp->set_next_seq_id(1);
+    return absl::OkStatus();
+  }();
+  reactor->Finish(ToGrpcStatus(st));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* ctx,
+                                                  const v1::ModelRef* req, v1::ModelInfo* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = [&]() -> absl::Status {
+    auto next = scheduler_->NextSeqId(req->model_id());
+    if (!next.ok()) return next.status();
+    auto info = runner_->GetInfo(req->model_id());
+    if (!info.ok()) return info.status();
+    InfoToProto(*info, resp);
+    resp->set_next_seq_id(*next);
+    return absl::OkStatus();
+  }();
+  reactor->Finish(ToGrpcStatus(st));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext* ctx,
+                                                     const v1::ListModelsRequest*,
+                                                     v1::ListModelsResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  for (const std::string& id : scheduler_->Models()) {
+    auto info = runner_->GetInfo(id);
+    auto next = scheduler_->NextSeqId(id);
+    if (!info.ok() || !next.ok()) continue;  // deleted meanwhile
+    v1::ModelInfo* m = resp->add_models();
+    InfoToProto(*info, m);
+    m->set_next_seq_id(*next);
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::DeleteModel(grpc::CallbackServerContext* ctx,
+                                                      const v1::ModelRef* req,
+                                                      v1::DeleteModelResponse*) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = absl::OkStatus();
+  if (!scheduler_->HasModel(req->model_id())) {
+    st = absl::NotFoundError(absl::StrCat("model_id: no model '", req->model_id(), "'"));
+  } else {
+    scheduler_->RemoveModel(req->model_id());
+    st = runner_->DeleteModel(req->model_id());
+  }
+  reactor->Finish(ToGrpcStatus(st));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ctx,
+                                                 const v1::ForwardBackwardRequest* req,
+                                                 v1::ForwardBackwardOutput* resp, bool backward) {
+  auto* reactor = ctx->DefaultReactor();
+  // Validate everything now, before queueing. An invalid request still takes its seq_id slot
+  // (answered with the error) so the model's later requests are not held up behind it.
+  absl::Status invalid = [&]() -> absl::Status {
+    auto loss = ResolveLoss(req->loss_fn().name(), ConfigFromProto(req->loss_fn()));
+    if (!loss.ok()) return loss.status();
+    auto data = DatumsFromProto(req->data());
+    if (!data.ok()) return data.status();
+    return ValidateData(*data, *loss->spec, limits_);
+  }();
+  auto request = std::make_shared<v1::ForwardBackwardRequest>(*req);
+  JobSpec job;
+  job.payload_hash = PayloadHash(*req) ^ (backward ? 0x9e3779b97f4a7c15ull : 0);
+  ModelRunner* runner = runner_;
+  job.run = [runner, request, invalid, backward]() -> JobStep {
+    if (!invalid.ok()) return {true, invalid};
+    auto data = DatumsFromProto(request->data());
+    if (!data.ok()) return {true, data.status()};
+    const std::string& loss = request->loss_fn().name();
+    const auto cfg = ConfigFromProto(request->loss_fn());
+    auto r = backward ? runner->ForwardBackward(request->model_id(), *data, loss, cfg)
+                      : runner->Forward(request->model_id(), *data, loss, cfg);
+    if (!r.ok()) return {true, r.status()};
+    v1::RetrieveResultResponse out;
+    ResultToProto(*r, out.mutable_forward_backward());
+    return {true, out};
+  };
+  scheduler_->Submit(req->model_id(), req->seq_id(), std::move(job),
+                     [reactor, resp](const JobResult& r) {
+                       if (r.ok()) *resp = r->forward_backward();
+                       reactor->Finish(ToGrpcStatus(r.status()));
+                     });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::Forward(grpc::CallbackServerContext* ctx,
+                                                  const v1::ForwardBackwardRequest* req,
+                                                  v1::ForwardBackwardOutput* resp) {
+  return FwdBwd(ctx, req, resp, /*backward=*/false);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ForwardBackward(grpc::CallbackServerContext* ctx,
+                                                          const v1::ForwardBackwardRequest* req,
+                                                          v1::ForwardBackwardOutput* resp) {
+  return FwdBwd(ctx, req, resp, /*backward=*/true);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext* ctx,
+                                                    const v1::OptimStepRequest* req,
+                                                    v1::OptimStepResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  const AdamParams params = AdamFromProto(req->adam_params());
+  JobSpec job;
+  job.payload_hash = PayloadHash(*req);
+  ModelRunner* runner = runner_;
+  const std::string model_id = req->model_id();
+  job.run = [runner, model_id, params]() -> JobStep {
+    auto r = runner->OptimStep(model_id, params);
+    if (!r.ok()) return {true, r.status()};
+    v1::RetrieveResultResponse out;
+    OptimStepToProto(*r, out.mutable_optim_step());
+    return {true, out};
+  };
+  scheduler_->Submit(model_id, req->seq_id(), std::move(job), [reactor, resp](const JobResult& r) {
+    if (r.ok()) *resp = r->optim_step();
+    reactor->Finish(ToGrpcStatus(r.status()));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::RetrieveResult(grpc::CallbackServerContext* ctx,
+                                                         const v1::RetrieveResultRequest* req,
+                                                         v1::RetrieveResultResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  JobResult r = scheduler_->Retrieve(req->model_id(), req->seq_id());
+  if (r.ok()) *resp = *r;
+  reactor->Finish(ToGrpcStatus(r.status()));
+  return reactor;
+}
+
+namespace {
+
+// What a stream's reactor (gRPC threads) and its job (scheduler thread) share.
+struct StreamState {
+  absl::Mutex mu;
+  std::deque<Datum> queue ABSL_GUARDED_BY(mu);
+  bool closed ABSL_GUARDED_BY(mu) = false;  // the client sent every datum
+  absl::Status error ABSL_GUARDED_BY(mu);   // a bad datum, or the client went away
+};
+
+// StreamForwardBackward: the header opens a job in the model's seq_id order; datums are
+// validated on arrival and queued; the job feeds them to the runner's stream (which runs full
+// micro-batches as they fill) and commits when the client closes the stream.
+class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBackwardMessage> {
+ public:
+  StreamReactor(TinkerdService* svc, v1::ForwardBackwardOutput* resp) : svc_(svc), resp_(resp) {
+    StartRead(&msg_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client closed its side (or the call ended)
+      if (!submitted_) {
+        FinishOnce(absl::InvalidArgumentError("stream: closed before its header"));
+      } else {
+        absl::MutexLock lock(&state_->mu);
+        state_->closed = true;
+      }
+      svc_->scheduler()->Wake();
+      return;
+    }
+    if (!submitted_) {
+      if (!msg_.has_header()) {
+        FinishOnce(absl::InvalidArgumentError("stream: the first message must be a header"));
+        return;
+      }
+      Open(msg_.header());
+      if (!submitted_) return;
+    } else if (!msg_.has_datum()) {
+      Fail(absl::InvalidArgumentError("stream: after the header, only datums may follow"));
+      return;
+    } else {
+      auto d = DatumFromProto(msg_.datum(), received_);
+      absl::Status st = d.status();
+      if (st.ok()) st = ValidateData({*d}, *loss_spec_, svc_->limits());
+      if (!st.ok()) {
+        Fail(absl::InvalidArgumentError(absl::StrCat("stream datum ", received_, ": ", st.message())));
+        return;
+      }
+      ++received_;
+      absl::MutexLock lock(&state_->mu);
+      state_->queue.push_back(std::move(*d));
+    }
+    svc_->scheduler()->Wake();
+    StartRead(&msg_);
+  }
+
+  void OnCancel() override {
+    if (state_) {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->error.ok()) state_->error = absl::CancelledError("stream: client cancelled");
+    }
+    svc_->scheduler()->Wake();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Open(const v1::StreamHeader& h) {
+    auto loss = ResolveLoss(h.loss_fn().name(), ConfigFromProto(h.loss_fn()));
+    if (!loss.ok()) {
+      FinishOnce(loss.status());
+      return;
+    }
+    loss_spec_ = loss->spec;
+    state_ = std::make_shared<StreamState>();
+    auto state = state_;
+    ModelRunner* runner = svc_->runner();
+    auto stream_id = std::make_shared<int64_t>(0);
+    const std::string model_id = h.model_id();
+    const std::string loss_name = h.loss_fn().name();
+    const auto cfg = ConfigFromProto(h.loss_fn());
+    JobSpec job;
+    job.payload_hash = PayloadHash(h);
+    job.ready = [state] {
+      absl::MutexLock lock(&state->mu);
+      return !state->queue.empty() || state->closed || !state->error.ok();
+    };
+    job.run = [state, runner, stream_id, model_id, loss_name, cfg]() -> JobStep {
+      std::vector<Datum> batch;
+      bool closed;
+      absl::Status error;
+      {
+        absl::MutexLock lock(&state->mu);
+        batch.assign(std::make_move_iterator(state->queue.begin()),
+                     std::make_move_iterator(state->queue.end()));
+        state->queue.clear();
+        closed = state->closed;
+        error = state->error;
+      }
+      auto fail = [&](absl::Status st) -> JobStep {
+        if (*stream_id) runner->AbortStream(*stream_id);
+        return {true, st};
+      };
+      if (!error.ok()) return fail(error);
+      if (*stream_id == 0) {
+        auto sid = runner->BeginStream(model_id, loss_name, cfg);
+        if (!sid.ok()) return {true, sid.status()};
+        *stream_id = *sid;
+      }
+      if (!batch.empty()) {
+        if (auto st = runner->StreamAppend(*stream_id, std::move(batch)); !st.ok()) return fail(st);
+      }
+      if (!closed) return {false, absl::OkStatus()};
+      auto r = runner->FinishStream(*stream_id);
+      if (!r.ok()) return {true, r.status()};
+      v1::RetrieveResultResponse out;
+      ResultToProto(*r, out.mutable_forward_backward());
+      return {true, out};
+    };
+    job.on_drop = [runner, stream_id] {
+      if (*stream_id) runner->AbortStream(*stream_id);
+    };
+    submitted_ = true;
+    svc_->scheduler()->Submit(model_id, h.seq_id(), std::move(job), [this](const JobResult& r) {
+      if (r.ok()) *resp_ = r->forward_backward();
+      FinishOnce(r.status());
+    });
+  }
+
+  // A bad datum: the job sees the error and answers with it, keeping the seq_id order intact.
+  void Fail(absl::Status st) {
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->error.ok()) state_->error = st;
+    }
+    svc_->scheduler()->Wake();
+  }
+
+  void FinishOnce(const absl::Status& st) {
+    absl::MutexLock lock(&finish_mu_);
+    if (finished_) return;
+    finished_ = true;
+    Finish(ToGrpcStatus(st));
+  }
+
+  TinkerdService* svc_;
+  v1::ForwardBackwardOutput* resp_;
+  v1::StreamForwardBackwardMessage msg_;
+  std::shared_ptr<StreamState> state_;
+  const LossSpec* loss_spec_ = nullptr;
+  bool submitted_ = false;
+  size_t received_ = 0;
+  absl::Mutex finish_mu_;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<v1::StreamForwardBackwardMessage>* TinkerdService::StreamForwardBackward(
+    grpc::CallbackServerContext*, v1::ForwardBackwardOutput* resp) {
+  return new StreamReactor(this, resp);
+}
+
+}  // namespace tinkerd

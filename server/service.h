@@ -1,0 +1,61 @@
+// The gRPC service (callback API). Handlers validate a request completely before it is queued,
+// then hand it to the scheduler; the runner is only ever driven from the scheduler thread (model
+// management aside, which the runner serializes itself).
+#pragma once
+
+#include <memory>
+
+#include "runner/model_runner.h"
+#include "runner/validate.h"
+#include "server/scheduler.h"
+#include "tinkerd/v1/tinkerd.grpc.pb.h"
+
+namespace tinkerd {
+
+class TinkerdService final : public v1::Tinkerd::CallbackService {
+ public:
+  TinkerdService(ModelRunner* runner, Scheduler* scheduler, ModelLimits limits);
+
+  grpc::ServerUnaryReactor* CreateModel(grpc::CallbackServerContext* ctx,
+                                        const v1::CreateModelRequest* req,
+                                        v1::ModelInfo* resp) override;
+  grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+                                    v1::ModelInfo* resp) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
+                                       const v1::ListModelsRequest* req,
+                                       v1::ListModelsResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteModel(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+                                        v1::DeleteModelResponse* resp) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
+                                    const v1::ForwardBackwardRequest* req,
+                                    v1::ForwardBackwardOutput* resp) override;
+  grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* ctx,
+                                            const v1::ForwardBackwardRequest* req,
+                                            v1::ForwardBackwardOutput* resp) override;
+  grpc::ServerReadReactor<v1::StreamForwardBackwardMessage>* StreamForwardBackward(
+      grpc::CallbackServerContext* ctx, v1::ForwardBackwardOutput* resp) override;
+  grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* ctx,
+                                      const v1::OptimStepRequest* req,
+                                      v1::OptimStepResponse* resp) override;
+  grpc::ServerUnaryReactor* RetrieveResult(grpc::CallbackServerContext* ctx,
+                                           const v1::RetrieveResultRequest* req,
+                                           v1::RetrieveResultResponse* resp) override;
+
+  ModelRunner* runner() const { return runner_; }
+  Scheduler* scheduler() const { return scheduler_; }
+  const ModelLimits& limits() const { return limits_; }
+
+ private:
+  grpc::ServerUnaryReactor* FwdBwd(grpc::CallbackServerContext* ctx,
+                                   const v1::ForwardBackwardRequest* req,
+                                   v1::ForwardBackwardOutput* resp, bool backward);
+
+  ModelRunner* runner_;
+  Scheduler* scheduler_;
+  ModelLimits limits_;
+};
+
+// FNV-1a over the deterministic serialization: the idempotency check of (model_id, seq_id).
+uint64_t PayloadHash(const google::protobuf::Message& m);
+
+}  // namespace tinkerd
