@@ -86,67 +86,44 @@ absl::StatusOr<int> ParseHealthStatus(const grpc::ByteBuffer& buffer) {
   return serving_status;
 }
 
+// Both enums use the canonical numbering (0..16), so a cast is the mapping; checked here once.
+constexpr bool SameNumbering() {
+  using G = grpc::StatusCode;
+  using A = absl::StatusCode;
+  constexpr std::pair<G, A> kPairs[] = {
+      {G::CANCELLED, A::kCancelled},
+      {G::UNKNOWN, A::kUnknown},
+      {G::INVALID_ARGUMENT, A::kInvalidArgument},
+      {G::DEADLINE_EXCEEDED, A::kDeadlineExceeded},
+      {G::NOT_FOUND, A::kNotFound},
+      {G::ALREADY_EXISTS, A::kAlreadyExists},
+      {G::PERMISSION_DENIED, A::kPermissionDenied},
+      {G::RESOURCE_EXHAUSTED, A::kResourceExhausted},
+      {G::FAILED_PRECONDITION, A::kFailedPrecondition},
+      {G::ABORTED, A::kAborted},
+      {G::OUT_OF_RANGE, A::kOutOfRange},
+      {G::UNIMPLEMENTED, A::kUnimplemented},
+      {G::INTERNAL, A::kInternal},
+      {G::UNAVAILABLE, A::kUnavailable},
+      {G::DATA_LOSS, A::kDataLoss},
+      {G::UNAUTHENTICATED, A::kUnauthenticated},
+  };
+  for (const auto& [g, a] : kPairs) {
+    if (static_cast<int>(g) != static_cast<int>(a)) return false;
+  }
+  return true;
+}
+static_assert(SameNumbering());
+
 }  // namespace
 
 absl::Status FromGrpc(const grpc::Status& status) {
-  using G = grpc::StatusCode;
-  using A = absl::StatusCode;
-  A code = A::kUnknown;
-  switch (status.error_code()) {
-    case G::OK:
-      return absl::OkStatus();
-    case G::CANCELLED:
-      code = A::kCancelled;
-      break;
-    case G::UNKNOWN:
-      code = A::kUnknown;
-      break;
-    case G::INVALID_ARGUMENT:
-      code = A::kInvalidArgument;
-      break;
-    case G::DEADLINE_EXCEEDED:
-      code = A::kDeadlineExceeded;
-      break;
-    case G::NOT_FOUND:
-      code = A::kNotFound;
-      break;
-    case G::ALREADY_EXISTS:
-      code = A::kAlreadyExists;
-      break;
-    case G::PERMISSION_DENIED:
-      code = A::kPermissionDenied;
-      break;
-    case G::UNAUTHENTICATED:
-      code = A::kUnauthenticated;
-      break;
-    case G::RESOURCE_EXHAUSTED:
-      code = A::kResourceExhausted;
-      break;
-    case G::FAILED_PRECONDITION:
-      code = A::kFailedPrecondition;
-      break;
-    case G::ABORTED:
-      code = A::kAborted;
-      break;
-    case G::OUT_OF_RANGE:
-      code = A::kOutOfRange;
-      break;
-    case G::UNIMPLEMENTED:
-      code = A::kUnimplemented;
-      break;
-    case G::INTERNAL:
-      code = A::kInternal;
-      break;
-    case G::UNAVAILABLE:
-      code = A::kUnavailable;
-      break;
-    case G::DATA_LOSS:
-      code = A::kDataLoss;
-      break;
-    default:
-      break;
-  }
-  return absl::Status(code, status.error_message());
+  if (status.ok()) return absl::OkStatus();
+  const int code = static_cast<int>(status.error_code());
+  // Anything outside the canonical range (e.g. DO_NOT_USE) becomes UNKNOWN, not garbage.
+  const auto absl_code =
+      code >= 1 && code <= 16 ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
+  return absl::Status(absl_code, status.error_message());
 }
 
 absl::Status CallWithRetry(const ClientOptions& options,

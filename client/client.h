@@ -45,8 +45,7 @@ struct ClientOptions {
   int max_message_bytes = 256 << 20;
 };
 
-// Same code, same message. grpc::StatusCode and absl::StatusCode share the canonical numbering,
-// but the mapping is spelled out so an unknown value becomes UNKNOWN rather than garbage.
+// Same code, same message (both use the canonical codes); a non-canonical value becomes UNKNOWN.
 absl::Status FromGrpc(const grpc::Status& status);
 
 // The retry policy behind every unary call in this library; exposed so tests can drive it.
@@ -73,10 +72,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   static std::shared_ptr<Connection> CreateWithChannel(ClientOptions options,
                                                        std::shared_ptr<grpc::Channel> channel);
 
+  // Retried like every call, but creation has no idempotency key: if a reply is lost after the
+  // server created the model, the retry creates a second one and the first is orphaned.
   absl::StatusOr<tinkerd::v1::ModelInfo> CreateModel(
       const tinkerd::v1::CreateModelRequest& request);
   absl::StatusOr<tinkerd::v1::ModelInfo> GetInfo(const std::string& model_id);
   absl::StatusOr<std::vector<tinkerd::v1::ModelInfo>> ListModels();
+  // NOT_FOUND on a retry counts as success: an earlier attempt deleted it and lost the reply.
   absl::Status DeleteModel(const std::string& model_id);
   // grpc.health.v1 Check for the whole server (service ""): true when SERVING. A server without
   // the health service answers UNIMPLEMENTED, returned as that error.

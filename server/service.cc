@@ -290,7 +290,7 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
       if (!batch.empty()) {
         if (auto st = runner->StreamAppend(*stream_id, std::move(batch)); !st.ok()) return fail(st);
       }
-      if (!closed) return {false, absl::OkStatus()};
+      if (!closed) return JobStep{/*done=*/false};  // more datums to come: yield
       auto r = runner->FinishStream(*stream_id);
       if (!r.ok()) return {true, r.status()};
       v1::RetrieveResultResponse out;

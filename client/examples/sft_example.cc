@@ -17,10 +17,10 @@
 #include "runner/util/rng.h"  // header-only, no LibTorch
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address host:port");
-ABSL_FLAG(int, steps, 30, "optimizer steps");
+ABSL_FLAG(int, steps, 40, "optimizer steps");
 ABSL_FLAG(int, batch, 16, "sequences per step");
 ABSL_FLAG(int, seq_len, 48, "tokens per sequence");
-ABSL_FLAG(double, lr, 2e-3, "learning rate");
+ABSL_FLAG(double, lr, 5e-3, "learning rate");
 
 namespace {
 

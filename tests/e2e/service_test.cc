@@ -1,4 +1,6 @@
 // End to end: the real gRPC server on a loopback port, driven over the wire.
+#include <google/protobuf/util/message_differencer.h>
+
 #include <future>
 
 #include "tests/e2e/e2e_util.h"
@@ -52,7 +54,7 @@ TEST(E2E, RetryIsAppliedOnceAndConflictIsRefused) {
   ASSERT_TRUE(live.FwdBwd(req, &first).ok());
   const auto after_first = live.StateChecksum(model);
   ASSERT_TRUE(live.FwdBwd(req, &retry).ok());
-  EXPECT_EQ(first.SerializeAsString(), retry.SerializeAsString());
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(first, retry));
   EXPECT_EQ(live.StateChecksum(model), after_first);  // not applied twice
   EXPECT_EQ(live.Info(model).accumulated_tokens(), first.metrics().at("num_tokens:sum"));
 
@@ -68,7 +70,7 @@ TEST(E2E, RetryIsAppliedOnceAndConflictIsRefused) {
   rr.set_seq_id(1);
   v1::RetrieveResultResponse got;
   ASSERT_TRUE(live.stub->RetrieveResult(&ctx, rr, &got).ok());
-  EXPECT_EQ(got.forward_backward().SerializeAsString(), first.SerializeAsString());
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(got.forward_backward(), first));
 }
 
 TEST(E2E, OutOfOrderSeqIdsAreAppliedInOrder) {
