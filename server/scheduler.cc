@@ -108,7 +108,10 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
             " was applied already and its result has left the cache; next seq_id is ", q.next_seq));
       } else if (!accepting_) {
         immediate = absl::UnavailableError("server is shutting down");
-      } else if (static_cast<int>(q.pending.size()) >= config_.max_pending_per_model) {
+      } else if (static_cast<int>(q.pending.size()) >= config_.max_pending_per_model &&
+                 seq_id != q.next_seq) {
+        // The next seq_id is always admitted: it can run at once, and refusing it while later
+        // ones fill the queue would deadlock the model until they time out.
         immediate = absl::ResourceExhaustedError(
             absl::StrCat("model ", model_id, " has ", q.pending.size(),
                          " queued requests (the limit); retry later"));

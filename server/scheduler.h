@@ -5,7 +5,8 @@
 // out with DEADLINE_EXCEEDED, the slot left open for a retry). Each result stays in a bounded
 // cache keyed by seq_id, with a hash of the request: a retry with the same key and payload gets
 // that result (or joins the one in flight) and is never applied twice; the same key with another
-// payload gets ALREADY_EXISTS. Past `max_pending_per_model` queued requests, RESOURCE_EXHAUSTED.
+// payload gets ALREADY_EXISTS. Past `max_pending_per_model` queued requests, RESOURCE_EXHAUSTED
+// (except for the model's next seq_id, which is always admitted so a full queue cannot deadlock).
 //
 // Thread-safety: every public method may be called from any thread (gRPC handlers). Completion
 // callbacks run on the scheduler thread or, for immediate answers, on the caller's thread; they
