@@ -183,8 +183,8 @@ bool ParseFlags(int argc, char** argv, Flags* flags, bool* help) {
       value = arg.substr(eq + 1);
       has_value = true;
     }
-    auto it = std::find_if(table.begin(), table.end(),
-                           [&](const FlagDef& d) { return name == d.name; });
+    auto it =
+        std::find_if(table.begin(), table.end(), [&](const FlagDef& d) { return name == d.name; });
     if (it == table.end()) {
       std::fprintf(stderr, "unknown flag --%.*s (try --help)\n", static_cast<int>(name.size()),
                    name.data());
@@ -241,7 +241,8 @@ std::vector<Sequence> MakeBatch(const Flags& f) {
     // One stream of len+1 uniform tokens; the targets are the stream shifted by one, exactly as a
     // causal LM sees a document. Uniform tokens make the loss ~ln(vocab), which is all we need.
     std::vector<int64_t> stream(len + 1);
-    for (auto& t : stream) t = static_cast<int64_t>(tok_rng.Next() % static_cast<uint64_t>(f.vocab));
+    for (auto& t : stream)
+      t = static_cast<int64_t>(tok_rng.Next() % static_cast<uint64_t>(f.vocab));
     Sequence s;
     s.tokens.assign(stream.begin(), stream.end() - 1);
     s.targets.assign(stream.begin() + 1, stream.end());
@@ -273,11 +274,12 @@ absl::Status WriteBatch(const std::string& path, const std::vector<Sequence>& ba
 // FLOP accounting (bench/README.md, "FLOP convention"; torch_eager.py computes the same numbers).
 
 struct FlopCount {
-  int64_t total_params = 0;   // every base weight, embedding included
-  int64_t matmul_params = 0;  // weights used as matmul operands per token: layers' linears + lm_head
-  int64_t lora_params = 0;    // adapter parameters on q,k,v,o,gate,up,down
-  double linear_flops = 0;    // per step: 4·matmul_params·T + 6·lora_params·T
-  double attn_flops = 0;      // per step: 12·layers·heads·head_dim·Σ L_i²
+  int64_t total_params = 0;  // every base weight, embedding included
+  int64_t matmul_params =
+      0;                    // weights used as matmul operands per token: layers' linears + lm_head
+  int64_t lora_params = 0;  // adapter parameters on q,k,v,o,gate,up,down
+  double linear_flops = 0;  // per step: 4·matmul_params·T + 6·lora_params·T
+  double attn_flops = 0;    // per step: 12·layers·heads·head_dim·Σ L_i²
   double Total() const { return linear_flops + attn_flops; }
 };
 
@@ -293,8 +295,8 @@ FlopCount CountFlops(const tinkerd::ModelConfig& c, int64_t rank,
                    c.num_hidden_layers * (per_layer_linear + 2 * D) + D +
                    (c.attention_bias ? c.num_hidden_layers * (q + 2 * kv) : 0);
   // A rank-r adapter on a d_in -> d_out linear holds r·(d_in + d_out) parameters.
-  f.lora_params = c.num_hidden_layers * rank *
-                  ((D + q) + 2 * (D + kv) + (q + D) + 2 * (D + I) + (I + D));
+  f.lora_params =
+      c.num_hidden_layers * rank * ((D + q) + 2 * (D + kv) + (q + D) + 2 * (D + I) + (I + D));
   double tokens = 0, sum_sq = 0;
   for (const auto& s : batch) {
     auto L = static_cast<double>(s.tokens.size());
@@ -344,8 +346,9 @@ int Fail(const std::string& what, const absl::Status& st) {
 int Run(const Flags& f) {
   if (f.min_len < 1 || f.max_len < f.min_len || f.max_len > f.max_pos || f.num_seqs < 1 ||
       f.steps < 1 || f.warmup_steps < 0 || f.lora_rank < 1 || f.matmul_reps < 1) {
-    std::fprintf(stderr, "fwd_bwd_bench: need 1 <= min_len <= max_len <= max_pos, num_seqs >= 1, "
-                         "steps >= 1, warmup_steps >= 0, lora_rank >= 1, matmul_reps >= 1\n");
+    std::fprintf(stderr,
+                 "fwd_bwd_bench: need 1 <= min_len <= max_len <= max_pos, num_seqs >= 1, "
+                 "steps >= 1, warmup_steps >= 0, lora_rank >= 1, matmul_reps >= 1\n");
     return 2;
   }
   tinkerd::InitLogging(0);
@@ -467,10 +470,11 @@ int Run(const Flags& f) {
     // the same first_loss, a cheap check that both sides train the same model on the same data.
     if (step == 0) first_loss = loss;
     const bool timed = step >= f.warmup_steps;
-    std::printf("step %lld%s: %.3f s (forward_backward %.3f s, optim_step %.3f s) loss %.6f "
-                "%.0f tokens/s\n",
-                static_cast<long long>(step), timed ? "" : " (warm-up)", t_step, t_fb, t_opt, loss,
-                static_cast<double>(tokens_per_step) / t_step);
+    std::printf(
+        "step %lld%s: %.3f s (forward_backward %.3f s, optim_step %.3f s) loss %.6f "
+        "%.0f tokens/s\n",
+        static_cast<long long>(step), timed ? "" : " (warm-up)", t_step, t_fb, t_opt, loss,
+        static_cast<double>(tokens_per_step) / t_step);
     if (timed) {
       step_s.push_back(t_step);
       fb_s.push_back(t_fb);
@@ -485,16 +489,17 @@ int Run(const Flags& f) {
   const double tokens_per_s = static_cast<double>(tokens_per_step) / step_med;
   const double achieved_gflops = flops.Total() / step_med / 1e9;
   const double mfu = achieved_gflops / matmul_gflops;
-  std::printf("runner: median step %.3f s (forward_backward %.3f s, optim_step %.3f s) over %lld "
-              "steps: %.1f tokens/s, %.1f model GFLOP/s = %.1f%% of %.1f GFLOP/s matmul\n",
-              step_med, Median(fb_s), Median(optim_s), static_cast<long long>(f.steps),
-              tokens_per_s, achieved_gflops, 100.0 * mfu, matmul_gflops);
-  std::printf("flops per step: %.1f GFLOP (linear %.1f, attention %.1f); params %lld "
-              "(matmul %lld, lora %lld)\n",
-              flops.Total() / 1e9, flops.linear_flops / 1e9, flops.attn_flops / 1e9,
-              static_cast<long long>(flops.total_params),
-              static_cast<long long>(flops.matmul_params),
-              static_cast<long long>(flops.lora_params));
+  std::printf(
+      "runner: median step %.3f s (forward_backward %.3f s, optim_step %.3f s) over %lld "
+      "steps: %.1f tokens/s, %.1f model GFLOP/s = %.1f%% of %.1f GFLOP/s matmul\n",
+      step_med, Median(fb_s), Median(optim_s), static_cast<long long>(f.steps), tokens_per_s,
+      achieved_gflops, 100.0 * mfu, matmul_gflops);
+  std::printf(
+      "flops per step: %.1f GFLOP (linear %.1f, attention %.1f); params %lld "
+      "(matmul %lld, lora %lld)\n",
+      flops.Total() / 1e9, flops.linear_flops / 1e9, flops.attn_flops / 1e9,
+      static_cast<long long>(flops.total_params), static_cast<long long>(flops.matmul_params),
+      static_cast<long long>(flops.lora_params));
   std::printf(
       "{\"bench\":\"runner\",\"mode\":\"runner\",\"tokens_per_s\":%.3f,\"step_s\":%.6f,"
       "\"forward_backward_s\":%.6f,\"optim_step_s\":%.6f,\"mfu\":%.6f,\"matmul_gflops\":%.3f,"

@@ -31,7 +31,9 @@ auto Guarded(const char* what, F&& f) -> decltype(f()) {
   }
 }
 
-at::Tensor CloneTrainable(const at::Tensor& t) { return t.detach().clone().set_requires_grad(true); }
+at::Tensor CloneTrainable(const at::Tensor& t) {
+  return t.detach().clone().set_requires_grad(true);
+}
 
 }  // namespace
 
@@ -68,12 +70,13 @@ struct ModelRunner::Impl {
   }
 
   StepContext Context() const {
-    return {&model_config, &base, collectives.get(), dtype, config.micro_batch_tokens,
+    return {&model_config,          &base, collectives.get(), dtype, config.micro_batch_tokens,
             config.test_hooks.get()};
   }
   absl::StatusOr<Tenant*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = tenants.find(id);
-    if (it == tenants.end()) return absl::NotFoundError(absl::StrCat("model_id: no model '", id, "'"));
+    if (it == tenants.end())
+      return absl::NotFoundError(absl::StrCat("model_id: no model '", id, "'"));
     return &it->second;
   }
   ModelLimits Limits() const {
@@ -83,8 +86,12 @@ struct ModelRunner::Impl {
 
 ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelRunner::~ModelRunner() = default;
-const RunnerConfig& ModelRunner::config() const { return impl_->config; }
-ModelLimits ModelRunner::limits() const { return impl_->Limits(); }
+const RunnerConfig& ModelRunner::config() const {
+  return impl_->config;
+}
+ModelLimits ModelRunner::limits() const {
+  return impl_->Limits();
+}
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerConfig& config) {
   RETURN_IF_ERROR(config.Validate());
@@ -120,8 +127,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
 absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& options) {
   absl::MutexLock lock(&impl_->mu);
   if (static_cast<int>(impl_->tenants.size()) >= impl_->config.max_models) {
-    return absl::ResourceExhaustedError(absl::StrCat("create_model: the server holds its maximum of ",
-                                                     impl_->config.max_models, " models"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "create_model: the server holds its maximum of ", impl_->config.max_models, " models"));
   }
   return Guarded("create_model", [&]() -> absl::StatusOr<std::string> {
     Tenant t;

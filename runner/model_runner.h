@@ -42,10 +42,9 @@ class ModelRunner {
   std::vector<std::string> ListModels() const;
 
   // Logprobs of target_tokens and the loss metrics, without touching any state.
-  absl::StatusOr<ForwardBackwardResult> Forward(const std::string& model_id,
-                                                const std::vector<Datum>& data,
-                                                const std::string& loss_fn,
-                                                const std::map<std::string, double>& loss_fn_config);
+  absl::StatusOr<ForwardBackwardResult> Forward(
+      const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
+      const std::map<std::string, double>& loss_fn_config);
 
   // Accumulates the raw summed loss gradient of `data`. On error nothing is accumulated.
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(

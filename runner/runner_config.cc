@@ -5,8 +5,10 @@
 namespace tinkerd {
 
 absl::Status RunnerConfig::Validate() const {
-  if (base_model_path.empty()) return absl::InvalidArgumentError("runner: base_model_path is empty");
-  if (micro_batch_tokens < 1) return absl::InvalidArgumentError("runner: micro_batch_tokens must be >= 1");
+  if (base_model_path.empty())
+    return absl::InvalidArgumentError("runner: base_model_path is empty");
+  if (micro_batch_tokens < 1)
+    return absl::InvalidArgumentError("runner: micro_batch_tokens must be >= 1");
   if (num_threads < 0) return absl::InvalidArgumentError("runner: num_threads must be >= 0");
   if (max_models < 1) return absl::InvalidArgumentError("runner: max_models must be >= 1");
   return absl::OkStatus();

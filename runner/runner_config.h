@@ -18,8 +18,8 @@ struct RunnerConfig {
   ComputeDType compute_dtype = ComputeDType::kFloat32;
   // Token budget of one packed micro-batch. A single sequence longer than this runs alone.
   int64_t micro_batch_tokens = 4096;
-  int num_threads = 0;       // intra-op threads for LibTorch; 0 keeps LibTorch's default
-  int max_models = 64;       // tenants resident at once
+  int num_threads = 0;  // intra-op threads for LibTorch; 0 keeps LibTorch's default
+  int max_models = 64;  // tenants resident at once
   // Data-parallel hook; null means a single process (world size 1).
   std::shared_ptr<Collectives> collectives;
 

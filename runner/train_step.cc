@@ -36,7 +36,8 @@ at::Tensor GatherFloat(const std::vector<Datum>& data, const std::vector<int>& m
 at::Tensor GatherInt(const std::vector<Datum>& data, const std::vector<int>& mb, bool targets) {
   std::vector<int64_t> v;
   for (int i : mb) {
-    const auto& src = targets ? data[i].loss_fn_inputs.at("target_tokens").int64_data : data[i].tokens;
+    const auto& src =
+        targets ? data[i].loss_fn_inputs.at("target_tokens").int64_data : data[i].tokens;
     v.insert(v.end(), src.begin(), src.end());
   }
   return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kLong).clone();
@@ -79,7 +80,8 @@ void CallStage::Run(const std::vector<Datum>& data) {
     std::vector<double> mask, scale;
     for (int i : mb) {
       const auto& in = data[i].loss_fn_inputs;
-      const auto& src = in.count("mask") ? in.at("mask").float32_data : in.at(mask_key).float32_data;
+      const auto& src =
+          in.count("mask") ? in.at("mask").float32_data : in.at(mask_key).float32_data;
       int64_t n_i = 0;
       for (float v : src) n_i += (v != 0.0f);
       valid_tokens_ += n_i;
@@ -97,8 +99,8 @@ void CallStage::Run(const std::vector<Datum>& data) {
 
     at::Tensor logits_TV = ForwardLogits(*ctx_.config, WeightsOf(ctx_, tenant_),
                                          tenant_.lora ? &*tenant_.lora : nullptr, batch);
-    at::Tensor logp_T = logits_TV.gather(1, targets_T.unsqueeze(1)).squeeze(1) -
-                        at::logsumexp(logits_TV, 1);
+    at::Tensor logp_T =
+        logits_TV.gather(1, targets_T.unsqueeze(1)).squeeze(1) - at::logsumexp(logits_TV, 1);
     LossTokenInputs li{logp_T, {}, {}, {}};
     if (loss_.spec->name == "cross_entropy") {
       li.weights_T = GatherFloat(data, mb, "weights", dt);
@@ -171,8 +173,12 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, Tenant& t
   }
   double denominator = 1.0;
   switch (t.options.loss_reduction) {
-    case LossReduction::kTokenMean: denominator = static_cast<double>(t.accumulated_tokens); break;
-    case LossReduction::kSum: denominator = 1.0; break;
+    case LossReduction::kTokenMean:
+      denominator = static_cast<double>(t.accumulated_tokens);
+      break;
+    case LossReduction::kSum:
+      denominator = 1.0;
+      break;
     case LossReduction::kSeqMeanTokenMean:
     case LossReduction::kSeqMeanTokenSum:
       denominator = static_cast<double>(t.accumulated_sequences);

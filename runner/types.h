@@ -47,7 +47,7 @@ struct DatumOutput {
 };
 
 struct ForwardBackwardResult {
-  std::vector<DatumOutput> outputs;        // in the caller's datum order
+  std::vector<DatumOutput> outputs;       // in the caller's datum order
   std::map<std::string, double> metrics;  // keys are "name:reduction", e.g. "loss:sum"
 };
 
@@ -88,8 +88,8 @@ struct CreateModelOptions {
 
 struct ModelInfo {
   std::string model_id;
-  std::string base_model;     // path or name of the shared base
-  std::string architecture;   // e.g. "LlamaForCausalLM"
+  std::string base_model;    // path or name of the shared base
+  std::string architecture;  // e.g. "LlamaForCausalLM"
   bool is_lora = true;
   LoraConfig lora;
   LossReduction loss_reduction = LossReduction::kTokenMean;

@@ -16,16 +16,18 @@ absl::Status Field(size_t i, const std::string& key, absl::string_view why) {
 
 absl::Status CheckShape(size_t i, const std::string& key, const TensorData& t, int64_t T) {
   if (t.shape.size() > 1) {
-    return Field(i, key, absl::StrCat("must be 1-D, got ", t.shape.size(),
-                                      "-D (top-K targets are not supported yet)"));
+    return Field(i, key,
+                 absl::StrCat("must be 1-D, got ", t.shape.size(),
+                              "-D (top-K targets are not supported yet)"));
   }
   if (!t.shape.empty() && t.shape[0] != t.NumElements()) {
-    return Field(i, key, absl::StrCat("shape [", t.shape[0], "] does not match its ",
-                                      t.NumElements(), " values"));
+    return Field(
+        i, key,
+        absl::StrCat("shape [", t.shape[0], "] does not match its ", t.NumElements(), " values"));
   }
   if (t.NumElements() != T) {
-    return Field(i, key, absl::StrCat("length ", t.NumElements(),
-                                      " does not match model_input length ", T));
+    return Field(
+        i, key, absl::StrCat("length ", t.NumElements(), " does not match model_input length ", T));
   }
   return absl::OkStatus();
 }
@@ -55,8 +57,9 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
     }
     for (const auto& [key, t] : d.loss_fn_inputs) {
       if (!allowed.count(key)) {
-        return Field(i, key, absl::StrCat("not an input of ", loss.name, " (expected ",
-                                          absl::StrJoin(allowed, ", "), ")"));
+        return Field(i, key,
+                     absl::StrCat("not an input of ", loss.name, " (expected ",
+                                  absl::StrJoin(allowed, ", "), ")"));
       }
     }
     auto it = d.loss_fn_inputs.find("target_tokens");
@@ -66,15 +69,17 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
     if (auto st = CheckShape(i, "target_tokens", tgt, T); !st.ok()) return st;
     for (int64_t t = 0; t < T; ++t) {
       if (tgt.int64_data[t] < 0 || tgt.int64_data[t] >= limits.vocab_size) {
-        return Field(i, "target_tokens", absl::StrCat("token ", tgt.int64_data[t], " at position ",
-                                                      t, " is outside [0, ", limits.vocab_size, ")"));
+        return Field(i, "target_tokens",
+                     absl::StrCat("token ", tgt.int64_data[t], " at position ", t,
+                                  " is outside [0, ", limits.vocab_size, ")"));
       }
     }
     std::vector<std::string> floats = loss.required_inputs;
     if (d.loss_fn_inputs.count("mask")) floats.push_back("mask");
     for (const std::string& key : floats) {
       auto f = d.loss_fn_inputs.find(key);
-      if (f == d.loss_fn_inputs.end()) return Field(i, key, absl::StrCat("missing (", loss.name, " needs it)"));
+      if (f == d.loss_fn_inputs.end())
+        return Field(i, key, absl::StrCat("missing (", loss.name, " needs it)"));
       const TensorData& t = f->second;
       if (t.dtype != TensorData::DType::kFloat32) return Field(i, key, "must be float32");
       if (auto st = CheckShape(i, key, t, T); !st.ok()) return st;
@@ -84,7 +89,8 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
           return Field(i, key, absl::StrCat("value at position ", p, " is not finite"));
         }
         if (key == "mask" && v != 0.0f && v != 1.0f) {
-          return Field(i, key, absl::StrCat("value at position ", p, " is ", v, "; must be 0 or 1"));
+          return Field(i, key,
+                       absl::StrCat("value at position ", p, " is ", v, "; must be 0 or 1"));
         }
       }
     }

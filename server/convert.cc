@@ -31,8 +31,9 @@ absl::StatusOr<TensorData> TensorFromProto(const v1::Tensor& t, size_t i, const 
       return Bad(i, key, "dtype must be FLOAT32 or INT64");
   }
   if (t.data().size() % esize != 0) {
-    return Bad(i, key, absl::StrCat(t.data().size(), " bytes is not a whole number of ", esize,
-                                    "-byte elements"));
+    return Bad(
+        i, key,
+        absl::StrCat(t.data().size(), " bytes is not a whole number of ", esize, "-byte elements"));
   }
   const int64_t n = static_cast<int64_t>(t.data().size() / esize);
   int64_t prod = 1;
@@ -62,8 +63,8 @@ absl::StatusOr<Datum> DatumFromProto(const v1::Datum& d, size_t index) {
   Datum out;
   for (const v1::ModelInputChunk& c : d.model_input().chunks()) {
     if (!c.has_encoded_text()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "data[", index, "].model_input: only encoded_text chunks are supported"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("data[", index, "].model_input: only encoded_text chunks are supported"));
     }
     out.tokens.insert(out.tokens.end(), c.encoded_text().tokens().begin(),
                       c.encoded_text().tokens().end());
@@ -97,7 +98,8 @@ v1::Tensor Float32ToProto(const std::vector<float>& v) {
 }
 
 void ResultToProto(const ForwardBackwardResult& r, v1::ForwardBackwardOutput* out) {
-  for (const DatumOutput& o : r.outputs) *out->add_outputs()->mutable_logprobs() = Float32ToProto(o.logprobs);
+  for (const DatumOutput& o : r.outputs)
+    *out->add_outputs()->mutable_logprobs() = Float32ToProto(o.logprobs);
   for (const auto& [k, v] : r.metrics) (*out->mutable_metrics())[k] = v;
 }
 

@@ -7,9 +7,13 @@ namespace tinkerd {
 
 Scheduler::Scheduler(SchedulerConfig config) : config_(config) {}
 
-Scheduler::~Scheduler() { Stop(absl::ZeroDuration()); }
+Scheduler::~Scheduler() {
+  Stop(absl::ZeroDuration());
+}
 
-void Scheduler::Start() { thread_ = std::thread([this] { Loop(); }); }
+void Scheduler::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
 
 void Scheduler::Stop(absl::Duration grace) {
   {
@@ -76,8 +80,7 @@ absl::StatusOr<int64_t> Scheduler::NextSeqId(const std::string& model_id) const 
   return it->second.next_seq;
 }
 
-void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
-                       JobCallback done) {
+void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job, JobCallback done) {
   JobResult immediate = absl::UnknownError("unset");
   {
     absl::MutexLock lock(&mu_);
@@ -112,9 +115,9 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
                  seq_id != q.next_seq) {
         // The next seq_id is always admitted: it can run at once, and refusing it while later
         // ones fill the queue would deadlock the model until they time out.
-        immediate = absl::ResourceExhaustedError(
-            absl::StrCat("model ", model_id, " has ", q.pending.size(),
-                         " queued requests (the limit); retry later"));
+        immediate =
+            absl::ResourceExhaustedError(absl::StrCat("model ", model_id, " has ", q.pending.size(),
+                                                      " queued requests (the limit); retry later"));
       } else {
         Pending p;
         p.spec = std::move(job);
@@ -138,7 +141,8 @@ void Scheduler::Wake() {
 JobResult Scheduler::Retrieve(const std::string& model_id, int64_t seq_id) const {
   absl::MutexLock lock(&mu_);
   auto it = queues_.find(model_id);
-  if (it == queues_.end()) return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+  if (it == queues_.end())
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
   auto d = it->second.done.find(seq_id);
   if (d != it->second.done.end()) return d->second.second;
   if (seq_id >= it->second.next_seq) {
@@ -169,10 +173,10 @@ void Scheduler::ExpireLocked(std::vector<std::pair<JobCallback, JobResult>>* cal
     for (auto p = q.pending.begin(); p != q.pending.end();) {
       const bool blocked = p->first > q.next_seq;
       if (blocked && now - p->second.enqueued > config_.order_timeout) {
-        const absl::Status st = absl::DeadlineExceededError(absl::StrCat(
-            "seq_id ", p->first, " of model ", id, " waited ",
-            absl::FormatDuration(config_.order_timeout), " for seq_id ", q.next_seq,
-            ", which never arrived; send it (or retry this request after it)"));
+        const absl::Status st = absl::DeadlineExceededError(
+            absl::StrCat("seq_id ", p->first, " of model ", id, " waited ",
+                         absl::FormatDuration(config_.order_timeout), " for seq_id ", q.next_seq,
+                         ", which never arrived; send it (or retry this request after it)"));
         for (auto& w : p->second.waiters) calls->emplace_back(std::move(w), st);
         if (p->second.spec.on_drop) p->second.spec.on_drop();
         p = q.pending.erase(p);
@@ -226,7 +230,8 @@ void Scheduler::Loop() {
     // Finished: cache the result, advance the model, answer every waiter (retries included).
     for (auto& w : job->waiters) calls.emplace_back(std::move(w), step.result);
     q->done[seq] = {job->spec.payload_hash, step.result};
-    while (static_cast<int>(q->done.size()) > config_.result_cache_per_model) q->done.erase(q->done.begin());
+    while (static_cast<int>(q->done.size()) > config_.result_cache_per_model)
+      q->done.erase(q->done.begin());
     q->pending.erase(seq);
     q->next_seq = seq + 1;
     if (q->removed && q->pending.empty()) queues_.erase(model);
@@ -234,7 +239,9 @@ void Scheduler::Loop() {
   // Whatever could not run in time fails, so no client waits forever.
   for (auto& [id, q] : queues_) {
     for (auto& [seq, p] : q.pending) {
-      for (auto& w : p.waiters) calls.emplace_back(std::move(w), absl::UnavailableError("server shut down before this request ran"));
+      for (auto& w : p.waiters)
+        calls.emplace_back(std::move(w),
+                           absl::UnavailableError("server shut down before this request ran"));
       if (p.spec.on_drop) p.spec.on_drop();
     }
     q.pending.clear();

@@ -15,10 +15,14 @@ namespace tinkerd {
 
 absl::Status ServerConfig::Validate() const {
   if (listen_address.empty()) return absl::InvalidArgumentError("server: listen address is empty");
-  if (max_message_bytes < 1024) return absl::InvalidArgumentError("server: max_message_bytes < 1 KiB");
-  if (scheduler.max_pending_per_model < 1) return absl::InvalidArgumentError("server: max_pending_per_model < 1");
-  if (scheduler.result_cache_per_model < 1) return absl::InvalidArgumentError("server: result_cache_per_model < 1");
-  if (scheduler.order_timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("server: order_timeout <= 0");
+  if (max_message_bytes < 1024)
+    return absl::InvalidArgumentError("server: max_message_bytes < 1 KiB");
+  if (scheduler.max_pending_per_model < 1)
+    return absl::InvalidArgumentError("server: max_pending_per_model < 1");
+  if (scheduler.result_cache_per_model < 1)
+    return absl::InvalidArgumentError("server: result_cache_per_model < 1");
+  if (scheduler.order_timeout <= absl::ZeroDuration())
+    return absl::InvalidArgumentError("server: order_timeout <= 0");
   return absl::OkStatus();
 }
 
@@ -38,8 +42,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   s->config_ = config;
   s->runner_ = std::move(runner);
   s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
-  s->service_ = std::make_unique<TinkerdService>(s->runner_.get(), s->scheduler_.get(),
-                                                 s->runner_->limits());
+  s->service_ =
+      std::make_unique<TinkerdService>(s->runner_.get(), s->scheduler_.get(), s->runner_->limits());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -223,7 +223,8 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
       absl::Status st = d.status();
       if (st.ok()) st = ValidateData({*d}, *loss_spec_, svc_->limits());
       if (!st.ok()) {
-        Fail(absl::InvalidArgumentError(absl::StrCat("stream datum ", received_, ": ", st.message())));
+        Fail(absl::InvalidArgumentError(
+            absl::StrCat("stream datum ", received_, ": ", st.message())));
         return;
       }
       ++received_;

@@ -8,23 +8,40 @@ namespace {
 // Exhaustive on purpose: no default, so a new absl code fails to compile (-Wswitch) here.
 grpc::StatusCode Code(absl::StatusCode c) {
   switch (c) {
-    case absl::StatusCode::kOk: return grpc::StatusCode::OK;
-    case absl::StatusCode::kCancelled: return grpc::StatusCode::CANCELLED;
-    case absl::StatusCode::kUnknown: return grpc::StatusCode::UNKNOWN;
-    case absl::StatusCode::kInvalidArgument: return grpc::StatusCode::INVALID_ARGUMENT;
-    case absl::StatusCode::kDeadlineExceeded: return grpc::StatusCode::DEADLINE_EXCEEDED;
-    case absl::StatusCode::kNotFound: return grpc::StatusCode::NOT_FOUND;
-    case absl::StatusCode::kAlreadyExists: return grpc::StatusCode::ALREADY_EXISTS;
-    case absl::StatusCode::kPermissionDenied: return grpc::StatusCode::PERMISSION_DENIED;
-    case absl::StatusCode::kResourceExhausted: return grpc::StatusCode::RESOURCE_EXHAUSTED;
-    case absl::StatusCode::kFailedPrecondition: return grpc::StatusCode::FAILED_PRECONDITION;
-    case absl::StatusCode::kAborted: return grpc::StatusCode::ABORTED;
-    case absl::StatusCode::kOutOfRange: return grpc::StatusCode::OUT_OF_RANGE;
-    case absl::StatusCode::kUnimplemented: return grpc::StatusCode::UNIMPLEMENTED;
-    case absl::StatusCode::kInternal: return grpc::StatusCode::INTERNAL;
-    case absl::StatusCode::kUnavailable: return grpc::StatusCode::UNAVAILABLE;
-    case absl::StatusCode::kDataLoss: return grpc::StatusCode::DATA_LOSS;
-    case absl::StatusCode::kUnauthenticated: return grpc::StatusCode::UNAUTHENTICATED;
+    case absl::StatusCode::kOk:
+      return grpc::StatusCode::OK;
+    case absl::StatusCode::kCancelled:
+      return grpc::StatusCode::CANCELLED;
+    case absl::StatusCode::kUnknown:
+      return grpc::StatusCode::UNKNOWN;
+    case absl::StatusCode::kInvalidArgument:
+      return grpc::StatusCode::INVALID_ARGUMENT;
+    case absl::StatusCode::kDeadlineExceeded:
+      return grpc::StatusCode::DEADLINE_EXCEEDED;
+    case absl::StatusCode::kNotFound:
+      return grpc::StatusCode::NOT_FOUND;
+    case absl::StatusCode::kAlreadyExists:
+      return grpc::StatusCode::ALREADY_EXISTS;
+    case absl::StatusCode::kPermissionDenied:
+      return grpc::StatusCode::PERMISSION_DENIED;
+    case absl::StatusCode::kResourceExhausted:
+      return grpc::StatusCode::RESOURCE_EXHAUSTED;
+    case absl::StatusCode::kFailedPrecondition:
+      return grpc::StatusCode::FAILED_PRECONDITION;
+    case absl::StatusCode::kAborted:
+      return grpc::StatusCode::ABORTED;
+    case absl::StatusCode::kOutOfRange:
+      return grpc::StatusCode::OUT_OF_RANGE;
+    case absl::StatusCode::kUnimplemented:
+      return grpc::StatusCode::UNIMPLEMENTED;
+    case absl::StatusCode::kInternal:
+      return grpc::StatusCode::INTERNAL;
+    case absl::StatusCode::kUnavailable:
+      return grpc::StatusCode::UNAVAILABLE;
+    case absl::StatusCode::kDataLoss:
+      return grpc::StatusCode::DATA_LOSS;
+    case absl::StatusCode::kUnauthenticated:
+      return grpc::StatusCode::UNAUTHENTICATED;
     case absl::StatusCode::kDoNotUseReservedForFutureExpansionUseDefaultInSwitchInstead_:
       return grpc::StatusCode::UNKNOWN;
   }

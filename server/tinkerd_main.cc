@@ -9,8 +9,10 @@
 #include "runner/util/log.h"
 #include "server/server.h"
 
-ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address:port to serve gRPC on (port 0: any free port)");
-ABSL_FLAG(std::string, base_model, "", "Hugging Face model directory; empty: the embedded default model");
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "address:port to serve gRPC on (port 0: any free port)");
+ABSL_FLAG(std::string, base_model, "",
+          "Hugging Face model directory; empty: the embedded default model");
 ABSL_FLAG(std::string, compute_dtype, "float32", "float32 or float64");
 ABSL_FLAG(int64_t, micro_batch_tokens, 4096, "token budget of one packed micro-batch");
 ABSL_FLAG(int, threads, 0, "LibTorch intra-op threads (0: LibTorch's default)");
@@ -41,7 +43,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tinkerd: --compute_dtype must be float32 or float64\n");
     return 2;
   }
-  rc.compute_dtype = dtype == "float64" ? tinkerd::ComputeDType::kFloat64 : tinkerd::ComputeDType::kFloat32;
+  rc.compute_dtype =
+      dtype == "float64" ? tinkerd::ComputeDType::kFloat64 : tinkerd::ComputeDType::kFloat32;
   rc.micro_batch_tokens = absl::GetFlag(FLAGS_micro_batch_tokens);
   rc.num_threads = absl::GetFlag(FLAGS_threads);
   rc.max_models = absl::GetFlag(FLAGS_max_models);

@@ -74,7 +74,8 @@ inline std::vector<Datum> RandomData(SplitMix64& g, const std::vector<int>& leng
       const bool prompt = t < len / 4;  // masked "prompt" tokens
       w.push_back(prompt ? 0.0f : static_cast<float>(g.Uniform(-0.5, 1.5)));
       adv.push_back(prompt ? 0.0f : static_cast<float>(g.Uniform(-1.0, 1.0)));
-      logq.push_back(static_cast<float>(-std::log(static_cast<double>(vocab)) + g.Uniform(-0.6, 0.6)));
+      logq.push_back(
+          static_cast<float>(-std::log(static_cast<double>(vocab)) + g.Uniform(-0.6, 0.6)));
     }
     d.loss_fn_inputs["target_tokens"] = TensorData::Int64(targets);
     if (loss == "cross_entropy") {

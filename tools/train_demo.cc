@@ -17,7 +17,8 @@ ABSL_FLAG(int, batch, 16, "sequences per step");
 ABSL_FLAG(int, seq_len, 48, "tokens per sequence");
 ABSL_FLAG(double, lr, 2e-3, "learning rate");
 ABSL_FLAG(int, threads, 0, "LibTorch intra-op threads (0: default)");
-ABSL_FLAG(std::string, model_dir, "", "base model directory; empty writes the default model to a temp dir");
+ABSL_FLAG(std::string, model_dir, "",
+          "base model directory; empty writes the default model to a temp dir");
 
 namespace {
 
@@ -70,7 +71,8 @@ int main(int argc, char** argv) {
   double first = 0, last = 0;
   for (int step = 1; step <= absl::GetFlag(FLAGS_steps); ++step) {
     std::vector<tinkerd::Datum> batch;
-    for (int i = 0; i < absl::GetFlag(FLAGS_batch); ++i) batch.push_back(MakeDatum(g, absl::GetFlag(FLAGS_seq_len)));
+    for (int i = 0; i < absl::GetFlag(FLAGS_batch); ++i)
+      batch.push_back(MakeDatum(g, absl::GetFlag(FLAGS_seq_len)));
     const auto t0 = std::chrono::steady_clock::now();
     auto fb = (*runner)->ForwardBackward(*id, batch, "cross_entropy", {});
     if (!fb.ok()) {
@@ -82,7 +84,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "optim_step: %s\n", std::string(os.status().message()).c_str());
       return 1;
     }
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double ntok = fb->metrics.at("num_tokens:sum");
     const double mean_loss = fb->metrics.at("loss:sum") / ntok;
     if (step == 1) first = mean_loss;

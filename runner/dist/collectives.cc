@@ -14,6 +14,8 @@ class LocalCollectives final : public Collectives {
 
 }  // namespace
 
-std::shared_ptr<Collectives> MakeLocalCollectives() { return std::make_shared<LocalCollectives>(); }
+std::shared_ptr<Collectives> MakeLocalCollectives() {
+  return std::make_shared<LocalCollectives>();
+}
 
 }  // namespace tinkerd

@@ -37,22 +37,21 @@ absl::StatusOr<ResolvedLoss> ResolveLoss(const std::string& name,
   if (spec == nullptr) {
     std::vector<std::string> names;
     for (const LossSpec& s : AllLossSpecs()) names.push_back(s.name);
-    return absl::InvalidArgumentError(absl::StrCat("loss_fn: unknown loss '", name,
-                                                   "' (expected one of ",
-                                                   absl::StrJoin(names, ", "), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "loss_fn: unknown loss '", name, "' (expected one of ", absl::StrJoin(names, ", "), ")"));
   }
   ResolvedLoss r{spec, {}};
   for (const auto& [key, value] : config) {
     if (!spec->config.count(key)) {
       std::vector<std::string> keys;
       for (const auto& [k, v] : spec->config) keys.push_back(k);
-      return absl::InvalidArgumentError(absl::StrCat(
-          "loss_fn_config: key '", key, "' is not a parameter of ", name,
-          keys.empty() ? " (it takes none)" : absl::StrCat(" (expected ", absl::StrJoin(keys, ", "), ")")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("loss_fn_config: key '", key, "' is not a parameter of ", name,
+                       keys.empty() ? " (it takes none)"
+                                    : absl::StrCat(" (expected ", absl::StrJoin(keys, ", "), ")")));
     }
     if (!std::isfinite(value)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("loss_fn_config: '", key, "' must be finite"));
+      return absl::InvalidArgumentError(absl::StrCat("loss_fn_config: '", key, "' must be finite"));
     }
   }
   for (const auto& [key, def] : spec->config) {
@@ -69,8 +68,9 @@ absl::StatusOr<ResolvedLoss> ResolveLoss(const std::string& name,
   if (r.config.count("clip_low_threshold")) {
     const double lo = r.config["clip_low_threshold"], hi = r.config["clip_high_threshold"];
     if (lo < 0 || !(lo <= hi)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold, got ", lo, ", ", hi));
+      return absl::InvalidArgumentError(
+          absl::StrCat("loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold, got ",
+                       lo, ", ", hi));
     }
   }
   if (r.config.count("beta") && r.config["beta"] < 0) {

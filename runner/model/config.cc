@@ -61,14 +61,16 @@ absl::Status ParseRopeScaling(const json& j, ModelConfig* c) {
   } else if (type == "llama3") {
     s.type = RopeScaling::Type::kLlama3;
   } else {
-    return Bad(absl::StrCat("rope_scaling type '", type,
-                            "' is not supported (supported: default, linear, dynamic, yarn, llama3)"));
+    return Bad(
+        absl::StrCat("rope_scaling type '", type,
+                     "' is not supported (supported: default, linear, dynamic, yarn, llama3)"));
   }
   auto f = [&](const char* k, double* v, bool req) { return ReadNumber(rs, k, v, req); };
   if (auto st = f("factor", &s.factor, true); !st.ok()) return st;
   if (!(s.factor >= 1.0)) return Bad("rope_scaling.factor must be >= 1");
-  if (auto st = ReadNumber(rs, "original_max_position_embeddings",
-                           &s.original_max_position_embeddings, s.type == RopeScaling::Type::kLlama3);
+  if (auto st =
+          ReadNumber(rs, "original_max_position_embeddings", &s.original_max_position_embeddings,
+                     s.type == RopeScaling::Type::kLlama3);
       !st.ok())
     return st;
   if (auto st = f("low_freq_factor", &s.low_freq_factor, false); !st.ok()) return st;
@@ -157,7 +159,8 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
   }
   if (c.head_dim <= 0 || c.head_dim % 2 != 0) return Bad("head_dim must be positive and even");
   if (c.max_position_embeddings <= 0) return Bad("max_position_embeddings must be positive");
-  if (!(c.rms_norm_eps > 0) || !(c.rope_theta > 1)) return Bad("rms_norm_eps/rope_theta out of range");
+  if (!(c.rms_norm_eps > 0) || !(c.rope_theta > 1))
+    return Bad("rms_norm_eps/rope_theta out of range");
   if (c.sliding_window < 0) return Bad("sliding_window must be >= 0");
   if (c.rope_scaling.original_max_position_embeddings == 0) {
     c.rope_scaling.original_max_position_embeddings = c.max_position_embeddings;
@@ -206,8 +209,12 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   } else {
     json rs;
     switch (s.type) {
-      case RopeScaling::Type::kLinear: rs["rope_type"] = "linear"; break;
-      case RopeScaling::Type::kDynamic: rs["rope_type"] = "dynamic"; break;
+      case RopeScaling::Type::kLinear:
+        rs["rope_type"] = "linear";
+        break;
+      case RopeScaling::Type::kDynamic:
+        rs["rope_type"] = "dynamic";
+        break;
       case RopeScaling::Type::kYarn:
         rs["rope_type"] = "yarn";
         rs["beta_fast"] = s.beta_fast;
@@ -219,7 +226,8 @@ std::string ModelConfigToJson(const ModelConfig& c) {
         rs["low_freq_factor"] = s.low_freq_factor;
         rs["high_freq_factor"] = s.high_freq_factor;
         break;
-      case RopeScaling::Type::kNone: break;
+      case RopeScaling::Type::kNone:
+        break;
     }
     rs["factor"] = s.factor;
     rs["original_max_position_embeddings"] = s.original_max_position_embeddings;

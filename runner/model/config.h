@@ -45,7 +45,8 @@ struct ModelConfig {
   std::string DebugString() const;
 };
 
-// Parses config.json text. Unknown architectures, missing or inconsistent sizes are InvalidArgument.
+// Parses config.json text. Unknown architectures, missing or inconsistent sizes are
+// InvalidArgument.
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text);
 // Serializes back to a config.json that ParseModelConfig and Hugging Face both read.
 std::string ModelConfigToJson(const ModelConfig& config);

@@ -59,9 +59,9 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensors(absl::string_view file) {
       continue;
     }
     const json& t = *it;
-    if (!t.is_object() || !t.contains("dtype") || !t["dtype"].is_string() ||
-        !t.contains("shape") || !t["shape"].is_array() || !t.contains("data_offsets") ||
-        !t["data_offsets"].is_array() || t["data_offsets"].size() != 2) {
+    if (!t.is_object() || !t.contains("dtype") || !t["dtype"].is_string() || !t.contains("shape") ||
+        !t["shape"].is_array() || !t.contains("data_offsets") || !t["data_offsets"].is_array() ||
+        t["data_offsets"].size() != 2) {
       return Bad(absl::StrCat("tensor '", it.key(), "': needs dtype, shape and data_offsets"));
     }
     SafetensorsEntry e;
@@ -113,8 +113,7 @@ absl::StatusOr<std::string> SerializeSafetensors(
     const std::map<std::string, std::string>& metadata) {
   std::vector<const SafetensorsOutput*> sorted;
   for (const auto& t : tensors) sorted.push_back(&t);
-  std::sort(sorted.begin(), sorted.end(),
-            [](auto* a, auto* b) { return a->name < b->name; });
+  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->name < b->name; });
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;

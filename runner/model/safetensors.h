@@ -43,8 +43,9 @@ struct SafetensorsOutput {
 };
 
 // Serializes tensors (sorted by name) into one safetensors byte string.
-absl::StatusOr<std::string> SerializeSafetensors(const std::vector<SafetensorsOutput>& tensors,
-                                                 const std::map<std::string, std::string>& metadata);
+absl::StatusOr<std::string> SerializeSafetensors(
+    const std::vector<SafetensorsOutput>& tensors,
+    const std::map<std::string, std::string>& metadata);
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 // Writes to path.tmp, fsyncs, renames: readers never see a partial file.

@@ -87,7 +87,8 @@ absl::StatusOr<TensorMap> GenerateTinyWeights(const TinyModelSpec& spec) {
   TensorMap w;
   w["model.embed_tokens.weight"] = Random("model.embed_tokens.weight", {V, D}, seed, 0, s);
   w["model.norm.weight"] = Random("model.norm.weight", {D}, seed, 1.0, 0.1);
-  if (!checked.tie_word_embeddings) w["lm_head.weight"] = Random("lm_head.weight", {V, D}, seed, 0, s);
+  if (!checked.tie_word_embeddings)
+    w["lm_head.weight"] = Random("lm_head.weight", {V, D}, seed, 0, s);
   for (int64_t l = 0; l < checked.num_hidden_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     auto add = [&](const std::string& n, std::vector<int64_t> shape, double mean, double std) {
@@ -124,8 +125,8 @@ absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec) {
   if (ec) return absl::InternalError(absl::StrCat("create ", dir, ": ", ec.message()));
   ModelConfig out_cfg = checked;
   out_cfg.torch_dtype = spec.stored_dtype;
-  RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "config.json").string(),
-                                      ModelConfigToJson(out_cfg)));
+  RETURN_IF_ERROR(
+      WriteFileAtomically((fs::path(dir) / "config.json").string(), ModelConfigToJson(out_cfg)));
   if (spec.num_shards <= 1) {
     return SaveSafetensorsFile((fs::path(dir) / "model.safetensors").string(), w,
                                spec.stored_dtype);

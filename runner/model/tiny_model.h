@@ -8,8 +8,8 @@
 //   model.layers.{i}.mlp.{gate,up}_proj.weight [I, D], .down_proj.weight [D, I]
 #pragma once
 
-#include <cstdint>
 #include <ATen/ATen.h>
+#include <cstdint>
 
 #include <map>
 #include <string>

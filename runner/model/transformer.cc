@@ -56,7 +56,7 @@ at::Tensor VarlenAttention(const at::Tensor& q_THd, const at::Tensor& k_TKd,
     at::Tensor scores = at::bmm(q_KGLd, k_KLd.transpose(1, 2)).mul(scale).view({K, G, L, L});
     scores = scores + CausalMask(L, window, scores.scalar_type());
     at::Tensor probs = at::softmax(scores, -1).view({K, G * L, L});
-    at::Tensor o_KGLd = at::bmm(probs, v_KLd);             // [K, G·L, d]
+    at::Tensor o_KGLd = at::bmm(probs, v_KLd);                  // [K, G·L, d]
     outs.push_back(o_KGLd.view({H, L, d}).permute({1, 0, 2}));  // [L, H, d]
   }
   return at::cat(outs, 0).reshape({q_THd.size(0), H * d});
@@ -66,9 +66,9 @@ absl::Status Expect(const TensorMap& m, const std::string& name, std::vector<int
   auto it = m.find(name);
   if (it == m.end()) return absl::InvalidArgumentError(absl::StrCat("weights: missing ", name));
   if (it->second.sizes().vec() != shape) {
-    return absl::InvalidArgumentError(absl::StrCat("weights: ", name, " has shape ",
-                                                   c10::str(it->second.sizes()),
-                                                   ", config implies ", c10::str(at::IntArrayRef(shape))));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights: ", name, " has shape ", c10::str(it->second.sizes()),
+                     ", config implies ", c10::str(at::IntArrayRef(shape))));
   }
   return absl::OkStatus();
 }
@@ -98,7 +98,8 @@ absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& c, TensorM
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     LayerWeights L;
-    for (auto [name, shape, out] : std::vector<std::tuple<std::string, std::vector<int64_t>, at::Tensor*>>{
+    for (auto [name, shape, out] :
+         std::vector<std::tuple<std::string, std::vector<int64_t>, at::Tensor*>>{
              {"input_layernorm.weight", {D}, &L.input_norm_D},
              {"post_attention_layernorm.weight", {D}, &L.post_norm_D},
              {"self_attn.q_proj.weight", {qo, D}, &L.q_proj},
@@ -175,9 +176,12 @@ at::Tensor ForwardLogits(const ModelConfig& c, const BaseWeights& w, const LoraA
     const LayerWeights& L = w.layers[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
     at::Tensor x_TD = RmsNorm(h_TD, L.input_norm_D, eps);
-    at::Tensor q_THd = Linear(x_TD, L.q_proj, L.q_bias, lora, p + "self_attn.q_proj").view({T, H, d});
-    at::Tensor k_TKd = Linear(x_TD, L.k_proj, L.k_bias, lora, p + "self_attn.k_proj").view({T, K, d});
-    at::Tensor v_TKd = Linear(x_TD, L.v_proj, L.v_bias, lora, p + "self_attn.v_proj").view({T, K, d});
+    at::Tensor q_THd =
+        Linear(x_TD, L.q_proj, L.q_bias, lora, p + "self_attn.q_proj").view({T, H, d});
+    at::Tensor k_TKd =
+        Linear(x_TD, L.k_proj, L.k_bias, lora, p + "self_attn.k_proj").view({T, K, d});
+    at::Tensor v_TKd =
+        Linear(x_TD, L.v_proj, L.v_bias, lora, p + "self_attn.v_proj").view({T, K, d});
     if (c.qk_norm) {
       q_THd = RmsNorm(q_THd, L.q_norm_d, eps);
       k_TKd = RmsNorm(k_TKd, L.k_norm_d, eps);

@@ -32,8 +32,7 @@ absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::str
 
 }  // namespace
 
-absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path,
-                                              at::ScalarType float_dtype) {
+absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype) {
   ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
   auto header = ParseSafetensors(bytes);
   if (!header.ok()) {
@@ -76,10 +75,12 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
     }
     TensorMap all;
     for (const std::string& f : files) {
-      ASSIGN_OR_RETURN(TensorMap part, LoadSafetensorsFile((fs::path(dir) / f).string(), float_dtype));
+      ASSIGN_OR_RETURN(TensorMap part,
+                       LoadSafetensorsFile((fs::path(dir) / f).string(), float_dtype));
       for (auto& [name, t] : part) {
         if (!all.emplace(name, t).second) {
-          return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " appears in two shards"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("tensor ", name, " appears in two shards"));
         }
       }
     }

@@ -10,7 +10,8 @@ namespace tinkerd {
 
 absl::Status ValidateAdamParams(const AdamParams& p) {
   auto bad = [](const char* field, const char* why, double v) {
-    return absl::InvalidArgumentError(absl::StrCat("adam_params.", field, ": ", why, " (got ", v, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("adam_params.", field, ": ", why, " (got ", v, ")"));
   };
   if (!std::isfinite(p.learning_rate) || p.learning_rate < 0)
     return bad("learning_rate", "must be finite and >= 0", p.learning_rate);

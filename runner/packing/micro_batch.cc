@@ -44,7 +44,8 @@ std::vector<std::vector<int>> PlanMicroBatches(const std::vector<int64_t>& lengt
       }
     }
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.front() < b.front(); });
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.front() < b.front(); });
   return out;
 }
 

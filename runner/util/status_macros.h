@@ -8,10 +8,10 @@
 #define TINKERD_CONCAT(a, b) TINKERD_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function when `expr` yields a non-OK absl::Status.
-#define RETURN_IF_ERROR(expr)                   \
-  do {                                          \
-    ::absl::Status _st = (expr);                \
-    if (!_st.ok()) return _st;                  \
+#define RETURN_IF_ERROR(expr)    \
+  do {                           \
+    ::absl::Status _st = (expr); \
+    if (!_st.ok()) return _st;   \
   } while (0)
 
 // `ASSIGN_OR_RETURN(auto x, MakeX());` binds the value or returns the error.

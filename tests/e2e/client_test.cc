@@ -128,8 +128,9 @@ TEST(Client, TrajectoryStreamEqualsOneCall) {
 
 // Runs tinkerctl and returns (exit code, stdout).
 std::pair<int, std::string> Ctl(const LiveServer& live, const std::string& args) {
-  const std::string cmd = std::string(TINKERCTL_BINARY) + " --target=127.0.0.1:" +
-                          std::to_string(live.server->port()) + " " + args + " 2>&1";
+  const std::string cmd = std::string(TINKERCTL_BINARY) +
+                          " --target=127.0.0.1:" + std::to_string(live.server->port()) + " " +
+                          args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   char buf[512];

@@ -99,10 +99,12 @@ inline v1::Datum ToProto(const Datum& d) {
     v1::Tensor& pt = (*out.mutable_loss_fn_inputs())[key];
     if (t.dtype == TensorData::DType::kInt64) {
       pt.set_dtype(v1::INT64);
-      pt.set_data(std::string(reinterpret_cast<const char*>(t.int64_data.data()), t.int64_data.size() * 8));
+      pt.set_data(
+          std::string(reinterpret_cast<const char*>(t.int64_data.data()), t.int64_data.size() * 8));
     } else {
       pt.set_dtype(v1::FLOAT32);
-      pt.set_data(std::string(reinterpret_cast<const char*>(t.float32_data.data()), t.float32_data.size() * 4));
+      pt.set_data(std::string(reinterpret_cast<const char*>(t.float32_data.data()),
+                              t.float32_data.size() * 4));
     }
   }
   return out;

@@ -86,7 +86,8 @@ TEST(E2E, OutOfOrderSeqIdsAreAppliedInOrder) {
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   v1::ForwardBackwardOutput out;
-  ASSERT_TRUE(live.FwdBwd(MakeRequest(model, 1, RandomData(g, {8}, "cross_entropy", 128)), &out).ok());
+  ASSERT_TRUE(
+      live.FwdBwd(MakeRequest(model, 1, RandomData(g, {8}, "cross_entropy", 128)), &out).ok());
   auto [st, os] = optim.get();
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(os.num_tokens(), out.metrics().at("num_tokens:sum"));
@@ -100,7 +101,8 @@ TEST(E2E, BadRequestsGetTheirCodeAndChangeNothing) {
   const std::string model = live.CreateModel();
   SplitMix64 g(5);
   v1::ForwardBackwardOutput out;
-  ASSERT_TRUE(live.FwdBwd(MakeRequest(model, 1, RandomData(g, {6}, "cross_entropy", 128)), &out).ok());
+  ASSERT_TRUE(
+      live.FwdBwd(MakeRequest(model, 1, RandomData(g, {6}, "cross_entropy", 128)), &out).ok());
   const auto checksum = live.StateChecksum(model);
   int64_t seq = 2;
 
@@ -114,21 +116,34 @@ TEST(E2E, BadRequestsGetTheirCodeAndChangeNothing) {
   const std::vector<Case> cases = {
       {"unknown model", grpc::StatusCode::NOT_FOUND, "no model",
        [](auto& r) { r.set_model_id("model-999"); }, false},
-      {"unknown loss", grpc::StatusCode::INVALID_ARGUMENT, "unknown loss", [](auto& r) { r.mutable_loss_fn()->set_name("mse"); }},
+      {"unknown loss", grpc::StatusCode::INVALID_ARGUMENT, "unknown loss",
+       [](auto& r) { r.mutable_loss_fn()->set_name("mse"); }},
       {"unknown config key", grpc::StatusCode::INVALID_ARGUMENT, "clip_epsilon",
        [](auto& r) { (*r.mutable_loss_fn()->mutable_config())["clip_epsilon"] = 0.2; }},
       {"token out of vocab", grpc::StatusCode::INVALID_ARGUMENT, "data[0].model_input: token 128",
-       [](auto& r) { r.mutable_data(0)->mutable_model_input()->mutable_chunks(0)->mutable_encoded_text()->set_tokens(0, 128); }},
+       [](auto& r) {
+         r.mutable_data(0)
+             ->mutable_model_input()
+             ->mutable_chunks(0)
+             ->mutable_encoded_text()
+             ->set_tokens(0, 128);
+       }},
       {"length mismatch", grpc::StatusCode::INVALID_ARGUMENT, "does not match model_input length",
-       [](auto& r) { (*r.mutable_data(0)->mutable_loss_fn_inputs())["weights"].mutable_data()->resize(8); }},
+       [](auto& r) {
+         (*r.mutable_data(0)->mutable_loss_fn_inputs())["weights"].mutable_data()->resize(8);
+       }},
       {"ragged bytes", grpc::StatusCode::INVALID_ARGUMENT, "not a whole number",
-       [](auto& r) { (*r.mutable_data(0)->mutable_loss_fn_inputs())["weights"].mutable_data()->resize(5); }},
+       [](auto& r) {
+         (*r.mutable_data(0)->mutable_loss_fn_inputs())["weights"].mutable_data()->resize(5);
+       }},
       {"nan weight", grpc::StatusCode::INVALID_ARGUMENT, "not finite",
        [](auto& r) {
          float nan = NAN;
-         (*r.mutable_data(0)->mutable_loss_fn_inputs())["weights"].mutable_data()->replace(0, 4, reinterpret_cast<char*>(&nan), 4);
+         (*r.mutable_data(0)->mutable_loss_fn_inputs())["weights"].mutable_data()->replace(
+             0, 4, reinterpret_cast<char*>(&nan), 4);
        }},
-      {"empty batch", grpc::StatusCode::INVALID_ARGUMENT, "no datums", [](auto& r) { r.clear_data(); }},
+      {"empty batch", grpc::StatusCode::INVALID_ARGUMENT, "no datums",
+       [](auto& r) { r.clear_data(); }},
       {"empty datum", grpc::StatusCode::INVALID_ARGUMENT, "model_input: empty",
        [](auto& r) { r.mutable_data(0)->clear_model_input(); }},
       {"over context", grpc::StatusCode::INVALID_ARGUMENT, "context length",
@@ -136,16 +151,22 @@ TEST(E2E, BadRequestsGetTheirCodeAndChangeNothing) {
          SplitMix64 gg(1);
          *r.mutable_data(0) = ToProto(RandomData(gg, {300}, "cross_entropy", 128)[0]);
        }},
-      {"seq_id zero", grpc::StatusCode::INVALID_ARGUMENT, "seq_id", [](auto& r) { r.set_seq_id(0); }, false},
+      {"seq_id zero", grpc::StatusCode::INVALID_ARGUMENT, "seq_id",
+       [](auto& r) { r.set_seq_id(0); }, false},
       {"over size limit", grpc::StatusCode::RESOURCE_EXHAUSTED, "",
-       [](auto& r) { (*r.mutable_data(0)->mutable_loss_fn_inputs())["padding"].set_data(std::string(2 << 20, 'x')); }, false},
+       [](auto& r) {
+         (*r.mutable_data(0)->mutable_loss_fn_inputs())["padding"].set_data(
+             std::string(2 << 20, 'x'));
+       },
+       false},
   };
   for (const Case& c : cases) {
     auto req = MakeRequest(model, seq, RandomData(g, {7}, "cross_entropy", 128));
     c.mutate(req);
     grpc::Status st = live.FwdBwd(req, &out);
     EXPECT_EQ(st.error_code(), c.code) << c.name << ": " << st.error_message();
-    EXPECT_NE(st.error_message().find(c.expect), std::string::npos) << c.name << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(c.expect), std::string::npos)
+        << c.name << ": " << st.error_message();
     EXPECT_EQ(live.StateChecksum(model), checksum) << c.name;
     if (c.consumes_seq) ++seq;
     EXPECT_EQ(live.Info(model).next_seq_id(), seq) << c.name;  // still serving, order intact
@@ -204,7 +225,8 @@ TEST(E2E, ConcurrentClientsOnDifferentModelsBothComplete) {
     int64_t seq = 1;
     for (int step = 0; step < 4; ++step) {
       v1::ForwardBackwardOutput out;
-      grpc::Status st = live.FwdBwd(MakeRequest(model, seq++, RandomData(g, {12, 30}, "cross_entropy", 128)), &out);
+      grpc::Status st = live.FwdBwd(
+          MakeRequest(model, seq++, RandomData(g, {12, 30}, "cross_entropy", 128)), &out);
       if (!st.ok()) return st;
       v1::OptimStepResponse os;
       st = live.Optim(model, seq++, &os, 1e-3);
@@ -249,7 +271,8 @@ TEST(E2E, StreamOfTrajectoriesEqualsOneCall) {
   ASSERT_TRUE(live.FwdBwd(MakeRequest(whole, 1, data, "importance_sampling"), &whole_out).ok());
   EXPECT_EQ(streamed_out.outputs_size(), whole_out.outputs_size());
   EXPECT_NEAR(streamed_out.metrics().at("loss:sum"), whole_out.metrics().at("loss:sum"), 1e-10);
-  EXPECT_EQ(streamed_out.metrics().at("num_sequences:sum"), whole_out.metrics().at("num_sequences:sum"));
+  EXPECT_EQ(streamed_out.metrics().at("num_sequences:sum"),
+            whole_out.metrics().at("num_sequences:sum"));
   const auto a = Flat(Snap(*live.server->runner(), streamed, StateKind::kGrads));
   const auto b = Flat(Snap(*live.server->runner(), whole, StateKind::kGrads));
   // Different micro-batch groupings reorder float64 sums: see accumulation_test.cc's kRelTol.

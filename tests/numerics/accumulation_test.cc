@@ -30,9 +30,12 @@ std::map<std::string, double> ConfigFor(const std::string& loss) {
 // The denominator the test expects for a mode, computed from the counters independently.
 double Denominator(LossReduction mode, double tokens, double sequences) {
   switch (mode) {
-    case LossReduction::kTokenMean: return tokens;
-    case LossReduction::kSum: return 1.0;
-    default: return sequences;
+    case LossReduction::kTokenMean:
+      return tokens;
+    case LossReduction::kSum:
+      return 1.0;
+    default:
+      return sequences;
   }
 }
 
@@ -84,9 +87,10 @@ TEST_P(SplitVsCombined, NormalizedGradientIndependentOfCallSplit) {
     ASSERT_TRUE(r.ok()) << r.status().message();
     loss_sum += r->metrics.at("loss:sum");
     const auto now = Flat(Snap(*runner, split_id, StateKind::kGrads));
-    const double local = Denominator(mode, r->metrics.at("num_tokens:sum"),
-                                     r->metrics.at("num_sequences:sum"));
-    for (size_t k = 0; k < now.size(); ++k) broken[k] += (now[k] - previous[k]) / local / calls.size();
+    const double local =
+        Denominator(mode, r->metrics.at("num_tokens:sum"), r->metrics.at("num_sequences:sum"));
+    for (size_t k = 0; k < now.size(); ++k)
+      broken[k] += (now[k] - previous[k]) / local / calls.size();
     previous = now;
   }
   auto info_all = runner->GetInfo(combined_id);
@@ -95,7 +99,8 @@ TEST_P(SplitVsCombined, NormalizedGradientIndependentOfCallSplit) {
   EXPECT_EQ(info_all->accumulated_sequences, info_split->accumulated_sequences);
   EXPECT_NEAR(loss_sum, all->metrics.at("loss:sum"), 1e-10 * std::max(1.0, std::abs(loss_sum)));
 
-  const double denom = Denominator(mode, info_all->accumulated_tokens, info_all->accumulated_sequences);
+  const double denom =
+      Denominator(mode, info_all->accumulated_tokens, info_all->accumulated_sequences);
   const auto want = Scaled(Flat(Snap(*runner, combined_id, StateKind::kGrads)), 1.0 / denom);
   const auto got = Scaled(Flat(Snap(*runner, split_id, StateKind::kGrads)), 1.0 / denom);
   const double scale = MaxAbs(want);
@@ -210,7 +215,9 @@ TEST(ZeroWeights, CallWithAllZeroWeightsIsBitExactNoOp) {
     auto r = MakeRunner(model, dt, 16);
     SplitMix64 g(4), gw(2);
     const std::string id = WarmModel(*r, LossReduction::kTokenMean, gw);
-    ASSERT_TRUE(r->ForwardBackward(id, RandomData(g, {9, 14}, "cross_entropy", 128), "cross_entropy", {}).ok());
+    ASSERT_TRUE(
+        r->ForwardBackward(id, RandomData(g, {9, 14}, "cross_entropy", 128), "cross_entropy", {})
+            .ok());
     const auto before = Flat(Snap(*r, id, StateKind::kGrads));
     const auto info_before = *r->GetInfo(id);
     auto zero = RandomData(g, {20, 3, 11}, "cross_entropy", 128);
@@ -235,7 +242,8 @@ TEST(Isolation, OneModelsBatchDoesNotTouchAnother) {
   const std::string b = WarmModel(*r, LossReduction::kSum, gw2);
   const auto params_b = Flat(Snap(*r, b, StateKind::kParams));
   const auto grads_b = Flat(Snap(*r, b, StateKind::kGrads));
-  ASSERT_TRUE(r->ForwardBackward(a, RandomData(g, {8, 12}, "dro", 128), "dro", {{"beta", 0.1}}).ok());
+  ASSERT_TRUE(
+      r->ForwardBackward(a, RandomData(g, {8, 12}, "dro", 128), "dro", {{"beta", 0.1}}).ok());
   ASSERT_TRUE(r->OptimStep(a, AdamParams{}).ok());
   EXPECT_EQ(Flat(Snap(*r, b, StateKind::kParams)), params_b);
   EXPECT_EQ(Flat(Snap(*r, b, StateKind::kGrads)), grads_b);

@@ -42,13 +42,15 @@ void CheckLoss(const std::string& name, const std::map<std::string, double>& use
       }
     }
   }
-  LossTokenInputs in{logp.clone().set_requires_grad(true), Rand(g, n, -1, 2), logq, Rand(g, n, -1, 1)};
+  LossTokenInputs in{logp.clone().set_requires_grad(true), Rand(g, n, -1, 2), logq,
+                     Rand(g, n, -1, 1)};
   at::Tensor f = PerTokenLoss(name, in, cfg).loss_T.sum();
   at::Tensor grad = torch::autograd::grad({f}, {in.logp_T})[0];
 
   // CISPO's clipped ratio is a stop-gradient weight: hold it at its value at the point.
-  at::Tensor cispo_weight = at::clamp(at::exp(logp - logq), cfg.count("clip_low_threshold") ? cfg.at("clip_low_threshold") : 0,
-                                      cfg.count("clip_high_threshold") ? cfg.at("clip_high_threshold") : 0);
+  at::Tensor cispo_weight = at::clamp(
+      at::exp(logp - logq), cfg.count("clip_low_threshold") ? cfg.at("clip_low_threshold") : 0,
+      cfg.count("clip_high_threshold") ? cfg.at("clip_high_threshold") : 0);
   auto eval = [&](const at::Tensor& lp) {
     if (name == "cispo") return (-cispo_weight * lp * in.adv_T).sum().item<double>();
     LossTokenInputs x{lp, in.weights_T, in.logq_T, in.adv_T};
@@ -67,18 +69,27 @@ void CheckLoss(const std::string& name, const std::map<std::string, double>& use
   EXPECT_LT(max_err, kTol) << name;
 }
 
-TEST(LossGradcheck, CrossEntropy) { CheckLoss("cross_entropy", {}); }
-TEST(LossGradcheck, ImportanceSampling) { CheckLoss("importance_sampling", {}); }
+TEST(LossGradcheck, CrossEntropy) {
+  CheckLoss("cross_entropy", {});
+}
+TEST(LossGradcheck, ImportanceSampling) {
+  CheckLoss("importance_sampling", {});
+}
 TEST(LossGradcheck, PpoWithActiveClipping) {
   CheckLoss("ppo", {{"clip_low_threshold", 0.9}, {"clip_high_threshold", 1.1}});
 }
-TEST(LossGradcheck, Cispo) { CheckLoss("cispo", {{"clip_low_threshold", 0.8}, {"clip_high_threshold", 1.2}}); }
-TEST(LossGradcheck, Dro) { CheckLoss("dro", {{"beta", 0.5}}); }
+TEST(LossGradcheck, Cispo) {
+  CheckLoss("cispo", {{"clip_low_threshold", 0.8}, {"clip_high_threshold", 1.2}});
+}
+TEST(LossGradcheck, Dro) {
+  CheckLoss("dro", {{"beta", 0.5}});
+}
 
 // PPO's clip zeroes the gradient of tokens whose ratio left the trust region in the direction the
 // advantage favours; CISPO never does. This is the behavioural difference between the two.
 TEST(LossGradcheck, PpoClipsGradientCispoDoesNot) {
-  const std::map<std::string, double> cfg = {{"clip_low_threshold", 0.8}, {"clip_high_threshold", 1.2}};
+  const std::map<std::string, double> cfg = {{"clip_low_threshold", 0.8},
+                                             {"clip_high_threshold", 1.2}};
   at::Tensor logq = at::full({1}, -1.0, at::kDouble);
   at::Tensor logp = (logq + std::log(1.5)).set_requires_grad(true);  // r = 1.5 > hi
   at::Tensor adv = at::ones({1}, at::kDouble);                       // A > 0: PPO clips

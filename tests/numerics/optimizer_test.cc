@@ -32,7 +32,8 @@ struct Fixture {
 };
 
 // Expected AdamW step 1 from raw gradient sums G, written out from torch.optim.AdamW's docs:
-// g = G/denom·coef; m = (1−β1)g; v = (1−β2)g²; p' = p(1−lr·wd) − lr·(m/(1−β1)) / (sqrt(v/(1−β2)) + eps).
+// g = G/denom·coef; m = (1−β1)g; v = (1−β2)g²; p' = p(1−lr·wd) − lr·(m/(1−β1)) / (sqrt(v/(1−β2)) +
+// eps).
 void CheckFirstStep(const AdamParams& p, LossReduction mode) {
   Fixture f(mode);
   SplitMix64 g(21);
@@ -69,8 +70,9 @@ void CheckFirstStep(const AdamParams& p, LossReduction mode) {
     const double gk = G[k] / denom * coef;
     const double m = (1 - q.beta1) * gk;
     const double v = (1 - q.beta2) * gk * gk;
-    const double want = P0[k] * (1 - q.learning_rate * q.weight_decay) -
-                        q.learning_rate * (m / (1 - q.beta1)) / (std::sqrt(v / (1 - q.beta2)) + q.eps);
+    const double want =
+        P0[k] * (1 - q.learning_rate * q.weight_decay) -
+        q.learning_rate * (m / (1 - q.beta1)) / (std::sqrt(v / (1 - q.beta2)) + q.eps);
     ASSERT_NEAR(M[k], m, 1e-14) << k;
     ASSERT_NEAR(V[k], v, 1e-14) << k;
     ASSERT_NEAR(P1[k], want, 1e-14) << k;
@@ -83,7 +85,9 @@ void CheckFirstStep(const AdamParams& p, LossReduction mode) {
   EXPECT_EQ(f.runner->GetInfo(f.id)->step, 1);
 }
 
-TEST(AdamW, FirstStepAnalyticDefaults) { CheckFirstStep(AdamParams{}, LossReduction::kTokenMean); }
+TEST(AdamW, FirstStepAnalyticDefaults) {
+  CheckFirstStep(AdamParams{}, LossReduction::kTokenMean);
+}
 
 TEST(AdamW, FirstStepAnalyticWeightDecayAndClipping) {
   AdamParams p;
@@ -119,12 +123,15 @@ TEST(OptimStep, ZeroDenominatorIsRejectedAndChangesNothing) {
 TEST(OptimStep, BadAdamParamsAreInvalidArgumentAndChangeNothing) {
   Fixture f(LossReduction::kTokenMean);
   SplitMix64 g(1);
-  ASSERT_TRUE(f.runner->ForwardBackward(f.id, RandomData(g, {7}, "cross_entropy", 128), "cross_entropy", {}).ok());
+  ASSERT_TRUE(
+      f.runner->ForwardBackward(f.id, RandomData(g, {7}, "cross_entropy", 128), "cross_entropy", {})
+          .ok());
   const auto grads = Flat(Snap(*f.runner, f.id, StateKind::kGrads));
   for (auto mutate : std::vector<std::function<void(AdamParams&)>>{
            [](AdamParams& p) { p.learning_rate = -1; }, [](AdamParams& p) { p.beta1 = 1.0; },
            [](AdamParams& p) { p.beta2 = -0.1; }, [](AdamParams& p) { p.eps = NAN; },
-           [](AdamParams& p) { p.weight_decay = -1; }, [](AdamParams& p) { p.grad_clip_norm = INFINITY; }}) {
+           [](AdamParams& p) { p.weight_decay = -1; },
+           [](AdamParams& p) { p.grad_clip_norm = INFINITY; }}) {
     AdamParams p;
     mutate(p);
     auto r = f.runner->OptimStep(f.id, p);
@@ -156,7 +163,9 @@ TEST(OptimStep, NonFiniteNormSkipsClearsAndCounts) {
   EXPECT_EQ(info.skipped_steps, 1);
   EXPECT_EQ(info.accumulated_tokens, 0);
   // The model trains normally afterwards.
-  ASSERT_TRUE(f.runner->ForwardBackward(f.id, RandomData(g, {9}, "cross_entropy", 128), "cross_entropy", {}).ok());
+  ASSERT_TRUE(
+      f.runner->ForwardBackward(f.id, RandomData(g, {9}, "cross_entropy", 128), "cross_entropy", {})
+          .ok());
   auto ok = f.runner->OptimStep(f.id, AdamParams{});
   ASSERT_TRUE(ok.ok());
   EXPECT_FALSE(ok->skipped);
@@ -167,7 +176,8 @@ TEST(ForwardBackward, FailedCallLeavesStateUnchanged) {
   auto hooks = std::make_shared<RunnerConfig::TestHooks>();
   Fixture f(LossReduction::kTokenMean, ComputeDType::kFloat64, hooks);
   SplitMix64 g(5);
-  ASSERT_TRUE(f.runner->ForwardBackward(f.id, RandomData(g, {10, 4}, "cispo", 128), "cispo", {}).ok());
+  ASSERT_TRUE(
+      f.runner->ForwardBackward(f.id, RandomData(g, {10, 4}, "cispo", 128), "cispo", {}).ok());
   const auto grads = Flat(Snap(*f.runner, f.id, StateKind::kGrads));
   const auto info = *f.runner->GetInfo(f.id);
   // Three micro-batches of ≤16 tokens; the fault strikes after the first two were back-propagated.

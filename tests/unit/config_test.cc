@@ -61,12 +61,15 @@ TEST(ModelConfig, MalformedConfigsAreClearErrors) {
       {R"({"architectures":["GPT2LMHeadModel"]})", "GPT2LMHeadModel"},
       {R"({"architectures":["LlamaForCausalLM"],"vocab_size":10})", "hidden_size"},
       {R"({"architectures":["LlamaForCausalLM"],"vocab_size":"10","hidden_size":8,
-          "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2})", "vocab_size"},
+          "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2})",
+       "vocab_size"},
       {R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":8,
           "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":3,
-          "num_key_value_heads":2})", "multiple"},
+          "num_key_value_heads":2})",
+       "multiple"},
       {R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":8,
-          "intermediate_size":8,"num_hidden_layers":0,"num_attention_heads":2})", "positive"},
+          "intermediate_size":8,"num_hidden_layers":0,"num_attention_heads":2})",
+       "positive"},
   };
   for (const Case& c : cases) {
     auto r = ParseModelConfig(c.json);

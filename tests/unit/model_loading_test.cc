@@ -73,7 +73,8 @@ TEST(ModelLoading, BrokenDirectoriesGiveClearErrors) {
     std::ofstream(d + "/config.json") << ModelConfigToJson(c);
     absl::Status st = CreateStatus(d);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(st.message().find("gate_proj.weight has shape"), absl::string_view::npos) << st.message();
+    EXPECT_NE(st.message().find("gate_proj.weight has shape"), absl::string_view::npos)
+        << st.message();
   }
   // Weights of a deeper model: extra tensors are refused, not ignored.
   {

@@ -38,7 +38,8 @@ TEST(KarmarkarKarp, BeatsGreedyOnTheTextbookExample) {
 TEST(KarmarkarKarp, BalancesLongTailedLengthsAndIsDeterministic) {
   SplitMix64 rng(1);
   std::vector<int64_t> w;
-  for (int i = 0; i < 200; ++i) w.push_back(static_cast<int64_t>(16 * std::exp(rng.Uniform(0, 4.8))));
+  for (int i = 0; i < 200; ++i)
+    w.push_back(static_cast<int64_t>(16 * std::exp(rng.Uniform(0, 4.8))));
   for (int k : {2, 3, 8}) {
     auto g = KarmarkarKarpPartition(w, k);
     ASSERT_EQ(static_cast<int>(g.size()), k);

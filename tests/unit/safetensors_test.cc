@@ -56,7 +56,9 @@ TEST(Safetensors, HostileOrTruncatedFilesAreRejected) {
       {WithHeader(R"({"w":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}})", 8), "unknown dtype"},
       {WithHeader(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8), "non-negative"},
       {WithHeader(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
-                      "b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12), "overlap"},
+                      "b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                  12),
+       "overlap"},
       {WithHeader(R"({"w":{"dtype":"F32","shape":[2]}})", 8), "data_offsets"},
   };
   for (const Case& c : cases) {

@@ -35,25 +35,37 @@ TEST(ValidateData, EachBadInputNamesDatumFieldAndReason) {
       {"exceeds the model's context length 8", [](auto& b) { b[1] = Good(9); }},
       {"data[1].model_input: token 16 at position 2", [](auto& b) { b[1].tokens[2] = 16; }},
       {"token -1", [](auto& b) { b[0].tokens[0] = -1; }},
-      {"[\"target_tokens\"]: token 99", [](auto& b) { b[1].loss_fn_inputs["target_tokens"].int64_data[1] = 99; }},
+      {"[\"target_tokens\"]: token 99",
+       [](auto& b) { b[1].loss_fn_inputs["target_tokens"].int64_data[1] = 99; }},
       {"[\"target_tokens\"]: missing", [](auto& b) { b[0].loss_fn_inputs.erase("target_tokens"); }},
       {"[\"logprobs\"]: missing", [](auto& b) { b[1].loss_fn_inputs.erase("logprobs"); }},
       {"[\"weights\"]: not an input of ppo",
-       [](auto& b) { b[0].loss_fn_inputs["weights"] = TensorData::Float32({1, 1, 1}); }},
+       [](auto& b) {
+         b[0].loss_fn_inputs["weights"] = TensorData::Float32({1, 1, 1});
+       }},
       {"[\"advantages\"]: length 2 does not match model_input length 3",
-       [](auto& b) { b[0].loss_fn_inputs["advantages"] = TensorData::Float32({1, 1}); }},
+       [](auto& b) {
+         b[0].loss_fn_inputs["advantages"] = TensorData::Float32({1, 1});
+       }},
       {"[\"advantages\"]: value at position 1 is not finite",
        [](auto& b) { b[0].loss_fn_inputs["advantages"].float32_data[1] = INFINITY; }},
       {"[\"logprobs\"]: must be float32",
-       [](auto& b) { b[0].loss_fn_inputs["logprobs"] = TensorData::Int64({1, 1, 1}); }},
+       [](auto& b) {
+         b[0].loss_fn_inputs["logprobs"] = TensorData::Int64({1, 1, 1});
+       }},
       {"[\"target_tokens\"]: must be int64",
-       [](auto& b) { b[0].loss_fn_inputs["target_tokens"] = TensorData::Float32({1, 1, 1}); }},
+       [](auto& b) {
+         b[0].loss_fn_inputs["target_tokens"] = TensorData::Float32({1, 1, 1});
+       }},
       {"must be 1-D",
-       [](auto& b) { b[0].loss_fn_inputs["advantages"].shape = {3, 1}; }},
-      {"shape [4] does not match",
-       [](auto& b) { b[0].loss_fn_inputs["advantages"].shape = {4}; }},
+       [](auto& b) {
+         b[0].loss_fn_inputs["advantages"].shape = {3, 1};
+       }},
+      {"shape [4] does not match", [](auto& b) { b[0].loss_fn_inputs["advantages"].shape = {4}; }},
       {"[\"mask\"]: value at position 0 is 0.5",
-       [](auto& b) { b[0].loss_fn_inputs["mask"] = TensorData::Float32({0.5f, 1, 1}); }},
+       [](auto& b) {
+         b[0].loss_fn_inputs["mask"] = TensorData::Float32({0.5f, 1, 1});
+       }},
   };
   for (const Case& c : cases) {
     std::vector<Datum> batch{Good(3), Good(5)};
