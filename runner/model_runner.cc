@@ -285,11 +285,15 @@ absl::StatusOr<ForwardBackwardResult> ModelRunner::FinishStream(int64_t stream_i
   if (it == impl_->streams.end()) return absl::NotFoundError("stream: unknown or closed stream");
   Impl::Stream s = std::move(it->second);
   impl_->streams.erase(it);
-  RETURN_IF_ERROR(s.failed);
-  return Guarded("stream", [&]() -> absl::StatusOr<ForwardBackwardResult> {
-    if (!s.buffered.empty()) s.stage->Run(s.buffered);
-    return s.stage->Commit();
-  });
+  absl::Status local = s.failed;
+  if (local.ok() && !s.buffered.empty()) {
+    local = Guarded("stream", [&]() -> absl::Status {
+      s.stage->Run(s.buffered);
+      return absl::OkStatus();
+    });
+  }
+  // Every rank commits (or refuses) together, whatever happened locally.
+  return Guarded("stream", [&] { return s.stage->Commit(local); });
 }
 
 void ModelRunner::AbortStream(int64_t stream_id) {

@@ -27,6 +27,9 @@ struct RunnerConfig {
   // just before micro-batch `fail_at_micro_batch` (0-based) of its next call, once.
   struct TestHooks {
     int fail_at_micro_batch = -1;
+    // Broken control for data-parallel tests: all-reduce the accumulated gradient after every
+    // call (the double-reduction bug of peers.md §7). Never set outside tests.
+    bool allreduce_accumulator_per_call = false;
   };
   std::shared_ptr<TestHooks> test_hooks;
 

@@ -54,9 +54,13 @@ struct StepContext {
 class CallStage {
  public:
   CallStage(const StepContext& ctx, Tenant& tenant, ResolvedLoss loss, bool backward);
-  // Data must already be validated. Throws on LibTorch errors (callers convert to Status).
+  // Runs this rank's share of `data` (Karmarkar–Karp over token counts, the same partition on
+  // every rank). Data must already be validated. Throws on LibTorch errors; the caller passes the
+  // outcome to Commit, which every rank must reach so collectives line up.
   void Run(const std::vector<Datum>& data);
-  absl::StatusOr<ForwardBackwardResult> Commit();
+  // Agrees with every rank on `local` (this rank's outcome), sums counts and losses over ranks,
+  // gathers per-datum outputs, and only if every rank succeeded adds the staged gradient.
+  absl::StatusOr<ForwardBackwardResult> Commit(const absl::Status& local);
   const std::string& model_id() const { return tenant_.id; }
 
  private:
@@ -70,6 +74,7 @@ class CallStage {
   double loss_sum_ = 0;
   int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;
   int micro_batches_run_ = 0;
+  std::vector<size_t> owned_;  // indices into result_.outputs computed on this rank
 };
 
 // Runs `data` as one call: a CallStage run once and committed.

@@ -4,11 +4,14 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
+#include <cstring>
+#include <numeric>
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "runner/loss/losses.h"
 #include "runner/optim/adamw.h"
+#include "runner/packing/karmarkar_karp.h"
 #include "runner/packing/micro_batch.h"
 #include "runner/tenant.h"
 
@@ -61,9 +64,19 @@ void CallStage::Run(const std::vector<Datum>& data) {
   for (const Datum& d : data) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
   const size_t first_output = result_.outputs.size();
   result_.outputs.resize(first_output + data.size());
+  // This rank's datums. A rank may get none; it still takes part in every collective (Commit).
+  std::vector<int> mine(data.size());
+  std::iota(mine.begin(), mine.end(), 0);
+  if (ctx_.collectives->world_size() > 1) {
+    mine =
+        KarmarkarKarpPartition(lengths, ctx_.collectives->world_size())[ctx_.collectives->rank()];
+  }
+  std::vector<int64_t> mine_lengths;
+  for (int i : mine) mine_lengths.push_back(lengths[i]);
 
   // ---- TRAINING SECTION BEGIN: one packed micro-batch per iteration ----
-  for (const std::vector<int>& mb : PlanMicroBatches(lengths, ctx_.micro_batch_tokens)) {
+  for (std::vector<int> mb : PlanMicroBatches(mine_lengths, ctx_.micro_batch_tokens)) {
+    for (int& j : mb) j = mine[j];  // positions in `mine` -> indices into `data`
     if (ctx_.test_hooks && ctx_.test_hooks->fail_at_micro_batch == micro_batches_run_) {
       ctx_.test_hooks->fail_at_micro_batch = -1;
       throw std::runtime_error("injected fault (test hook)");
@@ -128,21 +141,55 @@ void CallStage::Run(const std::vector<Datum>& data) {
     for (size_t j = 0; j < mb.size(); ++j) {
       result_.outputs[first_output + mb[j]].logprobs.assign(lp + batch.cu_seqlens[j],
                                                             lp + batch.cu_seqlens[j + 1]);
+      owned_.push_back(first_output + mb[j]);
     }
   }
   // ---- TRAINING SECTION END ----
 }
 
-absl::StatusOr<ForwardBackwardResult> CallStage::Commit() {
-  std::vector<int64_t> counts{valid_tokens_, valid_sequences_};
-  if (auto st = ctx_.collectives->AllReduceSumCounts(counts); !st.ok()) return st;
+absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& local) {
+  Collectives& c = *ctx_.collectives;
+  bool all_ok = local.ok();
+  if (auto st = c.AllAgree(all_ok); !st.ok()) return st;
+  if (!all_ok) {
+    if (!local.ok()) return local;
+    return absl::AbortedError("the call failed on another rank; nothing was applied");
+  }
+  std::vector<int64_t> counts{valid_tokens_, valid_sequences_, clipped_tokens_};
+  if (auto st = c.AllReduceSumCounts(counts); !st.ok()) return st;
+  std::vector<double> sums{loss_sum_};
+  if (auto st = c.AllReduceSumDoubles(sums); !st.ok()) return st;
   ForwardBackwardResult result = std::move(result_);
-  result.metrics["loss:sum"] = loss_sum_;
+  if (c.world_size() > 1) {
+    // Outputs back in datum order: each rank sends (index, length, logprobs) of its datums.
+    std::string mine;
+    for (size_t i : owned_) {
+      const auto& lp = result.outputs[i].logprobs;
+      const uint64_t head[2] = {i, lp.size()};
+      mine.append(reinterpret_cast<const char*>(head), sizeof(head));
+      mine.append(reinterpret_cast<const char*>(lp.data()), lp.size() * sizeof(float));
+    }
+    auto all = c.AllGatherBytes(mine);
+    if (!all.ok()) return all.status();
+    for (const std::string& part : *all) {
+      size_t pos = 0;
+      while (pos + 16 <= part.size()) {
+        uint64_t head[2];
+        std::memcpy(head, part.data() + pos, sizeof(head));
+        pos += sizeof(head);
+        auto& lp = result.outputs.at(head[0]).logprobs;
+        lp.resize(head[1]);
+        std::memcpy(lp.data(), part.data() + pos, head[1] * sizeof(float));
+        pos += head[1] * sizeof(float);
+      }
+    }
+  }
+  result.metrics["loss:sum"] = sums[0];
   result.metrics["num_tokens:sum"] = static_cast<double>(counts[0]);
   result.metrics["num_sequences:sum"] = static_cast<double>(counts[1]);
   if (loss_.spec->config.count("clip_low_threshold")) {
     result.metrics["clip_fraction:mean"] =
-        valid_tokens_ > 0 ? static_cast<double>(clipped_tokens_) / valid_tokens_ : 0.0;
+        counts[0] > 0 ? static_cast<double>(counts[2]) / static_cast<double>(counts[0]) : 0.0;
   }
   if (backward_) {
     // The only place a call changes training state.
@@ -151,6 +198,11 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit() {
     for (auto& [name, g] : tenant_.grad_sum) g.add_(staged_[k++]);
     tenant_.accumulated_tokens += counts[0];
     tenant_.accumulated_sequences += counts[1];
+    if (ctx_.test_hooks && ctx_.test_hooks->allreduce_accumulator_per_call) {
+      std::vector<at::Tensor> acc;
+      for (auto& [name, g] : tenant_.grad_sum) acc.push_back(g);
+      if (auto st = c.AllReduceSumGradients(acc); !st.ok()) return st;
+    }
   }
   return result;
 }
@@ -159,8 +211,15 @@ absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant&
                                                  const std::vector<Datum>& data,
                                                  const ResolvedLoss& loss, bool backward) {
   CallStage stage(ctx, tenant, loss, backward);
-  stage.Run(data);
-  return stage.Commit();
+  absl::Status local = absl::OkStatus();
+  try {
+    stage.Run(data);
+  } catch (const c10::Error& e) {
+    local = absl::InternalError(absl::StrCat("forward_backward: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    local = absl::InternalError(absl::StrCat("forward_backward: ", e.what()));
+  }
+  return stage.Commit(local);
 }
 
 absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, Tenant& t,

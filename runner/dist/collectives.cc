@@ -10,6 +10,11 @@ class LocalCollectives final : public Collectives {
   absl::Status AllReduceSumGradients(std::vector<at::Tensor>&) override { return absl::OkStatus(); }
   absl::Status AllReduceSumCounts(std::vector<int64_t>&) override { return absl::OkStatus(); }
   absl::Status AllAgree(bool&) override { return absl::OkStatus(); }
+  absl::Status AllReduceSumDoubles(std::vector<double>&) override { return absl::OkStatus(); }
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine) override {
+    return std::vector<std::string>{mine};
+  }
+  absl::Status BroadcastBytes(std::string&, int) override { return absl::OkStatus(); }
 };
 
 }  // namespace

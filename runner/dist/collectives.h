@@ -9,9 +9,11 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace tinkerd {
 
@@ -27,6 +29,12 @@ class Collectives {
   virtual absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) = 0;
   // In place: true on every rank when true on all (a call commits only if every rank succeeded).
   virtual absl::Status AllAgree(bool& ok) = 0;
+  // In place: each value becomes the sum over ranks (loss sums, in double).
+  virtual absl::Status AllReduceSumDoubles(std::vector<double>& values) = 0;
+  // Every rank's bytes, indexed by rank, on every rank (per-datum outputs back to rank 0).
+  virtual absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine) = 0;
+  // Rank `root`'s bytes on every rank (rank 0 dispatching requests to the others).
+  virtual absl::Status BroadcastBytes(std::string& bytes, int root) = 0;
 };
 
 // World size 1.

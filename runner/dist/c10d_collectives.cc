@@ -1,0 +1,173 @@
+#include "runner/dist/c10d_collectives.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "runner/util/log.h"
+
+namespace tinkerd {
+namespace {
+
+// Shape suffix: N elements of one flattened bucket.
+class C10dCollectives final : public Collectives {
+ public:
+  C10dCollectives(const DistConfig& config, C10dOptions options,
+                  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg)
+      : config_(config), options_(options), pg_(std::move(pg)) {}
+
+  int rank() const override { return config_.rank; }
+  int world_size() const override { return config_.world_size; }
+
+  absl::Status AllReduceSumGradients(std::vector<at::Tensor>& grads) override {
+    return Guard("gradient all-reduce", [&] {
+      const double ws = static_cast<double>(config_.world_size);
+      size_t i = 0;
+      while (i < grads.size()) {
+        // One bucket: consecutive tensors of one dtype up to bucket_bytes, flattened together.
+        size_t j = i;
+        int64_t bytes = 0;
+        std::vector<at::Tensor> members;
+        while (j < grads.size() && grads[j].scalar_type() == grads[i].scalar_type() &&
+               (members.empty() ||
+                bytes + static_cast<int64_t>(grads[j].nbytes()) <= config_.bucket_bytes)) {
+          bytes += static_cast<int64_t>(grads[j].nbytes());
+          members.push_back(grads[j].reshape(-1));
+          ++j;
+        }
+        at::Tensor bucket_N = at::cat(members).div_(ws);  // DDP's mean: divide, then SUM
+        std::vector<at::Tensor> io{bucket_N};
+        pg_->allreduce(io, c10d::AllreduceOptions{})->wait();
+        if (options_.undo_mean_with_world_size) bucket_N.mul_(ws);
+        int64_t offset = 0;
+        for (size_t k = i; k < j; ++k) {
+          const int64_t n = grads[k].numel();
+          grads[k].copy_(bucket_N.narrow(0, offset, n).view(grads[k].sizes()));
+          offset += n;
+        }
+        i = j;
+      }
+    });
+  }
+
+  absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) override {
+    return Guard("count all-reduce", [&] {
+      at::Tensor t =
+          at::from_blob(counts.data(), {static_cast<int64_t>(counts.size())}, at::kLong).clone();
+      std::vector<at::Tensor> io{t};
+      pg_->allreduce(io, c10d::AllreduceOptions{})->wait();
+      std::memcpy(counts.data(), t.data_ptr<int64_t>(), counts.size() * sizeof(int64_t));
+    });
+  }
+
+  absl::Status AllReduceSumDoubles(std::vector<double>& values) override {
+    return Guard("value all-reduce", [&] {
+      at::Tensor t =
+          at::from_blob(values.data(), {static_cast<int64_t>(values.size())}, at::kDouble).clone();
+      std::vector<at::Tensor> io{t};
+      pg_->allreduce(io, c10d::AllreduceOptions{})->wait();
+      std::memcpy(values.data(), t.data_ptr<double>(), values.size() * sizeof(double));
+    });
+  }
+
+  absl::Status AllAgree(bool& ok) override {
+    return Guard("agreement", [&] {
+      at::Tensor t = at::full({1}, ok ? 1 : 0, at::kLong);
+      std::vector<at::Tensor> io{t};
+      c10d::AllreduceOptions o;
+      o.reduceOp = c10d::ReduceOp::MIN;
+      pg_->allreduce(io, o)->wait();
+      ok = t.item<int64_t>() == 1;
+    });
+  }
+
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine) override {
+    std::vector<std::string> out;
+    absl::Status st = Guard("byte all-gather", [&] {
+      const int ws = config_.world_size;
+      // Gloo gathers equal sizes: share the lengths first, then pad to the longest.
+      std::vector<int64_t> lengths(ws, 0);
+      lengths[config_.rank] = static_cast<int64_t>(mine.size());
+      at::Tensor len = at::from_blob(lengths.data(), {ws}, at::kLong).clone();
+      std::vector<at::Tensor> io{len};
+      pg_->allreduce(io, c10d::AllreduceOptions{})->wait();
+      const int64_t longest = std::max<int64_t>(1, len.max().item<int64_t>());
+      at::Tensor buf = at::zeros({longest}, at::kByte);
+      std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+      std::vector<std::vector<at::Tensor>> outputs(1);
+      for (int r = 0; r < ws; ++r) outputs[0].push_back(at::empty({longest}, at::kByte));
+      std::vector<at::Tensor> input{buf};
+      pg_->allgather(outputs, input)->wait();
+      for (int r = 0; r < ws; ++r) {
+        out.emplace_back(static_cast<const char*>(outputs[0][r].data_ptr()),
+                         static_cast<size_t>(len[r].item<int64_t>()));
+      }
+    });
+    if (!st.ok()) return st;
+    return out;
+  }
+
+  absl::Status BroadcastBytes(std::string& bytes, int root) override {
+    return Guard("byte broadcast", [&] {
+      at::Tensor n = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+      std::vector<at::Tensor> io{n};
+      c10d::BroadcastOptions o;
+      o.rootRank = root;
+      pg_->broadcast(io, o)->wait();
+      const int64_t size = n.item<int64_t>();
+      at::Tensor buf = at::empty({std::max<int64_t>(size, 1)}, at::kByte);
+      if (config_.rank == root) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
+      std::vector<at::Tensor> payload{buf};
+      pg_->broadcast(payload, o)->wait();
+      bytes.assign(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(size));
+    });
+  }
+
+ private:
+  // A failed or timed-out collective (a rank died or hangs) becomes UNAVAILABLE, never a crash.
+  template <typename F>
+  absl::Status Guard(const char* what, F&& f) {
+    try {
+      f();
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat(what, " failed on rank ", config_.rank, ": ", e.what()));
+    }
+  }
+
+  DistConfig config_;
+  C10dOptions options_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Collectives>> MakeC10dCollectives(const DistConfig& config,
+                                                                 C10dOptions options) {
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(config.master_port);
+    so.isServer = config.rank == 0;
+    so.numWorkers = config.world_size;
+    so.waitWorkers = true;
+    so.timeout = config.timeout;
+    auto store = c10::make_intrusive<c10d::TCPStore>(config.master_addr, so);
+    auto opts = c10d::ProcessGroupGloo::Options::create(config.timeout);
+    // Loopback for single-host runs; otherwise the interface that reaches the master.
+    opts->devices.push_back(config.master_addr == "127.0.0.1" || config.master_addr == "localhost"
+                                ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                : c10d::ProcessGroupGloo::createDefaultDevice());
+    auto pg =
+        c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, opts);
+    TLOG_INFO("c10d: joined {}", config.DebugString());
+    return std::shared_ptr<Collectives>(std::make_shared<C10dCollectives>(config, options, pg));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("c10d rendezvous (", config.DebugString(), "): ", e.what()));
+  }
+}
+
+}  // namespace tinkerd

@@ -1,0 +1,25 @@
+// Collectives over torch.distributed's c10d: rendezvous through a TCPStore on MASTER_ADDR:
+// MASTER_PORT (rank 0 hosts it), a Gloo process group for control messages, counts and, on CPU,
+// gradients. See Note [Reduce once] in collectives.h.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "runner/dist/collectives.h"
+#include "runner/dist/dist_config.h"
+
+namespace tinkerd {
+
+struct C10dOptions {
+  // Gradients: DDP's mean all-reduce (each rank divides by world_size, then SUM), followed by the
+  // multiplication by world_size that turns the mean back into the sum our semantics need.
+  // Tests set this false to show that forgetting the factor is detected (a broken control).
+  bool undo_mean_with_world_size = true;
+};
+
+// Blocks until every rank joined (or the timeout passed).
+absl::StatusOr<std::shared_ptr<Collectives>> MakeC10dCollectives(const DistConfig& config,
+                                                                 C10dOptions options = {});
+
+}  // namespace tinkerd

@@ -1,0 +1,105 @@
+// One rank of a data-parallel training scenario, launched by dist_test.cc with torchrun's
+// environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes what it ended with (every
+// model's parameters, every step's gradient norm, every call's loss) as raw doubles to
+// --out.<rank>, so the test can compare world sizes.
+//   dist_worker --model_dir=D --out=F [--broken=none|no_world_size_factor|per_call_allreduce]
+#include <cstdio>
+#include <fstream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "runner/dist/c10d_collectives.h"
+#include "runner/util/log.h"
+#include "tests/test_util.h"
+
+ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
+ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
+ABSL_FLAG(std::string, broken, "none", "none, no_world_size_factor or per_call_allreduce");
+
+namespace tinkerd::testing {
+namespace {
+
+int Run() {
+  auto dist = DistConfigFromEnv();
+  if (!dist.ok()) return 2;
+  dist->timeout = std::chrono::seconds(60);
+  InitLogging(dist->rank, spdlog::level::warn);
+  const std::string broken = absl::GetFlag(FLAGS_broken);
+  C10dOptions copts;
+  copts.undo_mean_with_world_size = broken != "no_world_size_factor";
+  auto collectives = MakeC10dCollectives(*dist, copts);
+  if (!collectives.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(collectives.status().message()).c_str());
+    return 3;
+  }
+  RunnerConfig rc;
+  rc.base_model_path = absl::GetFlag(FLAGS_model_dir);
+  rc.compute_dtype = ComputeDType::kFloat64;
+  rc.micro_batch_tokens = 16;
+  rc.num_threads = 1;
+  rc.collectives = *collectives;
+  rc.test_hooks = std::make_shared<RunnerConfig::TestHooks>();
+  rc.test_hooks->allreduce_accumulator_per_call = broken == "per_call_allreduce";
+  auto runner = ModelRunner::Create(rc);
+  if (!runner.ok()) return 4;
+  ModelRunner& r = **runner;
+
+  std::vector<double> out;
+  auto check = [&](const absl::Status& st) {
+    if (!st.ok()) {
+      std::fprintf(stderr, "rank %d: %s\n", dist->rank, std::string(st.message()).c_str());
+      std::exit(5);
+    }
+  };
+  for (LossReduction mode : {LossReduction::kTokenMean, LossReduction::kSum,
+                             LossReduction::kSeqMeanTokenMean, LossReduction::kSeqMeanTokenSum}) {
+    CreateModelOptions o;
+    o.loss_reduction = mode;
+    o.seed = 3;
+    o.lora = LoraConfig{4, 8, true, true, true};
+    auto id = r.CreateModel(o);
+    check(id.status());
+    SplitMix64 g(17);  // the same data on every rank, as the server's broadcast delivers it
+    AdamParams adam;
+    adam.learning_rate = 1e-2;
+    for (int step = 0; step < 2; ++step) {
+      // Strongly unequal lengths; the second call has fewer datums than ranks.
+      for (const auto& [lengths, loss] : std::vector<std::pair<std::vector<int>, std::string>>{
+               {{2, 31, 5, 17, 3}, "cross_entropy"}, {{9}, "ppo"}, {{4, 22}, "dro"}}) {
+        std::map<std::string, double> cfg;
+        if (loss == "dro") cfg["beta"] = 0.2;
+        auto fb = r.ForwardBackward(*id, RandomData(g, lengths, loss, 128), loss, cfg);
+        check(fb.status());
+        out.push_back(fb->metrics.at("loss:sum"));
+        out.push_back(fb->outputs.back().logprobs.back());  // outputs gathered in datum order
+      }
+      // A stream, fed in three chunks, packed under the budget as it fills.
+      auto sid = r.BeginStream(*id, "importance_sampling", {});
+      check(sid.status());
+      for (const auto& chunk :
+           {std::vector<int>{6, 11}, std::vector<int>{1}, std::vector<int>{13, 2, 8}}) {
+        check(r.StreamAppend(*sid, RandomData(g, chunk, "importance_sampling", 128)));
+      }
+      auto fs = r.FinishStream(*sid);
+      check(fs.status());
+      out.push_back(fs->metrics.at("loss:sum"));
+      auto os = r.OptimStep(*id, adam);
+      check(os.status());
+      out.push_back(os->grad_norm);
+      out.push_back(static_cast<double>(os->num_tokens));
+    }
+    for (double v : Flat(Snap(r, *id, StateKind::kParams))) out.push_back(v);
+  }
+  std::ofstream f(absl::GetFlag(FLAGS_out) + "." + std::to_string(dist->rank), std::ios::binary);
+  f.write(reinterpret_cast<const char*>(out.data()),
+          static_cast<std::streamsize>(out.size() * sizeof(double)));
+  return f.good() ? 0 : 6;
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return tinkerd::testing::Run();
+}
