@@ -41,9 +41,11 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   std::unique_ptr<TinkerdServer> s(new TinkerdServer());
   s->config_ = config;
   s->runner_ = std::move(runner);
+  s->replicated_ =
+      std::make_unique<ReplicatedRunner>(s->runner_.get(), s->runner_->config().collectives);
   s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
-  s->service_ =
-      std::make_unique<TinkerdService>(s->runner_.get(), s->scheduler_.get(), s->runner_->limits());
+  s->service_ = std::make_unique<TinkerdService>(s->replicated_.get(), s->scheduler_.get(),
+                                                 s->runner_->limits());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -57,6 +59,21 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen_address));
   }
   s->scheduler_->Start();
+  TinkerdServer* raw = s.get();
+  s->replicated_->set_on_broken([raw](const absl::Status&) {
+    raw->server_->GetHealthCheckService()->SetServingStatus(false);
+  });
+  if (s->replicated_->world_size() > 1) {
+    s->heartbeat_ = std::thread([raw] {
+      absl::MutexLock lock(&raw->heartbeat_mu_);
+      while (!raw->heartbeat_mu_.AwaitWithTimeout(absl::Condition(&raw->heartbeat_stop_),
+                                                  raw->config_.heartbeat_interval)) {
+        raw->heartbeat_mu_.Unlock();
+        (void)raw->replicated_->Ping();
+        raw->heartbeat_mu_.Lock();
+      }
+    });
+  }
   s->server_->GetHealthCheckService()->SetServingStatus(true);
   TLOG_INFO("tinkerd serving on port {} | {}", s->port_, config.DebugString());
   return s;
@@ -75,6 +92,14 @@ void TinkerdServer::Shutdown() {
                     absl::ToChronoSeconds(config_.shutdown_grace));
   drain.join();
   server_->Wait();
+  if (heartbeat_.joinable()) {
+    {
+      absl::MutexLock lock(&heartbeat_mu_);
+      heartbeat_stop_ = true;
+    }
+    heartbeat_.join();
+  }
+  replicated_->Shutdown();  // the other ranks exit after the last request
   TLOG_INFO("shut down");
 }
 

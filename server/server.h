@@ -5,9 +5,11 @@
 #include <grpcpp/server.h>
 
 #include <memory>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "runner/model_runner.h"
+#include "server/replicated_runner.h"
 #include "server/scheduler.h"
 #include "server/server_config.h"
 #include "server/service.h"
@@ -25,12 +27,18 @@ class TinkerdServer {
   // already accepted run to completion within the grace period, then everything stops.
   void Shutdown();
   ModelRunner* runner() const { return runner_.get(); }
+  // False once a rank of a data-parallel job failed (health is NOT_SERVING then).
+  bool healthy() const { return replicated_->healthy(); }
 
  private:
   TinkerdServer() = default;
   ServerConfig config_;
   std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<ReplicatedRunner> replicated_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::thread heartbeat_;
+  absl::Mutex heartbeat_mu_;
+  bool heartbeat_stop_ ABSL_GUARDED_BY(heartbeat_mu_) = false;
   std::unique_ptr<TinkerdService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -25,7 +25,7 @@ uint64_t PayloadHash(const google::protobuf::Message& m) {
   return h;
 }
 
-TinkerdService::TinkerdService(ModelRunner* runner, Scheduler* scheduler, ModelLimits limits)
+TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits)
     : runner_(runner), scheduler_(scheduler), limits_(limits) {}
 
 grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContext* ctx,
@@ -33,12 +33,12 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContex
                                                       v1::ModelInfo* resp) {
   auto* reactor = ctx->DefaultReactor();
   absl::Status st = [&]() -> absl::Status {
-    auto opts = CreateOptionsFromProto(*req);
+    auto opts = CreateOptionsFromProto(*req);  // checked here so a bad request is never broadcast
     if (!opts.ok()) return opts.status();
-    auto id = runner_->CreateModel(*opts);
+    auto id = runner_->CreateModel(*req);
     if (!id.ok()) return id.status();
     scheduler_->AddModel(*id);
-    auto info = runner_->GetInfo(*id);
+    auto info = runner_->local()->GetInfo(*id);
     if (!info.ok()) return info.status();
     InfoToProto(*info, resp);
     resp->set_next_seq_id(1);
@@ -54,7 +54,7 @@ grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* c
   absl::Status st = [&]() -> absl::Status {
     auto next = scheduler_->NextSeqId(req->model_id());
     if (!next.ok()) return next.status();
-    auto info = runner_->GetInfo(req->model_id());
+    auto info = runner_->local()->GetInfo(req->model_id());
     if (!info.ok()) return info.status();
     InfoToProto(*info, resp);
     resp->set_next_seq_id(*next);
@@ -69,7 +69,7 @@ grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext
                                                      v1::ListModelsResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
   for (const std::string& id : scheduler_->Models()) {
-    auto info = runner_->GetInfo(id);
+    auto info = runner_->local()->GetInfo(id);
     auto next = scheduler_->NextSeqId(id);
     if (!info.ok() || !next.ok()) continue;  // deleted meanwhile
     v1::ModelInfo* m = resp->add_models();
@@ -111,15 +111,10 @@ grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ct
   auto request = std::make_shared<v1::ForwardBackwardRequest>(*req);
   JobSpec job;
   job.payload_hash = PayloadHash(*req) ^ (backward ? 0x9e3779b97f4a7c15ull : 0);
-  ModelRunner* runner = runner_;
+  ReplicatedRunner* runner = runner_;
   job.run = [runner, request, invalid, backward]() -> JobStep {
     if (!invalid.ok()) return {true, invalid};
-    auto data = DatumsFromProto(request->data());
-    if (!data.ok()) return {true, data.status()};
-    const std::string& loss = request->loss_fn().name();
-    const auto cfg = ConfigFromProto(request->loss_fn());
-    auto r = backward ? runner->ForwardBackward(request->model_id(), *data, loss, cfg)
-                      : runner->Forward(request->model_id(), *data, loss, cfg);
+    auto r = runner->ForwardBackward(*request, backward);
     if (!r.ok()) return {true, r.status()};
     v1::RetrieveResultResponse out;
     ResultToProto(*r, out.mutable_forward_backward());
@@ -149,13 +144,13 @@ grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext*
                                                     const v1::OptimStepRequest* req,
                                                     v1::OptimStepResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  const AdamParams params = AdamFromProto(req->adam_params());
   JobSpec job;
   job.payload_hash = PayloadHash(*req);
-  ModelRunner* runner = runner_;
+  ReplicatedRunner* runner = runner_;
   const std::string model_id = req->model_id();
-  job.run = [runner, model_id, params]() -> JobStep {
-    auto r = runner->OptimStep(model_id, params);
+  auto request = std::make_shared<v1::OptimStepRequest>(*req);
+  job.run = [runner, request]() -> JobStep {
+    auto r = runner->OptimStep(*request);
     if (!r.ok()) return {true, r.status()};
     v1::RetrieveResultResponse out;
     OptimStepToProto(*r, out.mutable_optim_step());
@@ -183,9 +178,9 @@ namespace {
 // What a stream's reactor (gRPC threads) and its job (scheduler thread) share.
 struct StreamState {
   absl::Mutex mu;
-  std::deque<Datum> queue ABSL_GUARDED_BY(mu);
-  bool closed ABSL_GUARDED_BY(mu) = false;  // the client sent every datum
-  absl::Status error ABSL_GUARDED_BY(mu);   // a bad datum, or the client went away
+  std::deque<v1::Datum> queue ABSL_GUARDED_BY(mu);  // validated on arrival
+  bool closed ABSL_GUARDED_BY(mu) = false;          // the client sent every datum
+  absl::Status error ABSL_GUARDED_BY(mu);           // a bad datum, or the client went away
 };
 
 // StreamForwardBackward: the header opens a job in the model's seq_id order; datums are
@@ -229,7 +224,7 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
       }
       ++received_;
       absl::MutexLock lock(&state_->mu);
-      state_->queue.push_back(std::move(*d));
+      state_->queue.push_back(msg_.datum());
     }
     svc_->scheduler()->Wake();
     StartRead(&msg_);
@@ -255,19 +250,18 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
     loss_spec_ = loss->spec;
     state_ = std::make_shared<StreamState>();
     auto state = state_;
-    ModelRunner* runner = svc_->runner();
+    ReplicatedRunner* runner = svc_->runner();
     auto stream_id = std::make_shared<int64_t>(0);
     const std::string model_id = h.model_id();
-    const std::string loss_name = h.loss_fn().name();
-    const auto cfg = ConfigFromProto(h.loss_fn());
+    const v1::LossFn loss_fn = h.loss_fn();
     JobSpec job;
     job.payload_hash = PayloadHash(h);
     job.ready = [state] {
       absl::MutexLock lock(&state->mu);
       return !state->queue.empty() || state->closed || !state->error.ok();
     };
-    job.run = [state, runner, stream_id, model_id, loss_name, cfg]() -> JobStep {
-      std::vector<Datum> batch;
+    job.run = [state, runner, stream_id, model_id, loss_fn]() -> JobStep {
+      std::vector<v1::Datum> batch;
       bool closed;
       absl::Status error;
       {
@@ -284,12 +278,12 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
       };
       if (!error.ok()) return fail(error);
       if (*stream_id == 0) {
-        auto sid = runner->BeginStream(model_id, loss_name, cfg);
+        auto sid = runner->BeginStream(model_id, loss_fn);
         if (!sid.ok()) return {true, sid.status()};
         *stream_id = *sid;
       }
       if (!batch.empty()) {
-        if (auto st = runner->StreamAppend(*stream_id, std::move(batch)); !st.ok()) return fail(st);
+        if (auto st = runner->StreamAppend(*stream_id, batch); !st.ok()) return fail(st);
       }
       if (!closed) return JobStep{/*done=*/false};  // more datums to come: yield
       auto r = runner->FinishStream(*stream_id);

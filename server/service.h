@@ -7,6 +7,7 @@
 
 #include "runner/model_runner.h"
 #include "runner/validate.h"
+#include "server/replicated_runner.h"
 #include "server/scheduler.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 
@@ -14,7 +15,8 @@ namespace tinkerd {
 
 class TinkerdService final : public v1::Tinkerd::CallbackService {
  public:
-  TinkerdService(ModelRunner* runner, Scheduler* scheduler, ModelLimits limits);
+  // `runner` applies state changes on every rank; reads go to its local replica.
+  TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits);
 
   grpc::ServerUnaryReactor* CreateModel(grpc::CallbackServerContext* ctx,
                                         const v1::CreateModelRequest* req,
@@ -41,7 +43,7 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
                                            const v1::RetrieveResultRequest* req,
                                            v1::RetrieveResultResponse* resp) override;
 
-  ModelRunner* runner() const { return runner_; }
+  ReplicatedRunner* runner() const { return runner_; }
   Scheduler* scheduler() const { return scheduler_; }
   const ModelLimits& limits() const { return limits_; }
 
@@ -50,7 +52,7 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
                                    const v1::ForwardBackwardRequest* req,
                                    v1::ForwardBackwardOutput* resp, bool backward);
 
-  ModelRunner* runner_;
+  ReplicatedRunner* runner_;
   Scheduler* scheduler_;
   ModelLimits limits_;
 };

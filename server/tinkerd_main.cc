@@ -1,12 +1,22 @@
 // tinkerd: the training server. With no --base_model it serves the embedded default model.
 //   tinkerd --listen=127.0.0.1:50051 --base_model=/models/Qwen3-0.6B
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "runner/dist/c10d_collectives.h"
+#include "runner/dist/dist_config.h"
 #include "runner/util/log.h"
+#include "server/replicated_runner.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -22,11 +32,68 @@ ABSL_FLAG(int, max_pending_per_model, 64, "queued requests per model before RESO
 ABSL_FLAG(int, result_cache_per_model, 256, "finished results kept per model for retries");
 ABSL_FLAG(int, order_timeout_s, 60, "how long a request waits for an earlier seq_id");
 ABSL_FLAG(int, shutdown_grace_s, 30, "on SIGTERM, time allowed for accepted work to finish");
+ABSL_FLAG(int, nproc, 1,
+          "data-parallel ranks to spawn on this machine (ignored when WORLD_SIZE is set, e.g. by "
+          "torchrun, Slurm or Kubernetes)");
+ABSL_FLAG(int, collective_timeout_s, 600,
+          "data parallel: a collective that takes longer fails and the server turns NOT_SERVING; "
+          "must exceed the longest call's compute time");
+ABSL_FLAG(int, heartbeat_s, 2, "data parallel: rank 0 pings idle ranks this often");
+
+namespace {
+
+int FreeLoopbackPort() {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  close(s);
+  return port;
+}
+
+// --nproc N without a launcher: this process becomes rank 0 and starts ranks 1..N-1 as copies of
+// itself with torchrun's environment, exactly as an external launcher would.
+std::vector<pid_t> SpawnLocalRanks(int nproc, char** argv) {
+  const std::string port = std::to_string(FreeLoopbackPort());
+  setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", port.c_str(), 1);
+  std::vector<pid_t> children;
+  for (int rank = 1; rank < nproc; ++rank) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      setenv("RANK", std::to_string(rank).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      execv("/proc/self/exe", argv);
+      _exit(127);
+    }
+    children.push_back(pid);
+  }
+  setenv("RANK", "0", 1);
+  setenv("LOCAL_RANK", "0", 1);
+  return children;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("tinkerd: a Tinker-style training server over gRPC");
   absl::ParseCommandLine(argc, argv);
-  tinkerd::InitLogging(0);
+  std::vector<pid_t> children;
+  if (absl::GetFlag(FLAGS_nproc) > 1 && std::getenv("WORLD_SIZE") == nullptr) {
+    children = SpawnLocalRanks(absl::GetFlag(FLAGS_nproc), argv);
+  }
+  auto dist = tinkerd::DistConfigFromEnv();
+  if (!dist.ok()) {
+    std::fprintf(stderr, "tinkerd: %s\n", std::string(dist.status().message()).c_str());
+    return 2;
+  }
+  dist->timeout = std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s));
+  tinkerd::InitLogging(dist->rank);
   // Signals are taken synchronously by sigwait below; block them before any thread starts so
   // that no gRPC or LibTorch thread receives them.
   sigset_t signals;
@@ -48,10 +115,24 @@ int main(int argc, char** argv) {
   rc.micro_batch_tokens = absl::GetFlag(FLAGS_micro_batch_tokens);
   rc.num_threads = absl::GetFlag(FLAGS_threads);
   rc.max_models = absl::GetFlag(FLAGS_max_models);
+  if (dist->world_size > 1) {
+    auto collectives = tinkerd::MakeC10dCollectives(*dist);
+    if (!collectives.ok()) {
+      TLOG_ERROR("cannot join the job: {}", std::string(collectives.status().message()));
+      return 1;
+    }
+    rc.collectives = *collectives;
+  }
   auto runner = tinkerd::ModelRunner::Create(rc);
   if (!runner.ok()) {
     TLOG_ERROR("cannot start: {}", std::string(runner.status().message()));
     return 1;
+  }
+  if (dist->rank != 0) {
+    // Ranks other than 0 serve no RPCs: they replay rank 0's commands until it shuts them down
+    // (signals stay blocked: rank 0 decides when the job ends).
+    absl::Status st = tinkerd::ReplicatedRunner::FollowerLoop(runner->get(), rc.collectives.get());
+    return st.ok() ? 0 : 1;
   }
   tinkerd::ServerConfig sc;
   sc.listen_address = absl::GetFlag(FLAGS_listen);
@@ -60,6 +141,7 @@ int main(int argc, char** argv) {
   sc.scheduler.max_pending_per_model = absl::GetFlag(FLAGS_max_pending_per_model);
   sc.scheduler.result_cache_per_model = absl::GetFlag(FLAGS_result_cache_per_model);
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
+  sc.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_s));
   auto server = tinkerd::TinkerdServer::Start(sc, std::move(*runner));
   if (!server.ok()) {
     TLOG_ERROR("cannot start: {}", std::string(server.status().message()));
@@ -72,5 +154,11 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   TLOG_INFO("received {}", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   (*server)->Shutdown();
-  return 0;
+  int exit_code = 0;
+  for (pid_t child : children) {
+    int status = 0;
+    waitpid(child, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) exit_code = 1;
+  }
+  return exit_code;
 }

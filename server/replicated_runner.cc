@@ -1,0 +1,224 @@
+#include "server/replicated_runner.h"
+
+#include "absl/strings/str_cat.h"
+#include "runner/util/log.h"
+#include "server/convert.h"
+
+namespace tinkerd {
+namespace {
+
+absl::StatusOr<ForwardBackwardResult> RunFwdBwd(ModelRunner* r,
+                                                const v1::ForwardBackwardRequest& req,
+                                                bool backward) {
+  auto data = DatumsFromProto(req.data());
+  if (!data.ok()) return data.status();
+  const auto cfg = ConfigFromProto(req.loss_fn());
+  return backward ? r->ForwardBackward(req.model_id(), *data, req.loss_fn().name(), cfg)
+                  : r->Forward(req.model_id(), *data, req.loss_fn().name(), cfg);
+}
+
+absl::Status RunAppend(ModelRunner* r, const v1::internal::StreamAppend& a) {
+  auto data = DatumsFromProto(a.data());
+  if (!data.ok()) return data.status();
+  return r->StreamAppend(a.stream_id(), std::move(*data));
+}
+
+absl::StatusOr<std::string> RunCreate(ModelRunner* r, const v1::CreateModelRequest& req) {
+  auto opts = CreateOptionsFromProto(req);
+  if (!opts.ok()) return opts.status();
+  return r->CreateModel(*opts);
+}
+
+}  // namespace
+
+absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
+  using C = v1::internal::Command;
+  switch (cmd.op_case()) {
+    case C::kCreateModel:
+      return RunCreate(r, cmd.create_model()).status();
+    case C::kDeleteModel:
+      return r->DeleteModel(cmd.delete_model());
+    case C::kForwardBackward:
+      return RunFwdBwd(r, cmd.forward_backward(), true).status();
+    case C::kForward:
+      return RunFwdBwd(r, cmd.forward(), false).status();
+    case C::kOptimStep:
+      return r
+          ->OptimStep(cmd.optim_step().model_id(), AdamFromProto(cmd.optim_step().adam_params()))
+          .status();
+    case C::kStreamBegin:
+      return r
+          ->BeginStream(cmd.stream_begin().model_id(), cmd.stream_begin().loss_fn().name(),
+                        ConfigFromProto(cmd.stream_begin().loss_fn()))
+          .status();
+    case C::kStreamAppend:
+      return RunAppend(r, cmd.stream_append());
+    case C::kStreamFinish:
+      return r->FinishStream(cmd.stream_finish()).status();
+    case C::kStreamAbort:
+      r->AbortStream(cmd.stream_abort());
+      return absl::OkStatus();
+    case C::kPing:
+    case C::kShutdown:
+    case C::OP_NOT_SET:
+      return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
+ReplicatedRunner::ReplicatedRunner(ModelRunner* runner, std::shared_ptr<Collectives> collectives)
+    : runner_(runner),
+      collectives_(collectives ? std::move(collectives) : MakeLocalCollectives()) {}
+
+bool ReplicatedRunner::healthy() const {
+  absl::MutexLock lock(&mu_);
+  return broken_.ok();
+}
+
+void ReplicatedRunner::set_on_broken(std::function<void(const absl::Status&)> f) {
+  on_broken_ = std::move(f);
+}
+
+void ReplicatedRunner::MarkBroken(const absl::Status& why) {
+  if (!broken_.ok()) return;
+  broken_ = absl::UnavailableError(absl::StrCat(
+      "the data-parallel job is broken (a rank failed or timed out): ", why.message()));
+  TLOG_ERROR("{}", std::string(broken_.message()));
+  if (on_broken_) on_broken_(broken_);
+}
+
+template <typename T>
+absl::StatusOr<T> ReplicatedRunner::Replicate(const v1::internal::Command& cmd,
+                                              const std::function<absl::StatusOr<T>()>& apply) {
+  absl::MutexLock lock(&mu_);
+  if (!broken_.ok()) return broken_;
+  if (shut_down_) return absl::UnavailableError("server is shutting down");
+  if (collectives_->world_size() > 1) {
+    std::string bytes = cmd.SerializeAsString();
+    if (auto st = collectives_->BroadcastBytes(bytes, 0); !st.ok()) {
+      MarkBroken(st);
+      return broken_;
+    }
+  }
+  absl::StatusOr<T> r = apply();
+  // Only collectives fail with UNAVAILABLE inside the runner: the ranks are out of step now.
+  if (!r.ok() && r.status().code() == absl::StatusCode::kUnavailable &&
+      collectives_->world_size() > 1) {
+    MarkBroken(r.status());
+    return broken_;
+  }
+  return r;
+}
+
+absl::StatusOr<std::string> ReplicatedRunner::CreateModel(const v1::CreateModelRequest& req) {
+  v1::internal::Command c;
+  *c.mutable_create_model() = req;
+  return Replicate<std::string>(c, [&] { return RunCreate(runner_, req); });
+}
+
+absl::Status ReplicatedRunner::DeleteModel(const std::string& model_id) {
+  v1::internal::Command c;
+  c.set_delete_model(model_id);
+  return Replicate<bool>(c,
+                         [&]() -> absl::StatusOr<bool> {
+                           auto st = runner_->DeleteModel(model_id);
+                           if (!st.ok()) return st;
+                           return true;
+                         })
+      .status();
+}
+
+absl::StatusOr<ForwardBackwardResult> ReplicatedRunner::ForwardBackward(
+    const v1::ForwardBackwardRequest& req, bool backward) {
+  v1::internal::Command c;
+  *(backward ? c.mutable_forward_backward() : c.mutable_forward()) = req;
+  return Replicate<ForwardBackwardResult>(c, [&] { return RunFwdBwd(runner_, req, backward); });
+}
+
+absl::StatusOr<OptimStepResult> ReplicatedRunner::OptimStep(const v1::OptimStepRequest& req) {
+  v1::internal::Command c;
+  *c.mutable_optim_step() = req;
+  return Replicate<OptimStepResult>(
+      c, [&] { return runner_->OptimStep(req.model_id(), AdamFromProto(req.adam_params())); });
+}
+
+absl::StatusOr<int64_t> ReplicatedRunner::BeginStream(const std::string& model_id,
+                                                      const v1::LossFn& loss) {
+  v1::internal::Command c;
+  c.mutable_stream_begin()->set_model_id(model_id);
+  *c.mutable_stream_begin()->mutable_loss_fn() = loss;
+  return Replicate<int64_t>(
+      c, [&] { return runner_->BeginStream(model_id, loss.name(), ConfigFromProto(loss)); });
+}
+
+absl::Status ReplicatedRunner::StreamAppend(int64_t stream_id, const std::vector<v1::Datum>& data) {
+  v1::internal::Command c;
+  c.mutable_stream_append()->set_stream_id(stream_id);
+  for (const v1::Datum& d : data) *c.mutable_stream_append()->add_data() = d;
+  return Replicate<bool>(c,
+                         [&]() -> absl::StatusOr<bool> {
+                           auto st = RunAppend(runner_, c.stream_append());
+                           if (!st.ok()) return st;
+                           return true;
+                         })
+      .status();
+}
+
+absl::StatusOr<ForwardBackwardResult> ReplicatedRunner::FinishStream(int64_t stream_id) {
+  v1::internal::Command c;
+  c.set_stream_finish(stream_id);
+  return Replicate<ForwardBackwardResult>(c, [&] { return runner_->FinishStream(stream_id); });
+}
+
+void ReplicatedRunner::AbortStream(int64_t stream_id) {
+  v1::internal::Command c;
+  c.set_stream_abort(stream_id);
+  (void)Replicate<bool>(c, [&]() -> absl::StatusOr<bool> {
+    runner_->AbortStream(stream_id);
+    return true;
+  });
+}
+
+absl::Status ReplicatedRunner::Ping() {
+  if (collectives_->world_size() == 1) return absl::OkStatus();
+  v1::internal::Command c;
+  c.set_ping(true);
+  return Replicate<bool>(c, []() -> absl::StatusOr<bool> { return true; }).status();
+}
+
+void ReplicatedRunner::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (collectives_->world_size() > 1 && broken_.ok()) {
+    v1::internal::Command c;
+    c.set_shutdown(true);
+    std::string bytes = c.SerializeAsString();
+    // The other ranks exit as soon as they read this, so the transport may see them hang up
+    // before the broadcast completes here; that is the expected end, not a failure.
+    (void)collectives_->BroadcastBytes(bytes, 0);
+  }
+}
+
+absl::Status ReplicatedRunner::FollowerLoop(ModelRunner* runner, Collectives* collectives) {
+  TLOG_INFO("following rank 0's commands");
+  while (true) {
+    std::string bytes;
+    if (auto st = collectives->BroadcastBytes(bytes, 0); !st.ok()) {
+      TLOG_ERROR("lost rank 0: {}", std::string(st.message()));
+      return st;
+    }
+    v1::internal::Command cmd;
+    if (!cmd.ParseFromString(bytes)) return absl::DataLossError("unparsable command from rank 0");
+    if (cmd.has_shutdown()) {
+      TLOG_INFO("rank 0 shut down; exiting");
+      return absl::OkStatus();
+    }
+    // Errors are the same on every rank (same data, same state) and rank 0 reports them; only a
+    // failed collective means this rank is out of step.
+    absl::Status st = ApplyCommand(runner, cmd);
+    if (st.code() == absl::StatusCode::kUnavailable) return st;
+  }
+}
+
+}  // namespace tinkerd

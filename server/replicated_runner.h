@@ -1,0 +1,70 @@
+// Data parallelism at the server: rank 0 serves gRPC; every operation that changes runner state is
+// broadcast to the other ranks as a Command and applied on all ranks in the same order, so their
+// replicas stay identical and their collectives (inside the runner) line up. At world size 1 the
+// broadcast is skipped.
+//
+// A failed broadcast or collective (a rank died, hangs, or the network broke; bounded by the
+// collective timeout) marks the job broken: every later call answers UNAVAILABLE, and the
+// on_broken callback turns health to NOT_SERVING. A heartbeat (Ping) keeps idle ranks within their
+// collective timeout and notices dead ranks while no request is running.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "runner/dist/collectives.h"
+#include "runner/model_runner.h"
+#include "tinkerd/v1/internal.pb.h"
+#include "tinkerd/v1/tinkerd.pb.h"
+
+namespace tinkerd {
+
+class ReplicatedRunner {
+ public:
+  ReplicatedRunner(ModelRunner* runner, std::shared_ptr<Collectives> collectives);
+
+  absl::StatusOr<std::string> CreateModel(const v1::CreateModelRequest& req);
+  absl::Status DeleteModel(const std::string& model_id);
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const v1::ForwardBackwardRequest& req,
+                                                        bool backward);
+  absl::StatusOr<OptimStepResult> OptimStep(const v1::OptimStepRequest& req);
+  absl::StatusOr<int64_t> BeginStream(const std::string& model_id, const v1::LossFn& loss);
+  absl::Status StreamAppend(int64_t stream_id, const std::vector<v1::Datum>& data);
+  absl::StatusOr<ForwardBackwardResult> FinishStream(int64_t stream_id);
+  void AbortStream(int64_t stream_id);
+  // Heartbeat; a no-op at world size 1.
+  absl::Status Ping();
+  // Tells the other ranks to exit. Call once, after the last request.
+  void Shutdown();
+
+  bool healthy() const;
+  void set_on_broken(std::function<void(const absl::Status&)> f);
+  ModelRunner* local() const { return runner_; }
+  int world_size() const { return collectives_->world_size(); }
+
+  // The other ranks' main loop: applies rank 0's commands until `shutdown` (OK) or a failure.
+  static absl::Status FollowerLoop(ModelRunner* runner, Collectives* collectives);
+
+ private:
+  // Broadcasts `cmd` (world size > 1), then runs `apply` on this rank; one command at a time.
+  template <typename T>
+  absl::StatusOr<T> Replicate(const v1::internal::Command& cmd,
+                              const std::function<absl::StatusOr<T>()>& apply);
+  void MarkBroken(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  ModelRunner* runner_;
+  std::shared_ptr<Collectives> collectives_;
+  mutable absl::Mutex mu_;
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void(const absl::Status&)> on_broken_;
+};
+
+// Applies one command to a runner (what every rank does with rank 0's broadcast).
+absl::Status ApplyCommand(ModelRunner* runner, const v1::internal::Command& cmd);
+
+}  // namespace tinkerd

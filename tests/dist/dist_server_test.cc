@@ -1,0 +1,167 @@
+// A data-parallel tinkerd (2 real ranks via --nproc, Gloo on loopback) driven by the real client:
+// the same results as the single-process runner, and a killed rank turns the server unhealthy with
+// clear errors within a bounded time instead of hanging clients.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <future>
+
+#include "client/client.h"
+#include "server/convert.h"
+#include "tests/test_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+struct Job {
+  pid_t pid = -1;
+  int port = 0;
+};
+
+Job StartJob(const std::vector<std::string>& flags) {
+  int out[2];
+  EXPECT_EQ(pipe(out), 0);
+  Job j;
+  j.pid = fork();
+  if (j.pid == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    close(out[0]);
+    unsetenv("WORLD_SIZE");
+    std::vector<std::string> args = {"tinkerd", "--listen=127.0.0.1:0", "--threads=1"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(TINKERD_BINARY, argv.data());
+    _exit(127);
+  }
+  close(out[1]);
+  FILE* f = fdopen(out[0], "r");
+  char line[512];
+  while (fgets(line, sizeof(line), f) != nullptr) {
+    if (sscanf(line, "tinkerd listening on port %d", &j.port) == 1) break;
+  }
+  return j;
+}
+
+int ExitCode(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::vector<v1::Datum> Wire(const std::vector<Datum>& data) {
+  std::vector<v1::Datum> out;
+  for (const Datum& d : data) {
+    std::map<std::string, v1::Tensor> inputs;
+    for (const auto& [k, t] : d.loss_fn_inputs) {
+      inputs[k] = t.dtype == TensorData::DType::kInt64 ? client::Int64Tensor(t.int64_data)
+                                                       : client::Float32Tensor(t.float32_data);
+    }
+    out.push_back(client::MakeDatum(d.tokens, inputs));
+  }
+  return out;
+}
+
+TEST(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("llama"));
+  Job job = StartJob(
+      {"--nproc=2", "--base_model=" + model, "--compute_dtype=float64", "--micro_batch_tokens=16"});
+  ASSERT_GT(job.port, 0);
+  client::ClientOptions o;
+  o.target = "127.0.0.1:" + std::to_string(job.port);
+  auto conn = client::Connection::Create(o);
+  v1::CreateModelRequest req;
+  req.set_loss_reduction("seq_mean_token_mean");
+  req.set_seed(2);
+  auto info = conn->CreateModel(req);
+  ASSERT_TRUE(info.ok()) << info.status().message();
+  auto tc = conn->Attach(info->model_id());
+
+  auto local = MakeRunner(model, ComputeDType::kFloat64, 16);
+  CreateModelOptions co;
+  co.loss_reduction = LossReduction::kSeqMeanTokenMean;
+  co.seed = 2;
+  const std::string id = *local->CreateModel(co);
+
+  SplitMix64 g(9);
+  v1::LossFn ce;
+  ce.set_name("cross_entropy");
+  for (int step = 0; step < 2; ++step) {
+    for (const auto& lengths : {std::vector<int>{3, 29, 8, 14}, std::vector<int>{6}}) {
+      auto data = RandomData(g, lengths, "cross_entropy", 128);
+      auto got = tc->ForwardBackward(Wire(data), ce).get();
+      ASSERT_TRUE(got.ok()) << got.status().message();
+      auto want = local->ForwardBackward(id, data, "cross_entropy", {});
+      EXPECT_NEAR(got->metrics().at("loss:sum"), want->metrics.at("loss:sum"), 1e-9);
+      EXPECT_EQ(got->metrics().at("num_tokens:sum"), want->metrics.at("num_tokens:sum"));
+      // Outputs gathered from both ranks, in datum order.
+      for (size_t i = 0; i < data.size(); ++i) {
+        EXPECT_EQ(client::ToFloats(got->outputs(i).logprobs()), want->outputs[i].logprobs) << i;
+      }
+    }
+    v1::AdamParams adam;
+    adam.set_learning_rate(1e-2);
+    auto s = tc->OptimStep(adam).get();
+    ASSERT_TRUE(s.ok()) << s.status().message();
+    AdamParams p;
+    p.learning_rate = 1e-2;
+    EXPECT_NEAR(s->grad_norm(), local->OptimStep(id, p)->grad_norm, 1e-9 * s->grad_norm());
+  }
+  // The trained parameters agree: compare what they compute on fresh data.
+  auto probe = RandomData(g, {30, 5}, "cross_entropy", 128);
+  auto got = tc->Forward(Wire(probe), ce).get();
+  auto want = local->Forward(id, probe, "cross_entropy", {});
+  ASSERT_TRUE(got.ok());
+  // float32 outputs of float64 values that agree to ~1e-12: equal up to one float32 rounding.
+  for (size_t t = 0; t < want->outputs[0].logprobs.size(); ++t) {
+    EXPECT_NEAR(client::ToFloats(got->outputs(0).logprobs())[t], want->outputs[0].logprobs[t],
+                2 * 6e-8 * std::abs(want->outputs[0].logprobs[t]));
+  }
+  kill(job.pid, SIGTERM);
+  EXPECT_EQ(ExitCode(job.pid), 0);  // rank 0 exits 0 after rank 1 did
+}
+
+TEST(DataParallelServer, KilledRankMakesServerUnhealthyWithinBound) {
+  Job job = StartJob({"--nproc=2", "--collective_timeout_s=3", "--heartbeat_s=1"});
+  ASSERT_GT(job.port, 0);
+  client::ClientOptions o;
+  o.target = "127.0.0.1:" + std::to_string(job.port);
+  o.max_attempts = 1;
+  o.deadline = std::chrono::milliseconds(30000);
+  auto conn = client::Connection::Create(o);
+  ASSERT_TRUE(*conn->Health());
+  auto info = conn->CreateModel(v1::CreateModelRequest());
+  ASSERT_TRUE(info.ok());
+  // Rank 1 is the job's only child process.
+  FILE* p = popen(("pgrep -P " + std::to_string(job.pid)).c_str(), "r");
+  int rank1 = 0;
+  ASSERT_EQ(fscanf(p, "%d", &rank1), 1);
+  pclose(p);
+  ASSERT_EQ(kill(rank1, SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  // The heartbeat notices within heartbeat + collective timeout (1 + 3 s); allow 15 s.
+  bool serving = true;
+  while (serving && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(15)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    auto h = conn->Health();
+    serving = h.ok() && *h;
+  }
+  EXPECT_FALSE(serving) << "health still SERVING 15 s after a rank died";
+  SplitMix64 g(1);
+  v1::LossFn ce;
+  ce.set_name("cross_entropy");
+  auto r = conn->Attach(info->model_id())
+               ->ForwardBackward(Wire(RandomData(g, {8}, "cross_entropy", 512)), ce)
+               .get();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status().message();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  kill(job.pid, SIGTERM);
+  ExitCode(job.pid);
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
