@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "runner/checkpoint/state_io.h"
+#include "runner/checkpoint/store.h"
 #include "runner/dist/collectives.h"
 #include "runner/model/safetensors.h"
 #include "runner/model/tiny_model.h"
@@ -43,6 +45,7 @@ struct ModelRunner::Impl {
   BaseWeights base;
   at::ScalarType dtype = at::kFloat;
   std::shared_ptr<Collectives> collectives;
+  uint64_t base_fingerprint = 0;
   mutable absl::Mutex mu;
   std::map<std::string, Tenant> tenants ABSL_GUARDED_BY(mu);
   int64_t next_id ABSL_GUARDED_BY(mu) = 0;
@@ -119,6 +122,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
       ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype));
     }
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
+    impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     TLOG_INFO("runner: {} | {}", config.DebugString(), impl->model_config.DebugString());
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
   });
@@ -299,6 +303,97 @@ absl::StatusOr<ForwardBackwardResult> ModelRunner::FinishStream(int64_t stream_i
 void ModelRunner::AbortStream(int64_t stream_id) {
   absl::MutexLock lock(&impl_->mu);
   impl_->streams.erase(stream_id);
+}
+
+absl::Status ModelRunner::SaveState(const std::string& model_id, const std::string& path,
+                                    const SaveStateOptions& options) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  if (t->accumulated_tokens > 0 && !options.include_accumulated) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("save_state: model ", model_id, " has ", t->accumulated_tokens,
+                     " accumulated tokens not yet applied; call optim_step first or save with "
+                     "include_accumulated"));
+  }
+  CheckpointMeta meta{options.last_seq_id, impl_->base_fingerprint, impl_->config.base_model_path,
+                      impl_->dtype == at::kDouble ? "float64" : "float32"};
+  return Guarded("save_state", [&] {
+    return CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
+      return WriteTrainingState(*t, meta, options.include_accumulated, dir);
+    });
+  });
+}
+
+absl::Status ModelRunner::LoadState(const std::string& model_id, const std::string& path,
+                                    bool with_optimizer) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
+  if (t->accumulated_tokens > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "load_state: model ", model_id, " has accumulated gradients; load into a fresh model"));
+  }
+  ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
+  const at::ScalarType train = impl_->dtype == at::kDouble ? at::kDouble : at::kFloat;
+  return Guarded("load_state", [&]() -> absl::Status {
+    // Read and check everything before touching the model: a refused load changes nothing.
+    ASSIGN_OR_RETURN(LoadedState s, ReadTrainingState(dir, impl_->base_fingerprint, train));
+    RETURN_IF_ERROR(CheckCompatible(*t, s));
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : t->params) {
+      p.copy_(s.params.at(name));
+      t->exp_avg[name].copy_(s.exp_avg.at(name));
+      t->exp_avg_sq[name].copy_(s.exp_avg_sq.at(name));
+      if (!with_optimizer) {
+        t->exp_avg[name].zero_();
+        t->exp_avg_sq[name].zero_();
+      }
+      auto g = s.grad_sum.find(name);
+      if (g != s.grad_sum.end()) {
+        t->grad_sum[name].copy_(g->second);
+      } else {
+        t->grad_sum[name].zero_();
+      }
+    }
+    t->step = with_optimizer ? s.step : 0;
+    t->skipped_steps = with_optimizer ? s.skipped_steps : 0;
+    t->accumulated_tokens = s.grad_sum.empty() ? 0 : s.accumulated_tokens;
+    t->accumulated_sequences = s.grad_sum.empty() ? 0 : s.accumulated_sequences;
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string& path,
+                                                              bool with_optimizer) {
+  CreateModelOptions options;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
+    auto s = Guarded("load_state", [&]() -> absl::StatusOr<LoadedState> {
+      return ReadTrainingState(dir, impl_->base_fingerprint, at::kFloat);
+    });
+    if (!s.ok()) return s.status();
+    options = s->options;
+  }
+  ASSIGN_OR_RETURN(std::string id, CreateModel(options));
+  if (absl::Status st = LoadState(id, path, with_optimizer); !st.ok()) {
+    (void)DeleteModel(id);
+    return st;
+  }
+  return id;
+}
+
+absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
+                                                const std::string& path, bool merged,
+                                                bool overwrite) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  return Guarded("save_weights_for_sampler", [&] {
+    return CommitCheckpoint(path, overwrite, [&](const std::string& dir) {
+      return merged ? WriteMergedModel(*t, impl_->model_config, impl_->base, dir)
+                    : WritePeftAdapter(*t, impl_->config.base_model_path, dir);
+    });
+  });
 }
 
 absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string& model_id,

@@ -67,6 +67,21 @@ class ModelRunner {
   // FAILED_PRECONDITION (nothing changed) when no valid token was accumulated.
   absl::StatusOr<OptimStepResult> OptimStep(const std::string& model_id, const AdamParams& params);
 
+  // Checkpoints. `path` names a checkpoint: a link to a complete directory, published atomically
+  // (runner/checkpoint/store.h). SaveState refuses (FAILED_PRECONDITION) while gradients are
+  // accumulated unless include_accumulated. LoadState needs a model with nothing accumulated and
+  // the same adapter layout; corrupt, truncated or foreign checkpoints are refused and change
+  // nothing. Without the optimizer, Adam moments and the step start from zero.
+  absl::Status SaveState(const std::string& model_id, const std::string& path,
+                         const SaveStateOptions& options);
+  absl::Status LoadState(const std::string& model_id, const std::string& path, bool with_optimizer);
+  // A new model from a checkpoint (its adapter layout, loss_reduction and seed).
+  absl::StatusOr<std::string> CreateModelFromState(const std::string& path, bool with_optimizer);
+  // For samplers: a PEFT adapter directory, or (merged) full weights in Hugging Face layout that
+  // ModelRunner::Create loads as a base model.
+  absl::Status SaveWeightsForSampler(const std::string& model_id, const std::string& path,
+                                     bool merged, bool overwrite);
+
   // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.
   absl::StatusOr<std::vector<NamedValues>> Snapshot(const std::string& model_id,
                                                     StateKind kind) const;

@@ -102,6 +102,12 @@ struct ModelInfo {
   int64_t max_context_length = 0;
 };
 
+struct SaveStateOptions {
+  bool overwrite = false;            // replace an existing checkpoint of that name (atomically)
+  bool include_accumulated = false;  // also save unapplied gradients; otherwise they are refused
+  int64_t last_seq_id = 0;           // recorded in the manifest (the server's request position)
+};
+
 // A copy of one named tensor of a model's state, widened to double; for tests and checksums.
 struct NamedValues {
   std::string name;

@@ -1,0 +1,272 @@
+#include "runner/checkpoint/state_io.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "runner/checkpoint/store.h"
+#include "runner/model/safetensors.h"
+#include "runner/model/weights.h"
+#include "runner/util/status_macros.h"
+
+namespace tinkerd {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+constexpr int kFormatVersion = 1;
+
+std::string Join(const std::string& dir, const std::string& f) {
+  return (fs::path(dir) / f).string();
+}
+
+std::map<std::string, at::Tensor> Prefixed(const std::map<std::string, at::Tensor>& m,
+                                           const std::string& p) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [k, v] : m) out[p + k] = v;
+  return out;
+}
+
+absl::Status DataLoss(const std::string& dir, const std::string& what) {
+  return absl::DataLossError(absl::StrCat("checkpoint ", dir, ": ", what));
+}
+
+}  // namespace
+
+uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base) {
+  at::Tensor sample = at::cat({base.final_norm_D.to(at::kFloat).reshape(-1),
+                               base.embed_VD.to(at::kFloat)
+                                   .reshape(-1)
+                                   .narrow(0, 0, std::min<int64_t>(4096, base.embed_VD.numel()))})
+                          .contiguous();
+  std::string bytes = ModelConfigToJson(config);
+  bytes.append(static_cast<const char*>(sample.data_ptr()), sample.nbytes());
+  return Fnv64(bytes);
+}
+
+absl::Status WriteTrainingState(const Tenant& t, const CheckpointMeta& meta,
+                                bool include_accumulated, const std::string& dir) {
+  json files = json::object();
+  auto save = [&](const std::string& name,
+                  const std::map<std::string, at::Tensor>& tensors) -> absl::Status {
+    RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, name), tensors, meta.training_dtype));
+    ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(Join(dir, name)));
+    files[name] = {{"bytes", bytes.size()}, {"fnv64", std::to_string(Fnv64(bytes))}};
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(save("params.safetensors", t.params));
+  std::map<std::string, at::Tensor> moments = Prefixed(t.exp_avg, "exp_avg.");
+  for (auto& [k, v] : Prefixed(t.exp_avg_sq, "exp_avg_sq.")) moments[k] = v;
+  RETURN_IF_ERROR(save("optimizer.safetensors", moments));
+  if (include_accumulated) RETURN_IF_ERROR(save("accumulators.safetensors", t.grad_sum));
+
+  json m;
+  m["format"] = "tinkerd-checkpoint";
+  m["format_version"] = kFormatVersion;
+  m["kind"] = "training";
+  m["model_id"] = t.id;
+  m["step"] = t.step;
+  m["skipped_steps"] = t.skipped_steps;
+  m["last_seq_id"] = meta.last_seq_id;
+  m["loss_reduction"] = std::string(LossReductionName(t.options.loss_reduction));
+  m["seed"] = std::to_string(t.options.seed);
+  m["rng"] = "the runner draws no random numbers after initialization; the seed is the RNG state";
+  m["training_dtype"] = meta.training_dtype;
+  m["base_model"] = meta.base_model;
+  m["base_fingerprint"] = std::to_string(meta.base_fingerprint);
+  if (t.options.lora) {
+    const LoraConfig& l = *t.options.lora;
+    m["lora"] = {{"rank", l.rank},
+                 {"alpha", l.alpha},
+                 {"train_attn", l.train_attn},
+                 {"train_mlp", l.train_mlp},
+                 {"train_unembed", l.train_unembed}};
+  } else {
+    m["lora"] = nullptr;
+  }
+  if (include_accumulated) {
+    m["accumulated"] = {{"tokens", t.accumulated_tokens}, {"sequences", t.accumulated_sequences}};
+  }
+  m["files"] = files;
+  return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));  // last: marks completeness
+}
+
+absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t base_fingerprint,
+                                              at::ScalarType dtype) {
+  auto text = ReadFileToString(Join(dir, "manifest.json"));
+  if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
+  json m = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (m.is_discarded() || !m.is_object() || m.value("format", "") != "tinkerd-checkpoint") {
+    return DataLoss(dir, "manifest.json is not a tinkerd checkpoint manifest");
+  }
+  if (m.value("kind", "") != "training") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint ", dir, " is a sampler export, not training state"));
+  }
+  if (m.value("format_version", 0) != kFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", dir, ": format version ",
+                                                      m.value("format_version", 0),
+                                                      " is not supported"));
+  }
+  try {
+    if (m.at("base_fingerprint").get<std::string>() != std::to_string(base_fingerprint)) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", dir,
+                                                        " was trained on another base model (",
+                                                        m.value("base_model", "?"), ")"));
+    }
+    LoadedState s;
+    auto mode = ParseLossReduction(m.at("loss_reduction").get<std::string>());
+    if (!mode.ok()) return DataLoss(dir, std::string(mode.status().message()));
+    s.options.loss_reduction = *mode;
+    s.options.seed = std::stoull(m.at("seed").get<std::string>());
+    if (m.at("lora").is_null()) {
+      s.options.lora.reset();
+    } else {
+      const json& l = m.at("lora");
+      s.options.lora = LoraConfig{l.at("rank").get<int64_t>(), l.at("alpha").get<double>(),
+                                  l.at("train_attn").get<bool>(), l.at("train_mlp").get<bool>(),
+                                  l.at("train_unembed").get<bool>()};
+    }
+    s.step = m.at("step").get<int64_t>();
+    s.skipped_steps = m.at("skipped_steps").get<int64_t>();
+    s.last_seq_id = m.at("last_seq_id").get<int64_t>();
+    const json& files = m.at("files");
+    auto load = [&](const std::string& name) -> absl::StatusOr<std::map<std::string, at::Tensor>> {
+      if (!files.contains(name))
+        return DataLoss(dir, absl::StrCat(name, " is not in the manifest"));
+      auto bytes = ReadFileToString(Join(dir, name));
+      if (!bytes.ok()) return DataLoss(dir, absl::StrCat(name, " is missing"));
+      if (bytes->size() != files[name].at("bytes").get<size_t>() ||
+          std::to_string(Fnv64(*bytes)) != files[name].at("fnv64").get<std::string>()) {
+        return DataLoss(dir,
+                        absl::StrCat(name, " is corrupt or truncated (size or checksum mismatch)"));
+      }
+      return LoadSafetensorsFile(Join(dir, name), dtype);
+    };
+    ASSIGN_OR_RETURN(s.params, load("params.safetensors"));
+    ASSIGN_OR_RETURN(auto moments, load("optimizer.safetensors"));
+    for (auto& [k, v] : moments) {
+      if (k.rfind("exp_avg_sq.", 0) == 0) {
+        s.exp_avg_sq[k.substr(11)] = v;
+      } else if (k.rfind("exp_avg.", 0) == 0) {
+        s.exp_avg[k.substr(8)] = v;
+      }
+    }
+    if (m.contains("accumulated")) {
+      ASSIGN_OR_RETURN(s.grad_sum, load("accumulators.safetensors"));
+      s.accumulated_tokens = m["accumulated"].at("tokens").get<int64_t>();
+      s.accumulated_sequences = m["accumulated"].at("sequences").get<int64_t>();
+    }
+    return s;
+  } catch (const std::exception& e) {
+    return DataLoss(dir, absl::StrCat("malformed manifest: ", e.what()));
+  }
+}
+
+absl::Status CheckCompatible(const Tenant& t, const LoadedState& s) {
+  auto describe = [](const std::optional<LoraConfig>& l) {
+    return l ? absl::StrCat("LoRA rank ", l->rank, " (attn ", l->train_attn, ", mlp ", l->train_mlp,
+                            ", unembed ", l->train_unembed, ")")
+             : std::string("full fine-tuning");
+  };
+  const auto& a = t.options.lora;
+  const auto& b = s.options.lora;
+  const bool same = a.has_value() == b.has_value() &&
+                    (!a || (a->rank == b->rank && a->train_attn == b->train_attn &&
+                            a->train_mlp == b->train_mlp && a->train_unembed == b->train_unembed));
+  if (!same) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint holds ", describe(b), "; model ", t.id, " is ", describe(a)));
+  }
+  for (const auto& [name, p] : t.params) {
+    for (const auto* m : {&s.params, &s.exp_avg, &s.exp_avg_sq}) {
+      auto it = m->find(name);
+      if (it == m->end() || it->second.sizes() != p.sizes()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("checkpoint lacks ", name, " or its shape differs"));
+      }
+    }
+  }
+  if (s.params.size() != t.params.size()) {
+    return absl::FailedPreconditionError("checkpoint holds tensors this model does not have");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WritePeftAdapter(const Tenant& t, const std::string& base_model,
+                              const std::string& dir) {
+  if (!t.options.lora) {
+    return absl::FailedPreconditionError(
+        "a full fine-tune has no adapter; export it merged instead");
+  }
+  // PEFT's names: base_model.model.<module>.lora_{A,B}.weight.
+  std::map<std::string, at::Tensor> tensors;
+  std::set<std::string> targets;
+  for (const auto& [name, p] : t.params) {
+    const size_t dot = name.rfind('.');
+    const std::string module = name.substr(0, dot);
+    tensors[absl::StrCat("base_model.model.", module, ".", name.substr(dot + 1), ".weight")] = p;
+    targets.insert(module.substr(module.rfind('.') + 1));
+  }
+  RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, "adapter_model.safetensors"), tensors, "float32"));
+  const LoraConfig& l = *t.options.lora;
+  json cfg = {{"peft_type", "LORA"},
+              {"task_type", "CAUSAL_LM"},
+              {"r", l.rank},
+              {"lora_alpha", l.alpha},
+              {"lora_dropout", 0.0},
+              {"bias", "none"},
+              {"fan_in_fan_out", false},
+              {"inference_mode", true},
+              {"target_modules", std::vector<std::string>(targets.begin(), targets.end())},
+              {"base_model_name_or_path", base_model}};
+  RETURN_IF_ERROR(WriteFileAtomically(Join(dir, "adapter_config.json"), cfg.dump(2)));
+  json m = {{"format", "tinkerd-checkpoint"},
+            {"format_version", kFormatVersion},
+            {"kind", "sampler"},
+            {"model_id", t.id},
+            {"step", t.step},
+            {"layout", "peft"}};
+  return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));
+}
+
+absl::Status WriteMergedModel(const Tenant& t, const ModelConfig& config, const BaseWeights& base,
+                              const std::string& dir) {
+  at::NoGradGuard no_grad;
+  ModelConfig out = config;
+  std::map<std::string, at::Tensor> w;
+  if (t.full) {
+    w = t.full->Named(config.tie_word_embeddings);
+  } else {
+    w = base.Named(config.tie_word_embeddings);
+    // An adapted unembedding no longer equals the embedding: the merged model is untied.
+    if (config.tie_word_embeddings && t.lora->Find("lm_head") != nullptr) {
+      out.tie_word_embeddings = false;
+      w["lm_head.weight"] = base.lm_head_VD;
+    }
+    const double scale = t.lora->scale();
+    for (auto& [name, tensor] : w) {
+      if (name.size() < 7 || name.substr(name.size() - 7) != ".weight") continue;
+      const LoraPair* p = t.lora->Find(name.substr(0, name.size() - 7));
+      if (p == nullptr) continue;
+      tensor = tensor + at::mm(p->B_Or, p->A_rI).to(tensor.scalar_type()) * scale;
+    }
+  }
+  out.torch_dtype = "float32";
+  RETURN_IF_ERROR(WriteFileAtomically(Join(dir, "config.json"), ModelConfigToJson(out)));
+  const std::string dtype =
+      t.params.begin()->second.scalar_type() == at::kDouble ? "float64" : "float32";
+  RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, "model.safetensors"), w, dtype));
+  json m = {{"format", "tinkerd-checkpoint"},
+            {"format_version", kFormatVersion},
+            {"kind", "sampler"},
+            {"model_id", t.id},
+            {"step", t.step},
+            {"layout", "hf_merged"}};
+  return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));
+}
+
+}  // namespace tinkerd

@@ -1,0 +1,55 @@
+// Internal: a model's training state to and from a checkpoint directory, and sampler exports.
+//
+// A training checkpoint holds params.safetensors (trainable tensors, training dtype, exact),
+// optimizer.safetensors (AdamW moments), optionally accumulators.safetensors (unapplied gradient
+// sums and their counters), and manifest.json: format and version, step, skipped steps, the last
+// applied seq_id, LoRA config, loss_reduction, seed, the base model's fingerprint, and a size and
+// FNV-64 checksum per file. The runner draws no random numbers after initialization (no dropout),
+// so the seed is the whole RNG state.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "runner/tenant.h"
+
+namespace tinkerd {
+
+struct CheckpointMeta {
+  int64_t last_seq_id = 0;
+  uint64_t base_fingerprint = 0;
+  std::string base_model;
+  std::string training_dtype;  // "float32" or "float64"
+};
+
+absl::Status WriteTrainingState(const Tenant& t, const CheckpointMeta& meta,
+                                bool include_accumulated, const std::string& dir);
+
+struct LoadedState {
+  CreateModelOptions options;
+  int64_t step = 0;
+  int64_t skipped_steps = 0;
+  int64_t last_seq_id = 0;
+  std::map<std::string, at::Tensor> params, exp_avg, exp_avg_sq, grad_sum;  // grad_sum may be empty
+  int64_t accumulated_tokens = 0, accumulated_sequences = 0;
+};
+
+// Reads and verifies a checkpoint (format, checksums, base fingerprint). Tensors come back in
+// `dtype`. Corrupt or truncated files are DATA_LOSS; another base model is FAILED_PRECONDITION.
+absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t base_fingerprint,
+                                              at::ScalarType dtype);
+
+// Checks that `s` fits `t` (same adapter layout and shapes): FAILED_PRECONDITION otherwise.
+absl::Status CheckCompatible(const Tenant& t, const LoadedState& s);
+
+// PEFT adapter (adapter_config.json + adapter_model.safetensors, PEFT/vLLM tensor names).
+absl::Status WritePeftAdapter(const Tenant& t, const std::string& base_model,
+                              const std::string& dir);
+// Full weights in Hugging Face layout with the adapter merged in; loadable as a base model.
+absl::Status WriteMergedModel(const Tenant& t, const ModelConfig& config, const BaseWeights& base,
+                              const std::string& dir);
+
+// A cheap identity of the base model: its config and a sample of its weights.
+uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base);
+
+}  // namespace tinkerd

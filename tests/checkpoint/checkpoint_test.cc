@@ -1,0 +1,287 @@
+// Checkpoints: bitwise resume across a restart, refusal of bad checkpoints with nothing changed,
+// crash safety under SIGKILL, and sampler exports.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "runner/checkpoint/store.h"
+#include "runner/model/safetensors.h"
+#include "tests/test_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+CreateModelOptions Lora(LossReduction mode = LossReduction::kTokenMean, int64_t rank = 4) {
+  CreateModelOptions o;
+  o.loss_reduction = mode;
+  o.seed = 11;
+  o.lora = LoraConfig{rank, 8, true, true, true};
+  return o;
+}
+
+// One training step on batch k of a fixed stream; returns the loss.
+double Step(ModelRunner& r, const std::string& id, int k) {
+  SplitMix64 g(1000 + k);
+  auto fb =
+      r.ForwardBackward(id, RandomData(g, {9, 23, 4}, "cross_entropy", 128), "cross_entropy", {});
+  EXPECT_TRUE(fb.ok()) << fb.status().message();
+  AdamParams p;
+  p.learning_rate = 1e-2;
+  p.weight_decay = 0.01;
+  EXPECT_TRUE(r.OptimStep(id, p).ok());
+  return fb.ok() ? fb->metrics.at("loss:sum") : 0;
+}
+
+TEST(Checkpoint, ResumeAfterRestartIsBitwise) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("qwen2"));
+  const int N = 3, M = 3;
+  // Straight through: N + M steps.
+  auto straight = MakeRunner(model, ComputeDType::kFloat32);
+  const std::string a = *straight->CreateModel(Lora());
+  std::vector<double> want;
+  for (int k = 0; k < N + M; ++k) want.push_back(Step(*straight, a, k));
+  // N steps, save, a brand-new runner (as after a restart), load, M steps.
+  std::vector<double> got;
+  {
+    auto first = MakeRunner(model, ComputeDType::kFloat32);
+    const std::string b = *first->CreateModel(Lora());
+    for (int k = 0; k < N; ++k) got.push_back(Step(*first, b, k));
+    SaveStateOptions so;
+    so.last_seq_id = 2 * N;
+    ASSERT_TRUE(first->SaveState(b, dir.Sub("ckpt/step3"), so).ok());
+  }
+  auto second = MakeRunner(model, ComputeDType::kFloat32);
+  auto c = second->CreateModelFromState(dir.Sub("ckpt/step3"), /*with_optimizer=*/true);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(second->GetInfo(*c)->step, N);
+  for (int k = N; k < N + M; ++k) got.push_back(Step(*second, *c, k));
+  EXPECT_EQ(got, want);  // bitwise, losses
+  for (StateKind kind : {StateKind::kParams, StateKind::kAdamExpAvg, StateKind::kAdamExpAvgSq}) {
+    EXPECT_EQ(Flat(Snap(*second, *c, kind)), Flat(Snap(*straight, a, kind)));  // bitwise, state
+  }
+  // Control: loading without the optimizer restarts Adam, and the trajectory differs.
+  auto d = second->CreateModelFromState(dir.Sub("ckpt/step3"), /*with_optimizer=*/false);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(second->GetInfo(*d)->step, 0);
+  Step(*second, *d, N);
+  EXPECT_NE(Flat(Snap(*second, *d, StateKind::kParams)),
+            Flat(Snap(*second, *c, StateKind::kParams)));
+}
+
+TEST(Checkpoint, AccumulatedGradientsAreRefusedUnlessIncluded) {
+  TempDir dir;
+  auto r = MakeRunner(WriteModel(dir, TinyConfig("llama")));
+  const std::string id = *r->CreateModel(Lora(LossReduction::kSeqMeanTokenSum));
+  Step(*r, id, 0);
+  SplitMix64 g(5);
+  ASSERT_TRUE(
+      r->ForwardBackward(id, RandomData(g, {7, 12}, "cross_entropy", 128), "cross_entropy", {})
+          .ok());
+  auto refused = r->SaveState(id, dir.Sub("c/x"), {});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused.message();
+  EXPECT_TRUE(ListCheckpoints(dir.Sub("c")).empty());
+  SaveStateOptions with;
+  with.include_accumulated = true;
+  ASSERT_TRUE(r->SaveState(id, dir.Sub("c/x"), with).ok());
+  auto copy = r->CreateModelFromState(dir.Sub("c/x"), true);
+  ASSERT_TRUE(copy.ok()) << copy.status().message();
+  EXPECT_EQ(r->GetInfo(*copy)->accumulated_tokens, r->GetInfo(id)->accumulated_tokens);
+  EXPECT_EQ(Flat(Snap(*r, *copy, StateKind::kGrads)), Flat(Snap(*r, id, StateKind::kGrads)));
+  auto s1 = r->OptimStep(id, AdamParams{});
+  auto s2 = r->OptimStep(*copy, AdamParams{});
+  EXPECT_EQ(s1->grad_norm, s2->grad_norm);
+  EXPECT_EQ(Flat(Snap(*r, *copy, StateKind::kParams)), Flat(Snap(*r, id, StateKind::kParams)));
+}
+
+TEST(Checkpoint, BadCheckpointsAreRefusedAndChangeNothing) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("llama"));
+  auto r = MakeRunner(model);
+  const std::string src = *r->CreateModel(Lora());
+  Step(*r, src, 0);
+  ASSERT_TRUE(r->SaveState(src, dir.Sub("c/good"), {}).ok());
+  const std::string target = *r->CreateModel(Lora());
+  const auto before = Flat(Snap(*r, target, StateKind::kParams));
+  auto copy_ckpt = [&](const std::string& name) {
+    const std::string d = dir.Sub("c/" + name);
+    fs::copy(*ResolveCheckpoint(dir.Sub("c/good")), d, fs::copy_options::recursive);
+    return d;
+  };
+  // A flipped byte in the weights.
+  {
+    const std::string d = copy_ckpt("flipped");
+    std::fstream f(d + "/params.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-5, std::ios::end);
+    f.put('\x7f');
+  }
+  // A truncated optimizer file.
+  {
+    const std::string d = copy_ckpt("truncated");
+    fs::resize_file(d + "/optimizer.safetensors",
+                    fs::file_size(d + "/optimizer.safetensors") - 100);
+  }
+  // No manifest: an interrupted save.
+  {
+    const std::string d = copy_ckpt("nomanifest");
+    fs::remove(d + "/manifest.json");
+  }
+  struct Case {
+    std::string path;
+    absl::StatusCode code;
+    std::string expect;
+  };
+  std::vector<Case> cases = {
+      {dir.Sub("c/flipped"), absl::StatusCode::kDataLoss, "params.safetensors is corrupt"},
+      {dir.Sub("c/truncated"), absl::StatusCode::kDataLoss, "optimizer.safetensors is corrupt"},
+      {dir.Sub("c/nomanifest"), absl::StatusCode::kNotFound, "no checkpoint"},
+      {dir.Sub("c/absent"), absl::StatusCode::kNotFound, "no checkpoint"}};
+  for (const Case& c : cases) {
+    absl::Status st = r->LoadState(target, c.path, true);
+    EXPECT_EQ(st.code(), c.code) << c.path << ": " << st.message();
+    EXPECT_NE(st.message().find(c.expect), absl::string_view::npos) << st.message();
+    EXPECT_EQ(Flat(Snap(*r, target, StateKind::kParams)), before);
+  }
+  // Another LoRA rank.
+  const std::string rank8 = *r->CreateModel(Lora(LossReduction::kTokenMean, 8));
+  absl::Status st = r->LoadState(rank8, dir.Sub("c/good"), true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("LoRA rank 4"), absl::string_view::npos) << st.message();
+  // Another base model (same architecture, other weights).
+  auto other = MakeRunner(WriteModel(dir, TinyConfig("llama"), /*seed=*/99, "other"));
+  const std::string o = *other->CreateModel(Lora());
+  const auto other_before = Flat(Snap(*other, o, StateKind::kParams));
+  st = other->LoadState(o, dir.Sub("c/good"), true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("another base model"), absl::string_view::npos) << st.message();
+  EXPECT_EQ(Flat(Snap(*other, o, StateKind::kParams)), other_before);
+  // Control: the good one loads.
+  ASSERT_TRUE(r->LoadState(target, dir.Sub("c/good"), true).ok());
+  EXPECT_EQ(Flat(Snap(*r, target, StateKind::kParams)), Flat(Snap(*r, src, StateKind::kParams)));
+}
+
+TEST(Checkpoint, OverwriteListAndDelete) {
+  TempDir dir;
+  auto r = MakeRunner(WriteModel(dir, TinyConfig("llama")));
+  const std::string id = *r->CreateModel(Lora());
+  ASSERT_TRUE(r->SaveState(id, dir.Sub("c/a"), {}).ok());
+  EXPECT_EQ(r->SaveState(id, dir.Sub("c/a"), {}).code(), absl::StatusCode::kAlreadyExists);
+  Step(*r, id, 0);
+  SaveStateOptions over;
+  over.overwrite = true;
+  ASSERT_TRUE(r->SaveState(id, dir.Sub("c/a"), over).ok());
+  ASSERT_TRUE(r->SaveState(id, dir.Sub("c/b"), {}).ok());
+  EXPECT_EQ(ListCheckpoints(dir.Sub("c")), (std::vector<std::string>{"a", "b"}));
+  // One version directory per checkpoint: the overwritten one was removed.
+  int dirs = 0;
+  for (const auto& e : fs::directory_iterator(dir.Sub("c")))
+    dirs += fs::is_directory(e.symlink_status());
+  EXPECT_EQ(dirs, 2);
+  auto loaded = r->CreateModelFromState(dir.Sub("c/a"), true);
+  EXPECT_EQ(r->GetInfo(*loaded)->step, 1);
+  ASSERT_TRUE(DeleteCheckpoint(dir.Sub("c/a")).ok());
+  EXPECT_EQ(ListCheckpoints(dir.Sub("c")), std::vector<std::string>{"b"});
+  EXPECT_EQ(DeleteCheckpoint(dir.Sub("c/a")).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Checkpoint, SigkillWhileSavingLeavesThePreviousCheckpointIntact) {
+  TempDir dir;
+  ModelConfig big = DefaultDemoConfig();  // full fine-tune of ~6M weights: saves take a while
+  TinyModelSpec spec{big};
+  ASSERT_TRUE(WriteTinyModel(dir.Sub("base"), spec).ok());
+  const std::string path = dir.Sub("c/ckpt");
+  auto r = MakeRunner(dir.Sub("base"), ComputeDType::kFloat32);
+  CreateModelOptions full;
+  full.lora.reset();
+  const std::string fresh = *r->CreateModel(full);
+  for (int delay_ms : {5, 60, 150}) {
+    int out[2];
+    ASSERT_EQ(pipe(out), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      const std::string a1 = "--model_dir=" + dir.Sub("base"), a2 = "--path=" + path;
+      execl(CKPT_SAVER_BINARY, "ckpt_saver", a1.c_str(), a2.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(out[1]);
+    char buf[8] = {0};
+    ASSERT_GT(read(out[0], buf, 6), 0) << "saver never completed a first save";
+    close(out[0]);
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    // Whatever the moment of death, the name resolves to a complete, loadable checkpoint.
+    EXPECT_EQ(ListCheckpoints(dir.Sub("c")), std::vector<std::string>{"ckpt"}) << delay_ms;
+    auto loaded = r->CreateModelFromState(path, true);
+    ASSERT_TRUE(loaded.ok()) << delay_ms << " ms: " << loaded.status().message();
+    EXPECT_EQ(Flat(Snap(*r, *loaded, StateKind::kParams)),
+              Flat(Snap(*r, fresh, StateKind::kParams)));
+    ASSERT_TRUE(r->DeleteModel(*loaded).ok());
+  }
+}
+
+TEST(SamplerExport, MergedModelLoadsAsBaseWithTheAdaptersLogits) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("qwen3"));  // tied embeddings
+  auto r = MakeRunner(model);
+  const std::string id = *r->CreateModel(Lora());
+  for (int k = 0; k < 3; ++k) Step(*r, id, k);
+  ASSERT_TRUE(r->SaveWeightsForSampler(id, dir.Sub("s/merged"), /*merged=*/true, false).ok());
+  auto merged = MakeRunner(*ResolveCheckpoint(dir.Sub("s/merged")));
+  ASSERT_NE(merged, nullptr);
+  const std::string plain = *merged->CreateModel(Lora());  // fresh adapter: B = 0, the base itself
+  SplitMix64 g(4);
+  auto data = RandomData(g, {17, 5}, "cross_entropy", 128);
+  auto want = r->Forward(id, data, "cross_entropy", {});
+  auto got = merged->Forward(plain, data, "cross_entropy", {});
+  ASSERT_TRUE(want.ok() && got.ok());
+  // float64 both ways; merging reassociates W·x + s·B·(A·x) into (W + s·B·A)·x: ~1e-15 relative.
+  EXPECT_NEAR(got->metrics.at("loss:sum"), want->metrics.at("loss:sum"), 1e-9);
+  for (size_t t = 0; t < want->outputs[0].logprobs.size(); ++t) {
+    EXPECT_NEAR(got->outputs[0].logprobs[t], want->outputs[0].logprobs[t], 2e-6);
+  }
+  // Control: the untrained base differs.
+  auto base_runner = MakeRunner(model);
+  auto base = base_runner->Forward(*base_runner->CreateModel(Lora()), data, "cross_entropy", {});
+  EXPECT_GT(std::abs(base->metrics.at("loss:sum") - want->metrics.at("loss:sum")), 1e-3);
+}
+
+TEST(SamplerExport, PeftAdapterHasPeftNamesAndConfig) {
+  TempDir dir;
+  auto r = MakeRunner(WriteModel(dir, TinyConfig("llama")));
+  CreateModelOptions o = Lora();
+  o.lora->train_unembed = false;
+  const std::string id = *r->CreateModel(o);
+  ASSERT_TRUE(r->SaveWeightsForSampler(id, dir.Sub("s/peft"), false, false).ok());
+  const std::string d = *ResolveCheckpoint(dir.Sub("s/peft"));
+  auto cfg = nlohmann::json::parse(*ReadFileToString(d + "/adapter_config.json"));
+  EXPECT_EQ(cfg["peft_type"], "LORA");
+  EXPECT_EQ(cfg["r"], 4);
+  EXPECT_EQ(cfg["lora_alpha"], 8.0);
+  EXPECT_EQ(cfg["target_modules"].size(), 7u);  // q k v o gate up down
+  auto bytes = ReadFileToString(d + "/adapter_model.safetensors");
+  auto h = ParseSafetensors(*bytes);
+  ASSERT_TRUE(h.ok());
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& e : h->entries) shapes[e.name] = e.shape;
+  EXPECT_EQ(shapes.size(), 2u * 7 * 2);  // 2 layers × 7 modules × {A, B}
+  EXPECT_EQ(shapes.at("base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"),
+            (std::vector<int64_t>{4, 32}));
+  EXPECT_EQ(shapes.at("base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"),
+            (std::vector<int64_t>{16, 4}));
+  // A full fine-tune has no adapter to export.
+  CreateModelOptions full;
+  full.lora.reset();
+  EXPECT_EQ(r->SaveWeightsForSampler(*r->CreateModel(full), dir.Sub("s/x"), false, false).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
