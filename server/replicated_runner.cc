@@ -58,6 +58,12 @@ absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
     case C::kStreamAbort:
       r->AbortStream(cmd.stream_abort());
       return absl::OkStatus();
+    case C::kLoadState: {
+      const auto& l = cmd.load_state();
+      if (l.model_id().empty())
+        return r->CreateModelFromState(l.fs_path(), l.with_optimizer()).status();
+      return r->LoadState(l.model_id(), l.fs_path(), l.with_optimizer());
+    }
     case C::kPing:
     case C::kShutdown:
     case C::OP_NOT_SET:
@@ -177,6 +183,30 @@ void ReplicatedRunner::AbortStream(int64_t stream_id) {
     runner_->AbortStream(stream_id);
     return true;
   });
+}
+
+absl::Status ReplicatedRunner::LoadState(const std::string& model_id, const std::string& fs_path,
+                                         bool with_optimizer) {
+  v1::internal::Command c;
+  c.mutable_load_state()->set_model_id(model_id);
+  c.mutable_load_state()->set_fs_path(fs_path);
+  c.mutable_load_state()->set_with_optimizer(with_optimizer);
+  return Replicate<bool>(c,
+                         [&]() -> absl::StatusOr<bool> {
+                           auto st = runner_->LoadState(model_id, fs_path, with_optimizer);
+                           if (!st.ok()) return st;
+                           return true;
+                         })
+      .status();
+}
+
+absl::StatusOr<std::string> ReplicatedRunner::CreateModelFromState(const std::string& fs_path,
+                                                                   bool with_optimizer) {
+  v1::internal::Command c;
+  c.mutable_load_state()->set_fs_path(fs_path);
+  c.mutable_load_state()->set_with_optimizer(with_optimizer);
+  return Replicate<std::string>(
+      c, [&] { return runner_->CreateModelFromState(fs_path, with_optimizer); });
 }
 
 absl::Status ReplicatedRunner::Ping() {

@@ -36,6 +36,10 @@ class ReplicatedRunner {
   absl::Status StreamAppend(int64_t stream_id, const std::vector<v1::Datum>& data);
   absl::StatusOr<ForwardBackwardResult> FinishStream(int64_t stream_id);
   void AbortStream(int64_t stream_id);
+  // Loads on every rank (the path must be readable by all ranks: shared storage across machines).
+  absl::Status LoadState(const std::string& model_id, const std::string& fs_path,
+                         bool with_optimizer);
+  absl::StatusOr<std::string> CreateModelFromState(const std::string& fs_path, bool with_optimizer);
   // Heartbeat; a no-op at world size 1.
   absl::Status Ping();
   // Tells the other ranks to exit. Call once, after the last request.

@@ -29,10 +29,10 @@ absl::Status ServerConfig::Validate() const {
 std::string ServerConfig::DebugString() const {
   return absl::StrFormat(
       "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
-      "result_cache_per_model=%d order_timeout=%s",
+      "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       scheduler.max_pending_per_model, scheduler.result_cache_per_model,
-      absl::FormatDuration(scheduler.order_timeout));
+      absl::FormatDuration(scheduler.order_timeout), checkpoint_root);
 }
 
 absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
@@ -45,7 +45,7 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
       std::make_unique<ReplicatedRunner>(s->runner_.get(), s->runner_->config().collectives);
   s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
   s->service_ = std::make_unique<TinkerdService>(s->replicated_.get(), s->scheduler_.get(),
-                                                 s->runner_->limits());
+                                                 s->runner_->limits(), config.checkpoint_root);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

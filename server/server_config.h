@@ -16,6 +16,8 @@ struct ServerConfig {
   // Data parallel only: how often rank 0 pings the other ranks when idle. Must stay well below
   // the collective timeout, or idle ranks would time out waiting for the next command.
   absl::Duration heartbeat_interval = absl::Seconds(2);
+  // Where tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints are stored.
+  std::string checkpoint_root = "/tmp/tinkerd-checkpoints";
   SchedulerConfig scheduler;
 
   absl::Status Validate() const;

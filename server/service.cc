@@ -6,7 +6,9 @@
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
 #include "absl/strings/str_cat.h"
+#include "runner/checkpoint/store.h"
 #include "runner/loss/loss_spec.h"
+#include "server/checkpoint_paths.h"
 #include "server/convert.h"
 #include "server/status_map.h"
 
@@ -25,8 +27,12 @@ uint64_t PayloadHash(const google::protobuf::Message& m) {
   return h;
 }
 
-TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits)
-    : runner_(runner), scheduler_(scheduler), limits_(limits) {}
+TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
+                               std::string checkpoint_root)
+    : runner_(runner),
+      scheduler_(scheduler),
+      limits_(limits),
+      checkpoint_root_(std::move(checkpoint_root)) {}
 
 grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContext* ctx,
                                                       const v1::CreateModelRequest* req,
@@ -160,6 +166,158 @@ grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext*
     if (r.ok()) *resp = r->optim_step();
     reactor->Finish(ToGrpcStatus(r.status()));
   });
+  return reactor;
+}
+
+namespace {
+
+// Submits an ordered job whose result is one field of RetrieveResultResponse.
+template <typename Resp>
+void SubmitOrdered(Scheduler* scheduler, const std::string& model_id, int64_t seq_id, uint64_t hash,
+                   std::function<absl::StatusOr<v1::RetrieveResultResponse>()> run,
+                   grpc::ServerUnaryReactor* reactor, Resp* resp,
+                   const Resp& (v1::RetrieveResultResponse::*field)() const) {
+  JobSpec job;
+  job.payload_hash = hash;
+  job.run = [run]() -> JobStep { return {true, run()}; };
+  scheduler->Submit(model_id, seq_id, std::move(job), [reactor, resp, field](const JobResult& r) {
+    if (r.ok()) *resp = ((*r).*field)();
+    reactor->Finish(ToGrpcStatus(r.status()));
+  });
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext* ctx,
+                                                    const v1::SaveStateRequest* req,
+                                                    v1::SaveStateResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  const absl::Status invalid = ValidateCheckpointName(req->name());
+  const CheckpointPath path{req->model_id(), "weights", req->name()};
+  const std::string fs = path.Fs(checkpoint_root_);
+  ModelRunner* local = runner_->local();
+  auto request = std::make_shared<v1::SaveStateRequest>(*req);
+  SubmitOrdered<v1::SaveStateResponse>(
+      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
+      [invalid, local, request, fs, path]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+        if (!invalid.ok()) return invalid;
+        SaveStateOptions o;
+        o.overwrite = request->overwrite();
+        o.include_accumulated = request->include_accumulated();
+        o.last_seq_id = request->seq_id();
+        // Every rank holds the same state, so rank 0 alone writes it.
+        if (auto st = local->SaveState(request->model_id(), fs, o); !st.ok()) return st;
+        v1::RetrieveResultResponse out;
+        out.mutable_save_state()->set_path(path.Uri());
+        return out;
+      },
+      reactor, resp, &v1::RetrieveResultResponse::save_state);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext* ctx,
+                                                    const v1::LoadStateRequest* req,
+                                                    v1::LoadStateResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  auto path = ParseCheckpointPath(req->path());
+  absl::Status invalid = path.status();
+  if (invalid.ok() && path->kind != "weights") {
+    invalid =
+        absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
+  }
+  const std::string fs = invalid.ok() ? path->Fs(checkpoint_root_) : "";
+  ReplicatedRunner* runner = runner_;
+  auto request = std::make_shared<v1::LoadStateRequest>(*req);
+  SubmitOrdered<v1::LoadStateResponse>(
+      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
+      [invalid, runner, request, fs]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+        if (!invalid.ok()) return invalid;
+        if (auto st = runner->LoadState(request->model_id(), fs, request->with_optimizer());
+            !st.ok())
+          return st;
+        v1::RetrieveResultResponse out;
+        out.mutable_load_state()->set_path(request->path());
+        return out;
+      },
+      reactor, resp, &v1::RetrieveResultResponse::load_state);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(
+    grpc::CallbackServerContext* ctx, const v1::CreateModelFromStateRequest* req,
+    v1::ModelInfo* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = [&]() -> absl::Status {
+    auto path = ParseCheckpointPath(req->path());
+    if (!path.ok()) return path.status();
+    if (path->kind != "weights") {
+      return absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
+    }
+    auto id = runner_->CreateModelFromState(path->Fs(checkpoint_root_), req->with_optimizer());
+    if (!id.ok()) return id.status();
+    scheduler_->AddModel(*id);
+    auto info = runner_->local()->GetInfo(*id);
+    if (!info.ok()) return info.status();
+    InfoToProto(*info, resp);
+    resp->set_next_seq_id(1);
+    return absl::OkStatus();
+  }();
+  reactor->Finish(ToGrpcStatus(st));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::SaveWeightsForSampler(
+    grpc::CallbackServerContext* ctx, const v1::SaveWeightsForSamplerRequest* req,
+    v1::SaveWeightsForSamplerResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  const absl::Status invalid = ValidateCheckpointName(req->name());
+  const CheckpointPath path{req->model_id(), "sampler_weights", req->name()};
+  const std::string fs = path.Fs(checkpoint_root_);
+  ModelRunner* local = runner_->local();
+  auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(*req);
+  SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
+      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
+      [invalid, local, request, fs, path]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+        if (!invalid.ok()) return invalid;
+        if (auto st = local->SaveWeightsForSampler(request->model_id(), fs, request->merged(),
+                                                   request->overwrite());
+            !st.ok())
+          return st;
+        v1::RetrieveResultResponse out;
+        out.mutable_save_weights_for_sampler()->set_path(path.Uri());
+        return out;
+      },
+      reactor, resp, &v1::RetrieveResultResponse::save_weights_for_sampler);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                                          const v1::ListCheckpointsRequest* req,
+                                                          v1::ListCheckpointsResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = ValidateCheckpointName(req->model_id());
+  if (st.ok()) {
+    for (const char* kind : {"weights", "sampler_weights"}) {
+      for (const std::string& name : tinkerd::ListCheckpoints(
+               absl::StrCat(checkpoint_root_, "/", req->model_id(), "/", kind))) {
+        v1::CheckpointInfo* c = resp->add_checkpoints();
+        c->set_path(CheckpointPath{req->model_id(), kind, name}.Uri());
+        c->set_kind(std::string(kind) == "weights" ? "training" : "sampler");
+      }
+    }
+  }
+  reactor->Finish(ToGrpcStatus(st));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TinkerdService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                                           const v1::DeleteCheckpointRequest* req,
+                                                           v1::DeleteCheckpointResponse*) {
+  auto* reactor = ctx->DefaultReactor();
+  auto path = ParseCheckpointPath(req->path());
+  absl::Status st = path.status();
+  if (st.ok()) st = tinkerd::DeleteCheckpoint(path->Fs(checkpoint_root_));
+  reactor->Finish(ToGrpcStatus(st));
   return reactor;
 }
 

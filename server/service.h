@@ -16,7 +16,8 @@ namespace tinkerd {
 class TinkerdService final : public v1::Tinkerd::CallbackService {
  public:
   // `runner` applies state changes on every rank; reads go to its local replica.
-  TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits);
+  TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
+                 std::string checkpoint_root);
 
   grpc::ServerUnaryReactor* CreateModel(grpc::CallbackServerContext* ctx,
                                         const v1::CreateModelRequest* req,
@@ -39,6 +40,24 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
   grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* ctx,
                                       const v1::OptimStepRequest* req,
                                       v1::OptimStepResponse* resp) override;
+  grpc::ServerUnaryReactor* SaveState(grpc::CallbackServerContext* ctx,
+                                      const v1::SaveStateRequest* req,
+                                      v1::SaveStateResponse* resp) override;
+  grpc::ServerUnaryReactor* LoadState(grpc::CallbackServerContext* ctx,
+                                      const v1::LoadStateRequest* req,
+                                      v1::LoadStateResponse* resp) override;
+  grpc::ServerUnaryReactor* CreateModelFromState(grpc::CallbackServerContext* ctx,
+                                                 const v1::CreateModelFromStateRequest* req,
+                                                 v1::ModelInfo* resp) override;
+  grpc::ServerUnaryReactor* SaveWeightsForSampler(grpc::CallbackServerContext* ctx,
+                                                  const v1::SaveWeightsForSamplerRequest* req,
+                                                  v1::SaveWeightsForSamplerResponse* resp) override;
+  grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                            const v1::ListCheckpointsRequest* req,
+                                            v1::ListCheckpointsResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                             const v1::DeleteCheckpointRequest* req,
+                                             v1::DeleteCheckpointResponse* resp) override;
   grpc::ServerUnaryReactor* RetrieveResult(grpc::CallbackServerContext* ctx,
                                            const v1::RetrieveResultRequest* req,
                                            v1::RetrieveResultResponse* resp) override;
@@ -55,6 +74,7 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
   ReplicatedRunner* runner_;
   Scheduler* scheduler_;
   ModelLimits limits_;
+  std::string checkpoint_root_;
 };
 
 // FNV-1a over the deterministic serialization: the idempotency check of (model_id, seq_id).

@@ -32,6 +32,9 @@ ABSL_FLAG(int, max_pending_per_model, 64, "queued requests per model before RESO
 ABSL_FLAG(int, result_cache_per_model, 256, "finished results kept per model for retries");
 ABSL_FLAG(int, order_timeout_s, 60, "how long a request waits for an earlier seq_id");
 ABSL_FLAG(int, shutdown_grace_s, 30, "on SIGTERM, time allowed for accepted work to finish");
+ABSL_FLAG(std::string, checkpoint_root, "/tmp/tinkerd-checkpoints",
+          "directory holding tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints "
+          "(shared storage when ranks run on several machines)");
 ABSL_FLAG(int, nproc, 1,
           "data-parallel ranks to spawn on this machine (ignored when WORLD_SIZE is set, e.g. by "
           "torchrun, Slurm or Kubernetes)");
@@ -142,6 +145,7 @@ int main(int argc, char** argv) {
   sc.scheduler.result_cache_per_model = absl::GetFlag(FLAGS_result_cache_per_model);
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
   sc.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_s));
+  sc.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   auto server = tinkerd::TinkerdServer::Start(sc, std::move(*runner));
   if (!server.ok()) {
     TLOG_ERROR("cannot start: {}", std::string(server.status().message()));

@@ -22,6 +22,7 @@ struct LiveServer {
                       ComputeDType dt = ComputeDType::kFloat64) {
     model_dir = WriteModel(dir, TinyConfig("llama"));
     sc.listen_address = "127.0.0.1:0";
+    sc.checkpoint_root = dir.Sub("checkpoints");
     auto runner = MakeRunner(model_dir, dt, micro_batch_tokens);
     auto s = TinkerdServer::Start(sc, std::move(runner));
     EXPECT_TRUE(s.ok()) << s.status().message();
