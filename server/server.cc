@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "runner/model/safetensors.h"
 #include "runner/util/log.h"
 
 namespace tinkerd {
@@ -29,10 +30,12 @@ absl::Status ServerConfig::Validate() const {
 std::string ServerConfig::DebugString() const {
   return absl::StrFormat(
       "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
-      "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s",
+      "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s auth=%s tls=%s",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       scheduler.max_pending_per_model, scheduler.result_cache_per_model,
-      absl::FormatDuration(scheduler.order_timeout), checkpoint_root);
+      absl::FormatDuration(scheduler.order_timeout), checkpoint_root,
+      api_keys.enabled() ? "api_keys" : "off",
+      tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"));
 }
 
 absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
@@ -45,12 +48,44 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
       std::make_unique<ReplicatedRunner>(s->runner_.get(), s->runner_->config().collectives);
   s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
   s->service_ = std::make_unique<TinkerdService>(s->replicated_.get(), s->scheduler_.get(),
-                                                 s->runner_->limits(), config.checkpoint_root);
+                                                 s->runner_->limits(), config.checkpoint_root,
+                                                 config.api_keys);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.listen_address, grpc::InsecureServerCredentials(), &s->port_);
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!config.tls_cert_file.empty() || !config.tls_key_file.empty()) {
+    grpc::SslServerCredentialsOptions ssl(
+        config.tls_client_ca_file.empty()
+            ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    auto read = [](const std::string& path) -> absl::StatusOr<std::string> {
+      return ReadFileToString(path);
+    };
+    auto cert = read(config.tls_cert_file);
+    auto key = read(config.tls_key_file);
+    if (!cert.ok() || !key.ok()) {
+      return absl::InvalidArgumentError("tls: cannot read the certificate or key file");
+    }
+    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    if (!config.tls_client_ca_file.empty()) {
+      auto ca = read(config.tls_client_ca_file);
+      if (!ca.ok()) return absl::InvalidArgumentError("tls: cannot read the client CA file");
+      ssl.pem_root_certs = *ca;
+    }
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  const bool loopback = config.listen_address.rfind("127.", 0) == 0 ||
+                        config.listen_address.rfind("localhost:", 0) == 0 ||
+                        config.listen_address.rfind("[::1]:", 0) == 0;
+  if (!loopback && !config.api_keys.enabled()) {
+    TLOG_WARN(
+        "listening on {} without API keys: anyone who can reach it can train and read models; "
+        "pass --api_keys_file",
+        config.listen_address);
+  }
+  builder.AddListeningPort(config.listen_address, creds, &s->port_);
   builder.SetMaxReceiveMessageSize(config.max_message_bytes);
   builder.SetMaxSendMessageSize(config.max_message_bytes);
   builder.RegisterService(s->service_.get());

@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "server/auth.h"
 #include "server/scheduler.h"
 
 namespace tinkerd {
@@ -19,6 +20,9 @@ struct ServerConfig {
   // Where tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints are stored.
   std::string checkpoint_root = "/tmp/tinkerd-checkpoints";
   SchedulerConfig scheduler;
+  ApiKeys api_keys = ApiKeys::Disabled();
+  // TLS when cert and key are set (PEM files); mutual TLS when client_ca is set too.
+  std::string tls_cert_file, tls_key_file, tls_client_ca_file;
 
   absl::Status Validate() const;
   std::string DebugString() const;

@@ -28,21 +28,50 @@ uint64_t PayloadHash(const google::protobuf::Message& m) {
 }
 
 TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-                               std::string checkpoint_root)
+                               std::string checkpoint_root, ApiKeys keys)
     : runner_(runner),
       scheduler_(scheduler),
       limits_(limits),
-      checkpoint_root_(std::move(checkpoint_root)) {}
+      checkpoint_root_(std::move(checkpoint_root)),
+      keys_(std::move(keys)) {}
+
+absl::Status TinkerdService::CheckOwner(const std::string& model_id, const std::string& tenant) {
+  absl::MutexLock lock(&owners_mu_);
+  auto it = owners_.find(model_id);
+  if (it != owners_.end() && it->second != tenant) {
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+  }
+  return absl::OkStatus();
+}
+
+std::optional<std::string> TinkerdService::Admit(grpc::CallbackServerContext* ctx,
+                                                 grpc::ServerUnaryReactor* reactor,
+                                                 const std::string* model_id) {
+  auto tenant = keys_.Authenticate(ctx);
+  absl::Status st = tenant.status();
+  if (st.ok() && model_id != nullptr) st = CheckOwner(*model_id, *tenant);
+  if (!st.ok()) {
+    reactor->Finish(ToGrpcStatus(st));
+    return std::nullopt;
+  }
+  return *tenant;
+}
 
 grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContext* ctx,
                                                       const v1::CreateModelRequest* req,
                                                       v1::ModelInfo* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, nullptr);
+  if (!tenant) return reactor;
   absl::Status st = [&]() -> absl::Status {
     auto opts = CreateOptionsFromProto(*req);  // checked here so a bad request is never broadcast
     if (!opts.ok()) return opts.status();
     auto id = runner_->CreateModel(*req);
     if (!id.ok()) return id.status();
+    {
+      absl::MutexLock lock(&owners_mu_);
+      owners_[*id] = *tenant;
+    }
     scheduler_->AddModel(*id);
     auto info = runner_->local()->GetInfo(*id);
     if (!info.ok()) return info.status();
@@ -57,6 +86,8 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* ctx,
                                                   const v1::ModelRef* req, v1::ModelInfo* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   absl::Status st = [&]() -> absl::Status {
     auto next = scheduler_->NextSeqId(req->model_id());
     if (!next.ok()) return next.status();
@@ -74,7 +105,10 @@ grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext
                                                      const v1::ListModelsRequest*,
                                                      v1::ListModelsResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, nullptr);
+  if (!tenant) return reactor;
   for (const std::string& id : scheduler_->Models()) {
+    if (!CheckOwner(id, *tenant).ok()) continue;  // other tenants' models are invisible
     auto info = runner_->local()->GetInfo(id);
     auto next = scheduler_->NextSeqId(id);
     if (!info.ok() || !next.ok()) continue;  // deleted meanwhile
@@ -90,12 +124,16 @@ grpc::ServerUnaryReactor* TinkerdService::DeleteModel(grpc::CallbackServerContex
                                                       const v1::ModelRef* req,
                                                       v1::DeleteModelResponse*) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   absl::Status st = absl::OkStatus();
   if (!scheduler_->HasModel(req->model_id())) {
     st = absl::NotFoundError(absl::StrCat("model_id: no model '", req->model_id(), "'"));
   } else {
     scheduler_->RemoveModel(req->model_id());
     st = runner_->DeleteModel(req->model_id());
+    absl::MutexLock lock(&owners_mu_);
+    owners_.erase(req->model_id());
   }
   reactor->Finish(ToGrpcStatus(st));
   return reactor;
@@ -105,6 +143,8 @@ grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ct
                                                  const v1::ForwardBackwardRequest* req,
                                                  v1::ForwardBackwardOutput* resp, bool backward) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   // Validate everything now, before queueing. An invalid request still takes its seq_id slot
   // (answered with the error) so the model's later requests are not held up behind it.
   absl::Status invalid = [&]() -> absl::Status {
@@ -150,6 +190,8 @@ grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext*
                                                     const v1::OptimStepRequest* req,
                                                     v1::OptimStepResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   JobSpec job;
   job.payload_hash = PayloadHash(*req);
   ReplicatedRunner* runner = runner_;
@@ -192,9 +234,11 @@ grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext*
                                                     const v1::SaveStateRequest* req,
                                                     v1::SaveStateResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   const absl::Status invalid = ValidateCheckpointName(req->name());
   const CheckpointPath path{req->model_id(), "weights", req->name()};
-  const std::string fs = path.Fs(checkpoint_root_);
+  const std::string fs = path.Fs(TenantRoot(*tenant));
   ModelRunner* local = runner_->local();
   auto request = std::make_shared<v1::SaveStateRequest>(*req);
   SubmitOrdered<v1::SaveStateResponse>(
@@ -219,13 +263,15 @@ grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext*
                                                     const v1::LoadStateRequest* req,
                                                     v1::LoadStateResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   auto path = ParseCheckpointPath(req->path());
   absl::Status invalid = path.status();
   if (invalid.ok() && path->kind != "weights") {
     invalid =
         absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
   }
-  const std::string fs = invalid.ok() ? path->Fs(checkpoint_root_) : "";
+  const std::string fs = invalid.ok() ? path->Fs(TenantRoot(*tenant)) : "";
   ReplicatedRunner* runner = runner_;
   auto request = std::make_shared<v1::LoadStateRequest>(*req);
   SubmitOrdered<v1::LoadStateResponse>(
@@ -247,14 +293,20 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(
     grpc::CallbackServerContext* ctx, const v1::CreateModelFromStateRequest* req,
     v1::ModelInfo* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, nullptr);
+  if (!tenant) return reactor;
   absl::Status st = [&]() -> absl::Status {
     auto path = ParseCheckpointPath(req->path());
     if (!path.ok()) return path.status();
     if (path->kind != "weights") {
       return absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
     }
-    auto id = runner_->CreateModelFromState(path->Fs(checkpoint_root_), req->with_optimizer());
+    auto id = runner_->CreateModelFromState(path->Fs(TenantRoot(*tenant)), req->with_optimizer());
     if (!id.ok()) return id.status();
+    {
+      absl::MutexLock lock(&owners_mu_);
+      owners_[*id] = *tenant;
+    }
     scheduler_->AddModel(*id);
     auto info = runner_->local()->GetInfo(*id);
     if (!info.ok()) return info.status();
@@ -270,9 +322,11 @@ grpc::ServerUnaryReactor* TinkerdService::SaveWeightsForSampler(
     grpc::CallbackServerContext* ctx, const v1::SaveWeightsForSamplerRequest* req,
     v1::SaveWeightsForSamplerResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   const absl::Status invalid = ValidateCheckpointName(req->name());
   const CheckpointPath path{req->model_id(), "sampler_weights", req->name()};
-  const std::string fs = path.Fs(checkpoint_root_);
+  const std::string fs = path.Fs(TenantRoot(*tenant));
   ModelRunner* local = runner_->local();
   auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(*req);
   SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
@@ -295,11 +349,13 @@ grpc::ServerUnaryReactor* TinkerdService::ListCheckpoints(grpc::CallbackServerCo
                                                           const v1::ListCheckpointsRequest* req,
                                                           v1::ListCheckpointsResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   absl::Status st = ValidateCheckpointName(req->model_id());
   if (st.ok()) {
     for (const char* kind : {"weights", "sampler_weights"}) {
       for (const std::string& name : tinkerd::ListCheckpoints(
-               absl::StrCat(checkpoint_root_, "/", req->model_id(), "/", kind))) {
+               absl::StrCat(TenantRoot(*tenant), "/", req->model_id(), "/", kind))) {
         v1::CheckpointInfo* c = resp->add_checkpoints();
         c->set_path(CheckpointPath{req->model_id(), kind, name}.Uri());
         c->set_kind(std::string(kind) == "weights" ? "training" : "sampler");
@@ -314,9 +370,11 @@ grpc::ServerUnaryReactor* TinkerdService::DeleteCheckpoint(grpc::CallbackServerC
                                                            const v1::DeleteCheckpointRequest* req,
                                                            v1::DeleteCheckpointResponse*) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, nullptr);
+  if (!tenant) return reactor;
   auto path = ParseCheckpointPath(req->path());
   absl::Status st = path.status();
-  if (st.ok()) st = tinkerd::DeleteCheckpoint(path->Fs(checkpoint_root_));
+  if (st.ok()) st = tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(*tenant)));
   reactor->Finish(ToGrpcStatus(st));
   return reactor;
 }
@@ -325,6 +383,8 @@ grpc::ServerUnaryReactor* TinkerdService::RetrieveResult(grpc::CallbackServerCon
                                                          const v1::RetrieveResultRequest* req,
                                                          v1::RetrieveResultResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
+  auto tenant = Admit(ctx, reactor, &req->model_id());
+  if (!tenant) return reactor;
   JobResult r = scheduler_->Retrieve(req->model_id(), req->seq_id());
   if (r.ok()) *resp = *r;
   reactor->Finish(ToGrpcStatus(r.status()));
@@ -346,7 +406,13 @@ struct StreamState {
 // micro-batches as they fill) and commits when the client closes the stream.
 class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBackwardMessage> {
  public:
-  StreamReactor(TinkerdService* svc, v1::ForwardBackwardOutput* resp) : svc_(svc), resp_(resp) {
+  StreamReactor(TinkerdService* svc, v1::ForwardBackwardOutput* resp,
+                absl::StatusOr<std::string> tenant)
+      : svc_(svc), resp_(resp), tenant_(std::move(tenant)) {
+    if (!tenant_.ok()) {
+      FinishOnce(tenant_.status());
+      return;
+    }
     StartRead(&msg_);
   }
 
@@ -400,6 +466,10 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
 
  private:
   void Open(const v1::StreamHeader& h) {
+    if (absl::Status own = svc_->CheckOwner(h.model_id(), *tenant_); !own.ok()) {
+      FinishOnce(own);
+      return;
+    }
     auto loss = ResolveLoss(h.loss_fn().name(), ConfigFromProto(h.loss_fn()));
     if (!loss.ok()) {
       FinishOnce(loss.status());
@@ -478,6 +548,7 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
 
   TinkerdService* svc_;
   v1::ForwardBackwardOutput* resp_;
+  absl::StatusOr<std::string> tenant_;
   v1::StreamForwardBackwardMessage msg_;
   std::shared_ptr<StreamState> state_;
   const LossSpec* loss_spec_ = nullptr;
@@ -490,8 +561,8 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
 }  // namespace
 
 grpc::ServerReadReactor<v1::StreamForwardBackwardMessage>* TinkerdService::StreamForwardBackward(
-    grpc::CallbackServerContext*, v1::ForwardBackwardOutput* resp) {
-  return new StreamReactor(this, resp);
+    grpc::CallbackServerContext* ctx, v1::ForwardBackwardOutput* resp) {
+  return new StreamReactor(this, resp, keys_.Authenticate(ctx));
 }
 
 }  // namespace tinkerd

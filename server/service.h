@@ -5,8 +5,11 @@
 
 #include <memory>
 
+#include <optional>
 #include "runner/model_runner.h"
 #include "runner/validate.h"
+
+#include "server/auth.h"
 #include "server/replicated_runner.h"
 #include "server/scheduler.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
@@ -17,7 +20,7 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
  public:
   // `runner` applies state changes on every rank; reads go to its local replica.
   TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-                 std::string checkpoint_root);
+                 std::string checkpoint_root, ApiKeys keys);
 
   grpc::ServerUnaryReactor* CreateModel(grpc::CallbackServerContext* ctx,
                                         const v1::CreateModelRequest* req,
@@ -65,6 +68,9 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
   ReplicatedRunner* runner() const { return runner_; }
   Scheduler* scheduler() const { return scheduler_; }
   const ModelLimits& limits() const { return limits_; }
+  const ApiKeys& keys() const { return keys_; }
+  // NOT_FOUND when the model belongs to another tenant (indistinguishable from a missing model).
+  absl::Status CheckOwner(const std::string& model_id, const std::string& tenant);
 
  private:
   grpc::ServerUnaryReactor* FwdBwd(grpc::CallbackServerContext* ctx,
@@ -73,8 +79,20 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
 
   ReplicatedRunner* runner_;
   Scheduler* scheduler_;
+  // The caller's tenant, after checking its key and (when model_id is given) that the model is
+  // its own; otherwise finishes `reactor` with the error and returns nullopt. Another tenant's
+  // model is NOT_FOUND, exactly like a model that does not exist.
+  std::optional<std::string> Admit(grpc::CallbackServerContext* ctx,
+                                   grpc::ServerUnaryReactor* reactor, const std::string* model_id);
+  std::string TenantRoot(const std::string& tenant) const {
+    return checkpoint_root_ + "/" + tenant;
+  }
+
   ModelLimits limits_;
   std::string checkpoint_root_;
+  ApiKeys keys_;
+  absl::Mutex owners_mu_;
+  std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(owners_mu_);  // model_id -> tenant
 };
 
 // FNV-1a over the deterministic serialization: the idempotency check of (model_id, seq_id).

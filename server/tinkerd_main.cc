@@ -35,6 +35,11 @@ ABSL_FLAG(int, shutdown_grace_s, 30, "on SIGTERM, time allowed for accepted work
 ABSL_FLAG(std::string, checkpoint_root, "/tmp/tinkerd-checkpoints",
           "directory holding tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints "
           "(shared storage when ranks run on several machines)");
+ABSL_FLAG(std::string, api_keys_file, "",
+          "file of 'tenant key' lines; empty: no authentication (fine on loopback only)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (enables TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM server private key");
+ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA for client certificates (enables mutual TLS)");
 ABSL_FLAG(int, nproc, 1,
           "data-parallel ranks to spawn on this machine (ignored when WORLD_SIZE is set, e.g. by "
           "torchrun, Slurm or Kubernetes)");
@@ -146,6 +151,17 @@ int main(int argc, char** argv) {
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
   sc.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_s));
   sc.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  sc.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  sc.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  sc.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  if (!absl::GetFlag(FLAGS_api_keys_file).empty()) {
+    auto keys = tinkerd::ApiKeys::LoadFile(absl::GetFlag(FLAGS_api_keys_file));
+    if (!keys.ok()) {
+      TLOG_ERROR("cannot start: {}", std::string(keys.status().message()));
+      return 1;
+    }
+    sc.api_keys = *keys;
+  }
   auto server = tinkerd::TinkerdServer::Start(sc, std::move(*runner));
   if (!server.ok()) {
     TLOG_ERROR("cannot start: {}", std::string(server.status().message()));

@@ -1,0 +1,66 @@
+#include "server/auth.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace tinkerd {
+
+bool ConstantTimeEquals(const std::string& a, const std::string& b) {
+  // Walk the longer length every time; fold every byte difference and the length difference in.
+  const size_t n = std::max(a.size(), b.size());
+  unsigned char diff = static_cast<unsigned char>(a.size() != b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
+}
+
+absl::StatusOr<ApiKeys> ApiKeys::LoadFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("api keys: cannot open ", path));
+  ApiKeys keys;
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream fields(line);
+    Entry e;
+    std::string extra;
+    if (!(fields >> e.tenant >> e.key) || (fields >> extra)) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": expected 'tenant key'"));
+    }
+    if (e.key.size() < 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ":", n, ": keys must be at least 16 characters"));
+    }
+    keys.entries_.push_back(std::move(e));
+  }
+  if (keys.entries_.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no keys"));
+  return keys;
+}
+
+absl::StatusOr<std::string> ApiKeys::TenantOf(const std::string& key) const {
+  if (!enabled()) return std::string("default");
+  // Compare against every key, always, so the time does not reveal which prefix matched.
+  const std::string* tenant = nullptr;
+  for (const Entry& e : entries_) {
+    if (ConstantTimeEquals(e.key, key) && tenant == nullptr) tenant = &e.tenant;
+  }
+  if (tenant == nullptr) return absl::UnauthenticatedError("x-api-key: missing or unknown API key");
+  return *tenant;
+}
+
+absl::StatusOr<std::string> ApiKeys::Authenticate(const grpc::CallbackServerContext* ctx) const {
+  if (!enabled()) return std::string("default");
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("x-api-key");
+  if (it == md.end()) return absl::UnauthenticatedError("x-api-key: missing API key");
+  return TenantOf(std::string(it->second.data(), it->second.size()));
+}
+
+}  // namespace tinkerd
