@@ -32,7 +32,7 @@ struct TinyModelSpec {
 // Small sizes (vocab 128, hidden 32, 2 layers, 4 heads / 2 kv heads, head_dim 8).
 ModelConfig TinyConfig(const std::string& family);
 
-// The embedded default model of the server and demo: a Llama-style model of ~6M parameters.
+// The embedded default model of the server and demo: a Llama-style model of 3.2M parameters.
 ModelConfig DefaultDemoConfig();
 
 absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec);

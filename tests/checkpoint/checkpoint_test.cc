@@ -192,7 +192,7 @@ TEST(Checkpoint, OverwriteListAndDelete) {
 
 TEST(Checkpoint, SigkillWhileSavingLeavesThePreviousCheckpointIntact) {
   TempDir dir;
-  ModelConfig big = DefaultDemoConfig();  // full fine-tune of ~6M weights: saves take a while
+  ModelConfig big = DefaultDemoConfig();  // full fine-tune of 3.2M weights: saves take a while
   TinyModelSpec spec{big};
   ASSERT_TRUE(WriteTinyModel(dir.Sub("base"), spec).ok());
   const std::string path = dir.Sub("c/ckpt");
