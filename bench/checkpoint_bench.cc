@@ -48,10 +48,11 @@ int main(int argc, char** argv) {
     for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
       if (e.is_regular_file()) bytes += e.file_size();
     }
-    std::printf("%-22s %9lld trainable params, %7.1f MB on disk: save %.3f s, load %.3f s (median of %d)\n",
-                full ? "full fine-tuning" : "LoRA rank 32 (all)", static_cast<long long>(params),
-                bytes / 1e6, save_s[save_s.size() / 2], load_s[load_s.size() / 2],
-                absl::GetFlag(FLAGS_rounds));
+    std::printf(
+        "%-22s %9lld trainable params, %7.1f MB on disk: save %.3f s, load %.3f s (median of %d)\n",
+        full ? "full fine-tuning" : "LoRA rank 32 (all)", static_cast<long long>(params),
+        bytes / 1e6, save_s[save_s.size() / 2], load_s[load_s.size() / 2],
+        absl::GetFlag(FLAGS_rounds));
     (void)runner->DeleteModel(id);
     std::filesystem::remove_all(dir);
   }

@@ -133,6 +133,13 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
   done(immediate);
 }
 
+int64_t Scheduler::QueueDepth() const {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const auto& [id, q] : queues_) n += static_cast<int64_t>(q.pending.size());
+  return n;
+}
+
 void Scheduler::Wake() {
   absl::MutexLock lock(&mu_);
   wake_ = true;

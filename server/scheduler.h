@@ -72,6 +72,8 @@ class Scheduler {
   void Submit(const std::string& model_id, int64_t seq_id, JobSpec job, JobCallback done);
   // Wakes the thread to re-check `ready` predicates (a stream received data).
   void Wake();
+  // Requests queued or running, over all models (a gauge for /metrics).
+  int64_t QueueDepth() const;
   // A finished result again, from the cache.
   JobResult Retrieve(const std::string& model_id, int64_t seq_id) const;
 

@@ -47,9 +47,10 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   s->replicated_ =
       std::make_unique<ReplicatedRunner>(s->runner_.get(), s->runner_->config().collectives);
   s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
+  s->metrics_ = std::make_unique<Metrics>();
   s->service_ = std::make_unique<TinkerdService>(s->replicated_.get(), s->scheduler_.get(),
                                                  s->runner_->limits(), config.checkpoint_root,
-                                                 config.api_keys);
+                                                 config.api_keys, s->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -89,6 +90,9 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   builder.SetMaxReceiveMessageSize(config.max_message_bytes);
   builder.SetMaxSendMessageSize(config.max_message_bytes);
   builder.RegisterService(s->service_.get());
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(s->metrics_->InterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen_address));
@@ -96,8 +100,19 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   s->scheduler_->Start();
   TinkerdServer* raw = s.get();
   s->replicated_->set_on_broken([raw](const absl::Status&) {
+    raw->serving_ = false;
     raw->server_->GetHealthCheckService()->SetServingStatus(false);
   });
+  if (config.metrics_port >= 0) {
+    s->http_ = std::make_unique<MetricsHttpServer>(
+        s->metrics_.get(), [raw] { return raw->scheduler_->QueueDepth(); },
+        [raw] { return raw->serving_.load(); });
+    if (!s->http_->Start(config.metrics_host, config.metrics_port)) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve metrics on port ", config.metrics_port));
+    }
+    TLOG_INFO("metrics on http://{}:{}/metrics", config.metrics_host, s->http_->port());
+  }
   if (s->replicated_->world_size() > 1) {
     s->heartbeat_ = std::thread([raw] {
       absl::MutexLock lock(&raw->heartbeat_mu_);
@@ -109,6 +124,7 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
       }
     });
   }
+  s->serving_ = true;
   s->server_->GetHealthCheckService()->SetServingStatus(true);
   TLOG_INFO("tinkerd serving on port {} | {}", s->port_, config.DebugString());
   return s;
@@ -119,6 +135,7 @@ void TinkerdServer::Shutdown() {
   shut_down_ = true;
   TLOG_INFO("shutting down: not serving; finishing accepted work (grace {})",
             absl::FormatDuration(config_.shutdown_grace));
+  serving_ = false;
   server_->GetHealthCheckService()->SetServingStatus(false);
   // Order matters: the RPCs in flight wait on the scheduler, so it keeps running while gRPC
   // stops accepting and waits for them; then the scheduler is stopped.
@@ -135,6 +152,7 @@ void TinkerdServer::Shutdown() {
     heartbeat_.join();
   }
   replicated_->Shutdown();  // the other ranks exit after the last request
+  if (http_) http_->Stop();
   TLOG_INFO("shut down");
 }
 

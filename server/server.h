@@ -4,11 +4,13 @@
 
 #include <grpcpp/server.h>
 
+#include <atomic>
 #include <memory>
 #include <thread>
 
 #include "absl/status/statusor.h"
 #include "runner/model_runner.h"
+#include "server/metrics.h"
 #include "server/replicated_runner.h"
 #include "server/scheduler.h"
 #include "server/server_config.h"
@@ -29,12 +31,17 @@ class TinkerdServer {
   ModelRunner* runner() const { return runner_.get(); }
   // False once a rank of a data-parallel job failed (health is NOT_SERVING then).
   bool healthy() const { return replicated_->healthy(); }
+  // The HTTP port of /metrics, /healthz, /readyz (0 when off).
+  int metrics_port() const { return http_ ? http_->port() : 0; }
 
  private:
   TinkerdServer() = default;
   ServerConfig config_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<ReplicatedRunner> replicated_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<MetricsHttpServer> http_;
+  std::atomic<bool> serving_{false};
   std::unique_ptr<Scheduler> scheduler_;
   std::thread heartbeat_;
   absl::Mutex heartbeat_mu_;

@@ -19,6 +19,9 @@ struct ServerConfig {
   absl::Duration heartbeat_interval = absl::Seconds(2);
   // Where tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints are stored.
   std::string checkpoint_root = "/tmp/tinkerd-checkpoints";
+  // Prometheus /metrics, /healthz, /readyz over HTTP on this port (-1: off; 0: any free port).
+  int metrics_port = -1;
+  std::string metrics_host = "127.0.0.1";
   SchedulerConfig scheduler;
   ApiKeys api_keys = ApiKeys::Disabled();
   // TLS when cert and key are set (PEM files); mutual TLS when client_ca is set too.

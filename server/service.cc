@@ -1,5 +1,6 @@
 #include "server/service.h"
 
+#include <chrono>
 #include <deque>
 
 #include <google/protobuf/io/coded_stream.h>
@@ -28,12 +29,13 @@ uint64_t PayloadHash(const google::protobuf::Message& m) {
 }
 
 TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-                               std::string checkpoint_root, ApiKeys keys)
+                               std::string checkpoint_root, ApiKeys keys, Metrics* metrics)
     : runner_(runner),
       scheduler_(scheduler),
       limits_(limits),
       checkpoint_root_(std::move(checkpoint_root)),
-      keys_(std::move(keys)) {}
+      keys_(std::move(keys)),
+      metrics_(metrics) {}
 
 absl::Status TinkerdService::CheckOwner(const std::string& model_id, const std::string& tenant) {
   absl::MutexLock lock(&owners_mu_);
@@ -158,10 +160,12 @@ grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ct
   JobSpec job;
   job.payload_hash = PayloadHash(*req) ^ (backward ? 0x9e3779b97f4a7c15ull : 0);
   ReplicatedRunner* runner = runner_;
-  job.run = [runner, request, invalid, backward]() -> JobStep {
+  Metrics* metrics = metrics_;
+  job.run = [runner, request, invalid, backward, metrics]() -> JobStep {
     if (!invalid.ok()) return {true, invalid};
     auto r = runner->ForwardBackward(*request, backward);
     if (!r.ok()) return {true, r.status()};
+    if (backward) metrics->AddTokens(static_cast<int64_t>(r->metrics.at("num_tokens:sum")));
     v1::RetrieveResultResponse out;
     ResultToProto(*r, out.mutable_forward_backward());
     return {true, out};
@@ -197,9 +201,11 @@ grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext*
   ReplicatedRunner* runner = runner_;
   const std::string model_id = req->model_id();
   auto request = std::make_shared<v1::OptimStepRequest>(*req);
-  job.run = [runner, request]() -> JobStep {
+  Metrics* metrics = metrics_;
+  job.run = [runner, request, metrics]() -> JobStep {
     auto r = runner->OptimStep(*request);
     if (!r.ok()) return {true, r.status()};
+    metrics->AddOptimStep(r->skipped);
     v1::RetrieveResultResponse out;
     OptimStepToProto(*r, out.mutable_optim_step());
     return {true, out};
@@ -243,14 +249,18 @@ grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext*
   auto request = std::make_shared<v1::SaveStateRequest>(*req);
   SubmitOrdered<v1::SaveStateResponse>(
       scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
-      [invalid, local, request, fs, path]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+      [invalid, local, request, fs, path,
+       metrics = metrics_]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         SaveStateOptions o;
         o.overwrite = request->overwrite();
         o.include_accumulated = request->include_accumulated();
         o.last_seq_id = request->seq_id();
         // Every rank holds the same state, so rank 0 alone writes it.
+        const auto t0 = std::chrono::steady_clock::now();
         if (auto st = local->SaveState(request->model_id(), fs, o); !st.ok()) return st;
+        metrics->ObserveCheckpoint(
+            "save", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         v1::RetrieveResultResponse out;
         out.mutable_save_state()->set_path(path.Uri());
         return out;
@@ -532,17 +542,22 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
 
   // A bad datum: the job sees the error and answers with it, keeping the seq_id order intact.
   void Fail(absl::Status st) {
+    Scheduler* scheduler = svc_->scheduler();  // read before the job can finish and free us
     {
       absl::MutexLock lock(&state_->mu);
       if (state_->error.ok()) state_->error = st;
     }
-    svc_->scheduler()->Wake();
+    scheduler->Wake();
   }
 
   void FinishOnce(const absl::Status& st) {
-    absl::MutexLock lock(&finish_mu_);
-    if (finished_) return;
-    finished_ = true;
+    {
+      absl::MutexLock lock(&finish_mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    // Outside the lock: Finish may lead gRPC to call OnDone, which deletes this reactor (and its
+    // mutex) on another thread before a lock guard here could release it.
     Finish(ToGrpcStatus(st));
   }
 

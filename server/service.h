@@ -10,6 +10,7 @@
 #include "runner/validate.h"
 
 #include "server/auth.h"
+#include "server/metrics.h"
 #include "server/replicated_runner.h"
 #include "server/scheduler.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
@@ -20,7 +21,7 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
  public:
   // `runner` applies state changes on every rank; reads go to its local replica.
   TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-                 std::string checkpoint_root, ApiKeys keys);
+                 std::string checkpoint_root, ApiKeys keys, Metrics* metrics);
 
   grpc::ServerUnaryReactor* CreateModel(grpc::CallbackServerContext* ctx,
                                         const v1::CreateModelRequest* req,
@@ -91,6 +92,7 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
   ModelLimits limits_;
   std::string checkpoint_root_;
   ApiKeys keys_;
+  Metrics* metrics_;
   absl::Mutex owners_mu_;
   std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(owners_mu_);  // model_id -> tenant
 };

@@ -40,6 +40,9 @@ ABSL_FLAG(std::string, api_keys_file, "",
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (enables TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM server private key");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA for client certificates (enables mutual TLS)");
+ABSL_FLAG(int, metrics_port, -1,
+          "serve Prometheus /metrics, /healthz and /readyz over HTTP on this port (-1: off)");
+ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint binds to");
 ABSL_FLAG(int, nproc, 1,
           "data-parallel ranks to spawn on this machine (ignored when WORLD_SIZE is set, e.g. by "
           "torchrun, Slurm or Kubernetes)");
@@ -151,6 +154,8 @@ int main(int argc, char** argv) {
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
   sc.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_s));
   sc.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  sc.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  sc.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   sc.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   sc.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   sc.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);

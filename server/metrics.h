@@ -1,0 +1,64 @@
+// Prometheus metrics: requests by RPC and code, latency histograms per RPC, queue depth, tokens
+// processed, optimizer steps (and skipped ones), checkpoint durations. Thread-safe. RPC counts and
+// latencies come from a gRPC server interceptor, so no handler is instrumented by hand.
+#pragma once
+
+#include <grpcpp/support/server_interceptor.h>
+
+#include <array>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+
+namespace tinkerd {
+
+class Metrics {
+ public:
+  void ObserveRpc(const std::string& method, int code, double seconds);
+  void AddTokens(int64_t n);
+  void AddOptimStep(bool skipped);
+  void ObserveCheckpoint(const std::string& op, double seconds);
+  // Text exposition format 0.0.4; `queue_depth` is read at render time.
+  std::string Render(int64_t queue_depth, bool serving) const;
+
+  // An interceptor factory feeding ObserveRpc; register it on the ServerBuilder.
+  std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> InterceptorFactory();
+
+ private:
+  static constexpr std::array<double, 12> kBuckets = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                      0.5,   1,    2.5,   5,    10,  30};
+  struct Histogram {
+    std::array<int64_t, kBuckets.size()> counts{};
+    int64_t total = 0;
+    double sum = 0;
+  };
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, int>, int64_t> requests_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Histogram> latency_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Histogram> checkpoint_ ABSL_GUARDED_BY(mu_);
+  int64_t tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t skipped_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// GET /metrics, /healthz (the process answers), /readyz (200 only while serving) on `port`
+// (cpp-httplib, its own thread). Port 0 picks a free one; port() tells which.
+class MetricsHttpServer {
+ public:
+  MetricsHttpServer(Metrics* metrics, std::function<int64_t()> queue_depth,
+                    std::function<bool()> serving);
+  ~MetricsHttpServer();
+  bool Start(const std::string& host, int port);
+  int port() const { return port_; }
+  void Stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  int port_ = 0;
+};
+
+}  // namespace tinkerd

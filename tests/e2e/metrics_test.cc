@@ -1,0 +1,65 @@
+// The Prometheus endpoint, /healthz and /readyz over real HTTP, with values checked against the
+// traffic the test sent.
+#include <httplib.h>
+
+#include "tests/e2e/e2e_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+std::string Get(int port, const std::string& path, int* status) {
+  httplib::Client c("127.0.0.1", port);
+  auto res = c.Get(path.c_str());
+  *status = res ? res->status : -1;
+  return res ? res->body : "";
+}
+
+bool HasLine(const std::string& body, const std::string& line) {
+  return body.find(line + "\n") != std::string::npos;
+}
+
+TEST(Metrics, CountsRequestsTokensStepsAndServesProbes) {
+  ServerConfig sc;
+  sc.metrics_port = 0;
+  LiveServer live(sc);
+  const int port = live.server->metrics_port();
+  ASSERT_GT(port, 0);
+  const std::string model = live.CreateModel();
+  SplitMix64 g(1);
+  auto data = RandomData(g, {10, 6}, "cross_entropy", 128);
+  v1::ForwardBackwardOutput out;
+  ASSERT_TRUE(live.FwdBwd(MakeRequest(model, 1, data), &out).ok());
+  auto bad = MakeRequest(model, 2, data);
+  bad.mutable_loss_fn()->set_name("mse");
+  EXPECT_FALSE(live.FwdBwd(bad, &out).ok());
+  v1::OptimStepResponse os;
+  ASSERT_TRUE(live.Optim(model, 3, &os).ok());
+
+  int status = 0;
+  const std::string body = Get(port, "/metrics", &status);
+  EXPECT_EQ(status, 200);
+  EXPECT_TRUE(HasLine(body, "tinkerd_requests_total{method=\"ForwardBackward\",code=\"OK\"} 1"))
+      << body;
+  EXPECT_TRUE(HasLine(
+      body, "tinkerd_requests_total{method=\"ForwardBackward\",code=\"INVALID_ARGUMENT\"} 1"));
+  EXPECT_TRUE(HasLine(body, "tinkerd_requests_total{method=\"CreateModel\",code=\"OK\"} 1"));
+  EXPECT_TRUE(HasLine(body, "tinkerd_request_duration_seconds_count{method=\"OptimStep\"} 1"));
+  EXPECT_TRUE(HasLine(body, "tinkerd_tokens_processed_total " +
+                                std::to_string(static_cast<int64_t>(os.num_tokens()))));
+  EXPECT_TRUE(HasLine(body, "tinkerd_optimizer_steps_total 1"));
+  EXPECT_TRUE(HasLine(body, "tinkerd_skipped_steps_total 0"));
+  EXPECT_TRUE(HasLine(body, "tinkerd_queue_depth 0"));
+  EXPECT_TRUE(HasLine(body, "tinkerd_serving 1"));
+  EXPECT_EQ(Get(port, "/healthz", &status), "ok\n");
+  EXPECT_EQ(status, 200);
+  Get(port, "/readyz", &status);
+  EXPECT_EQ(status, 200);
+  // Draining: not ready any more (the HTTP endpoint stops at the end of shutdown).
+  std::thread stop([&] { live.server->Shutdown(); });
+  stop.join();
+  Get(port, "/readyz", &status);
+  EXPECT_NE(status, 200);
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
