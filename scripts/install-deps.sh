@@ -10,7 +10,7 @@ PKGS=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev
-  python3-torch python3-numpy python3-yaml openssl
+  python3-torch python3-numpy python3-yaml openssl procps
 )
 
 SUDO=""
