@@ -82,6 +82,8 @@ struct ModelRunner::Impl {
       return absl::NotFoundError(absl::StrCat("model_id: no model '", id, "'"));
     return &it->second;
   }
+  // Resolves, reads and verifies a training checkpoint in the training dtype.
+  absl::StatusOr<LoadedState> ReadState(const std::string& path) const;
   ModelLimits Limits() const {
     return {model_config.vocab_size, model_config.max_position_embeddings};
   }
@@ -324,6 +326,43 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   });
 }
 
+namespace {
+
+// Copies a checked checkpoint into a model. Called with the runner's lock held, after
+// CheckCompatible, so it cannot fail halfway.
+void ApplyLoadedState(Tenant& t, const LoadedState& s, bool with_optimizer) {
+  at::NoGradGuard no_grad;
+  for (auto& [name, p] : t.params) {
+    p.copy_(s.params.at(name));
+    t.exp_avg[name].copy_(s.exp_avg.at(name));
+    t.exp_avg_sq[name].copy_(s.exp_avg_sq.at(name));
+    if (!with_optimizer) {
+      t.exp_avg[name].zero_();
+      t.exp_avg_sq[name].zero_();
+    }
+    auto g = s.grad_sum.find(name);
+    if (g != s.grad_sum.end()) {
+      t.grad_sum[name].copy_(g->second);
+    } else {
+      t.grad_sum[name].zero_();
+    }
+  }
+  t.step = with_optimizer ? s.step : 0;
+  t.skipped_steps = with_optimizer ? s.skipped_steps : 0;
+  t.accumulated_tokens = s.grad_sum.empty() ? 0 : s.accumulated_tokens;
+  t.accumulated_sequences = s.grad_sum.empty() ? 0 : s.accumulated_sequences;
+}
+
+}  // namespace
+
+absl::StatusOr<LoadedState> ModelRunner::Impl::ReadState(const std::string& path) const {
+  ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
+  const at::ScalarType train = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  return Guarded("load_state", [&]() -> absl::StatusOr<LoadedState> {
+    return ReadTrainingState(dir, base_fingerprint, train);
+  });
+}
+
 absl::Status ModelRunner::LoadState(const std::string& model_id, const std::string& path,
                                     bool with_optimizer) {
   absl::MutexLock lock(&impl_->mu);
@@ -333,51 +372,35 @@ absl::Status ModelRunner::LoadState(const std::string& model_id, const std::stri
     return absl::FailedPreconditionError(absl::StrCat(
         "load_state: model ", model_id, " has accumulated gradients; load into a fresh model"));
   }
-  ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
-  const at::ScalarType train = impl_->dtype == at::kDouble ? at::kDouble : at::kFloat;
+  // Read and check everything before touching the model: a refused load changes nothing.
+  ASSIGN_OR_RETURN(LoadedState s, impl_->ReadState(path));
+  RETURN_IF_ERROR(CheckCompatible(*t, s));
   return Guarded("load_state", [&]() -> absl::Status {
-    // Read and check everything before touching the model: a refused load changes nothing.
-    ASSIGN_OR_RETURN(LoadedState s, ReadTrainingState(dir, impl_->base_fingerprint, train));
-    RETURN_IF_ERROR(CheckCompatible(*t, s));
-    at::NoGradGuard no_grad;
-    for (auto& [name, p] : t->params) {
-      p.copy_(s.params.at(name));
-      t->exp_avg[name].copy_(s.exp_avg.at(name));
-      t->exp_avg_sq[name].copy_(s.exp_avg_sq.at(name));
-      if (!with_optimizer) {
-        t->exp_avg[name].zero_();
-        t->exp_avg_sq[name].zero_();
-      }
-      auto g = s.grad_sum.find(name);
-      if (g != s.grad_sum.end()) {
-        t->grad_sum[name].copy_(g->second);
-      } else {
-        t->grad_sum[name].zero_();
-      }
-    }
-    t->step = with_optimizer ? s.step : 0;
-    t->skipped_steps = with_optimizer ? s.skipped_steps : 0;
-    t->accumulated_tokens = s.grad_sum.empty() ? 0 : s.accumulated_tokens;
-    t->accumulated_sequences = s.grad_sum.empty() ? 0 : s.accumulated_sequences;
+    ApplyLoadedState(*t, s, with_optimizer);
     return absl::OkStatus();
   });
 }
 
 absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string& path,
                                                               bool with_optimizer) {
-  CreateModelOptions options;
+  absl::StatusOr<LoadedState> s;
   {
     absl::MutexLock lock(&impl_->mu);
-    ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
-    auto s = Guarded("load_state", [&]() -> absl::StatusOr<LoadedState> {
-      return ReadTrainingState(dir, impl_->base_fingerprint, at::kFloat);
-    });
-    if (!s.ok()) return s.status();
-    options = s->options;
+    s = impl_->ReadState(path);  // read and verified once, then applied to the new model
   }
-  ASSIGN_OR_RETURN(std::string id, CreateModel(options));
-  if (absl::Status st = LoadState(id, path, with_optimizer); !st.ok()) {
-    (void)DeleteModel(id);
+  if (!s.ok()) return s.status();
+  ASSIGN_OR_RETURN(std::string id, CreateModel(s->options));
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(id));
+  absl::Status st = CheckCompatible(*t, *s);
+  if (st.ok()) {
+    st = Guarded("load_state", [&]() -> absl::Status {
+      ApplyLoadedState(*t, *s, with_optimizer);
+      return absl::OkStatus();
+    });
+  }
+  if (!st.ok()) {
+    impl_->tenants.erase(id);
     return st;
   }
   return id;

@@ -61,17 +61,14 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
         config.tls_client_ca_file.empty()
             ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
             : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-    auto read = [](const std::string& path) -> absl::StatusOr<std::string> {
-      return ReadFileToString(path);
-    };
-    auto cert = read(config.tls_cert_file);
-    auto key = read(config.tls_key_file);
+    auto cert = ReadFileToString(config.tls_cert_file);
+    auto key = ReadFileToString(config.tls_key_file);
     if (!cert.ok() || !key.ok()) {
       return absl::InvalidArgumentError("tls: cannot read the certificate or key file");
     }
     ssl.pem_key_cert_pairs.push_back({*key, *cert});
     if (!config.tls_client_ca_file.empty()) {
-      auto ca = read(config.tls_client_ca_file);
+      auto ca = ReadFileToString(config.tls_client_ca_file);
       if (!ca.ok()) return absl::InvalidArgumentError("tls: cannot read the client CA file");
       ssl.pem_root_certs = *ca;
     }

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "runner/checkpoint/store.h"
 #include "runner/loss/loss_spec.h"
+#include "runner/util/hash.h"
 #include "server/checkpoint_paths.h"
 #include "server/convert.h"
 #include "server/status_map.h"
@@ -23,9 +24,7 @@ uint64_t PayloadHash(const google::protobuf::Message& m) {
     coded.SetSerializationDeterministic(true);  // map order must not change the hash
     m.SerializeToCodedStream(&coded);
   }
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
-  return h;
+  return Fnv64(bytes);
 }
 
 TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
@@ -43,6 +42,20 @@ absl::Status TinkerdService::CheckOwner(const std::string& model_id, const std::
   if (it != owners_.end() && it->second != tenant) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status TinkerdService::RegisterNewModel(const std::string& model_id,
+                                              const std::string& tenant, v1::ModelInfo* resp) {
+  {
+    absl::MutexLock lock(&owners_mu_);
+    owners_[model_id] = tenant;
+  }
+  scheduler_->AddModel(model_id);
+  auto info = runner_->local()->GetInfo(model_id);
+  if (!info.ok()) return info.status();
+  InfoToProto(*info, resp);
+  resp->set_next_seq_id(1);
   return absl::OkStatus();
 }
 
@@ -70,16 +83,7 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContex
     if (!opts.ok()) return opts.status();
     auto id = runner_->CreateModel(*req);
     if (!id.ok()) return id.status();
-    {
-      absl::MutexLock lock(&owners_mu_);
-      owners_[*id] = *tenant;
-    }
-    scheduler_->AddModel(*id);
-    auto info = runner_->local()->GetInfo(*id);
-    if (!info.ok()) return info.status();
-    InfoToProto(*info, resp);
-    resp->set_next_seq_id(1);
-    return absl::OkStatus();
+    return RegisterNewModel(*id, *tenant, resp);
   }();
   reactor->Finish(ToGrpcStatus(st));
   return reactor;
@@ -313,16 +317,7 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(
     }
     auto id = runner_->CreateModelFromState(path->Fs(TenantRoot(*tenant)), req->with_optimizer());
     if (!id.ok()) return id.status();
-    {
-      absl::MutexLock lock(&owners_mu_);
-      owners_[*id] = *tenant;
-    }
-    scheduler_->AddModel(*id);
-    auto info = runner_->local()->GetInfo(*id);
-    if (!info.ok()) return info.status();
-    InfoToProto(*info, resp);
-    resp->set_next_seq_id(1);
-    return absl::OkStatus();
+    return RegisterNewModel(*id, *tenant, resp);
   }();
   reactor->Finish(ToGrpcStatus(st));
   return reactor;

@@ -85,6 +85,9 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
   // model is NOT_FOUND, exactly like a model that does not exist.
   std::optional<std::string> Admit(grpc::CallbackServerContext* ctx,
                                    grpc::ServerUnaryReactor* reactor, const std::string* model_id);
+  // A model just created for `tenant`: records the owner, opens its queue, describes it.
+  absl::Status RegisterNewModel(const std::string& model_id, const std::string& tenant,
+                                v1::ModelInfo* resp);
   std::string TenantRoot(const std::string& tenant) const {
     return checkpoint_root_ + "/" + tenant;
   }

@@ -1,7 +1,5 @@
 // tinkerd: the training server. With no --base_model it serves the embedded default model.
 //   tinkerd --listen=127.0.0.1:50051 --base_model=/models/Qwen3-0.6B
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -53,23 +51,10 @@ ABSL_FLAG(int, heartbeat_s, 2, "data parallel: rank 0 pings idle ranks this ofte
 
 namespace {
 
-int FreeLoopbackPort() {
-  int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  const int port = ntohs(a.sin_port);
-  close(s);
-  return port;
-}
-
 // --nproc N without a launcher: this process becomes rank 0 and starts ranks 1..N-1 as copies of
 // itself with torchrun's environment, exactly as an external launcher would.
 std::vector<pid_t> SpawnLocalRanks(int nproc, char** argv) {
-  const std::string port = std::to_string(FreeLoopbackPort());
+  const std::string port = std::to_string(tinkerd::FreeLoopbackPort());
   setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", port.c_str(), 1);

@@ -48,12 +48,6 @@ void RemoveGarbage(const fs::path& folder, const std::string& name) {
 
 }  // namespace
 
-uint64_t Fnv64(const std::string& bytes) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 absl::Status CommitCheckpoint(const std::string& path, bool overwrite,
                               const CheckpointWriter& write) {
   const fs::path target(path);

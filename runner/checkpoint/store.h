@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "runner/util/hash.h"  // Fnv64: the per-file checksum kept in manifests
 
 namespace tinkerd {
 
@@ -33,8 +34,5 @@ std::vector<std::string> ListCheckpoints(const std::string& folder);
 
 // Removes the link and its directory. NOT_FOUND when absent.
 absl::Status DeleteCheckpoint(const std::string& path);
-
-// 64-bit FNV-1a of a byte string: the per-file checksum kept in manifests.
-uint64_t Fnv64(const std::string& bytes);
 
 }  // namespace tinkerd

@@ -1,5 +1,9 @@
 #include "runner/dist/dist_config.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
 
 #include "absl/strings/numbers.h"
@@ -20,6 +24,19 @@ absl::Status ReadInt(const char* name, int* out) {
 }
 
 }  // namespace
+
+int FreeLoopbackPort() {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  close(s);
+  return port;
+}
 
 absl::StatusOr<DistConfig> DistConfigFromEnv() {
   DistConfig c;

@@ -25,6 +25,9 @@ struct DistConfig {
   std::string DebugString() const;
 };
 
+// A TCP port on 127.0.0.1 that is free right now (for MASTER_PORT of local jobs and tests).
+int FreeLoopbackPort();
+
 // InvalidArgument when a variable is malformed or inconsistent (RANK >= WORLD_SIZE, ...).
 // Without WORLD_SIZE: a single process.
 absl::StatusOr<DistConfig> DistConfigFromEnv();

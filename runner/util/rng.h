@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "runner/util/hash.h"
+
 namespace tinkerd {
 
 class SplitMix64 {
@@ -34,9 +36,7 @@ class SplitMix64 {
 
 // Derives independent streams from one seed and a name (e.g. a tensor name), order-independent.
 inline uint64_t MixSeed(uint64_t seed, const char* name) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the name
-  for (const char* p = name; *p; ++p) h = (h ^ static_cast<unsigned char>(*p)) * 1099511628211ull;
-  SplitMix64 g(seed ^ h);
+  SplitMix64 g(seed ^ Fnv64(name));
   return g.Next();
 }
 

@@ -9,8 +9,7 @@
 #include <future>
 
 #include "client/client.h"
-#include "server/convert.h"
-#include "tests/test_util.h"
+#include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {
 namespace {
@@ -54,14 +53,7 @@ int ExitCode(pid_t pid) {
 
 std::vector<v1::Datum> Wire(const std::vector<Datum>& data) {
   std::vector<v1::Datum> out;
-  for (const Datum& d : data) {
-    std::map<std::string, v1::Tensor> inputs;
-    for (const auto& [k, t] : d.loss_fn_inputs) {
-      inputs[k] = t.dtype == TensorData::DType::kInt64 ? client::Int64Tensor(t.int64_data)
-                                                       : client::Float32Tensor(t.float32_data);
-    }
-    out.push_back(client::MakeDatum(d.tokens, inputs));
-  }
+  for (const Datum& d : data) out.push_back(ToProto(d));
   return out;
 }
 

@@ -6,13 +6,12 @@
 // As in accumulation_test.cc, that moves gradients by ~1e-11 relative; through two AdamW steps of
 // lr 1e-2 parameters move by at most lr·(relative change)·(a few) ≈ 1e-12. kTol = 1e-9 absolute on
 // parameters and losses of O(1)–O(100). The broken controls are off by O(1e-3) or more.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <fstream>
 
+#include "runner/dist/dist_config.h"
 #include "tests/test_util.h"
 
 namespace tinkerd::testing {
@@ -20,23 +19,10 @@ namespace {
 
 constexpr double kTol = 1e-9;
 
-int FreePort() {
-  int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  const int port = ntohs(a.sin_port);
-  close(s);
-  return port;
-}
-
 // Runs `world` ranks to completion; returns each rank's output doubles.
 std::vector<std::vector<double>> RunRanks(const std::string& model, const std::string& out,
                                           int world, const std::string& broken = "none") {
-  const int port = FreePort();
+  const int port = FreeLoopbackPort();
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
     pid_t pid = fork();
