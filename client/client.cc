@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <thread>
 #include <utility>
@@ -146,6 +148,25 @@ absl::Status CallWithRetry(const ClientOptions& options,
   }
 }
 
+absl::Status LoadTlsFiles(const std::string& root_certs_path, const std::string& client_cert_path,
+                          const std::string& client_key_path, ClientOptions& options) {
+  if (client_cert_path.empty() != client_key_path.empty()) {
+    return absl::InvalidArgumentError(
+        "tls: a client certificate needs its key and a key needs its certificate");
+  }
+  auto read = [](const std::string& path, std::string& out) -> absl::Status {
+    if (path.empty()) return absl::OkStatus();
+    std::ifstream f(path, std::ios::binary);
+    if (!f) return absl::InvalidArgumentError(absl::StrCat("tls: cannot read ", path));
+    out.assign(std::istreambuf_iterator<char>(f), {});
+    return absl::OkStatus();
+  };
+  options.tls = true;
+  if (auto s = read(root_certs_path, options.tls_root_certs); !s.ok()) return s;
+  if (auto s = read(client_cert_path, options.tls_client_cert); !s.ok()) return s;
+  return read(client_key_path, options.tls_client_key);
+}
+
 // ---- Connection ----
 
 Connection::Connection(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -159,8 +180,15 @@ std::shared_ptr<Connection> Connection::Create(ClientOptions options) {
   // gRPC's 4 MiB receive default is far below a large batch's logprobs.
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  auto channel =
-      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_certs;
+    ssl.pem_cert_chain = options.tls_client_cert;
+    ssl.pem_private_key = options.tls_client_key;
+    creds = grpc::SslCredentials(ssl);
+  }
+  auto channel = grpc::CreateCustomChannel(options.target, creds, args);
   return CreateWithChannel(std::move(options), std::move(channel));
 }
 

@@ -43,7 +43,20 @@ struct ClientOptions {
   std::chrono::milliseconds deadline{600000};
   std::string api_key;  // sent as metadata "x-api-key" when non-empty
   int max_message_bytes = 256 << 20;
+  // TLS, as PEM text (not paths: Create never fails; LoadTlsFiles reads files). The channel uses
+  // TLS when `tls` is set; an empty root set means the system's trust store. A client
+  // certificate and key are sent when both are set (the server's mutual-TLS mode needs them).
+  bool tls = false;
+  std::string tls_root_certs;
+  std::string tls_client_cert;
+  std::string tls_client_key;
 };
+
+// Fills the TLS fields of `options` from PEM files (any path may be empty) and sets `tls`.
+// INVALID_ARGUMENT naming the file when one cannot be read, or when only one of the client
+// certificate and key is given.
+absl::Status LoadTlsFiles(const std::string& root_certs_path, const std::string& client_cert_path,
+                          const std::string& client_key_path, ClientOptions& options);
 
 // Same code, same message (both use the canonical codes); a non-canonical value becomes UNKNOWN.
 absl::Status FromGrpc(const grpc::Status& status);

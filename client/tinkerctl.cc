@@ -18,6 +18,10 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address host:port");
 ABSL_FLAG(std::string, api_key, "", "sent as x-api-key metadata when set");
+ABSL_FLAG(bool, tls, false, "connect with TLS (implied by the --tls_* flags)");
+ABSL_FLAG(std::string, tls_ca, "", "PEM root certificates to verify the server (default: system)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for a server in mutual-TLS mode");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(int64_t, deadline_ms, 60000, "deadline per attempt, in milliseconds");
 ABSL_FLAG(int64_t, lora_rank, 0, "create: LoRA rank (0: server default, 32)");
 ABSL_FLAG(double, lora_alpha, 0, "create: LoRA alpha (0: server default, 32)");
@@ -153,6 +157,13 @@ int main(int argc, char** argv) {
   options.target = absl::GetFlag(FLAGS_target);
   options.api_key = absl::GetFlag(FLAGS_api_key);
   options.deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca), cert = absl::GetFlag(FLAGS_tls_cert),
+                    key = absl::GetFlag(FLAGS_tls_key);
+  if (absl::GetFlag(FLAGS_tls) || !ca.empty() || !cert.empty() || !key.empty()) {
+    if (absl::Status s = tinkerd::client::LoadTlsFiles(ca, cert, key, options); !s.ok()) {
+      return Usage(std::string(s.message()));
+    }
+  }
   auto conn = Connection::Create(options);
 
   if (command == "health" && operands == 0) return Health(*conn);

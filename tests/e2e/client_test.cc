@@ -126,19 +126,6 @@ TEST(Client, TrajectoryStreamEqualsOneCall) {
   EXPECT_LE(MaxAbsDiff(ga, gb), 1e-10 * MaxAbs(ga));
 }
 
-// Runs tinkerctl and returns (exit code, stdout).
-std::pair<int, std::string> Ctl(const LiveServer& live, const std::string& args) {
-  const std::string cmd = std::string(TINKERCTL_BINARY) +
-                          " --target=127.0.0.1:" + std::to_string(live.server->port()) + " " +
-                          args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[512];
-  while (fgets(buf, sizeof(buf), p) != nullptr) out += buf;
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
-
 TEST(Tinkerctl, HealthCreateInfoListDelete) {
   LiveServer live;
   auto [hc, hout] = Ctl(live, "health");

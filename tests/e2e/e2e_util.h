@@ -3,6 +3,11 @@
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <string>
+#include <utility>
 
 #include "server/convert.h"
 #include "server/server.h"
@@ -121,5 +126,20 @@ inline v1::ForwardBackwardRequest MakeRequest(const std::string& model, int64_t 
   for (const Datum& d : data) *req.add_data() = ToProto(d);
   return req;
 }
+
+#ifdef TINKERCTL_BINARY
+// Runs tinkerctl against `live` and returns (exit code, stdout and stderr).
+inline std::pair<int, std::string> Ctl(const LiveServer& live, const std::string& args) {
+  const std::string cmd = std::string(TINKERCTL_BINARY) +
+                          " --target=127.0.0.1:" + std::to_string(live.server->port()) + " " +
+                          args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+  const int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+#endif
 
 }  // namespace tinkerd::testing
