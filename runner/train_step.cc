@@ -179,7 +179,7 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
         pos += sizeof(head);
         auto& lp = result.outputs.at(head[0]).logprobs;
         lp.resize(head[1]);
-        std::memcpy(lp.data(), part.data() + pos, head[1] * sizeof(float));
+        if (head[1] > 0) std::memcpy(lp.data(), part.data() + pos, head[1] * sizeof(float));
         pos += head[1] * sizeof(float);
       }
     }

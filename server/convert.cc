@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "runner/loss/loss_spec.h"
 
 namespace tinkerd {
 namespace {
@@ -47,6 +48,9 @@ absl::StatusOr<TensorData> TensorFromProto(const v1::Tensor& t, size_t i, const 
   }
   out.shape.assign(t.shape().begin(), t.shape().end());
   if (out.shape.empty()) out.shape = {n};
+  // An empty vector's data() may be null, and memcpy from or to null is undefined even for zero
+  // bytes (found by tests/fuzz/fuzz_request), hence the guard.
+  if (n == 0) return out;
   if (out.dtype == TensorData::DType::kFloat32) {
     out.float32_data.resize(n);
     std::memcpy(out.float32_data.data(), t.data().data(), t.data().size());
@@ -168,6 +172,15 @@ absl::StatusOr<CreateModelOptions> CreateOptionsFromProto(const v1::CreateModelR
                         l.train_attn(), l.train_mlp(), l.train_unembed()};
   }
   return o;
+}
+
+absl::Status ValidateForwardRequest(const v1::ForwardBackwardRequest& req,
+                                    const ModelLimits& limits) {
+  auto loss = ResolveLoss(req.loss_fn().name(), ConfigFromProto(req.loss_fn()));
+  if (!loss.ok()) return loss.status();
+  auto data = DatumsFromProto(req.data());
+  if (!data.ok()) return data.status();
+  return ValidateData(*data, *loss->spec, limits);
 }
 
 std::map<std::string, double> ConfigFromProto(const v1::LossFn& loss) {

@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "runner/types.h"
+#include "runner/validate.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {
@@ -14,6 +15,12 @@ namespace tinkerd {
 absl::StatusOr<std::vector<Datum>> DatumsFromProto(
     const google::protobuf::RepeatedPtrField<v1::Datum>& data, size_t first_index = 0);
 absl::StatusOr<Datum> DatumFromProto(const v1::Datum& d, size_t index);
+
+// Everything the server checks in a forward or forward_backward request before queueing it: the
+// loss and its config, the wire encoding of every datum, and ValidateData's semantic checks.
+// INVALID_ARGUMENT naming the field.
+absl::Status ValidateForwardRequest(const v1::ForwardBackwardRequest& req,
+                                    const ModelLimits& limits);
 
 v1::Tensor Float32ToProto(const std::vector<float>& v);
 void ResultToProto(const ForwardBackwardResult& r, v1::ForwardBackwardOutput* out);

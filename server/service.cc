@@ -153,13 +153,7 @@ grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ct
   if (!tenant) return reactor;
   // Validate everything now, before queueing. An invalid request still takes its seq_id slot
   // (answered with the error) so the model's later requests are not held up behind it.
-  absl::Status invalid = [&]() -> absl::Status {
-    auto loss = ResolveLoss(req->loss_fn().name(), ConfigFromProto(req->loss_fn()));
-    if (!loss.ok()) return loss.status();
-    auto data = DatumsFromProto(req->data());
-    if (!data.ok()) return data.status();
-    return ValidateData(*data, *loss->spec, limits_);
-  }();
+  absl::Status invalid = ValidateForwardRequest(*req, limits_);
   auto request = std::make_shared<v1::ForwardBackwardRequest>(*req);
   JobSpec job;
   job.payload_hash = PayloadHash(*req) ^ (backward ? 0x9e3779b97f4a7c15ull : 0);

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "runner/checkpoint/manifest.h"
 #include "runner/checkpoint/store.h"
 #include "runner/model/safetensors.h"
 #include "runner/model/weights.h"
@@ -17,7 +18,6 @@ namespace {
 
 using json = nlohmann::json;
 namespace fs = std::filesystem;
-constexpr int kFormatVersion = 1;
 
 std::string Join(const std::string& dir, const std::string& f) {
   return (fs::path(dir) / f).string();
@@ -49,121 +49,78 @@ uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base) {
 
 absl::Status WriteTrainingState(const Tenant& t, const CheckpointMeta& meta,
                                 bool include_accumulated, const std::string& dir) {
-  json files = json::object();
+  TrainingManifest m;
   auto save = [&](const std::string& name,
                   const std::map<std::string, at::Tensor>& tensors) -> absl::Status {
     RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, name), tensors, meta.training_dtype));
     ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(Join(dir, name)));
-    files[name] = {{"bytes", bytes.size()}, {"fnv64", std::to_string(Fnv64(bytes))}};
+    m.files[name] = {bytes.size(), Fnv64(bytes)};
     return absl::OkStatus();
   };
   RETURN_IF_ERROR(save("params.safetensors", t.params));
   std::map<std::string, at::Tensor> moments = Prefixed(t.exp_avg, "exp_avg.");
   for (auto& [k, v] : Prefixed(t.exp_avg_sq, "exp_avg_sq.")) moments[k] = v;
   RETURN_IF_ERROR(save("optimizer.safetensors", moments));
-  if (include_accumulated) RETURN_IF_ERROR(save("accumulators.safetensors", t.grad_sum));
-
-  json m;
-  m["format"] = "tinkerd-checkpoint";
-  m["format_version"] = kFormatVersion;
-  m["kind"] = "training";
-  m["model_id"] = t.id;
-  m["step"] = t.step;
-  m["skipped_steps"] = t.skipped_steps;
-  m["last_seq_id"] = meta.last_seq_id;
-  m["loss_reduction"] = std::string(LossReductionName(t.options.loss_reduction));
-  m["seed"] = std::to_string(t.options.seed);
-  m["rng"] = "the runner draws no random numbers after initialization; the seed is the RNG state";
-  m["training_dtype"] = meta.training_dtype;
-  m["base_model"] = meta.base_model;
-  m["base_fingerprint"] = std::to_string(meta.base_fingerprint);
-  if (t.options.lora) {
-    const LoraConfig& l = *t.options.lora;
-    m["lora"] = {{"rank", l.rank},
-                 {"alpha", l.alpha},
-                 {"train_attn", l.train_attn},
-                 {"train_mlp", l.train_mlp},
-                 {"train_unembed", l.train_unembed}};
-  } else {
-    m["lora"] = nullptr;
-  }
   if (include_accumulated) {
-    m["accumulated"] = {{"tokens", t.accumulated_tokens}, {"sequences", t.accumulated_sequences}};
+    RETURN_IF_ERROR(save("accumulators.safetensors", t.grad_sum));
+    m.accumulated = Accumulated{t.accumulated_tokens, t.accumulated_sequences};
   }
-  m["files"] = files;
-  return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));  // last: marks completeness
+  m.model_id = t.id;
+  m.options = t.options;
+  m.step = t.step;
+  m.skipped_steps = t.skipped_steps;
+  m.last_seq_id = meta.last_seq_id;
+  m.training_dtype = meta.training_dtype;
+  m.base_model = meta.base_model;
+  m.base_fingerprint = meta.base_fingerprint;
+  // Last: the manifest's presence marks the checkpoint complete.
+  return WriteFileAtomically(Join(dir, "manifest.json"), TrainingManifestToJson(m));
 }
 
 absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t base_fingerprint,
                                               at::ScalarType dtype) {
   auto text = ReadFileToString(Join(dir, "manifest.json"));
   if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
-  json m = json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  if (m.is_discarded() || !m.is_object() || m.value("format", "") != "tinkerd-checkpoint") {
-    return DataLoss(dir, "manifest.json is not a tinkerd checkpoint manifest");
+  auto m = ParseTrainingManifest(*text);
+  if (!m.ok())
+    return absl::Status(m.status().code(),
+                        absl::StrCat("checkpoint ", dir, ": ", m.status().message()));
+  if (m->base_fingerprint != base_fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", dir, " was trained on another base model (", m->base_model, ")"));
   }
-  if (m.value("kind", "") != "training") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint ", dir, " is a sampler export, not training state"));
+  LoadedState s;
+  s.options = m->options;
+  s.step = m->step;
+  s.skipped_steps = m->skipped_steps;
+  s.last_seq_id = m->last_seq_id;
+  auto load = [&](const std::string& name) -> absl::StatusOr<std::map<std::string, at::Tensor>> {
+    auto digest = m->files.find(name);
+    if (digest == m->files.end())
+      return DataLoss(dir, absl::StrCat(name, " is not in the manifest"));
+    auto bytes = ReadFileToString(Join(dir, name));
+    if (!bytes.ok()) return DataLoss(dir, absl::StrCat(name, " is missing"));
+    if (bytes->size() != digest->second.bytes || Fnv64(*bytes) != digest->second.fnv64) {
+      return DataLoss(dir,
+                      absl::StrCat(name, " is corrupt or truncated (size or checksum mismatch)"));
+    }
+    return LoadSafetensorsFile(Join(dir, name), dtype);
+  };
+  ASSIGN_OR_RETURN(s.params, load("params.safetensors"));
+  ASSIGN_OR_RETURN(auto moments, load("optimizer.safetensors"));
+  for (auto& [k, v] : moments) {
+    if (k.rfind("exp_avg_sq.", 0) == 0) {
+      s.exp_avg_sq[k.substr(11)] = v;
+    } else if (k.rfind("exp_avg.", 0) == 0) {
+      s.exp_avg[k.substr(8)] = v;
+    }
   }
-  if (m.value("format_version", 0) != kFormatVersion) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", dir, ": format version ",
-                                                      m.value("format_version", 0),
-                                                      " is not supported"));
+  if (m->accumulated) {
+    ASSIGN_OR_RETURN(s.grad_sum, load("accumulators.safetensors"));
+    s.accumulated_tokens = m->accumulated->tokens;
+    s.accumulated_sequences = m->accumulated->sequences;
   }
-  try {
-    if (m.at("base_fingerprint").get<std::string>() != std::to_string(base_fingerprint)) {
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", dir,
-                                                        " was trained on another base model (",
-                                                        m.value("base_model", "?"), ")"));
-    }
-    LoadedState s;
-    auto mode = ParseLossReduction(m.at("loss_reduction").get<std::string>());
-    if (!mode.ok()) return DataLoss(dir, std::string(mode.status().message()));
-    s.options.loss_reduction = *mode;
-    s.options.seed = std::stoull(m.at("seed").get<std::string>());
-    if (m.at("lora").is_null()) {
-      s.options.lora.reset();
-    } else {
-      const json& l = m.at("lora");
-      s.options.lora = LoraConfig{l.at("rank").get<int64_t>(), l.at("alpha").get<double>(),
-                                  l.at("train_attn").get<bool>(), l.at("train_mlp").get<bool>(),
-                                  l.at("train_unembed").get<bool>()};
-    }
-    s.step = m.at("step").get<int64_t>();
-    s.skipped_steps = m.at("skipped_steps").get<int64_t>();
-    s.last_seq_id = m.at("last_seq_id").get<int64_t>();
-    const json& files = m.at("files");
-    auto load = [&](const std::string& name) -> absl::StatusOr<std::map<std::string, at::Tensor>> {
-      if (!files.contains(name))
-        return DataLoss(dir, absl::StrCat(name, " is not in the manifest"));
-      auto bytes = ReadFileToString(Join(dir, name));
-      if (!bytes.ok()) return DataLoss(dir, absl::StrCat(name, " is missing"));
-      if (bytes->size() != files[name].at("bytes").get<size_t>() ||
-          std::to_string(Fnv64(*bytes)) != files[name].at("fnv64").get<std::string>()) {
-        return DataLoss(dir,
-                        absl::StrCat(name, " is corrupt or truncated (size or checksum mismatch)"));
-      }
-      return LoadSafetensorsFile(Join(dir, name), dtype);
-    };
-    ASSIGN_OR_RETURN(s.params, load("params.safetensors"));
-    ASSIGN_OR_RETURN(auto moments, load("optimizer.safetensors"));
-    for (auto& [k, v] : moments) {
-      if (k.rfind("exp_avg_sq.", 0) == 0) {
-        s.exp_avg_sq[k.substr(11)] = v;
-      } else if (k.rfind("exp_avg.", 0) == 0) {
-        s.exp_avg[k.substr(8)] = v;
-      }
-    }
-    if (m.contains("accumulated")) {
-      ASSIGN_OR_RETURN(s.grad_sum, load("accumulators.safetensors"));
-      s.accumulated_tokens = m["accumulated"].at("tokens").get<int64_t>();
-      s.accumulated_sequences = m["accumulated"].at("sequences").get<int64_t>();
-    }
-    return s;
-  } catch (const std::exception& e) {
-    return DataLoss(dir, absl::StrCat("malformed manifest: ", e.what()));
-  }
+  return s;
 }
 
 absl::Status CheckCompatible(const Tenant& t, const LoadedState& s) {
@@ -225,7 +182,7 @@ absl::Status WritePeftAdapter(const Tenant& t, const std::string& base_model,
               {"base_model_name_or_path", base_model}};
   RETURN_IF_ERROR(WriteFileAtomically(Join(dir, "adapter_config.json"), cfg.dump(2)));
   json m = {{"format", "tinkerd-checkpoint"},
-            {"format_version", kFormatVersion},
+            {"format_version", kCheckpointFormatVersion},
             {"kind", "sampler"},
             {"model_id", t.id},
             {"step", t.step},
@@ -261,7 +218,7 @@ absl::Status WriteMergedModel(const Tenant& t, const ModelConfig& config, const 
       t.params.begin()->second.scalar_type() == at::kDouble ? "float64" : "float32";
   RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, "model.safetensors"), w, dtype));
   json m = {{"format", "tinkerd-checkpoint"},
-            {"format_version", kFormatVersion},
+            {"format_version", kCheckpointFormatVersion},
             {"kind", "sampler"},
             {"model_id", t.id},
             {"step", t.step},

@@ -1,6 +1,9 @@
 #include "runner/model/config.h"
 
+#include <cmath>
+#include <cstdint>
 #include <nlohmann/json.hpp>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -23,7 +26,21 @@ absl::Status ReadNumber(const json& j, const char* key, T* out, bool required) {
     return required ? Bad(absl::StrCat("missing required field '", key, "'")) : absl::OkStatus();
   }
   if (!it->is_number()) return Bad(absl::StrCat("field '", key, "' must be a number"));
-  *out = it->get<T>();
+  if constexpr (std::is_integral_v<T>) {
+    // An integer, or a float with an integral value (some exporters write 4096.0). A float out of
+    // int64's range is refused here: converting it would be undefined behaviour (found by
+    // tests/fuzz/fuzz_model_config).
+    const bool ok = it->is_number_unsigned() ? it->get<uint64_t>() <= uint64_t{INT64_MAX}
+                    : it->is_number_integer()
+                        ? true
+                        : std::isfinite(it->get<double>()) &&
+                              std::floor(it->get<double>()) == it->get<double>() &&
+                              std::fabs(it->get<double>()) < 9.2e18;
+    if (!ok) return Bad(absl::StrCat("field '", key, "' must be an integer in range"));
+    *out = it->is_number_integer() ? it->get<int64_t>() : static_cast<T>(it->get<double>());
+  } else {
+    *out = it->get<T>();
+  }
   return absl::OkStatus();
 }
 

@@ -98,7 +98,11 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensors(absl::string_view file) {
     h.entries.push_back(std::move(e));
   }
   std::sort(h.entries.begin(), h.entries.end(),
-            [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin; });
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+              // (begin, end): an empty tensor at a tensor's start sorts first, whatever the order
+              // the header listed them in, so acceptance does not depend on key order.
+              return std::pair(a.begin, a.end) < std::pair(b.begin, b.end);
+            });
   for (size_t i = 1; i < h.entries.size(); ++i) {
     if (h.entries[i].begin < h.entries[i - 1].end) {
       return Bad(absl::StrCat("tensors '", h.entries[i - 1].name, "' and '", h.entries[i].name,

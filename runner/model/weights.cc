@@ -43,7 +43,10 @@ absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::Scala
     ASSIGN_OR_RETURN(at::ScalarType st, ScalarTypeOf(e.dtype));
     // Copy out of the file buffer (which dies with this function) before converting.
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(st));
-    std::memcpy(t.data_ptr(), bytes.data() + header->data_start + e.begin, e.end - e.begin);
+    // An empty tensor's data_ptr may be null, and memcpy with null is undefined even for 0 bytes.
+    if (e.end > e.begin) {
+      std::memcpy(t.data_ptr(), bytes.data() + header->data_start + e.begin, e.end - e.begin);
+    }
     if (at::isFloatingType(st)) t = t.to(float_dtype);
     out[e.name] = t;
   }
