@@ -5,6 +5,7 @@ set -euo pipefail
 
 PKGS=(
   build-essential cmake ninja-build ccache pkg-config git
+  clang libclang-rt-14-dev
   libtorch-dev libgloo-dev
   libopenblas0-openmp libopenblas-dev
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler

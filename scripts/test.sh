@@ -1,9 +1,29 @@
 #!/usr/bin/env bash
-# Installs dependencies, builds tinkerd with its tests, and runs every test suite.
-# Usage: scripts/test.sh [extra ctest args, e.g. -L numerics]
+# Installs dependencies, builds tinkerd with its tests, and runs every test suite:
+#   1. the default build (g++): every label (unit, numerics, e2e, dist);
+#   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (preset asan): unit and e2e;
+#   3. the libFuzzer targets (preset fuzz, clang): each fuzzer for TINKERD_FUZZ_SECONDS (default 60)
+#      from the checked-in seed corpus.
+# Usage: scripts/test.sh [ctest args, e.g. -L numerics]. With arguments, only stage 1 runs, with
+# those arguments passed to ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
+
+stage() { echo; echo "== [test.sh] $*"; }
+
+stage "1/3 default build: all suites"
 cmake --preset default >/dev/null
 cmake --build --preset default
 ctest --preset default "$@"
+if (($#)); then exit 0; fi
+
+stage "2/3 ASan + UBSan build: unit and e2e suites"
+cmake --preset asan >/dev/null
+cmake --build --preset asan
+ctest --preset asan
+
+stage "3/3 fuzzers (${TINKERD_FUZZ_SECONDS:-60} s each)"
+cmake --preset fuzz -DTINKERD_FUZZ_SECONDS="${TINKERD_FUZZ_SECONDS:-60}" >/dev/null
+cmake --build --preset fuzz
+ctest --preset fuzz
