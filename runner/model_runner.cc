@@ -1,7 +1,9 @@
 #include "runner/model_runner.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 
 #include <filesystem>
 
@@ -33,6 +35,25 @@ auto Guarded(const char* what, F&& f) -> decltype(f()) {
   }
 }
 
+// "cpu" / "cuda[:N]" to a device this process can use: FAILED_PRECONDITION when LibTorch was
+// built without CUDA or the GPU is not visible, rather than a crash at the first tensor.
+absl::StatusOr<at::Device> ResolveDevice(const std::string& device) {
+  ASSIGN_OR_RETURN(DeviceSpec d, ParseDevice(device));
+  if (!d.cuda) return at::Device(at::kCPU);
+  if (!at::hasCUDA()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "runner: device ", device,
+        " requested, but this LibTorch has no CUDA support or no GPU is "
+        "visible (build with --preset cuda against a CUDA LibTorch; check CUDA_VISIBLE_DEVICES)"));
+  }
+  const int visible = at::detail::getCUDAHooks().getNumGPUs();
+  if (d.index >= visible) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "runner: device ", device, " requested, but only ", visible, " GPU(s) are visible"));
+  }
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d.index));
+}
+
 at::Tensor CloneTrainable(const at::Tensor& t) {
   return t.detach().clone().set_requires_grad(true);
 }
@@ -44,6 +65,7 @@ struct ModelRunner::Impl {
   ModelConfig model_config;
   BaseWeights base;
   at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
   uint64_t base_fingerprint = 0;
   mutable absl::Mutex mu;
@@ -73,8 +95,9 @@ struct ModelRunner::Impl {
   }
 
   StepContext Context() const {
-    return {&model_config,          &base, collectives.get(), dtype, config.micro_batch_tokens,
-            config.test_hooks.get()};
+    return {
+        &model_config,          &base, collectives.get(), dtype, device, config.micro_batch_tokens,
+        config.test_hooks.get()};
   }
   absl::StatusOr<Tenant*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = tenants.find(id);
@@ -104,6 +127,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     auto impl = std::make_unique<Impl>();
     impl->config = config;
     impl->dtype = config.compute_dtype == ComputeDType::kFloat64 ? at::kDouble : at::kFloat;
+    ASSIGN_OR_RETURN(impl->device, ResolveDevice(config.device));
     impl->collectives = config.collectives ? config.collectives : MakeLocalCollectives();
     if (config.num_threads > 0) at::set_num_threads(config.num_threads);
     TensorMap tensors;
@@ -123,6 +147,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
       impl->model_config = *parsed;
       ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype));
     }
+    // Loaded (or generated) on the host, then moved once; everything else follows the weights.
+    for (auto& [name, t] : tensors) t = t.to(impl->device);
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     TLOG_INFO("runner: {} | {}", config.DebugString(), impl->model_config.DebugString());
@@ -142,8 +168,9 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
     // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
     const at::ScalarType train_dtype = impl_->dtype == at::kDouble ? at::kDouble : at::kFloat;
     if (options.lora) {
-      ASSIGN_OR_RETURN(LoraAdapter a, LoraAdapter::Create(impl_->model_config, *options.lora,
-                                                          options.seed, train_dtype));
+      ASSIGN_OR_RETURN(LoraAdapter a,
+                       LoraAdapter::Create(impl_->model_config, *options.lora, options.seed,
+                                           train_dtype, impl_->device));
       t.params = a.Parameters();
       t.lora = std::move(a);
     } else {
@@ -430,7 +457,7 @@ absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string
   return Guarded("snapshot", [&]() -> absl::StatusOr<std::vector<NamedValues>> {
     std::vector<NamedValues> out;
     for (const auto& [name, tensor] : *src) {
-      at::Tensor d = tensor.detach().to(at::kDouble).contiguous();
+      at::Tensor d = tensor.detach().to(at::kCPU, at::kDouble).contiguous();
       NamedValues v{name, d.sizes().vec(), {}};
       v.values.assign(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
       out.push_back(std::move(v));

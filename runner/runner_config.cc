@@ -1,6 +1,9 @@
 #include "runner/runner_config.h"
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 
 namespace tinkerd {
 
@@ -11,13 +14,28 @@ absl::Status RunnerConfig::Validate() const {
     return absl::InvalidArgumentError("runner: micro_batch_tokens must be >= 1");
   if (num_threads < 0) return absl::InvalidArgumentError("runner: num_threads must be >= 0");
   if (max_models < 1) return absl::InvalidArgumentError("runner: max_models must be >= 1");
+  if (!ParseDevice(device).ok()) return ParseDevice(device).status();
   return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceSpec> ParseDevice(absl::string_view device) {
+  if (device == "cpu") return DeviceSpec{false, 0};
+  if (device == "cuda") return DeviceSpec{true, 0};
+  int index = -1;
+  absl::string_view n = device;
+  if (absl::ConsumePrefix(&n, "cuda:") && absl::SimpleAtoi(n, &index) && index >= 0 &&
+      index < 1024) {
+    return DeviceSpec{true, index};
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "runner: device must be \"cpu\", \"cuda\" or \"cuda:N\", not \"", std::string(device), "\""));
 }
 
 std::string RunnerConfig::DebugString() const {
   return absl::StrFormat(
-      "base_model_path=%s compute_dtype=%s micro_batch_tokens=%d num_threads=%d max_models=%d",
-      base_model_path, compute_dtype == ComputeDType::kFloat64 ? "float64" : "float32",
+      "base_model_path=%s device=%s compute_dtype=%s micro_batch_tokens=%d num_threads=%d "
+      "max_models=%d",
+      base_model_path, device, compute_dtype == ComputeDType::kFloat64 ? "float64" : "float32",
       micro_batch_tokens, num_threads, max_models);
 }
 

@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace tinkerd {
 
@@ -20,6 +20,9 @@ struct RunnerConfig {
   int64_t micro_batch_tokens = 4096;
   int num_threads = 0;  // intra-op threads for LibTorch; 0 keeps LibTorch's default
   int max_models = 64;  // tenants resident at once
+  // Where weights live and compute runs: "cpu", "cuda" (device 0) or "cuda:N". A CUDA device
+  // needs a CUDA build of LibTorch and a visible GPU; ModelRunner::Create checks both.
+  std::string device = "cpu";
   // Data-parallel hook; null means a single process (world size 1).
   std::shared_ptr<Collectives> collectives;
 
@@ -36,5 +39,12 @@ struct RunnerConfig {
   absl::Status Validate() const;
   std::string DebugString() const;
 };
+
+// A parsed RunnerConfig::device, torch-free.
+struct DeviceSpec {
+  bool cuda = false;
+  int index = 0;
+};
+absl::StatusOr<DeviceSpec> ParseDevice(absl::string_view device);
 
 }  // namespace tinkerd

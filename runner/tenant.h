@@ -43,6 +43,7 @@ struct StepContext {
   const BaseWeights* base;
   Collectives* collectives;
   at::ScalarType compute_dtype;
+  at::Device device;  // of the weights; each micro-batch's inputs are moved there
   int64_t micro_batch_tokens;
   RunnerConfig::TestHooks* test_hooks;  // may be null
 };

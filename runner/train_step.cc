@@ -24,26 +24,28 @@ const BaseWeights& WeightsOf(const StepContext& ctx, const Tenant& t) {
 
 // Concatenates a float input of the micro-batch's datums into one [T] tensor.
 at::Tensor GatherFloat(const std::vector<Datum>& data, const std::vector<int>& mb,
-                       const std::string& key, at::ScalarType dtype) {
+                       const std::string& key, const at::TensorOptions& to) {
   std::vector<float> v;
   for (int i : mb) {
     const auto& f = data[i].loss_fn_inputs.at(key).float32_data;
     v.insert(v.end(), f.begin(), f.end());
   }
   // copy=true: from_blob aliases `v`, which dies on return; .to() alone does not copy when the
-  // dtype already matches.
+  // device and dtype already match.
   return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kFloat)
-      .to(dtype, /*non_blocking=*/false, /*copy=*/true);
+      .to(to, /*non_blocking=*/false, /*copy=*/true);
 }
 
-at::Tensor GatherInt(const std::vector<Datum>& data, const std::vector<int>& mb, bool targets) {
+at::Tensor GatherInt(const std::vector<Datum>& data, const std::vector<int>& mb, bool targets,
+                     at::Device device) {
   std::vector<int64_t> v;
   for (int i : mb) {
     const auto& src =
         targets ? data[i].loss_fn_inputs.at("target_tokens").int64_data : data[i].tokens;
     v.insert(v.end(), src.begin(), src.end());
   }
-  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kLong).clone();
+  return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::kLong)
+      .to(device, at::kLong, /*non_blocking=*/false, /*copy=*/true);
 }
 
 }  // namespace
@@ -58,6 +60,7 @@ CallStage::CallStage(const StepContext& ctx, Tenant& tenant, ResolvedLoss loss, 
 
 void CallStage::Run(const std::vector<Datum>& data) {
   const at::ScalarType dt = ctx_.compute_dtype;
+  const at::TensorOptions on_device = at::TensorOptions().dtype(dt).device(ctx_.device);
   const std::string& mask_key = loss_.spec->implicit_mask_input;
   const bool seq_token_mean = tenant_.options.loss_reduction == LossReduction::kSeqMeanTokenMean;
   std::vector<int64_t> lengths;
@@ -84,9 +87,9 @@ void CallStage::Run(const std::vector<Datum>& data) {
     ++micro_batches_run_;
     std::optional<at::NoGradGuard> no_grad;
     if (!backward_) no_grad.emplace();
-    PackedBatch batch{GatherInt(data, mb, /*targets=*/false), {0}};
+    PackedBatch batch{GatherInt(data, mb, /*targets=*/false, ctx_.device), {0}};
     for (int i : mb) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + lengths[i]);
-    at::Tensor targets_T = GatherInt(data, mb, /*targets=*/true);
+    at::Tensor targets_T = GatherInt(data, mb, /*targets=*/true, ctx_.device);
 
     // Mask: explicit "mask" if given, else the loss's implicit input != 0 (DESIGN.md §3).
     // scale is 1, or 1/N_i under seq_mean_token_mean, kept in double until cast to `dt`.
@@ -106,9 +109,9 @@ void CallStage::Run(const std::vector<Datum>& data) {
       }
     }
     const int64_t T = static_cast<int64_t>(mask.size());
-    at::Tensor keep_T = at::from_blob(mask.data(), {T}, at::kDouble).ne(0);
-    at::Tensor scale_T =
-        at::from_blob(scale.data(), {T}, at::kDouble).to(dt, /*non_blocking=*/false, /*copy=*/true);
+    at::Tensor keep_T = at::from_blob(mask.data(), {T}, at::kDouble).ne(0).to(ctx_.device);
+    at::Tensor scale_T = at::from_blob(scale.data(), {T}, at::kDouble)
+                             .to(on_device, /*non_blocking=*/false, /*copy=*/true);
 
     at::Tensor logits_TV = ForwardLogits(*ctx_.config, WeightsOf(ctx_, tenant_),
                                          tenant_.lora ? &*tenant_.lora : nullptr, batch);
@@ -116,10 +119,10 @@ void CallStage::Run(const std::vector<Datum>& data) {
         logits_TV.gather(1, targets_T.unsqueeze(1)).squeeze(1) - at::logsumexp(logits_TV, 1);
     LossTokenInputs li{logp_T, {}, {}, {}};
     if (loss_.spec->name == "cross_entropy") {
-      li.weights_T = GatherFloat(data, mb, "weights", dt);
+      li.weights_T = GatherFloat(data, mb, "weights", on_device);
     } else {
-      li.logq_T = GatherFloat(data, mb, "logprobs", dt);
-      li.adv_T = GatherFloat(data, mb, "advantages", dt);
+      li.logq_T = GatherFloat(data, mb, "logprobs", on_device);
+      li.adv_T = GatherFloat(data, mb, "advantages", on_device);
     }
     LossTokenOutputs lo = PerTokenLoss(loss_.spec->name, li, loss_.config);
     // where(), not multiply: a masked token's loss may be inf/nan and must not leak through.
@@ -136,7 +139,7 @@ void CallStage::Run(const std::vector<Datum>& data) {
       }
     }
     loss_sum_ += raw.item<double>();
-    at::Tensor logp_f = logp_T.detach().to(at::kFloat).contiguous();
+    at::Tensor logp_f = logp_T.detach().to(at::kCPU, at::kFloat).contiguous();
     const float* lp = logp_f.data_ptr<float>();
     for (size_t j = 0; j < mb.size(); ++j) {
       result_.outputs[first_output + mb[j]].logprobs.assign(lp + batch.cu_seqlens[j],

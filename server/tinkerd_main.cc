@@ -22,6 +22,8 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
 ABSL_FLAG(std::string, base_model, "",
           "Hugging Face model directory; empty: the embedded default model");
 ABSL_FLAG(std::string, compute_dtype, "float32", "float32 or float64");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu, cuda or cuda:N; with several ranks, cuda means cuda:LOCAL_RANK");
 ABSL_FLAG(int64_t, micro_batch_tokens, 4096, "token budget of one packed micro-batch");
 ABSL_FLAG(int, threads, 0, "LibTorch intra-op threads (0: LibTorch's default)");
 ABSL_FLAG(int, max_models, 64, "models resident at once");
@@ -111,8 +113,20 @@ int main(int argc, char** argv) {
   rc.micro_batch_tokens = absl::GetFlag(FLAGS_micro_batch_tokens);
   rc.num_threads = absl::GetFlag(FLAGS_threads);
   rc.max_models = absl::GetFlag(FLAGS_max_models);
+  rc.device = absl::GetFlag(FLAGS_device);
+  auto device = tinkerd::ParseDevice(rc.device);
+  if (!device.ok()) {
+    std::fprintf(stderr, "tinkerd: --device: %s\n", std::string(device.status().message()).c_str());
+    return 2;
+  }
+  // One GPU per rank: "cuda" alone means this rank's local GPU.
+  if (rc.device == "cuda" && dist->world_size > 1) {
+    rc.device = "cuda:" + std::to_string(dist->local_rank);
+  }
   if (dist->world_size > 1) {
-    auto collectives = tinkerd::MakeC10dCollectives(*dist);
+    tinkerd::C10dOptions copts;
+    copts.cuda_gradients = device->cuda;
+    auto collectives = tinkerd::MakeC10dCollectives(*dist, copts);
     if (!collectives.ok()) {
       TLOG_ERROR("cannot join the job: {}", std::string(collectives.status().message()));
       return 1;

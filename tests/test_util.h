@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -47,6 +48,14 @@ inline std::string WriteModel(const TempDir& dir, const ModelConfig& config, uin
   return out;
 }
 
+// The device the suites run the model on: $TINKERD_TEST_DEVICE ("cuda", "cuda:1"), else "cpu".
+// On a GPU machine, `TINKERD_TEST_DEVICE=cuda ctest -L numerics` runs the numerics on the GPU
+// against the same float64 host references.
+inline std::string TestDevice() {
+  const char* d = std::getenv("TINKERD_TEST_DEVICE");
+  return d != nullptr && *d != '\0' ? d : "cpu";
+}
+
 inline std::unique_ptr<ModelRunner> MakeRunner(const std::string& model_dir,
                                                ComputeDType dtype = ComputeDType::kFloat64,
                                                int64_t micro_batch_tokens = 4096) {
@@ -54,6 +63,7 @@ inline std::unique_ptr<ModelRunner> MakeRunner(const std::string& model_dir,
   rc.base_model_path = model_dir;
   rc.compute_dtype = dtype;
   rc.micro_batch_tokens = micro_batch_tokens;
+  rc.device = TestDevice();
   auto r = ModelRunner::Create(rc);
   EXPECT_TRUE(r.ok()) << r.status().message();
   return r.ok() ? std::move(*r) : nullptr;

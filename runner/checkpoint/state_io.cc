@@ -41,6 +41,7 @@ uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base) {
                                base.embed_VD.to(at::kFloat)
                                    .reshape(-1)
                                    .narrow(0, 0, std::min<int64_t>(4096, base.embed_VD.numel()))})
+                          .to(at::kCPU)
                           .contiguous();
   std::string bytes = ModelConfigToJson(config);
   bytes.append(static_cast<const char*>(sample.data_ptr()), sample.nbytes());

@@ -1,7 +1,11 @@
 #include "runner/dist/c10d_collectives.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <cstring>
 
@@ -38,8 +42,7 @@ class C10dCollectives final : public Collectives {
           ++j;
         }
         at::Tensor bucket_N = at::cat(members).div_(ws);  // DDP's mean: divide, then SUM
-        std::vector<at::Tensor> io{bucket_N};
-        pg_->allreduce(io, c10d::AllreduceOptions{})->wait();
+        ReduceBucket(bucket_N);
         if (options_.undo_mean_with_world_size) bucket_N.mul_(ws);
         int64_t offset = 0;
         for (size_t k = i; k < j; ++k) {
@@ -138,9 +141,33 @@ class C10dCollectives final : public Collectives {
     }
   }
 
+  // Sums one bucket over ranks in place. CUDA buckets go over NCCL when this build has it;
+  // otherwise (and always for CPU buckets) over Gloo, staged through host memory for CUDA.
+  void ReduceBucket(at::Tensor& bucket_N) {
+#ifdef USE_C10D_NCCL
+    if (bucket_N.is_cuda() && nccl_) {
+      std::vector<at::Tensor> io{bucket_N};
+      nccl_->allreduce(io, c10d::AllreduceOptions{})->wait();
+      return;
+    }
+#endif
+    at::Tensor host_N = bucket_N.is_cuda() ? bucket_N.cpu() : bucket_N;
+    std::vector<at::Tensor> io{host_N};
+    pg_->allreduce(io, c10d::AllreduceOptions{})->wait();
+    if (bucket_N.is_cuda()) bucket_N.copy_(host_N);
+  }
+
   DistConfig config_;
   C10dOptions options_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+#ifdef USE_C10D_NCCL
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_;  // gradients of CUDA runs; null on CPU runs
+
+ public:
+  void set_nccl(c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg) {
+    nccl_ = std::move(pg);
+  }
+#endif
 };
 
 }  // namespace
@@ -162,8 +189,24 @@ absl::StatusOr<std::shared_ptr<Collectives>> MakeC10dCollectives(const DistConfi
                                 : c10d::ProcessGroupGloo::createDefaultDevice());
     auto pg =
         c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, opts);
+    auto collectives = std::make_shared<C10dCollectives>(config, options, pg);
+    if (options.cuda_gradients) {
+#ifdef USE_C10D_NCCL
+      // NCCL creates its communicator for the device of the first tensor it reduces (this
+      // rank's cuda:LOCAL_RANK).
+      auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
+      nccl_opts->timeout = config.timeout;
+      collectives->set_nccl(c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          c10::make_intrusive<c10d::PrefixStore>("nccl/", store), config.rank, config.world_size,
+          nccl_opts));
+      TLOG_INFO("c10d: gradients over NCCL");
+#else
+      TLOG_WARN(
+          "c10d: this build has no NCCL; CUDA gradients are reduced over Gloo via host memory");
+#endif
+    }
     TLOG_INFO("c10d: joined {}", config.DebugString());
-    return std::shared_ptr<Collectives>(std::make_shared<C10dCollectives>(config, options, pg));
+    return std::shared_ptr<Collectives>(std::move(collectives));
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("c10d rendezvous (", config.DebugString(), "): ", e.what()));

@@ -8,7 +8,8 @@
 namespace tinkerd {
 
 absl::StatusOr<LoraAdapter> LoraAdapter::Create(const ModelConfig& c, const LoraConfig& lora,
-                                                uint64_t seed, at::ScalarType dtype) {
+                                                uint64_t seed, at::ScalarType dtype,
+                                                at::Device device) {
   if (lora.rank <= 0 || lora.rank > 4096) {
     return absl::InvalidArgumentError("lora.rank: must be in [1, 4096]");
   }
@@ -28,7 +29,9 @@ absl::StatusOr<LoraAdapter> LoraAdapter::Create(const ModelConfig& c, const Lora
     SplitMix64 g(MixSeed(seed, module.c_str()));
     const double bound = 1.0 / std::sqrt(static_cast<double>(in));
     for (int64_t i = 0; i < A.numel(); ++i) p[i] = g.Uniform(-bound, bound);
-    LoraPair pair{A.to(dtype), at::zeros({out, r}, at::TensorOptions().dtype(dtype))};
+    // Drawn on the host from a counter-based RNG, so the adapter is the same on every device.
+    LoraPair pair{A.to(device, dtype),
+                  at::zeros({out, r}, at::TensorOptions().dtype(dtype).device(device))};
     pair.A_rI.set_requires_grad(true);
     pair.B_Or.set_requires_grad(true);
     a.pairs_[module] = std::move(pair);

@@ -23,7 +23,7 @@ class LoraAdapter {
  public:
   // Adapts q,k,v,o (train_attn), gate,up,down (train_mlp) and lm_head (train_unembed).
   static absl::StatusOr<LoraAdapter> Create(const ModelConfig& config, const LoraConfig& lora,
-                                            uint64_t seed, at::ScalarType dtype);
+                                            uint64_t seed, at::ScalarType dtype, at::Device device);
 
   // The pair adapting `module` (an HF module path such as "model.layers.3.self_attn.q_proj"),
   // or null when that module is not adapted.

@@ -74,7 +74,7 @@ double RopeAttentionFactor(const ModelConfig& c) {
 }
 
 RopeTables BuildRopeTables(const ModelConfig& c, const std::vector<int64_t>& cu_seqlens,
-                           at::ScalarType dtype) {
+                           const at::TensorOptions& to) {
   const int64_t T = cu_seqlens.back();
   const int64_t d = c.head_dim;
   const int64_t R = d / 2;
@@ -102,7 +102,7 @@ RopeTables BuildRopeTables(const ModelConfig& c, const std::vector<int64_t>& cu_
       }
     }
   }
-  return {cos_Td.to(dtype), sin_Td.to(dtype)};
+  return {cos_Td.to(to), sin_Td.to(to)};
 }
 
 at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables) {

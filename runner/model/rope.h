@@ -27,8 +27,9 @@ double RopeAttentionFactor(const ModelConfig& config);
 
 // cos/sin for a packed micro-batch: positions restart at 0 in every sequence. Each sequence uses
 // the frequencies it would use if run alone (matters only for "dynamic").
+// `to` gives the tables' dtype and device (the weights'); they are computed on the host in double.
 RopeTables BuildRopeTables(const ModelConfig& config, const std::vector<int64_t>& cu_seqlens,
-                           at::ScalarType dtype);
+                           const at::TensorOptions& to);
 
 // Applies the rotation to x_THd with cos/sin [T, d].
 at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables);

@@ -29,13 +29,13 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
 
 // Additive causal mask [L, L] (0 where allowed, -inf elsewhere), with an optional window:
 // query i sees keys j with i - window < j <= i.
-at::Tensor CausalMask(int64_t L, int64_t window, at::ScalarType dtype) {
-  at::Tensor i = at::arange(L, at::kLong).unsqueeze(1);
-  at::Tensor j = at::arange(L, at::kLong).unsqueeze(0);
+at::Tensor CausalMask(int64_t L, int64_t window, const at::TensorOptions& to) {
+  const at::TensorOptions index = to.dtype(at::kLong);
+  at::Tensor i = at::arange(L, index).unsqueeze(1);
+  at::Tensor j = at::arange(L, index).unsqueeze(0);
   at::Tensor blocked = j > i;
   if (window > 0) blocked = blocked.logical_or(i - j >= window);
-  return at::zeros({L, L}, at::TensorOptions().dtype(dtype))
-      .masked_fill(blocked, -std::numeric_limits<double>::infinity());
+  return at::zeros({L, L}, to).masked_fill(blocked, -std::numeric_limits<double>::infinity());
 }
 
 // Attention of each sequence on its own keys. GQA: query head h reads kv head h / G.
@@ -54,7 +54,7 @@ at::Tensor VarlenAttention(const at::Tensor& q_THd, const at::Tensor& k_TKd,
     at::Tensor k_KLd = k_TKd.narrow(0, start, L).permute({1, 0, 2});
     at::Tensor v_KLd = v_TKd.narrow(0, start, L).permute({1, 0, 2});
     at::Tensor scores = at::bmm(q_KGLd, k_KLd.transpose(1, 2)).mul(scale).view({K, G, L, L});
-    scores = scores + CausalMask(L, window, scores.scalar_type());
+    scores = scores + CausalMask(L, window, scores.options());
     at::Tensor probs = at::softmax(scores, -1).view({K, G * L, L});
     at::Tensor o_KGLd = at::bmm(probs, v_KLd);                  // [K, G·L, d]
     outs.push_back(o_KGLd.view({H, L, d}).permute({1, 0, 2}));  // [L, H, d]
@@ -168,7 +168,7 @@ at::Tensor ForwardLogits(const ModelConfig& c, const BaseWeights& w, const LoraA
   const int64_t T = batch.tokens_T.size(0);
   const int64_t H = c.num_attention_heads, K = c.num_key_value_heads, d = c.head_dim;
   const double eps = c.rms_norm_eps;
-  const RopeTables rope = BuildRopeTables(c, batch.cu_seqlens, w.embed_VD.scalar_type());
+  const RopeTables rope = BuildRopeTables(c, batch.cu_seqlens, w.embed_VD.options());
   const at::Tensor none;
 
   at::Tensor h_TD = at::embedding(w.embed_VD, batch.tokens_T);

@@ -23,6 +23,7 @@ struct Fixture {
     rc.compute_dtype = dt;
     rc.micro_batch_tokens = 16;
     rc.test_hooks = hooks;
+    rc.device = TestDevice();
     runner = std::move(*ModelRunner::Create(rc));
     CreateModelOptions o;
     o.loss_reduction = mode;

@@ -35,6 +35,29 @@ TEST(ModelLoading, ShardedBf16LoadsTheSameWeightsRounded) {
   EXPECT_TRUE(CreateStatus(dir.Sub("bf16")).ok());
 }
 
+TEST(Device, MalformedNamesAreInvalidAndMissingGpusAFailedPrecondition) {
+  for (const std::string bad : {"gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:1024", "CPU", ""}) {
+    RunnerConfig rc;
+    rc.base_model_path = kEmbeddedDefaultModel;
+    rc.device = bad;
+    EXPECT_EQ(rc.Validate().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  auto spec = ParseDevice("cuda:3");
+  ASSERT_TRUE(spec.ok());
+  EXPECT_TRUE(spec->cuda);
+  EXPECT_EQ(spec->index, 3);
+  EXPECT_FALSE(ParseDevice("cpu")->cuda);
+  // Well-formed but absent: on a CPU-only LibTorch no CUDA device exists; on a GPU machine no
+  // machine has 1000 GPUs. Either way a clear FAILED_PRECONDITION, not a crash.
+  TempDir dir;
+  RunnerConfig rc;
+  rc.base_model_path = WriteModel(dir, TinyConfig("llama"));
+  rc.device = "cuda:1000";
+  auto r = ModelRunner::Create(rc);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status().message();
+  EXPECT_NE(r.status().message().find("cuda:1000"), absl::string_view::npos);
+}
+
 TEST(ModelLoading, BrokenDirectoriesGiveClearErrors) {
   TempDir dir;
   const std::string good = WriteModel(dir, TinyConfig("llama"));
