@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <type_traits>
 
 #include "absl/status/status.h"
@@ -18,6 +19,23 @@ absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("config.json: ", what));
 }
 
+// A JSON number that is exactly an int64: an integer in range, or a float with an integral value
+// (some exporters write 4096.0). The range check comes before the cast: converting an
+// out-of-range float is undefined behaviour (found by tests/fuzz/fuzz_model_config).
+std::optional<int64_t> ExactInt64(const json& v) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    return u <= uint64_t{INT64_MAX} ? std::optional<int64_t>(static_cast<int64_t>(u))
+                                    : std::nullopt;
+  }
+  if (v.is_number_integer()) return v.get<int64_t>();
+  const double d = v.get<double>();
+  if (std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9.2e18) {
+    return static_cast<int64_t>(d);
+  }
+  return std::nullopt;
+}
+
 // Reads an optional number; a present value of the wrong type is an error, not a silent default.
 template <typename T>
 absl::Status ReadNumber(const json& j, const char* key, T* out, bool required) {
@@ -27,17 +45,9 @@ absl::Status ReadNumber(const json& j, const char* key, T* out, bool required) {
   }
   if (!it->is_number()) return Bad(absl::StrCat("field '", key, "' must be a number"));
   if constexpr (std::is_integral_v<T>) {
-    // An integer, or a float with an integral value (some exporters write 4096.0). A float out of
-    // int64's range is refused here: converting it would be undefined behaviour (found by
-    // tests/fuzz/fuzz_model_config).
-    const bool ok = it->is_number_unsigned() ? it->get<uint64_t>() <= uint64_t{INT64_MAX}
-                    : it->is_number_integer()
-                        ? true
-                        : std::isfinite(it->get<double>()) &&
-                              std::floor(it->get<double>()) == it->get<double>() &&
-                              std::fabs(it->get<double>()) < 9.2e18;
-    if (!ok) return Bad(absl::StrCat("field '", key, "' must be an integer in range"));
-    *out = it->is_number_integer() ? it->get<int64_t>() : static_cast<T>(it->get<double>());
+    const std::optional<int64_t> v = ExactInt64(*it);
+    if (!v) return Bad(absl::StrCat("field '", key, "' must be an integer in range"));
+    *out = *v;
   } else {
     *out = it->get<T>();
   }

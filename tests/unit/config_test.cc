@@ -29,6 +29,21 @@ TEST(ModelConfig, HeadDimDefaultsToHiddenOverHeads) {
   EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kNone);
 }
 
+TEST(ModelConfig, IntegerSizesMustBeExactIntegers) {
+  auto with_vocab = [](const std::string& v) {
+    return ParseModelConfig(R"({"architectures":["LlamaForCausalLM"],"vocab_size":)" + v +
+                            R"(,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,
+                            "num_attention_heads":4})");
+  };
+  auto integral_float = with_vocab("4096.0");  // some exporters write sizes as floats
+  ASSERT_TRUE(integral_float.ok()) << integral_float.status().message();
+  EXPECT_EQ(integral_float->vocab_size, 4096);
+  // Out of int64's range (converting would be undefined behaviour), fractional, or too large.
+  for (const std::string bad : {"9.2e21", "1.5", "18446744073709551615", "1e308"}) {
+    EXPECT_EQ(with_vocab(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 TEST(ModelConfig, RopeScalingVariantsParse) {
   const std::string base = R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,
     "hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4,
