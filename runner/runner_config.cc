@@ -14,7 +14,7 @@ absl::Status RunnerConfig::Validate() const {
     return absl::InvalidArgumentError("runner: micro_batch_tokens must be >= 1");
   if (num_threads < 0) return absl::InvalidArgumentError("runner: num_threads must be >= 0");
   if (max_models < 1) return absl::InvalidArgumentError("runner: max_models must be >= 1");
-  if (!ParseDevice(device).ok()) return ParseDevice(device).status();
+  if (auto d = ParseDevice(device); !d.ok()) return d.status();
   return absl::OkStatus();
 }
 

@@ -100,8 +100,8 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
       absl::StrCat(dir, ": neither model.safetensors nor model.safetensors.index.json"));
 }
 
-absl::Status SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,
-                                 const std::string& stored_dtype) {
+absl::StatusOr<std::string> SerializeTensors(const TensorMap& tensors,
+                                             const std::string& stored_dtype) {
   ASSIGN_OR_RETURN(auto stored, StoredType(stored_dtype));
   std::vector<at::Tensor> keep;  // owns the converted buffers while serializing
   std::vector<SafetensorsOutput> outs;
@@ -123,7 +123,12 @@ absl::Status SaveSafetensorsFile(const std::string& path, const TensorMap& tenso
     outs.push_back({name, dtype, c.sizes().vec(),
                     absl::string_view(static_cast<const char*>(c.data_ptr()), c.nbytes())});
   }
-  ASSIGN_OR_RETURN(std::string bytes, SerializeSafetensors(outs, {{"format", "pt"}}));
+  return SerializeSafetensors(outs, {{"format", "pt"}});
+}
+
+absl::Status SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,
+                                 const std::string& stored_dtype) {
+  ASSIGN_OR_RETURN(std::string bytes, SerializeTensors(tensors, stored_dtype));
   return WriteFileAtomically(path, bytes);
 }
 

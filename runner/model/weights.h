@@ -19,8 +19,12 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
 // Loads one safetensors file.
 absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype);
 
-// Writes tensors to one file, converting float tensors to `stored_dtype` ("float32", "bfloat16",
-// "float16" or "float64").
+// The safetensors bytes of `tensors`, float tensors converted to `stored_dtype` ("float32",
+// "bfloat16", "float16" or "float64").
+absl::StatusOr<std::string> SerializeTensors(const TensorMap& tensors,
+                                             const std::string& stored_dtype);
+
+// SerializeTensors, written to `path` atomically.
 absl::Status SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,
                                  const std::string& stored_dtype);
 
