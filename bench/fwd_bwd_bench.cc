@@ -16,6 +16,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <torch/cuda.h>
+#ifdef TINKERD_BENCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -83,6 +88,10 @@ struct Flags {
   int64_t num_threads = 2;  // 0 keeps LibTorch's default
   int64_t lora_rank = 32;
   double lora_alpha = 32;
+  int64_t full_finetune = 0;  // 1: train every weight instead of a LoRA adapter
+  std::string device = "cpu";
+  std::string compute_dtype = "float32";
+  int64_t activation_checkpointing = 0;
   int64_t warmup_steps = 1;
   int64_t steps = 3;
   // Matrix-multiply rate.
@@ -147,9 +156,14 @@ std::vector<FlagDef> FlagTable(Flags* f) {
       IntFlag("num_threads", &f->num_threads, "intra-op threads (0: LibTorch default)"),
       IntFlag("lora_rank", &f->lora_rank, "LoRA rank (attn + mlp, no unembed)"),
       DoubleFlag("lora_alpha", &f->lora_alpha, "LoRA alpha"),
+      IntFlag("full_finetune", &f->full_finetune, "1: full fine-tuning instead of LoRA"),
+      StringFlag("device", &f->device, "cpu, cuda or cuda:N"),
+      StringFlag("compute_dtype", &f->compute_dtype, "float32, bfloat16, float16 or float64"),
+      IntFlag("activation_checkpointing", &f->activation_checkpointing,
+              "1: recompute each decoder layer in backward"),
       IntFlag("warmup_steps", &f->warmup_steps, "untimed steps first"),
       IntFlag("steps", &f->steps, "timed steps (median reported)"),
-      IntFlag("matmul_n", &f->matmul_n, "size n of the n x n x n fp32 matmul probe"),
+      IntFlag("matmul_n", &f->matmul_n, "size n of the n x n x n matmul probe (compute dtype)"),
       IntFlag("matmul_reps", &f->matmul_reps, "matmul probe repetitions (best taken)"),
   };
 }
@@ -283,7 +297,7 @@ struct FlopCount {
   double Total() const { return linear_flops + attn_flops; }
 };
 
-FlopCount CountFlops(const tinkerd::ModelConfig& c, int64_t rank,
+FlopCount CountFlops(const tinkerd::ModelConfig& c, int64_t rank, bool full_finetune,
                      const std::vector<Sequence>& batch) {
   const int64_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
@@ -295,8 +309,9 @@ FlopCount CountFlops(const tinkerd::ModelConfig& c, int64_t rank,
                    c.num_hidden_layers * (per_layer_linear + 2 * D) + D +
                    (c.attention_bias ? c.num_hidden_layers * (q + 2 * kv) : 0);
   // A rank-r adapter on a d_in -> d_out linear holds r·(d_in + d_out) parameters.
-  f.lora_params =
-      c.num_hidden_layers * rank * ((D + q) + 2 * (D + kv) + (q + D) + 2 * (D + I) + (I + D));
+  f.lora_params = full_finetune ? 0
+                                : c.num_hidden_layers * rank *
+                                      ((D + q) + 2 * (D + kv) + (q + D) + 2 * (D + I) + (I + D));
   double tokens = 0, sum_sq = 0;
   for (const auto& s : batch) {
     auto L = static_cast<double>(s.tokens.size());
@@ -305,7 +320,8 @@ FlopCount CountFlops(const tinkerd::ModelConfig& c, int64_t rank,
   }
   // Frozen base: forward 2·N·T plus the input-gradient matmul 2·N·T; no weight gradient, so 4·N·T
   // rather than the full-training 6·N·T. The adapters are trained: 6 FLOPs per parameter per token.
-  f.linear_flops = 4.0 * static_cast<double>(f.matmul_params) * tokens +
+  // Full fine-tuning adds the weight-gradient matmul: 6·N·T.
+  f.linear_flops = (full_finetune ? 6.0 : 4.0) * static_cast<double>(f.matmul_params) * tokens +
                    6.0 * static_cast<double>(f.lora_params) * tokens;
   // Per layer and sequence the forward does Q·Kᵀ and P·V, 2·L²·head_dim each per head; backward is
   // twice that. Counted over the full L×L square (the usual convention), not the causal half.
@@ -317,15 +333,24 @@ FlopCount CountFlops(const tinkerd::ModelConfig& c, int64_t rank,
 // Best-of-k rate of one fp32 n×n·n×n matmul on the current thread setting: the "peak" that the
 // MFU is measured against. Best, not median, because MFU should compare with what this machine's
 // BLAS can actually sustain, not with a run disturbed by noise.
-double MeasureMatmulGflops(int64_t n, int64_t reps) {
-  at::Tensor a = at::randn({n, n}, at::kFloat);
-  at::Tensor b = at::randn({n, n}, at::kFloat);
-  at::Tensor c = at::empty({n, n}, at::kFloat);
+// Waits for queued device work; a no-op on the CPU.
+void Sync(const at::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+// The best n×n×n matrix product rate in the compute dtype on the device, random operands.
+double MeasureMatmulGflops(int64_t n, int64_t reps, at::ScalarType dtype, const at::Device& dev) {
+  const at::TensorOptions to = at::TensorOptions().dtype(dtype).device(dev);
+  at::Tensor a = at::randn({n, n}, to);
+  at::Tensor b = at::randn({n, n}, to);
+  at::Tensor c = at::empty({n, n}, to);
   at::mm_out(c, a, b);  // warm-up: BLAS thread pool start and packing buffers
+  Sync(dev);
   double best = 1e30;
   for (int64_t r = 0; r < reps; ++r) {
     auto t0 = Clock::now();
     at::mm_out(c, a, b);
+    Sync(dev);
     best = std::min(best, SecondsSince(t0));
   }
   return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / best /
@@ -336,6 +361,30 @@ double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Peak resident set of this process (ru_maxrss is in KiB on Linux).
+double PeakRssMB() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;
+}
+
+// The CUDA caching allocator's peak, from the matmul probe's end to the last training step.
+void ResetPeakDeviceMemory(const at::Device& device) {
+#ifdef TINKERD_BENCH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+}
+
+double PeakDeviceMemoryMB(const at::Device& device) {
+#ifdef TINKERD_BENCH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0);
+  }
+#endif
+  return 0.0;
 }
 
 int Fail(const std::string& what, const absl::Status& st) {
@@ -407,7 +456,11 @@ int Run(const Flags& f) {
   // 3. The runner and one LoRA model (attn + mlp; lm_head frozen).
   tinkerd::RunnerConfig rc;
   rc.base_model_path = model_dir;
-  rc.compute_dtype = tinkerd::ComputeDType::kFloat32;
+  auto dtype = tinkerd::ParseComputeDType(f.compute_dtype);
+  if (!dtype.ok()) return Fail("compute_dtype", dtype.status());
+  rc.compute_dtype = *dtype;
+  rc.device = f.device;
+  rc.activation_checkpointing = f.activation_checkpointing != 0;
   rc.micro_batch_tokens = f.micro_batch_tokens;
   rc.num_threads = static_cast<int>(f.num_threads);
   auto runner_or = tinkerd::ModelRunner::Create(rc);
@@ -421,14 +474,14 @@ int Run(const Flags& f) {
   lora.train_attn = true;
   lora.train_mlp = true;
   lora.train_unembed = false;
-  mo.lora = lora;
+  if (f.full_finetune == 0) mo.lora = lora;
   mo.loss_reduction = tinkerd::LossReduction::kTokenMean;
   mo.seed = 0;
   auto id_or = runner->CreateModel(mo);
   if (!id_or.ok()) return Fail("CreateModel", id_or.status());
   const std::string model_id = *id_or;
 
-  FlopCount flops = CountFlops(mc, f.lora_rank, batch);
+  FlopCount flops = CountFlops(mc, f.lora_rank, f.full_finetune != 0, batch);
   if (auto info = runner->GetInfo(model_id); info.ok()) {
     if (info->trainable_parameters != flops.lora_params) {
       std::printf("note: runner reports %lld trainable parameters, the FLOP count assumes %lld\n",
@@ -439,11 +492,18 @@ int Run(const Flags& f) {
 
   // 4. The matmul rate, on the thread count the runner uses (the runner set it at Create too).
   if (f.num_threads > 0) at::set_num_threads(static_cast<int>(f.num_threads));
-  double matmul_gflops = MeasureMatmulGflops(f.matmul_n, f.matmul_reps);
-  std::printf("matmul: fp32 %lldx%lldx%lld best of %lld: %.1f GFLOP/s on %d threads\n",
+  const at::Device device(f.device);
+  const at::ScalarType matmul_dtype = *dtype == tinkerd::ComputeDType::kBFloat16  ? at::kBFloat16
+                                      : *dtype == tinkerd::ComputeDType::kFloat16 ? at::kHalf
+                                      : *dtype == tinkerd::ComputeDType::kFloat64 ? at::kDouble
+                                                                                  : at::kFloat;
+  double matmul_gflops = MeasureMatmulGflops(f.matmul_n, f.matmul_reps, matmul_dtype, device);
+  std::printf("matmul: %s %lldx%lldx%lld on %s, best of %lld: %.1f GFLOP/s (%d CPU threads)\n",
+              f.compute_dtype.c_str(), static_cast<long long>(f.matmul_n),
               static_cast<long long>(f.matmul_n), static_cast<long long>(f.matmul_n),
-              static_cast<long long>(f.matmul_n), static_cast<long long>(f.matmul_reps),
-              matmul_gflops, at::get_num_threads());
+              f.device.c_str(), static_cast<long long>(f.matmul_reps), matmul_gflops,
+              at::get_num_threads());
+  ResetPeakDeviceMemory(device);
 
   // 5. Training steps: one ForwardBackward over the whole batch (the runner packs micro-batches
   // itself) and one OptimStep, exactly what a client's training step costs.
@@ -483,7 +543,12 @@ int Run(const Flags& f) {
   }
 
   // A second probe after training: the denominator is the best the machine showed in this run.
-  matmul_gflops = std::max(matmul_gflops, MeasureMatmulGflops(f.matmul_n, f.matmul_reps));
+  const double peak_device_mb = PeakDeviceMemoryMB(device);
+  matmul_gflops =
+      std::max(matmul_gflops, MeasureMatmulGflops(f.matmul_n, f.matmul_reps, matmul_dtype, device));
+  const double peak_rss_mb = PeakRssMB();
+  std::printf("memory: peak RSS %.0f MB, peak device allocation %.0f MB\n", peak_rss_mb,
+              peak_device_mb);
 
   const double step_med = Median(step_s);
   const double tokens_per_s = static_cast<double>(tokens_per_step) / step_med;
@@ -506,13 +571,17 @@ int Run(const Flags& f) {
       "\"model_gflops_per_s\":%.3f,\"params\":%lld,\"matmul_params\":%lld,\"lora_params\":%lld,"
       "\"tokens_per_step\":%lld,\"sequences\":%lld,\"flops_per_step\":%.6e,"
       "\"attn_flops_per_step\":%.6e,\"first_loss\":%.8f,\"threads\":%d,"
-      "\"micro_batch_tokens\":%lld,\"steps\":%lld,\"warmup_steps\":%lld}\n",
+      "\"micro_batch_tokens\":%lld,\"steps\":%lld,\"warmup_steps\":%lld,"
+      "\"peak_rss_mb\":%.1f,\"peak_device_mb\":%.1f,\"device\":\"%s\",\"compute_dtype\":\"%s\","
+      "\"activation_checkpointing\":%lld,\"full_finetune\":%lld}\n",
       tokens_per_s, step_med, Median(fb_s), Median(optim_s), mfu, matmul_gflops, achieved_gflops,
       static_cast<long long>(flops.total_params), static_cast<long long>(flops.matmul_params),
       static_cast<long long>(flops.lora_params), static_cast<long long>(tokens_per_step),
       static_cast<long long>(batch.size()), flops.Total(), flops.attn_flops, first_loss,
       at::get_num_threads(), static_cast<long long>(f.micro_batch_tokens),
-      static_cast<long long>(f.steps), static_cast<long long>(f.warmup_steps));
+      static_cast<long long>(f.steps), static_cast<long long>(f.warmup_steps), peak_rss_mb,
+      peak_device_mb, f.device.c_str(), f.compute_dtype.c_str(),
+      static_cast<long long>(f.activation_checkpointing), static_cast<long long>(f.full_finetune));
   std::fflush(stdout);
   return 0;
 }

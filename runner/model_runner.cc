@@ -54,8 +54,9 @@ absl::StatusOr<at::Device> ResolveDevice(const std::string& device) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d.index));
 }
 
-at::Tensor CloneTrainable(const at::Tensor& t) {
-  return t.detach().clone().set_requires_grad(true);
+// A trainable copy in the training dtype (fp32 masters under bf16/fp16 compute).
+at::Tensor CloneTrainable(const at::Tensor& t, at::ScalarType train_dtype) {
+  return t.detach().to(train_dtype, /*non_blocking=*/false, /*copy=*/true).set_requires_grad(true);
 }
 
 }  // namespace
@@ -68,6 +69,7 @@ struct ModelRunner::Impl {
   at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
   uint64_t base_fingerprint = 0;
+  std::unique_ptr<RopeCache> rope;  // cos/sin rows shared by every model of this base
   mutable absl::Mutex mu;
   std::map<std::string, Tenant> tenants ABSL_GUARDED_BY(mu);
   int64_t next_id ABSL_GUARDED_BY(mu) = 0;
@@ -95,9 +97,16 @@ struct ModelRunner::Impl {
   }
 
   StepContext Context() const {
-    return {
-        &model_config,          &base, collectives.get(), dtype, device, config.micro_batch_tokens,
-        config.test_hooks.get()};
+    return {&model_config,
+            &base,
+            collectives.get(),
+            dtype,
+            device,
+            config.micro_batch_tokens,
+            ForwardOptions{.recompute_layers = config.activation_checkpointing,
+                           .compute_dtype = dtype,
+                           .rope = rope.get()},
+            config.test_hooks.get()};
   }
   absl::StatusOr<Tenant*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = tenants.find(id);
@@ -126,7 +135,20 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
   return Guarded("loading base model", [&]() -> absl::StatusOr<std::unique_ptr<ModelRunner>> {
     auto impl = std::make_unique<Impl>();
     impl->config = config;
-    impl->dtype = config.compute_dtype == ComputeDType::kFloat64 ? at::kDouble : at::kFloat;
+    switch (config.compute_dtype) {
+      case ComputeDType::kFloat32:
+        impl->dtype = at::kFloat;
+        break;
+      case ComputeDType::kFloat64:
+        impl->dtype = at::kDouble;
+        break;
+      case ComputeDType::kBFloat16:
+        impl->dtype = at::kBFloat16;
+        break;
+      case ComputeDType::kFloat16:
+        impl->dtype = at::kHalf;
+        break;
+    }
     ASSIGN_OR_RETURN(impl->device, ResolveDevice(config.device));
     impl->collectives = config.collectives ? config.collectives : MakeLocalCollectives();
     if (config.num_threads > 0) at::set_num_threads(config.num_threads);
@@ -151,6 +173,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     for (auto& [name, t] : tensors) t = t.to(impl->device);
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
+    impl->rope = std::make_unique<RopeCache>(
+        impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
     TLOG_INFO("runner: {} | {}", config.DebugString(), impl->model_config.DebugString());
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
   });
@@ -176,14 +200,14 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
     } else {
       const bool tied = impl_->model_config.tie_word_embeddings;
       BaseWeights own = impl_->base;  // shallow; every tensor is replaced below
-      own.embed_VD = CloneTrainable(impl_->base.embed_VD);
-      own.final_norm_D = CloneTrainable(impl_->base.final_norm_D);
-      own.lm_head_VD = tied ? own.embed_VD : CloneTrainable(impl_->base.lm_head_VD);
+      own.embed_VD = CloneTrainable(impl_->base.embed_VD, train_dtype);
+      own.final_norm_D = CloneTrainable(impl_->base.final_norm_D, train_dtype);
+      own.lm_head_VD = tied ? own.embed_VD : CloneTrainable(impl_->base.lm_head_VD, train_dtype);
       for (LayerWeights& L : own.layers) {
         for (at::Tensor* w : {&L.input_norm_D, &L.post_norm_D, &L.q_proj, &L.k_proj, &L.v_proj,
                               &L.o_proj, &L.q_bias, &L.k_bias, &L.v_bias, &L.q_norm_d, &L.k_norm_d,
                               &L.gate_proj, &L.up_proj, &L.down_proj}) {
-          if (w->defined()) *w = CloneTrainable(*w);
+          if (w->defined()) *w = CloneTrainable(*w, train_dtype);
         }
       }
       t.params = own.Named(tied);

@@ -18,6 +18,30 @@ absl::Status RunnerConfig::Validate() const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<ComputeDType> ParseComputeDType(absl::string_view name) {
+  for (ComputeDType d : {ComputeDType::kFloat32, ComputeDType::kFloat64, ComputeDType::kBFloat16,
+                         ComputeDType::kFloat16}) {
+    if (name == ComputeDTypeName(d)) return d;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("runner: compute_dtype must be float32, float64, bfloat16 or float16, not \"",
+                   std::string(name), "\""));
+}
+
+const char* ComputeDTypeName(ComputeDType dtype) {
+  switch (dtype) {
+    case ComputeDType::kFloat32:
+      return "float32";
+    case ComputeDType::kFloat64:
+      return "float64";
+    case ComputeDType::kBFloat16:
+      return "bfloat16";
+    case ComputeDType::kFloat16:
+      return "float16";
+  }
+  return "?";
+}
+
 absl::StatusOr<DeviceSpec> ParseDevice(absl::string_view device) {
   if (device == "cpu") return DeviceSpec{false, 0};
   if (device == "cuda") return DeviceSpec{true, 0};
@@ -33,10 +57,10 @@ absl::StatusOr<DeviceSpec> ParseDevice(absl::string_view device) {
 
 std::string RunnerConfig::DebugString() const {
   return absl::StrFormat(
-      "base_model_path=%s device=%s compute_dtype=%s micro_batch_tokens=%d num_threads=%d "
-      "max_models=%d",
-      base_model_path, device, compute_dtype == ComputeDType::kFloat64 ? "float64" : "float32",
-      micro_batch_tokens, num_threads, max_models);
+      "base_model_path=%s device=%s compute_dtype=%s micro_batch_tokens=%d "
+      "activation_checkpointing=%v num_threads=%d max_models=%d",
+      base_model_path, device, ComputeDTypeName(compute_dtype), micro_batch_tokens,
+      activation_checkpointing, num_threads, max_models);
 }
 
 }  // namespace tinkerd

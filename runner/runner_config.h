@@ -6,18 +6,27 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace tinkerd {
 
 class Collectives;  // runner/dist/collectives.h
 
-enum class ComputeDType { kFloat32, kFloat64 };
+// The dtype the model computes in. Under bfloat16/float16 the base weights are held in it, while
+// trainable master weights, gradient accumulators and Adam moments stay float32 and norms,
+// softmax and logsumexp accumulate in float32 (DESIGN.md §7).
+enum class ComputeDType { kFloat32, kFloat64, kBFloat16, kFloat16 };
+absl::StatusOr<ComputeDType> ParseComputeDType(absl::string_view name);
+const char* ComputeDTypeName(ComputeDType dtype);
 
 struct RunnerConfig {
   std::string base_model_path;  // directory with config.json and *.safetensors
   ComputeDType compute_dtype = ComputeDType::kFloat32;
   // Token budget of one packed micro-batch. A single sequence longer than this runs alone.
   int64_t micro_batch_tokens = 4096;
+  // Recompute each decoder layer in backward instead of keeping its activations: memory becomes
+  // the residual stream plus one layer's intermediates, for about a third more compute.
+  bool activation_checkpointing = false;
   int num_threads = 0;  // intra-op threads for LibTorch; 0 keeps LibTorch's default
   int max_models = 64;  // tenants resident at once
   // Where weights live and compute runs: "cpu", "cuda" (device 0) or "cuda:N". A CUDA device

@@ -45,6 +45,7 @@ struct StepContext {
   at::ScalarType compute_dtype;
   at::Device device;  // of the weights; each micro-batch's inputs are moved there
   int64_t micro_batch_tokens;
+  ForwardOptions forward;               // activation checkpointing
   RunnerConfig::TestHooks* test_hooks;  // may be null
 };
 

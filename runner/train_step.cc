@@ -1,5 +1,5 @@
 // The training step: forward/backward over packed micro-batches into staged gradients, and the
-// optimizer step. Shape suffixes: T tokens of a micro-batch, V vocab.
+// optimizer step. Shape suffixes: T tokens of a micro-batch.
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/logprob_head.h"
 #include "runner/loss/losses.h"
 #include "runner/optim/adamw.h"
 #include "runner/packing/karmarkar_karp.h"
@@ -59,7 +60,9 @@ CallStage::CallStage(const StepContext& ctx, Tenant& tenant, ResolvedLoss loss, 
 }
 
 void CallStage::Run(const std::vector<Datum>& data) {
-  const at::ScalarType dt = ctx_.compute_dtype;
+  // Loss inputs, masks and per-token losses are fp32 (fp64 in fp64 runs) whatever the compute
+  // dtype: the logprob head returns them in that precision.
+  const at::ScalarType dt = ctx_.compute_dtype == at::kDouble ? at::kDouble : at::kFloat;
   const at::TensorOptions on_device = at::TensorOptions().dtype(dt).device(ctx_.device);
   const std::string& mask_key = loss_.spec->implicit_mask_input;
   const bool seq_token_mean = tenant_.options.loss_reduction == LossReduction::kSeqMeanTokenMean;
@@ -113,10 +116,18 @@ void CallStage::Run(const std::vector<Datum>& data) {
     at::Tensor scale_T = at::from_blob(scale.data(), {T}, at::kDouble)
                              .to(on_device, /*non_blocking=*/false, /*copy=*/true);
 
-    at::Tensor logits_TV = ForwardLogits(*ctx_.config, WeightsOf(ctx_, tenant_),
-                                         tenant_.lora ? &*tenant_.lora : nullptr, batch);
-    at::Tensor logp_T =
-        logits_TV.gather(1, targets_T.unsqueeze(1)).squeeze(1) - at::logsumexp(logits_TV, 1);
+    const BaseWeights& weights = WeightsOf(ctx_, tenant_);
+    const LoraAdapter* lora = tenant_.lora ? &*tenant_.lora : nullptr;
+    kernels::LogprobHeadParams head;
+    head.hidden_TD = ForwardHidden(*ctx_.config, weights, lora, batch, ctx_.forward);
+    head.weight_VD = weights.lm_head_VD;
+    if (const LoraPair* pair = HeadAdapter(lora)) {
+      head.lora_A_rD = pair->A_rI;
+      head.lora_B_Vr = pair->B_Or;
+      head.lora_scale = lora->scale();
+    }
+    head.targets_T = targets_T;
+    at::Tensor logp_T = kernels::TokenLogprobs(head).logp_T;
     LossTokenInputs li{logp_T, {}, {}, {}};
     if (loss_.spec->name == "cross_entropy") {
       li.weights_T = GatherFloat(data, mb, "weights", on_device);

@@ -21,7 +21,11 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "address:port to serve gRPC on (port 0: any free port)");
 ABSL_FLAG(std::string, base_model, "",
           "Hugging Face model directory; empty: the embedded default model");
-ABSL_FLAG(std::string, compute_dtype, "float32", "float32 or float64");
+ABSL_FLAG(std::string, compute_dtype, "float32",
+          "float32, float64, bfloat16 or float16 (base weights in it; fp32 master weights, "
+          "gradients and Adam moments)");
+ABSL_FLAG(bool, activation_checkpointing, false,
+          "recompute each decoder layer in backward: activation memory of one layer");
 ABSL_FLAG(std::string, device, "cpu",
           "cpu, cuda or cuda:N; with several ranks, cuda means cuda:LOCAL_RANK");
 ABSL_FLAG(int64_t, micro_batch_tokens, 4096, "token budget of one packed micro-batch");
@@ -103,13 +107,14 @@ int main(int argc, char** argv) {
   tinkerd::RunnerConfig rc;
   const std::string base = absl::GetFlag(FLAGS_base_model);
   rc.base_model_path = base.empty() ? tinkerd::kEmbeddedDefaultModel : base;
-  const std::string dtype = absl::GetFlag(FLAGS_compute_dtype);
-  if (dtype != "float32" && dtype != "float64") {
-    std::fprintf(stderr, "tinkerd: --compute_dtype must be float32 or float64\n");
+  const auto dtype = tinkerd::ParseComputeDType(absl::GetFlag(FLAGS_compute_dtype));
+  if (!dtype.ok()) {
+    std::fprintf(stderr, "tinkerd: --compute_dtype: %s\n",
+                 std::string(dtype.status().message()).c_str());
     return 2;
   }
-  rc.compute_dtype =
-      dtype == "float64" ? tinkerd::ComputeDType::kFloat64 : tinkerd::ComputeDType::kFloat32;
+  rc.compute_dtype = *dtype;
+  rc.activation_checkpointing = absl::GetFlag(FLAGS_activation_checkpointing);
   rc.micro_batch_tokens = absl::GetFlag(FLAGS_micro_batch_tokens);
   rc.num_threads = absl::GetFlag(FLAGS_threads);
   rc.max_models = absl::GetFlag(FLAGS_max_models);

@@ -105,6 +105,34 @@ RopeTables BuildRopeTables(const ModelConfig& c, const std::vector<int64_t>& cu_
   return {cos_Td.to(to), sin_Td.to(to)};
 }
 
+RopeTables RopeCache::Tables(const std::vector<int64_t>& cu_seqlens) {
+  if (config_.rope_scaling.type == RopeScaling::Type::kDynamic) {
+    return BuildRopeTables(config_, cu_seqlens, to_);
+  }
+  int64_t longest = 0;
+  std::vector<int64_t> positions;
+  positions.reserve(cu_seqlens.back());
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t len = cu_seqlens[s + 1] - cu_seqlens[s];
+    longest = std::max(longest, len);
+    for (int64_t p = 0; p < len; ++p) positions.push_back(p);
+  }
+  RopeTables rows;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t have = rows_.cos_Td.defined() ? rows_.cos_Td.size(0) : 0;
+    if (longest > have) {
+      const int64_t want = std::max<int64_t>(longest, 2 * have);
+      rows_ = BuildRopeTables(config_, {0, want}, to_);
+    }
+    rows = rows_;
+  }
+  const at::Tensor index =
+      at::from_blob(positions.data(), {static_cast<int64_t>(positions.size())}, at::kLong)
+          .to(to_.device(), at::kLong, /*non_blocking=*/false, /*copy=*/true);
+  return {rows.cos_Td.index_select(0, index), rows.sin_Td.index_select(0, index)};
+}
+
 at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables) {
   const int64_t R = x_THd.size(2) / 2;
   at::Tensor x1 = x_THd.narrow(2, 0, R);

@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <mutex>
 #include <vector>
 
 #include "runner/model/config.h"
@@ -30,6 +31,22 @@ double RopeAttentionFactor(const ModelConfig& config);
 // `to` gives the tables' dtype and device (the weights'); they are computed on the host in double.
 RopeTables BuildRopeTables(const ModelConfig& config, const std::vector<int64_t>& cu_seqlens,
                            const at::TensorOptions& to);
+
+// cos/sin rows by position, computed once on the host in double and kept in the compute dtype on
+// the weights' device; a micro-batch gathers its rows (the same values BuildRopeTables gives)
+// instead of rebuilding them. "dynamic" scaling, whose frequencies depend on each sequence's
+// length, still builds per micro-batch. Thread-safe.
+class RopeCache {
+ public:
+  RopeCache(const ModelConfig& config, const at::TensorOptions& to) : config_(config), to_(to) {}
+  RopeTables Tables(const std::vector<int64_t>& cu_seqlens);
+
+ private:
+  std::mutex mu_;
+  const ModelConfig config_;
+  const at::TensorOptions to_;
+  RopeTables rows_;  // [P, d] for positions 0..P-1; grown by doubling
+};
 
 // Applies the rotation to x_THd with cos/sin [T, d].
 at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables);

@@ -4,62 +4,90 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/attention.h"
+#include "kernels/linear.h"
+#include "kernels/recompute.h"
+#include "kernels/rms_norm.h"
 #include "runner/model/rope.h"
 
 namespace tinkerd {
 namespace {
 
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * w;
-}
-
-// x·Wᵀ + b, plus the adapter's low-rank update when `module` is adapted.
-at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                  const LoraAdapter* lora, const std::string& module) {
-  at::Tensor y = b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
+kernels::LinearParams Proj(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                           const LoraAdapter* lora, const std::string& module) {
+  kernels::LinearParams p;
+  p.x_NI = x;
+  p.w_OI = w;
+  p.b_O = b;
   if (lora != nullptr) {
-    if (const LoraPair* p = lora->Find(module)) {
-      const at::Tensor A = p->A_rI.to(x.scalar_type());
-      const at::Tensor B = p->B_Or.to(x.scalar_type());
-      y = y + at::mm(at::mm(x, A.t()), B.t()) * lora->scale();
+    if (const LoraPair* pair = lora->Find(module)) {
+      p.A_rI = pair->A_rI;
+      p.B_Or = pair->B_Or;
+      p.scale = lora->scale();
     }
   }
-  return y;
+  return p;
 }
 
-// Additive causal mask [L, L] (0 where allowed, -inf elsewhere), with an optional window:
-// query i sees keys j with i - window < j <= i.
-at::Tensor CausalMask(int64_t L, int64_t window, const at::TensorOptions& to) {
-  const at::TensorOptions index = to.dtype(at::kLong);
-  at::Tensor i = at::arange(L, index).unsqueeze(1);
-  at::Tensor j = at::arange(L, index).unsqueeze(0);
-  at::Tensor blocked = j > i;
-  if (window > 0) blocked = blocked.logical_or(i - j >= window);
-  return at::zeros({L, L}, to).masked_fill(blocked, -std::numeric_limits<double>::infinity());
+at::Tensor Norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return kernels::RmsNorm({x, w, eps});
 }
 
-// Attention of each sequence on its own keys. GQA: query head h reads kv head h / G.
-at::Tensor VarlenAttention(const at::Tensor& q_THd, const at::Tensor& k_TKd,
-                           const at::Tensor& v_TKd, const std::vector<int64_t>& cu_seqlens,
-                           int64_t window) {
-  const int64_t H = q_THd.size(1), K = k_TKd.size(1), d = q_THd.size(2);
-  const int64_t G = H / K;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<at::Tensor> outs;
-  outs.reserve(cu_seqlens.size() - 1);
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
-    const int64_t start = cu_seqlens[s];
-    const int64_t L = cu_seqlens[s + 1] - start;
-    at::Tensor q_KGLd = q_THd.narrow(0, start, L).permute({1, 0, 2}).reshape({K, G * L, d});
-    at::Tensor k_KLd = k_TKd.narrow(0, start, L).permute({1, 0, 2});
-    at::Tensor v_KLd = v_TKd.narrow(0, start, L).permute({1, 0, 2});
-    at::Tensor scores = at::bmm(q_KGLd, k_KLd.transpose(1, 2)).mul(scale).view({K, G, L, L});
-    scores = scores + CausalMask(L, window, scores.options());
-    at::Tensor probs = at::softmax(scores, -1).view({K, G * L, L});
-    at::Tensor o_KGLd = at::bmm(probs, v_KLd);                  // [K, G·L, d]
-    outs.push_back(o_KGLd.view({H, L, d}).permute({1, 0, 2}));  // [L, H, d]
+// One decoder layer on the residual stream h_TD: h + attn(norm(h)), then + mlp(norm(·)).
+at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const LoraAdapter* lora,
+                        const std::string& p, const RopeTables& rope,
+                        const std::vector<int64_t>& cu_seqlens, const at::Tensor& h_TD) {
+  using kernels::Linear;
+  const int64_t T = h_TD.size(0), H = c.num_attention_heads, K = c.num_key_value_heads;
+  const int64_t d = c.head_dim;
+  const double eps = c.rms_norm_eps;
+  const at::Tensor none;
+  at::Tensor x_TD = Norm(h_TD, L.input_norm_D, eps);
+  at::Tensor q_THd =
+      Linear(Proj(x_TD, L.q_proj, L.q_bias, lora, p + "self_attn.q_proj")).view({T, H, d});
+  at::Tensor k_TKd =
+      Linear(Proj(x_TD, L.k_proj, L.k_bias, lora, p + "self_attn.k_proj")).view({T, K, d});
+  at::Tensor v_TKd =
+      Linear(Proj(x_TD, L.v_proj, L.v_bias, lora, p + "self_attn.v_proj")).view({T, K, d});
+  if (c.qk_norm) {
+    q_THd = Norm(q_THd, L.q_norm_d, eps);
+    k_TKd = Norm(k_TKd, L.k_norm_d, eps);
   }
-  return at::cat(outs, 0).reshape({q_THd.size(0), H * d});
+  kernels::AttentionParams attn;
+  attn.q_THd = ApplyRope(q_THd, rope);
+  attn.k_UKd = ApplyRope(k_TKd, rope);
+  attn.v_UKd = v_TKd;
+  attn.cu_seqlens_q = attn.cu_seqlens_k = cu_seqlens;
+  attn.window = c.sliding_window;
+  const at::Tensor attn_TD = kernels::Attention(attn).reshape({T, H * d});
+  at::Tensor out_TD = h_TD + Linear(Proj(attn_TD, L.o_proj, none, lora, p + "self_attn.o_proj"));
+
+  x_TD = Norm(out_TD, L.post_norm_D, eps);
+  const at::Tensor gate_TI = Linear(Proj(x_TD, L.gate_proj, none, lora, p + "mlp.gate_proj"));
+  const at::Tensor up_TI = Linear(Proj(x_TD, L.up_proj, none, lora, p + "mlp.up_proj"));
+  return out_TD + Linear(Proj(kernels::SwiGLU(gate_TI, up_TI), L.down_proj, none, lora,
+                              p + "mlp.down_proj"));
+}
+
+// The trainable tensors a layer reads: its LoRA pairs, or its own weights under full fine-tuning.
+std::vector<at::Tensor> LayerParams(const LayerWeights& L, const LoraAdapter* lora,
+                                    const std::string& p) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t :
+       {L.input_norm_D, L.post_norm_D, L.q_proj, L.k_proj, L.v_proj, L.o_proj, L.q_bias, L.k_bias,
+        L.v_bias, L.q_norm_d, L.k_norm_d, L.gate_proj, L.up_proj, L.down_proj}) {
+    if (t.defined() && t.requires_grad()) out.push_back(t);
+  }
+  if (lora != nullptr) {
+    for (const char* m : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
+      if (const LoraPair* pair = lora->Find(p + m)) {
+        out.push_back(pair->A_rI);
+        out.push_back(pair->B_Or);
+      }
+    }
+  }
+  return out;
 }
 
 absl::Status Expect(const TensorMap& m, const std::string& name, std::vector<int64_t> shape) {
@@ -163,41 +191,27 @@ std::map<std::string, at::Tensor> BaseWeights::Named(bool tied) const {
   return m;
 }
 
-at::Tensor ForwardLogits(const ModelConfig& c, const BaseWeights& w, const LoraAdapter* lora,
-                         const PackedBatch& batch) {
-  const int64_t T = batch.tokens_T.size(0);
-  const int64_t H = c.num_attention_heads, K = c.num_key_value_heads, d = c.head_dim;
-  const double eps = c.rms_norm_eps;
-  const RopeTables rope = BuildRopeTables(c, batch.cu_seqlens, w.embed_VD.options());
-  const at::Tensor none;
+const LoraPair* HeadAdapter(const LoraAdapter* lora) {
+  return lora != nullptr ? lora->Find("lm_head") : nullptr;
+}
 
-  at::Tensor h_TD = at::embedding(w.embed_VD, batch.tokens_T);
+at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const LoraAdapter* lora,
+                         const PackedBatch& batch, const ForwardOptions& options) {
+  const at::ScalarType dt = options.compute_dtype.value_or(w.embed_VD.scalar_type());
+  const RopeTables rope = options.rope != nullptr ? options.rope->Tables(batch.cu_seqlens)
+                                                  : BuildRopeTables(c, batch.cu_seqlens,
+                                                                    w.embed_VD.options().dtype(dt));
+  at::Tensor h_TD = at::embedding(w.embed_VD, batch.tokens_T).to(dt);
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    at::Tensor x_TD = RmsNorm(h_TD, L.input_norm_D, eps);
-    at::Tensor q_THd =
-        Linear(x_TD, L.q_proj, L.q_bias, lora, p + "self_attn.q_proj").view({T, H, d});
-    at::Tensor k_TKd =
-        Linear(x_TD, L.k_proj, L.k_bias, lora, p + "self_attn.k_proj").view({T, K, d});
-    at::Tensor v_TKd =
-        Linear(x_TD, L.v_proj, L.v_bias, lora, p + "self_attn.v_proj").view({T, K, d});
-    if (c.qk_norm) {
-      q_THd = RmsNorm(q_THd, L.q_norm_d, eps);
-      k_TKd = RmsNorm(k_TKd, L.k_norm_d, eps);
-    }
-    q_THd = ApplyRope(q_THd, rope);
-    k_TKd = ApplyRope(k_TKd, rope);
-    at::Tensor attn_TD = VarlenAttention(q_THd, k_TKd, v_TKd, batch.cu_seqlens, c.sliding_window);
-    h_TD = h_TD + Linear(attn_TD, L.o_proj, none, lora, p + "self_attn.o_proj");
-
-    x_TD = RmsNorm(h_TD, L.post_norm_D, eps);
-    at::Tensor gate_TI = Linear(x_TD, L.gate_proj, none, lora, p + "mlp.gate_proj");
-    at::Tensor up_TI = Linear(x_TD, L.up_proj, none, lora, p + "mlp.up_proj");
-    h_TD = h_TD + Linear(at::silu(gate_TI) * up_TI, L.down_proj, none, lora, p + "mlp.down_proj");
+    auto layer = [&c, &L, lora, p, rope, cu = batch.cu_seqlens](const at::Tensor& h) {
+      return DecoderLayer(c, L, lora, p, rope, cu, h);
+    };
+    h_TD = options.recompute_layers ? kernels::Recompute(layer, h_TD, LayerParams(L, lora, p))
+                                    : layer(h_TD);
   }
-  h_TD = RmsNorm(h_TD, w.final_norm_D, eps);
-  return Linear(h_TD, w.lm_head_VD, none, lora, "lm_head");
+  return Norm(h_TD, w.final_norm_D, c.rms_norm_eps);
 }
 
 }  // namespace tinkerd

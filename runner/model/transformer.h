@@ -10,12 +10,14 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "runner/model/config.h"
 #include "runner/model/lora.h"
+#include "runner/model/rope.h"
 #include "runner/model/weights.h"
 
 namespace tinkerd {
@@ -46,8 +48,26 @@ struct PackedBatch {
   std::vector<int64_t> cu_seqlens;  // [S+1], cu_seqlens[0] = 0, cu_seqlens[S] = T
 };
 
-// Logits [T, V] of the packed batch. `lora` may be null (base model or full fine-tuning).
-at::Tensor ForwardLogits(const ModelConfig& config, const BaseWeights& weights,
-                         const LoraAdapter* lora, const PackedBatch& batch);
+struct ForwardOptions {
+  // Activation checkpointing per decoder layer (kernels/recompute.h): backward reruns each layer,
+  // so activation memory is the residual stream plus one layer's intermediates.
+  bool recompute_layers = false;
+  // The activations' dtype; weights held in another (fp32 masters of a full fine-tune under
+  // bf16 compute) are cast to it where they are used. Unset: the embedding's dtype.
+  std::optional<at::ScalarType> compute_dtype;
+  // The model's RoPE rows (in the compute dtype, on the weights' device); null builds the
+  // micro-batch's tables on the host.
+  RopeCache* rope = nullptr;
+};
+
+// Hidden states [T, D] of the packed batch after the final norm: the input of the logprob head
+// (kernels/logprob_head.h), which never forms the [T, V] logits. `lora` may be null (base model
+// or full fine-tuning).
+at::Tensor ForwardHidden(const ModelConfig& config, const BaseWeights& weights,
+                         const LoraAdapter* lora, const PackedBatch& batch,
+                         const ForwardOptions& options = {});
+
+// The pair adapting the unembedding, or null.
+const LoraPair* HeadAdapter(const LoraAdapter* lora);
 
 }  // namespace tinkerd

@@ -1,0 +1,28 @@
+// The (LoRA) linear layer:
+//   y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ
+// b and the low-rank pair are optional. Every weight may be held in a wider dtype than x (fp32
+// master weights under bf16 compute); each is cast to x's dtype for the product, so gradients
+// arrive in the weight's own dtype through the cast.
+//
+// Shape suffixes: N rows, I in features, O out features, r rank.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace tinkerd::kernels {
+
+struct LinearParams {
+  at::Tensor x_NI;
+  at::Tensor w_OI;
+  at::Tensor b_O;   // undefined: no bias
+  at::Tensor A_rI;  // undefined: not adapted
+  at::Tensor B_Or;
+  double scale = 1.0;  // s = alpha / r
+};
+
+at::Tensor Linear(const LinearParams& p);
+
+// silu(gate) ⊙ up, the gated activation of Llama-family MLPs.
+at::Tensor SwiGLU(const at::Tensor& gate_NI, const at::Tensor& up_NI);
+
+}  // namespace tinkerd::kernels

@@ -1,0 +1,76 @@
+#include "kernels/recompute.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace tinkerd::kernels {
+namespace {
+
+using torch::autograd::variable_list;
+
+// The backward node of one checkpointed call. Its next edges are x's, then each param's; it holds
+// x detached (no reference into the graph below it) and reruns fn under grad mode.
+class RecomputeNode : public torch::autograd::Node {
+ public:
+  RecomputeNode(LayerFn fn, at::Tensor x, std::vector<at::Tensor> params)
+      : fn_(std::move(fn)),
+        x_(x.detach()),
+        x_needs_grad_(x.requires_grad()),
+        params_(std::move(params)) {}
+
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(x_.defined(), "recompute: backward ran twice through a checkpointed layer");
+    at::AutoGradMode grad_on(true);
+    const at::Tensor x = x_.detach().requires_grad_(x_needs_grad_);
+    const at::Tensor y = fn_(x);
+    variable_list wrt;
+    if (x_needs_grad_) wrt.push_back(x);
+    for (const at::Tensor& p : params_) {
+      if (p.requires_grad()) wrt.push_back(p);
+    }
+    const variable_list g = torch::autograd::grad({y}, wrt, {grads[0]}, /*retain_graph=*/false,
+                                                  /*create_graph=*/false, /*allow_unused=*/true);
+    variable_list out;
+    size_t k = 0;
+    out.push_back(x_needs_grad_ ? g[k++] : at::Tensor());
+    for (const at::Tensor& p : params_) out.push_back(p.requires_grad() ? g[k++] : at::Tensor());
+    return out;
+  }
+
+  std::string name() const override { return "tinkerd::RecomputeBackward"; }
+  void release_variables() override {
+    x_.reset();
+    params_.clear();
+  }
+
+ private:
+  LayerFn fn_;
+  at::Tensor x_;
+  bool x_needs_grad_;
+  std::vector<at::Tensor> params_;
+};
+
+}  // namespace
+
+at::Tensor Recompute(LayerFn fn, const at::Tensor& x, const std::vector<at::Tensor>& params) {
+  bool any = x.requires_grad();
+  for (const at::Tensor& p : params) any = any || p.requires_grad();
+  if (!at::GradMode::is_enabled() || !any) return fn(x);
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = fn(x);
+  }
+  variable_list inputs{x};
+  inputs.insert(inputs.end(), params.begin(), params.end());
+  auto node = std::make_shared<RecomputeNode>(std::move(fn), x, params);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  torch::autograd::create_gradient_edge(y, node);
+  return y;
+}
+
+}  // namespace tinkerd::kernels

@@ -1,0 +1,21 @@
+// RMSNorm in Hugging Face's order of operations:
+//   y = w ⊙ cast_x( x / sqrt(mean_j x_j² + eps) )
+// with the mean of squares and the division in fp32 (fp64 for fp64 inputs), the result cast back
+// to x's dtype before the weight (cast to x's dtype too: an fp32 master under bf16 compute)
+// multiplies. Differentiable through ATen's autograd; with
+// activation checkpointing its intermediates live only while one layer is recomputed.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace tinkerd::kernels {
+
+struct RmsNormParams {
+  at::Tensor x_ND;  // any leading shape; normalizes the last dimension
+  at::Tensor w_D;
+  double eps = 1e-6;
+};
+
+at::Tensor RmsNorm(const RmsNormParams& p);
+
+}  // namespace tinkerd::kernels

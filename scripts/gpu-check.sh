@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU checks, on a machine with an NVIDIA GPU and a CUDA build of PyTorch 2.x whose LibTorch the
+# runner was built against (a runner-only CUDA build:
+#   cmake --preset cuda -DTINKERD_WITH_GRPC=OFF -DCMAKE_PREFIX_PATH=<torch>/share/cmake
+# then the targets kernel_tests numerics_tests unit_tests fwd_bwd_bench).
+#
+# usage: scripts/gpu-check.sh BUILD_DIR OUT_DIR [LIB_DIR]
+#   LIB_DIR: extra shared libraries the build needs that the GPU machine lacks (abseil, spdlog,
+#   fmt, GoogleTest from the build machine), put first on LD_LIBRARY_PATH.
+# Runs the kernels, numerics and unit suites with TINKERD_TEST_DEVICE=cuda (the CUDA paths against
+# the same float64 host references), then the benchmarks recorded in bench/RESULTS.md. Logs and
+# one JSON line per benchmark go to OUT_DIR; the summary is printed last.
+set -uo pipefail
+BUILD=$1
+OUT=$2
+LIBS=${3:-}
+mkdir -p "$OUT"
+TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+export LD_LIBRARY_PATH="${LIBS:+$LIBS:}$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/gpu.txt"
+
+summary=()
+suite() {
+  local name=$1
+  shift
+  TINKERD_TEST_DEVICE=cuda "$BUILD/tests/$name" --gtest_brief=1 "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name rc=$rc: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | tr '\n' ' ')")
+  grep -E '^\[  FAILED  \]|Failure|Expected|actual|Which is' "$OUT/$name.log" | head -40
+}
+suite kernel_tests
+suite numerics_tests
+suite unit_tests
+
+bench() {
+  local name=$1
+  shift
+  timeout "${BENCH_TIMEOUT:-240}" "$BUILD/bench/fwd_bwd_bench" --device=cuda --num_threads=0 \
+    --out_dir="/tmp/bench_$name" "$@" >"$OUT/bench_$name.log" 2>&1
+  local rc=$?
+  summary+=("bench $name rc=$rc: $(grep '^{' "$OUT/bench_$name.log" | tail -1)")
+  grep '^{' "$OUT/bench_$name.log" | tail -1 >>"$OUT/bench.jsonl"
+  rm -rf "/tmp/bench_$name"
+}
+# Memory against tokens at a 131,072-token vocabulary (the bench model), one sequence, bf16 with
+# activation checkpointing; then fp32 at 8k for the bf16-vs-fp32 comparison.
+for T in ${LENGTHS:-8192 32768}; do
+  bench "mem_bf16_$T" --vocab=131072 --num_seqs=1 --min_len=$T --max_len=$T --max_pos=$T \
+    --compute_dtype=bfloat16 --activation_checkpointing=1 --micro_batch_tokens=$T \
+    --steps=2 --warmup_steps=1 --matmul_n=8192
+done
+bench mem_fp32_8192 --vocab=131072 --num_seqs=1 --min_len=8192 --max_len=8192 --max_pos=8192 \
+  --compute_dtype=float32 --activation_checkpointing=1 --micro_batch_tokens=8192 --steps=2 \
+  --warmup_steps=1 --matmul_n=8192
+# MFU of full fine-tuning of a dense ~1.1B model (TinyLlama's shape) in bf16.
+bench full_1b --vocab=32000 --hidden=2048 --intermediate=5632 --layers=22 --heads=32 \
+  --kv_heads=4 --head_dim=64 --max_pos=4096 --num_seqs=16 --min_len=1024 --max_len=4096 \
+  --compute_dtype=bfloat16 --full_finetune=1 --micro_batch_tokens=16384 --steps=3 \
+  --warmup_steps=1 --matmul_n=8192
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
