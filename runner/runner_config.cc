@@ -58,9 +58,9 @@ absl::StatusOr<DeviceSpec> ParseDevice(absl::string_view device) {
 std::string RunnerConfig::DebugString() const {
   return absl::StrFormat(
       "base_model_path=%s device=%s compute_dtype=%s micro_batch_tokens=%d "
-      "activation_checkpointing=%v num_threads=%d max_models=%d",
+      "activation_checkpointing=%s num_threads=%d max_models=%d",
       base_model_path, device, ComputeDTypeName(compute_dtype), micro_batch_tokens,
-      activation_checkpointing, num_threads, max_models);
+      activation_checkpointing ? "true" : "false", num_threads, max_models);
 }
 
 }  // namespace tinkerd

@@ -4,7 +4,7 @@
 #   cmake --preset cuda -DTINKERD_WITH_GRPC=OFF -DCMAKE_PREFIX_PATH=<torch>/share/cmake
 # then the targets kernel_tests numerics_tests unit_tests fwd_bwd_bench).
 #
-# usage: scripts/gpu-check.sh BUILD_DIR OUT_DIR [LIB_DIR]
+# usage: [STAGES="tests bench"] [BENCHES="..."] scripts/gpu-check.sh BUILD_DIR OUT_DIR [LIB_DIR]
 #   LIB_DIR: extra shared libraries the build needs that the GPU machine lacks (abseil, spdlog,
 #   fmt, GoogleTest from the build machine), put first on LD_LIBRARY_PATH.
 # Runs the kernels, numerics and unit suites with TINKERD_TEST_DEVICE=cuda (the CUDA paths against
@@ -20,23 +20,36 @@ export LD_LIBRARY_PATH="${LIBS:+$LIBS:}$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__)' | tee -a "$OUT/gpu.txt"
 
+# LibTorch from a PyTorch wheel exports the parts of libstdc++ it linked statically
+# (std::filesystem among them); a process that binds some of those calls to LibTorch's copy and
+# others to the system's crashes in std::filesystem::remove_all. Preloading the system libstdc++
+# puts one implementation first for every caller (CMakeLists.txt also links it first).
+STDCXX=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+
 summary=()
 suite() {
   local name=$1
   shift
-  TINKERD_TEST_DEVICE=cuda "$BUILD/tests/$name" --gtest_brief=1 "$@" >"$OUT/$name.log" 2>&1
+  LD_PRELOAD=$STDCXX TINKERD_TEST_DEVICE=cuda "$BUILD/tests/$name" --gtest_brief=1 "$@" \
+    >"$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$name rc=$rc: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | tr '\n' ' ')")
   grep -E '^\[  FAILED  \]|Failure|Expected|actual|Which is' "$OUT/$name.log" | head -40
 }
-suite kernel_tests
-suite numerics_tests
-suite unit_tests
+want() { [[ " ${STAGES:-tests bench} " == *" $1 "* ]]; }
+if want tests; then
+  suite kernel_tests
+  suite numerics_tests
+  suite unit_tests
+fi
 
 bench() {
   local name=$1
   shift
-  timeout "${BENCH_TIMEOUT:-240}" "$BUILD/bench/fwd_bwd_bench" --device=cuda --num_threads=0 \
+  want bench || return 0
+  [[ -z ${BENCHES:-} || " $BENCHES " == *" $name "* ]] || return 0
+  LD_PRELOAD=$STDCXX timeout "${BENCH_TIMEOUT:-240}" "$BUILD/bench/fwd_bwd_bench" \
+    --device=cuda --num_threads=0 \
     --out_dir="/tmp/bench_$name" "$@" >"$OUT/bench_$name.log" 2>&1
   local rc=$?
   summary+=("bench $name rc=$rc: $(grep '^{' "$OUT/bench_$name.log" | tail -1)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds tinkerd with its tests, and runs every test suite:
-#   1. the default build (g++): every label (unit, numerics, e2e, dist);
-#   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (preset asan): unit and e2e;
+#   1. the default build (g++): every label (unit, kernels, numerics, e2e, dist);
+#   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (preset asan): unit, kernels and e2e;
 #   3. the libFuzzer targets (preset fuzz, clang): each fuzzer for TINKERD_FUZZ_SECONDS (default 60)
 #      from the checked-in seed corpus.
 # Usage: scripts/test.sh [ctest args, e.g. -L numerics]. With arguments, only stage 1 runs, with
@@ -18,7 +18,7 @@ cmake --build --preset default
 ctest --preset default "$@"
 if (($#)); then exit 0; fi
 
-stage "2/3 ASan + UBSan build: unit and e2e suites"
+stage "2/3 ASan + UBSan build: unit, kernels and e2e suites"
 cmake --preset asan >/dev/null
 cmake --build --preset asan
 ctest --preset asan

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "tests/kernels/kernel_test_util.h"
