@@ -16,7 +16,7 @@
 
 namespace tinkerd {
 
-uint64_t PayloadHash(const google::protobuf::Message& m) {
+uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h) {
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream out(&bytes);
@@ -24,7 +24,7 @@ uint64_t PayloadHash(const google::protobuf::Message& m) {
     coded.SetSerializationDeterministic(true);  // map order must not change the hash
     m.SerializeToCodedStream(&coded);
   }
-  return Fnv64(bytes);
+  return Fnv64(bytes, h);
 }
 
 TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
@@ -156,7 +156,8 @@ grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ct
   absl::Status invalid = ValidateForwardRequest(*req, limits_);
   auto request = std::make_shared<v1::ForwardBackwardRequest>(*req);
   JobSpec job;
-  job.payload_hash = PayloadHash(*req) ^ (backward ? 0x9e3779b97f4a7c15ull : 0);
+  job.kind = backward ? "ForwardBackward" : "Forward";
+  job.payload_hash = PayloadHash(*req);
   ReplicatedRunner* runner = runner_;
   Metrics* metrics = metrics_;
   job.run = [runner, request, invalid, backward, metrics]() -> JobStep {
@@ -194,13 +195,17 @@ grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext*
   auto* reactor = ctx->DefaultReactor();
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return reactor;
+  // Checked here, before the request is queued, hashed and broadcast; like any invalid request it
+  // still takes its seq_id (answered with the error) so later requests are not held up.
+  const absl::Status invalid = ValidateAdamParams(AdamFromProto(req->adam_params()));
   JobSpec job;
+  job.kind = "OptimStep";
   job.payload_hash = PayloadHash(*req);
   ReplicatedRunner* runner = runner_;
-  const std::string model_id = req->model_id();
   auto request = std::make_shared<v1::OptimStepRequest>(*req);
   Metrics* metrics = metrics_;
-  job.run = [runner, request, metrics]() -> JobStep {
+  job.run = [runner, request, invalid, metrics]() -> JobStep {
+    if (!invalid.ok()) return {true, invalid};
     auto r = runner->OptimStep(*request);
     if (!r.ok()) return {true, r.status()};
     metrics->AddOptimStep(r->skipped);
@@ -208,10 +213,11 @@ grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext*
     OptimStepToProto(*r, out.mutable_optim_step());
     return {true, out};
   };
-  scheduler_->Submit(model_id, req->seq_id(), std::move(job), [reactor, resp](const JobResult& r) {
-    if (r.ok()) *resp = r->optim_step();
-    reactor->Finish(ToGrpcStatus(r.status()));
-  });
+  scheduler_->Submit(req->model_id(), req->seq_id(), std::move(job),
+                     [reactor, resp](const JobResult& r) {
+                       if (r.ok()) *resp = r->optim_step();
+                       reactor->Finish(ToGrpcStatus(r.status()));
+                     });
   return reactor;
 }
 
@@ -219,11 +225,13 @@ namespace {
 
 // Submits an ordered job whose result is one field of RetrieveResultResponse.
 template <typename Resp>
-void SubmitOrdered(Scheduler* scheduler, const std::string& model_id, int64_t seq_id, uint64_t hash,
+void SubmitOrdered(Scheduler* scheduler, const std::string& model_id, int64_t seq_id,
+                   std::string kind, uint64_t hash,
                    std::function<absl::StatusOr<v1::RetrieveResultResponse>()> run,
                    grpc::ServerUnaryReactor* reactor, Resp* resp,
                    const Resp& (v1::RetrieveResultResponse::*field)() const) {
   JobSpec job;
+  job.kind = std::move(kind);
   job.payload_hash = hash;
   job.run = [run]() -> JobStep { return {true, run()}; };
   scheduler->Submit(model_id, seq_id, std::move(job), [reactor, resp, field](const JobResult& r) {
@@ -246,7 +254,7 @@ grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext*
   ModelRunner* local = runner_->local();
   auto request = std::make_shared<v1::SaveStateRequest>(*req);
   SubmitOrdered<v1::SaveStateResponse>(
-      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
+      scheduler_, req->model_id(), req->seq_id(), "SaveState", PayloadHash(*req),
       [invalid, local, request, fs, path,
        metrics = metrics_]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
@@ -283,7 +291,7 @@ grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext*
   ReplicatedRunner* runner = runner_;
   auto request = std::make_shared<v1::LoadStateRequest>(*req);
   SubmitOrdered<v1::LoadStateResponse>(
-      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
+      scheduler_, req->model_id(), req->seq_id(), "LoadState", PayloadHash(*req),
       [invalid, runner, request, fs]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         if (auto st = runner->LoadState(request->model_id(), fs, request->with_optimizer());
@@ -329,7 +337,7 @@ grpc::ServerUnaryReactor* TinkerdService::SaveWeightsForSampler(
   ModelRunner* local = runner_->local();
   auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(*req);
   SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
-      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
+      scheduler_, req->model_id(), req->seq_id(), "SaveWeightsForSampler", PayloadHash(*req),
       [invalid, local, request, fs, path]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         if (auto st = local->SaveWeightsForSampler(request->model_id(), fs, request->merged(),
@@ -396,50 +404,70 @@ namespace {
 struct StreamState {
   absl::Mutex mu;
   std::deque<v1::Datum> queue ABSL_GUARDED_BY(mu);  // validated on arrival
-  bool closed ABSL_GUARDED_BY(mu) = false;          // the client sent every datum
-  absl::Status error ABSL_GUARDED_BY(mu);           // a bad datum, or the client went away
+  bool closed ABSL_GUARDED_BY(mu) = false;          // the client half-closed: every datum is here
+  absl::Status error ABSL_GUARDED_BY(mu);  // a bad or unparsable message, or the client went away
+  // Over the header and every datum in order (deterministic serializations): the payload part of
+  // the stream's retry key, complete once `closed` or `error` is set.
+  uint64_t digest ABSL_GUARDED_BY(mu) = kFnv64Basis;
 };
 
 // StreamForwardBackward: the header opens a job in the model's seq_id order; datums are
 // validated on arrival and queued; the job feeds them to the runner's stream (which runs full
-// micro-batches as they fill) and commits when the client closes the stream.
-class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBackwardMessage> {
+// micro-batches as they fill) and commits only when the client half-closed cleanly. Anything
+// else (a bad or unparsable message, a cancel, a disconnect) discards the whole stream.
+//
+// A stream for a seq_id already used is a retry (or a conflict): its payload is known only once
+// it is complete, so it is read to the end first and submitted then, with its digest, to be
+// compared with the earlier request's.
+class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  StreamReactor(TinkerdService* svc, v1::ForwardBackwardOutput* resp,
+  StreamReactor(TinkerdService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp,
                 absl::StatusOr<std::string> tenant)
-      : svc_(svc), resp_(resp), tenant_(std::move(tenant)) {
+      : svc_(svc), ctx_(ctx), resp_(resp), tenant_(std::move(tenant)) {
     if (!tenant_.ok()) {
       FinishOnce(tenant_.status());
       return;
     }
-    StartRead(&msg_);
+    StartRead(&buf_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client closed its side (or the call ended)
-      if (!submitted_) {
-        FinishOnce(absl::InvalidArgumentError("stream: closed before its header"));
-      } else {
-        absl::MutexLock lock(&state_->mu);
-        state_->closed = true;
-      }
-      svc_->scheduler()->Wake();
+    if (!ok) {  // the client half-closed, or the call failed: told apart in OnReadsEnded
+      OnReadsEnded();
       return;
     }
-    if (!submitted_) {
-      if (!msg_.has_header()) {
+    const size_t index = messages_++;
+    v1::StreamForwardBackwardMessage msg;
+    if (!grpc::SerializationTraits<v1::StreamForwardBackwardMessage>::Deserialize(&buf_, &msg)
+             .ok()) {
+      const absl::Status st = absl::InvalidArgumentError(absl::StrCat(
+          "stream message ", index, ": does not parse as a StreamForwardBackwardMessage"));
+      if (!opened_) {
+        FinishOnce(st);
+      } else {
+        Fail(st);
+      }
+      return;
+    }
+    if (!opened_) {
+      if (!msg.has_header()) {
         FinishOnce(absl::InvalidArgumentError("stream: the first message must be a header"));
         return;
       }
-      Open(msg_.header());
-      if (!submitted_) return;
-    } else if (!msg_.has_datum()) {
-      Fail(absl::InvalidArgumentError("stream: after the header, only datums may follow"));
+      Open(msg.header());
+      if (!opened_) return;
+    } else if (!msg.has_datum()) {
+      Fail(absl::InvalidArgumentError(
+          absl::StrCat("stream message ", index, ": after the header, only datums may follow")));
       return;
     } else {
-      auto d = DatumFromProto(msg_.datum(), received_);
+      auto d = DatumFromProto(msg.datum(), received_);
       absl::Status st = d.status();
       if (st.ok()) st = ValidateData({*d}, *loss_spec_, svc_->limits());
+      {
+        absl::MutexLock lock(&state_->mu);
+        state_->digest = PayloadHash(msg, state_->digest);
+      }
       if (!st.ok()) {
         Fail(absl::InvalidArgumentError(
             absl::StrCat("stream datum ", received_, ": ", st.message())));
@@ -447,14 +475,31 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
       }
       ++received_;
       absl::MutexLock lock(&state_->mu);
-      state_->queue.push_back(msg_.datum());
+      state_->queue.push_back(std::move(*msg.mutable_datum()));
     }
     svc_->scheduler()->Wake();
-    StartRead(&msg_);
+    StartRead(&buf_);
+  }
+
+  // A read fails alike for a half-close and for a cancel or a disconnect, and OnCancel may come
+  // later still. Sending the initial metadata tells them apart: it fails once the client's side
+  // of the call is gone, and succeeds on a call the client only half-closed.
+  void OnSendInitialMetadataDone(bool ok) override {
+    if (!ok || ctx_->IsCancelled()) {
+      Fail(absl::CancelledError(
+          "stream: the client cancelled or went away before closing it; nothing was applied"));
+      return;
+    }
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->closed = true;
+    }
+    if (replay_) Submit();
+    svc_->scheduler()->Wake();
   }
 
   void OnCancel() override {
-    if (state_) {
+    {
       absl::MutexLock lock(&state_->mu);
       if (state_->error.ok()) state_->error = absl::CancelledError("stream: client cancelled");
     }
@@ -464,6 +509,18 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
   void OnDone() override { delete this; }
 
  private:
+  void OnReadsEnded() {
+    if (!opened_) {
+      FinishOnce(absl::InvalidArgumentError("stream: closed before its header"));
+      return;
+    }
+    {
+      absl::MutexLock lock(&finish_mu_);
+      if (finished_) return;  // answered already (say, the seq_id was refused)
+    }
+    StartSendInitialMetadata();
+  }
+
   void Open(const v1::StreamHeader& h) {
     if (absl::Status own = svc_->CheckOwner(h.model_id(), *tenant_); !own.ok()) {
       FinishOnce(own);
@@ -475,14 +532,36 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
       return;
     }
     loss_spec_ = loss->spec;
-    state_ = std::make_shared<StreamState>();
-    auto state = state_;
+    header_ = h;
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->digest = PayloadHash(h);
+    }
+    opened_ = true;
+    replay_ = svc_->scheduler()->Used(h.model_id(), h.seq_id());
+    if (!replay_) Submit();
+  }
+
+  // Queues the stream's job: at once for a new seq_id (it runs while datums arrive, its digest
+  // taken when it finishes), or for a retry once the stream is complete.
+  void Submit() {
+    std::shared_ptr<StreamState> state = state_;
     ReplicatedRunner* runner = svc_->runner();
     auto stream_id = std::make_shared<int64_t>(0);
-    const std::string model_id = h.model_id();
-    const v1::LossFn loss_fn = h.loss_fn();
+    const std::string model_id = header_.model_id();
+    const v1::LossFn loss_fn = header_.loss_fn();
     JobSpec job;
-    job.payload_hash = PayloadHash(h);
+    job.kind = "StreamForwardBackward";
+    {
+      absl::MutexLock lock(&state->mu);
+      job.payload_hash = state->digest;
+    }
+    if (!replay_) {
+      job.final_hash = [state] {
+        absl::MutexLock lock(&state->mu);
+        return state->digest;
+      };
+    }
     job.ready = [state] {
       absl::MutexLock lock(&state->mu);
       return !state->queue.empty() || state->closed || !state->error.ok();
@@ -522,20 +601,27 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
     job.on_drop = [runner, stream_id] {
       if (*stream_id) runner->AbortStream(*stream_id);
     };
-    submitted_ = true;
-    svc_->scheduler()->Submit(model_id, h.seq_id(), std::move(job), [this](const JobResult& r) {
-      if (r.ok()) *resp_ = r->forward_backward();
-      FinishOnce(r.status());
-    });
+    svc_->scheduler()->Submit(
+        model_id, header_.seq_id(), std::move(job), [this](const JobResult& r) {
+          if (r.ok()) {
+            const std::string bytes = r->forward_backward().SerializeAsString();
+            grpc::Slice slice(bytes);
+            *resp_ = grpc::ByteBuffer(&slice, 1);
+          }
+          FinishOnce(r.status());
+        });
   }
 
-  // A bad datum: the job sees the error and answers with it, keeping the seq_id order intact.
+  // The stream failed after its header: the job sees the error and answers with it, keeping the
+  // seq_id order intact. No read is started again.
   void Fail(absl::Status st) {
     Scheduler* scheduler = svc_->scheduler();  // read before the job can finish and free us
+    const bool submit = replay_;
     {
       absl::MutexLock lock(&state_->mu);
       if (state_->error.ok()) state_->error = st;
     }
+    if (submit) Submit();
     scheduler->Wake();
   }
 
@@ -551,12 +637,17 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
   }
 
   TinkerdService* svc_;
-  v1::ForwardBackwardOutput* resp_;
+  grpc::CallbackServerContext* ctx_;
+  grpc::ByteBuffer* resp_;
   absl::StatusOr<std::string> tenant_;
-  v1::StreamForwardBackwardMessage msg_;
-  std::shared_ptr<StreamState> state_;
+  grpc::ByteBuffer buf_;
+  // Created up front: OnCancel may run on another thread at any time.
+  const std::shared_ptr<StreamState> state_ = std::make_shared<StreamState>();
+  v1::StreamHeader header_;
   const LossSpec* loss_spec_ = nullptr;
-  bool submitted_ = false;
+  bool opened_ = false;  // the header was valid
+  bool replay_ = false;  // a retry: submitted once complete
+  size_t messages_ = 0;
   size_t received_ = 0;
   absl::Mutex finish_mu_;
   bool finished_ = false;
@@ -564,9 +655,9 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::StreamForwardBackwardMessage>* TinkerdService::StreamForwardBackward(
-    grpc::CallbackServerContext* ctx, v1::ForwardBackwardOutput* resp) {
-  return new StreamReactor(this, resp, keys_.Authenticate(ctx));
+grpc::ServerReadReactor<grpc::ByteBuffer>* TinkerdService::StreamForwardBackward(
+    grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp) {
+  return new StreamReactor(this, ctx, resp, keys_.Authenticate(ctx));
 }
 
 }  // namespace tinkerd

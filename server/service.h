@@ -7,6 +7,7 @@
 
 #include <optional>
 #include "runner/model_runner.h"
+#include "runner/util/hash.h"
 #include "runner/validate.h"
 
 #include "server/auth.h"
@@ -17,7 +18,11 @@
 
 namespace tinkerd {
 
-class TinkerdService final : public v1::Tinkerd::CallbackService {
+// StreamForwardBackward reads raw bytes and parses each message itself: a message that does not
+// parse must fail the stream with INVALID_ARGUMENT, and gRPC's typed reader would report it as
+// the end of the stream.
+class TinkerdService final : public v1::Tinkerd::WithRawCallbackMethod_StreamForwardBackward<
+                                 v1::Tinkerd::CallbackService> {
  public:
   // `runner` applies state changes on every rank; reads go to its local replica.
   TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
@@ -39,8 +44,9 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
   grpc::ServerUnaryReactor* ForwardBackward(grpc::CallbackServerContext* ctx,
                                             const v1::ForwardBackwardRequest* req,
                                             v1::ForwardBackwardOutput* resp) override;
-  grpc::ServerReadReactor<v1::StreamForwardBackwardMessage>* StreamForwardBackward(
-      grpc::CallbackServerContext* ctx, v1::ForwardBackwardOutput* resp) override;
+  // Requests StreamForwardBackwardMessage; responds ForwardBackwardOutput.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* StreamForwardBackward(grpc::CallbackServerContext* ctx,
+                                                                   grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* OptimStep(grpc::CallbackServerContext* ctx,
                                       const v1::OptimStepRequest* req,
                                       v1::OptimStepResponse* resp) override;
@@ -101,6 +107,7 @@ class TinkerdService final : public v1::Tinkerd::CallbackService {
 };
 
 // FNV-1a over the deterministic serialization: the idempotency check of (model_id, seq_id).
-uint64_t PayloadHash(const google::protobuf::Message& m);
+// `h` continues an earlier hash (a stream's digest covers its header and every datum in order).
+uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h = kFnv64Basis);
 
 }  // namespace tinkerd

@@ -1,0 +1,244 @@
+// Issue 9's defects of the request path, each reproduced against the real server on loopback:
+// nothing the client did not mean is ever applied.
+#include <google/protobuf/util/message_differencer.h>
+#include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/support/sync_stream.h>
+
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "tests/e2e/e2e_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+constexpr char kStreamMethod[] = "/tinkerd.v1.Tinkerd/StreamForwardBackward";
+
+v1::StreamForwardBackwardMessage Header(const std::string& model, int64_t seq,
+                                        const std::string& loss = "cross_entropy") {
+  v1::StreamForwardBackwardMessage m;
+  m.mutable_header()->set_model_id(model);
+  m.mutable_header()->set_seq_id(seq);
+  m.mutable_header()->mutable_loss_fn()->set_name(loss);
+  return m;
+}
+
+v1::StreamForwardBackwardMessage DatumMessage(const Datum& d) {
+  v1::StreamForwardBackwardMessage m;
+  *m.mutable_datum() = ToProto(d);
+  return m;
+}
+
+// A whole stream: the header, every datum, half-close.
+grpc::Status Stream(LiveServer& live, const std::string& model, int64_t seq,
+                    const std::vector<Datum>& data, v1::ForwardBackwardOutput* out) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto writer = live.stub->StreamForwardBackward(&ctx, out);
+  writer->Write(Header(model, seq));
+  for (const Datum& d : data) writer->Write(DatumMessage(d));
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+grpc::ByteBuffer Bytes(const std::string& s) {
+  grpc::Slice slice(s);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// Polls `done` until it holds (a condition on the server's state), failing after 60 s.
+template <typename F>
+void WaitFor(F done, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!done()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "timed out waiting for " << what;
+    std::this_thread::yield();
+  }
+}
+
+// Defect 6: every Adam field is checked at the edge, with INVALID_ARGUMENT naming it.
+TEST(RequestPath, AdamParamsAreValidatedAtTheEdge) {
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  SplitMix64 g(61);
+  auto data = RandomData(g, {9, 5}, "cross_entropy", 128);
+  v1::ForwardBackwardOutput out;
+  ASSERT_TRUE(live.FwdBwd(MakeRequest(model, 1, data), &out).ok());
+  const auto checksum = live.StateChecksum(model);
+  int64_t seq = 2;
+  struct Case {
+    std::string field;
+    std::function<void(v1::AdamParams&)> set;
+  };
+  const double inf = INFINITY, nan = NAN;
+  const std::vector<Case> cases = {
+      {"eps", [](auto& p) { p.set_eps(0); }},
+      {"eps", [](auto& p) { p.set_eps(-1e-8); }},
+      {"eps", [&](auto& p) { p.set_eps(nan); }},
+      {"learning_rate", [](auto& p) { p.set_learning_rate(-1e-3); }},
+      {"learning_rate", [&](auto& p) { p.set_learning_rate(inf); }},
+      {"beta1", [](auto& p) { p.set_beta1(1.0); }},
+      {"beta1", [&](auto& p) { p.set_beta1(nan); }},
+      {"beta2", [](auto& p) { p.set_beta2(-0.1); }},
+      {"weight_decay", [](auto& p) { p.set_weight_decay(-1); }},
+      {"weight_decay", [&](auto& p) { p.set_weight_decay(nan); }},
+      {"grad_clip_norm", [](auto& p) { p.set_grad_clip_norm(-1); }},
+      {"grad_clip_norm", [&](auto& p) { p.set_grad_clip_norm(inf); }},
+  };
+  for (const Case& c : cases) {
+    v1::OptimStepRequest req;
+    req.set_model_id(model);
+    req.set_seq_id(seq++);
+    c.set(*req.mutable_adam_params());
+    grpc::ClientContext ctx;
+    v1::OptimStepResponse os;
+    grpc::Status st = live.stub->OptimStep(&ctx, req, &os);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
+    EXPECT_NE(st.error_message().find("adam_params." + c.field), std::string::npos)
+        << c.field << ": " << st.error_message();
+    EXPECT_EQ(live.StateChecksum(model), checksum) << c.field;
+    EXPECT_EQ(live.Info(model).next_seq_id(), seq) << c.field;  // the seq_id was taken
+  }
+  // The model still trains, and its logprobs stay finite.
+  v1::OptimStepResponse os;
+  ASSERT_TRUE(live.Optim(model, seq++, &os).ok());
+  EXPECT_EQ(os.step(), 1);
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(live.stub->Forward(&ctx, MakeRequest(model, seq++, data), &out).ok());
+  for (const auto& o : out.outputs()) {
+    const auto& bytes = o.logprobs().data();
+    for (size_t i = 0; i + 4 <= bytes.size(); i += 4) {
+      float v;
+      std::memcpy(&v, bytes.data() + i, 4);
+      EXPECT_TRUE(std::isfinite(v));
+    }
+  }
+}
+
+// Defect 4: the retry key includes which RPC was called.
+TEST(RequestPath, SameSeqIdWithAnotherRpcIsAlreadyExists) {
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  {
+    grpc::ClientContext ctx;
+    v1::SaveStateRequest req;
+    req.set_model_id(model);
+    req.set_seq_id(1);
+    req.set_name("ck");
+    v1::SaveStateResponse resp;
+    ASSERT_TRUE(live.stub->SaveState(&ctx, req, &resp).ok());
+  }
+  grpc::ClientContext ctx;
+  v1::SaveWeightsForSamplerRequest req;
+  req.set_model_id(model);
+  req.set_seq_id(1);
+  req.set_name("ck");
+  v1::SaveWeightsForSamplerResponse resp;
+  grpc::Status st = live.stub->SaveWeightsForSampler(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS) << st.error_message();
+  EXPECT_NE(st.error_message().find("SaveState"), std::string::npos) << st.error_message();
+  grpc::ClientContext lctx;
+  v1::ListCheckpointsRequest lreq;
+  lreq.set_model_id(model);
+  v1::ListCheckpointsResponse list;
+  ASSERT_TRUE(live.stub->ListCheckpoints(&lctx, lreq, &list).ok());
+  ASSERT_EQ(list.checkpoints_size(), 1);  // no sampler export was written
+  EXPECT_EQ(list.checkpoints(0).kind(), "training");
+
+  // Forward and ForwardBackward of the same payload are different requests too, and a stream
+  // is not a retry of a unary call.
+  SplitMix64 g(41);
+  auto data = RandomData(g, {6}, "cross_entropy", 128);
+  grpc::ClientContext fctx;
+  v1::ForwardBackwardOutput out;
+  ASSERT_TRUE(live.stub->Forward(&fctx, MakeRequest(model, 2, data), &out).ok());
+  EXPECT_EQ(live.FwdBwd(MakeRequest(model, 2, data), &out).error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(Stream(live, model, 2, data, &out).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(live.Info(model).accumulated_tokens(), 0);
+}
+
+// Defect 3: a stream's retry key covers every datum, not only its header.
+TEST(RequestPath, RetriedStreamWithOtherDatumsIsAlreadyExists) {
+  LiveServer live({}, /*micro_batch_tokens=*/10);
+  const std::string model = live.CreateModel();
+  SplitMix64 g(31);
+  auto data = RandomData(g, {7, 12, 5}, "cross_entropy", 128);
+  v1::ForwardBackwardOutput first;
+  ASSERT_TRUE(Stream(live, model, 1, data, &first).ok());
+  const auto after = live.StateChecksum(model);
+
+  auto other = data;
+  other[1] = RandomData(g, {12}, "cross_entropy", 128)[0];
+  v1::ForwardBackwardOutput out;
+  grpc::Status st = Stream(live, model, 1, other, &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS) << st.error_message();
+  auto fewer = data;
+  fewer.pop_back();
+  EXPECT_EQ(Stream(live, model, 1, fewer, &out).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(live.StateChecksum(model), after);
+
+  // The same stream again is a retry: the first result, not applied twice.
+  v1::ForwardBackwardOutput retry;
+  st = Stream(live, model, 1, data, &retry);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(first, retry));
+  EXPECT_EQ(live.StateChecksum(model), after);
+  EXPECT_EQ(live.Info(model).next_seq_id(), 2);
+}
+
+// Defect 1: a stream the client cancels before half-closing changes nothing, however the cancel
+// and the server's last read interleave.
+TEST(RequestPath, StreamCancelledBeforeHalfCloseIsNeverApplied) {
+  LiveServer live({}, /*micro_batch_tokens=*/8);
+  const std::string model = live.CreateModel();
+  const auto before = live.StateChecksum(model);
+  SplitMix64 g(11);
+  auto data = RandomData(g, {5, 6}, "cross_entropy", 128);
+  Scheduler* scheduler = live.server->scheduler();
+  for (int64_t seq = 1; seq <= 40; ++seq) {
+    grpc::ClientContext ctx;
+    v1::ForwardBackwardOutput out;
+    auto writer = live.stub->StreamForwardBackward(&ctx, &out);
+    ASSERT_TRUE(writer->Write(Header(model, seq)));
+    for (const Datum& d : data) writer->Write(DatumMessage(d));
+    // The header is queued (so the seq_id is taken), then the client goes away.
+    WaitFor([&] { return scheduler->QueueDepth() > 0; }, "the stream's header");
+    ctx.TryCancel();
+    EXPECT_FALSE(writer->Finish().ok());
+    WaitFor([&] { return scheduler->QueueDepth() == 0; }, "the stream's end");
+    ASSERT_EQ(live.StateChecksum(model), before) << "try " << seq << " was applied";
+    ASSERT_EQ(live.Info(model).next_seq_id(), seq + 1);
+  }
+}
+
+// Defect 2: an unparsable message mid-stream fails the whole stream and applies nothing.
+TEST(RequestPath, UnparsableMessageMidStreamFailsTheStream) {
+  LiveServer live({}, /*micro_batch_tokens=*/8);
+  const std::string model = live.CreateModel();
+  const auto before = live.StateChecksum(model);
+  SplitMix64 g(12);
+  auto data = RandomData(g, {9, 7}, "cross_entropy", 128);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  grpc::ByteBuffer response;
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+          live.channel.get(),
+          grpc::internal::RpcMethod(kStreamMethod, grpc::internal::RpcMethod::CLIENT_STREAMING),
+          &ctx, &response));
+  writer->Write(Bytes(Header(model, 1).SerializeAsString()));
+  writer->Write(Bytes(DatumMessage(data[0]).SerializeAsString()));
+  writer->Write(Bytes("\x12\x7f\x01"));  // a datum of 127 bytes, cut after one
+  writer->Write(Bytes(DatumMessage(data[1]).SerializeAsString()));
+  writer->WritesDone();
+  grpc::Status st = writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("stream message 2"), std::string::npos) << st.error_message();
+  EXPECT_EQ(live.StateChecksum(model), before);
+  EXPECT_EQ(live.Info(model).next_seq_id(), 2);
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
