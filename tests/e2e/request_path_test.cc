@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "tests/e2e/e2e_util.h"
@@ -238,6 +239,89 @@ TEST(RequestPath, UnparsableMessageMidStreamFailsTheStream) {
   EXPECT_NE(st.error_message().find("stream message 2"), std::string::npos) << st.error_message();
   EXPECT_EQ(live.StateChecksum(model), before);
   EXPECT_EQ(live.Info(model).next_seq_id(), 2);
+}
+
+grpc::Status Save(LiveServer& live, const std::string& model, int64_t seq, const std::string& name,
+                  bool overwrite = false) {
+  grpc::ClientContext ctx;
+  v1::SaveStateRequest req;
+  req.set_model_id(model);
+  req.set_seq_id(seq);
+  req.set_name(name);
+  req.set_overwrite(overwrite);
+  v1::SaveStateResponse resp;
+  return live.stub->SaveState(&ctx, req, &resp);
+}
+
+std::vector<std::string> Entries(const std::string& folder) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(folder))
+    out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Defect 5: the clean-up of one checkpoint's save touches only its own temporaries and versions.
+TEST(RequestPath, SavingACheckpointKeepsCheckpointsWithSimilarNames) {
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  int64_t seq = 1;
+  for (const char* name : {"run.valid", "run.v2", "run-1", "run"}) {
+    ASSERT_TRUE(Save(live, model, seq++, name).ok()) << name;
+  }
+  ASSERT_TRUE(Save(live, model, seq++, "run", /*overwrite=*/true).ok());
+  grpc::ClientContext ctx;
+  v1::ListCheckpointsRequest req;
+  req.set_model_id(model);
+  v1::ListCheckpointsResponse list;
+  ASSERT_TRUE(live.stub->ListCheckpoints(&ctx, req, &list).ok());
+  std::vector<std::string> paths;
+  for (const auto& c : list.checkpoints()) paths.push_back(c.path());
+  const std::string w = "tinker://" + model + "/weights/";
+  EXPECT_EQ(paths,
+            (std::vector<std::string>{w + "run", w + "run-1", w + "run.v2", w + "run.valid"}));
+  grpc::ClientContext lctx;
+  v1::LoadStateRequest load;
+  load.set_model_id(model);
+  load.set_seq_id(seq++);
+  load.set_path(w + "run.valid");
+  v1::LoadStateResponse loaded;
+  grpc::Status st = live.stub->LoadState(&lctx, load, &loaded);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+}
+
+// Defect 11: leftovers of saves killed mid-way (here by a process id that cannot be alive) are
+// swept by any save in their folder, and by the server's start-up.
+TEST(RequestPath, LeftoversOfKilledSavesAreSwept) {
+  auto plant = [](const std::string& folder) {
+    std::filesystem::create_directories(folder);
+    for (const char* d :
+         {".tmp-dead-999999999-1-0", "dead.v999999999-1-1", ".tmp-run-999999999-5-0"})
+      std::filesystem::create_directories(folder + "/" + d + "/sub");
+    std::filesystem::create_directory_symlink("dead.v999999999-1-1",
+                                              folder + "/.link-dead-999999999-1-2");
+  };
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  const std::string root = live.dir.Sub("checkpoints");
+  const std::string folder = root + "/default/" + model + "/weights";
+  plant(folder);
+  ASSERT_TRUE(Save(live, model, 1, "other").ok());  // another name, same folder
+  auto entries = Entries(folder);
+  ASSERT_EQ(entries.size(), 2u) << ::testing::PrintToString(entries);
+  EXPECT_EQ(entries[0], "other");
+  EXPECT_EQ(entries[1].rfind("other.v", 0), 0u);
+
+  // At start-up, in every model's folders under the root.
+  const std::string other_folder = root + "/default/model-x/sampler_weights";
+  plant(other_folder);
+  ServerConfig sc;
+  sc.listen_address = "127.0.0.1:0";
+  sc.checkpoint_root = root;
+  auto second = TinkerdServer::Start(sc, MakeRunner(live.model_dir, ComputeDType::kFloat64, 4096));
+  ASSERT_TRUE(second.ok()) << second.status().message();
+  EXPECT_TRUE(Entries(other_folder).empty()) << ::testing::PrintToString(Entries(other_folder));
+  EXPECT_EQ(Entries(folder).size(), 2u);  // the live checkpoint is kept
 }
 
 }  // namespace
