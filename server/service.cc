@@ -60,24 +60,146 @@ absl::Status TinkerdService::RegisterNewModel(const std::string& model_id,
 }
 
 std::optional<std::string> TinkerdService::Admit(grpc::CallbackServerContext* ctx,
-                                                 grpc::ServerUnaryReactor* reactor,
-                                                 const std::string* model_id) {
+                                                 UnaryCall* reactor, const std::string* model_id) {
   auto tenant = keys_.Authenticate(ctx);
   absl::Status st = tenant.status();
   if (st.ok() && model_id != nullptr) st = CheckOwner(*model_id, *tenant);
   if (!st.ok()) {
-    reactor->Finish(ToGrpcStatus(st));
+    reactor->Reply(ToGrpcStatus(st));
     return std::nullopt;
   }
   return *tenant;
 }
 
+namespace {
+
+// A unary call's parsed request and typed response.
+template <typename Req, typename Resp>
+class TypedCall final : public UnaryCall {
+ public:
+  explicit TypedCall(grpc::ByteBuffer* out) : out_(out) {}
+  void OnDone() override { delete this; }
+
+  Req req;
+  Resp resp;
+
+ private:
+  void SerializeResponse() override {
+    const std::string bytes = resp.SerializeAsString();
+    grpc::Slice slice(bytes);
+    *out_ = grpc::ByteBuffer(&slice, 1);
+  }
+
+  grpc::ByteBuffer* out_;
+};
+
+}  // namespace
+
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* TinkerdService::Unary(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
+    void (TinkerdService::*handler)(grpc::CallbackServerContext*, const Req*, Resp*, UnaryCall*)) {
+  auto* call = new TypedCall<Req, Resp>(out);
+  grpc::ByteBuffer bytes(*in);  // shares the slices; Deserialize clears the buffer it reads
+  if (!grpc::SerializationTraits<Req>::Deserialize(&bytes, &call->req).ok()) {
+    call->Reply(ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("request: does not parse as ", Req::descriptor()->full_name(),
+                     " (malformed bytes, or a string field that is not valid UTF-8)"))));
+    return call;
+  }
+  (this->*handler)(ctx, &call->req, &call->resp, call);
+  return call;
+}
+
 grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContext* ctx,
-                                                      const v1::CreateModelRequest* req,
-                                                      v1::ModelInfo* resp) {
-  auto* reactor = ctx->DefaultReactor();
+                                                      const grpc::ByteBuffer* req,
+                                                      grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoCreateModel);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* ctx,
+                                                  const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoGetInfo);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* req,
+                                                     grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoListModels);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::DeleteModel(grpc::CallbackServerContext* ctx,
+                                                      const grpc::ByteBuffer* req,
+                                                      grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoDeleteModel);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::Forward(grpc::CallbackServerContext* ctx,
+                                                  const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoForward);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ForwardBackward(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* req,
+                                                          grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoForwardBackward);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoOptimStep);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoSaveState);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoLoadState);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(grpc::CallbackServerContext* ctx,
+                                                               const grpc::ByteBuffer* req,
+                                                               grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoCreateModelFromState);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::SaveWeightsForSampler(grpc::CallbackServerContext* ctx,
+                                                                const grpc::ByteBuffer* req,
+                                                                grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoSaveWeightsForSampler);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* req,
+                                                          grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoListCheckpoints);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* req,
+                                                           grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoDeleteCheckpoint);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::RetrieveResult(grpc::CallbackServerContext* ctx,
+                                                         const grpc::ByteBuffer* req,
+                                                         grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoRetrieveResult);
+}
+
+void TinkerdService::DoCreateModel(grpc::CallbackServerContext* ctx,
+                                   const v1::CreateModelRequest* req, v1::ModelInfo* resp,
+                                   UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = [&]() -> absl::Status {
     auto opts = CreateOptionsFromProto(*req);  // checked here so a bad request is never broadcast
     if (!opts.ok()) return opts.status();
@@ -85,15 +207,13 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContex
     if (!id.ok()) return id.status();
     return RegisterNewModel(*id, *tenant, resp);
   }();
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* ctx,
-                                                  const v1::ModelRef* req, v1::ModelInfo* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoGetInfo(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+                               v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = [&]() -> absl::Status {
     auto next = scheduler_->NextSeqId(req->model_id());
     if (!next.ok()) return next.status();
@@ -103,16 +223,13 @@ grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* c
     resp->set_next_seq_id(*next);
     return absl::OkStatus();
   }();
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext* ctx,
-                                                     const v1::ListModelsRequest*,
-                                                     v1::ListModelsResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoListModels(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest*,
+                                  v1::ListModelsResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
-  if (!tenant) return reactor;
+  if (!tenant) return;
   for (const std::string& id : scheduler_->Models()) {
     if (!CheckOwner(id, *tenant).ok()) continue;  // other tenants' models are invisible
     auto info = runner_->local()->GetInfo(id);
@@ -122,16 +239,13 @@ grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext
     InfoToProto(*info, m);
     m->set_next_seq_id(*next);
   }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  reactor->Reply(grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor* TinkerdService::DeleteModel(grpc::CallbackServerContext* ctx,
-                                                      const v1::ModelRef* req,
-                                                      v1::DeleteModelResponse*) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoDeleteModel(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+                                   v1::DeleteModelResponse*, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = absl::OkStatus();
   if (!scheduler_->HasModel(req->model_id())) {
     st = absl::NotFoundError(absl::StrCat("model_id: no model '", req->model_id(), "'"));
@@ -141,16 +255,13 @@ grpc::ServerUnaryReactor* TinkerdService::DeleteModel(grpc::CallbackServerContex
     absl::MutexLock lock(&owners_mu_);
     owners_.erase(req->model_id());
   }
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ctx,
-                                                 const v1::ForwardBackwardRequest* req,
-                                                 v1::ForwardBackwardOutput* resp, bool backward) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::FwdBwd(grpc::CallbackServerContext* ctx, const v1::ForwardBackwardRequest* req,
+                            v1::ForwardBackwardOutput* resp, bool backward, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   // Validate everything now, before queueing. An invalid request still takes its seq_id slot
   // (answered with the error) so the model's later requests are not held up behind it.
   absl::Status invalid = ValidateForwardRequest(*req, limits_);
@@ -172,29 +283,26 @@ grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ct
   scheduler_->Submit(req->model_id(), req->seq_id(), std::move(job),
                      [reactor, resp](const JobResult& r) {
                        if (r.ok()) *resp = r->forward_backward();
-                       reactor->Finish(ToGrpcStatus(r.status()));
+                       reactor->Reply(ToGrpcStatus(r.status()));
                      });
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* TinkerdService::Forward(grpc::CallbackServerContext* ctx,
-                                                  const v1::ForwardBackwardRequest* req,
-                                                  v1::ForwardBackwardOutput* resp) {
-  return FwdBwd(ctx, req, resp, /*backward=*/false);
+void TinkerdService::DoForward(grpc::CallbackServerContext* ctx,
+                               const v1::ForwardBackwardRequest* req,
+                               v1::ForwardBackwardOutput* resp, UnaryCall* reactor) {
+  FwdBwd(ctx, req, resp, /*backward=*/false, reactor);
 }
 
-grpc::ServerUnaryReactor* TinkerdService::ForwardBackward(grpc::CallbackServerContext* ctx,
-                                                          const v1::ForwardBackwardRequest* req,
-                                                          v1::ForwardBackwardOutput* resp) {
-  return FwdBwd(ctx, req, resp, /*backward=*/true);
+void TinkerdService::DoForwardBackward(grpc::CallbackServerContext* ctx,
+                                       const v1::ForwardBackwardRequest* req,
+                                       v1::ForwardBackwardOutput* resp, UnaryCall* reactor) {
+  FwdBwd(ctx, req, resp, /*backward=*/true, reactor);
 }
 
-grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext* ctx,
-                                                    const v1::OptimStepRequest* req,
-                                                    v1::OptimStepResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoOptimStep(grpc::CallbackServerContext* ctx, const v1::OptimStepRequest* req,
+                                 v1::OptimStepResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   // Checked here, before the request is queued, hashed and broadcast; like any invalid request it
   // still takes its seq_id (answered with the error) so later requests are not held up.
   const absl::Status invalid = ValidateAdamParams(AdamFromProto(req->adam_params()));
@@ -216,9 +324,8 @@ grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext*
   scheduler_->Submit(req->model_id(), req->seq_id(), std::move(job),
                      [reactor, resp](const JobResult& r) {
                        if (r.ok()) *resp = r->optim_step();
-                       reactor->Finish(ToGrpcStatus(r.status()));
+                       reactor->Reply(ToGrpcStatus(r.status()));
                      });
-  return reactor;
 }
 
 namespace {
@@ -228,7 +335,7 @@ template <typename Resp>
 void SubmitOrdered(Scheduler* scheduler, const std::string& model_id, int64_t seq_id,
                    std::string kind, uint64_t hash,
                    std::function<absl::StatusOr<v1::RetrieveResultResponse>()> run,
-                   grpc::ServerUnaryReactor* reactor, Resp* resp,
+                   UnaryCall* reactor, Resp* resp,
                    const Resp& (v1::RetrieveResultResponse::*field)() const) {
   JobSpec job;
   job.kind = std::move(kind);
@@ -236,18 +343,16 @@ void SubmitOrdered(Scheduler* scheduler, const std::string& model_id, int64_t se
   job.run = [run]() -> JobStep { return {true, run()}; };
   scheduler->Submit(model_id, seq_id, std::move(job), [reactor, resp, field](const JobResult& r) {
     if (r.ok()) *resp = ((*r).*field)();
-    reactor->Finish(ToGrpcStatus(r.status()));
+    reactor->Reply(ToGrpcStatus(r.status()));
   });
 }
 
 }  // namespace
 
-grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext* ctx,
-                                                    const v1::SaveStateRequest* req,
-                                                    v1::SaveStateResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoSaveState(grpc::CallbackServerContext* ctx, const v1::SaveStateRequest* req,
+                                 v1::SaveStateResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   const absl::Status invalid = ValidateCheckpointName(req->name());
   const CheckpointPath path{req->model_id(), "weights", req->name()};
   const std::string fs = path.Fs(TenantRoot(*tenant));
@@ -272,15 +377,12 @@ grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext*
         return out;
       },
       reactor, resp, &v1::RetrieveResultResponse::save_state);
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext* ctx,
-                                                    const v1::LoadStateRequest* req,
-                                                    v1::LoadStateResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoLoadState(grpc::CallbackServerContext* ctx, const v1::LoadStateRequest* req,
+                                 v1::LoadStateResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   auto path = ParseCheckpointPath(req->path());
   absl::Status invalid = path.status();
   if (invalid.ok() && path->kind != "weights") {
@@ -302,15 +404,13 @@ grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext*
         return out;
       },
       reactor, resp, &v1::RetrieveResultResponse::load_state);
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(
-    grpc::CallbackServerContext* ctx, const v1::CreateModelFromStateRequest* req,
-    v1::ModelInfo* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoCreateModelFromState(grpc::CallbackServerContext* ctx,
+                                            const v1::CreateModelFromStateRequest* req,
+                                            v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = [&]() -> absl::Status {
     auto path = ParseCheckpointPath(req->path());
     if (!path.ok()) return path.status();
@@ -321,16 +421,15 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(
     if (!id.ok()) return id.status();
     return RegisterNewModel(*id, *tenant, resp);
   }();
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::SaveWeightsForSampler(
-    grpc::CallbackServerContext* ctx, const v1::SaveWeightsForSamplerRequest* req,
-    v1::SaveWeightsForSamplerResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoSaveWeightsForSampler(grpc::CallbackServerContext* ctx,
+                                             const v1::SaveWeightsForSamplerRequest* req,
+                                             v1::SaveWeightsForSamplerResponse* resp,
+                                             UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   const absl::Status invalid = ValidateCheckpointName(req->name());
   const CheckpointPath path{req->model_id(), "sampler_weights", req->name()};
   const std::string fs = path.Fs(TenantRoot(*tenant));
@@ -349,15 +448,13 @@ grpc::ServerUnaryReactor* TinkerdService::SaveWeightsForSampler(
         return out;
       },
       reactor, resp, &v1::RetrieveResultResponse::save_weights_for_sampler);
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* TinkerdService::ListCheckpoints(grpc::CallbackServerContext* ctx,
-                                                          const v1::ListCheckpointsRequest* req,
-                                                          v1::ListCheckpointsResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoListCheckpoints(grpc::CallbackServerContext* ctx,
+                                       const v1::ListCheckpointsRequest* req,
+                                       v1::ListCheckpointsResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = ValidateCheckpointName(req->model_id());
   if (st.ok()) {
     for (const char* kind : {"weights", "sampler_weights"}) {
@@ -369,33 +466,28 @@ grpc::ServerUnaryReactor* TinkerdService::ListCheckpoints(grpc::CallbackServerCo
       }
     }
   }
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
-                                                           const v1::DeleteCheckpointRequest* req,
-                                                           v1::DeleteCheckpointResponse*) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoDeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                        const v1::DeleteCheckpointRequest* req,
+                                        v1::DeleteCheckpointResponse*, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
-  if (!tenant) return reactor;
+  if (!tenant) return;
   auto path = ParseCheckpointPath(req->path());
   absl::Status st = path.status();
   if (st.ok()) st = tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(*tenant)));
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::RetrieveResult(grpc::CallbackServerContext* ctx,
-                                                         const v1::RetrieveResultRequest* req,
-                                                         v1::RetrieveResultResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoRetrieveResult(grpc::CallbackServerContext* ctx,
+                                      const v1::RetrieveResultRequest* req,
+                                      v1::RetrieveResultResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   JobResult r = scheduler_->Retrieve(req->model_id(), req->seq_id());
   if (r.ok()) *resp = *r;
-  reactor->Finish(ToGrpcStatus(r.status()));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(r.status()));
 }
 
 namespace {

@@ -324,5 +324,42 @@ TEST(RequestPath, LeftoversOfKilledSavesAreSwept) {
   EXPECT_EQ(Entries(folder).size(), 2u);  // the live checkpoint is kept
 }
 
+// Defect 9: request bytes that do not parse are INVALID_ARGUMENT with a reason, on every RPC.
+TEST(RequestPath, UnparsableRequestIsInvalidArgument) {
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  const std::vector<std::string> methods = {"CreateModel",
+                                            "GetInfo",
+                                            "ListModels",
+                                            "DeleteModel",
+                                            "Forward",
+                                            "ForwardBackward",
+                                            "OptimStep",
+                                            "SaveState",
+                                            "LoadState",
+                                            "CreateModelFromState",
+                                            "SaveWeightsForSampler",
+                                            "ListCheckpoints",
+                                            "DeleteCheckpoint",
+                                            "RetrieveResult"};
+  // Field 1 (a string in every request) holding invalid UTF-8, then a field cut short.
+  for (const std::string bytes : {std::string("\x0a\x01\xff", 3), std::string("\x0a\x7f\x01", 3)}) {
+    for (const std::string& m : methods) {
+      if (m == "ListModels" && bytes[1] == 1) continue;  // no string field: an unknown field
+      grpc::ClientContext ctx;
+      grpc::ByteBuffer resp;
+      grpc::Status st = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+          live.channel.get(),
+          grpc::internal::RpcMethod(("/tinkerd.v1.Tinkerd/" + m).c_str(),
+                                    grpc::internal::RpcMethod::NORMAL_RPC),
+          &ctx, Bytes(bytes), &resp);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << m;
+      EXPECT_NE(st.error_message().find("does not parse"), std::string::npos)
+          << m << ": " << st.error_message();
+    }
+  }
+  EXPECT_EQ(live.Info(model).next_seq_id(), 1);
+}
+
 }  // namespace
 }  // namespace tinkerd::testing
