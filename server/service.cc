@@ -2,11 +2,13 @@
 
 #include <chrono>
 #include <deque>
+#include <filesystem>
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "runner/checkpoint/store.h"
 #include "runner/loss/loss_spec.h"
 #include "runner/util/hash.h"
@@ -26,6 +28,21 @@ uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h) {
   }
   return Fnv64(bytes, h);
 }
+
+namespace {
+
+// Errors of checkpoint storage name files under the server's root, and clients know checkpoints
+// by their tinker:// paths only: <tenant_root>/<model>/<kind>/<name>... becomes
+// tinker://<model>/<kind>/<name>..., and any other mention of the root is masked.
+absl::Status HidePaths(const absl::Status& st, const std::string& tenant_root,
+                       const std::string& root) {
+  if (st.ok()) return st;
+  std::string m = absl::StrReplaceAll(st.message(), {{tenant_root + "/", "tinker://"}});
+  m = absl::StrReplaceAll(m, {{root, "<checkpoint_root>"}});
+  return absl::Status(st.code(), m);
+}
+
+}  // namespace
 
 TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
                                std::string checkpoint_root, ApiKeys keys, Metrics* metrics)
@@ -356,11 +373,12 @@ void TinkerdService::DoSaveState(grpc::CallbackServerContext* ctx, const v1::Sav
   const absl::Status invalid = ValidateCheckpointName(req->name());
   const CheckpointPath path{req->model_id(), "weights", req->name()};
   const std::string fs = path.Fs(TenantRoot(*tenant));
+  const std::string tenant_root = TenantRoot(*tenant), root = checkpoint_root_;
   ModelRunner* local = runner_->local();
   auto request = std::make_shared<v1::SaveStateRequest>(*req);
   SubmitOrdered<v1::SaveStateResponse>(
       scheduler_, req->model_id(), req->seq_id(), "SaveState", PayloadHash(*req),
-      [invalid, local, request, fs, path,
+      [invalid, local, request, fs, path, tenant_root, root,
        metrics = metrics_]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         SaveStateOptions o;
@@ -369,7 +387,8 @@ void TinkerdService::DoSaveState(grpc::CallbackServerContext* ctx, const v1::Sav
         o.last_seq_id = request->seq_id();
         // Every rank holds the same state, so rank 0 alone writes it.
         const auto t0 = std::chrono::steady_clock::now();
-        if (auto st = local->SaveState(request->model_id(), fs, o); !st.ok()) return st;
+        if (auto st = local->SaveState(request->model_id(), fs, o); !st.ok())
+          return HidePaths(st, tenant_root, root);
         metrics->ObserveCheckpoint(
             "save", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         v1::RetrieveResultResponse out;
@@ -390,15 +409,17 @@ void TinkerdService::DoLoadState(grpc::CallbackServerContext* ctx, const v1::Loa
         absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
   }
   const std::string fs = invalid.ok() ? path->Fs(TenantRoot(*tenant)) : "";
+  const std::string tenant_root = TenantRoot(*tenant), root = checkpoint_root_;
   ReplicatedRunner* runner = runner_;
   auto request = std::make_shared<v1::LoadStateRequest>(*req);
   SubmitOrdered<v1::LoadStateResponse>(
       scheduler_, req->model_id(), req->seq_id(), "LoadState", PayloadHash(*req),
-      [invalid, runner, request, fs]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+      [invalid, runner, request, fs, tenant_root,
+       root]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         if (auto st = runner->LoadState(request->model_id(), fs, request->with_optimizer());
             !st.ok())
-          return st;
+          return HidePaths(st, tenant_root, root);
         v1::RetrieveResultResponse out;
         out.mutable_load_state()->set_path(request->path());
         return out;
@@ -418,7 +439,7 @@ void TinkerdService::DoCreateModelFromState(grpc::CallbackServerContext* ctx,
       return absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
     }
     auto id = runner_->CreateModelFromState(path->Fs(TenantRoot(*tenant)), req->with_optimizer());
-    if (!id.ok()) return id.status();
+    if (!id.ok()) return HidePaths(id.status(), TenantRoot(*tenant), checkpoint_root_);
     return RegisterNewModel(*id, *tenant, resp);
   }();
   reactor->Reply(ToGrpcStatus(st));
@@ -433,16 +454,18 @@ void TinkerdService::DoSaveWeightsForSampler(grpc::CallbackServerContext* ctx,
   const absl::Status invalid = ValidateCheckpointName(req->name());
   const CheckpointPath path{req->model_id(), "sampler_weights", req->name()};
   const std::string fs = path.Fs(TenantRoot(*tenant));
+  const std::string tenant_root = TenantRoot(*tenant), root = checkpoint_root_;
   ModelRunner* local = runner_->local();
   auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(*req);
   SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
       scheduler_, req->model_id(), req->seq_id(), "SaveWeightsForSampler", PayloadHash(*req),
-      [invalid, local, request, fs, path]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+      [invalid, local, request, fs, path, tenant_root,
+       root]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         if (auto st = local->SaveWeightsForSampler(request->model_id(), fs, request->merged(),
                                                    request->overwrite());
             !st.ok())
-          return st;
+          return HidePaths(st, tenant_root, root);
         v1::RetrieveResultResponse out;
         out.mutable_save_weights_for_sampler()->set_path(path.Uri());
         return out;
@@ -456,6 +479,13 @@ void TinkerdService::DoListCheckpoints(grpc::CallbackServerContext* ctx,
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
   absl::Status st = ValidateCheckpointName(req->model_id());
+  // A model this tenant has now, or had checkpoints of; anything else, another tenant's model
+  // included (Admit), is NOT_FOUND alike, so that no tenant can probe which ids exist.
+  std::error_code ec;
+  if (st.ok() && !scheduler_->HasModel(req->model_id()) &&
+      !std::filesystem::is_directory(TenantRoot(*tenant) + "/" + req->model_id(), ec)) {
+    st = absl::NotFoundError(absl::StrCat("model_id: no model '", req->model_id(), "'"));
+  }
   if (st.ok()) {
     for (const char* kind : {"weights", "sampler_weights"}) {
       for (const std::string& name : tinkerd::ListCheckpoints(
@@ -476,7 +506,10 @@ void TinkerdService::DoDeleteCheckpoint(grpc::CallbackServerContext* ctx,
   if (!tenant) return;
   auto path = ParseCheckpointPath(req->path());
   absl::Status st = path.status();
-  if (st.ok()) st = tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(*tenant)));
+  if (st.ok()) {
+    st = HidePaths(tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(*tenant))), TenantRoot(*tenant),
+                   checkpoint_root_);
+  }
   reactor->Reply(ToGrpcStatus(st));
 }
 

@@ -7,8 +7,10 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
+#include "server/auth.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {
@@ -359,6 +361,79 @@ TEST(RequestPath, UnparsableRequestIsInvalidArgument) {
     }
   }
   EXPECT_EQ(live.Info(model).next_seq_id(), 1);
+}
+
+// Defect 10: "not yours" and "does not exist" answer alike, and no message names a server path.
+TEST(RequestPath, CheckpointErrorsDoNotTellTenantsApartOrNameServerPaths) {
+  constexpr char kKeyA[] = "tml-aaaaaaaaaaaaaaaaaaaa";
+  constexpr char kKeyB[] = "tml-bbbbbbbbbbbbbbbbbbbb";
+  TempDir keys_dir;
+  std::ofstream(keys_dir.Sub("keys")) << "alice " << kKeyA << "\nbob " << kKeyB << "\n";
+  ServerConfig sc;
+  auto keys = ApiKeys::LoadFile(keys_dir.Sub("keys"));
+  ASSERT_TRUE(keys.ok());
+  sc.api_keys = *keys;
+  LiveServer live(sc);
+  v1::ModelInfo info;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-api-key", kKeyA);
+    ASSERT_TRUE(live.stub->CreateModel(&ctx, v1::CreateModelRequest(), &info).ok());
+  }
+  const std::string alices = info.model_id();
+  auto list = [&](const char* key, const std::string& model) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-api-key", key);
+    v1::ListCheckpointsRequest req;
+    req.set_model_id(model);
+    v1::ListCheckpointsResponse resp;
+    return live.stub->ListCheckpoints(&ctx, req, &resp);
+  };
+  EXPECT_TRUE(list(kKeyA, alices).ok());
+  const grpc::Status theirs = list(kKeyB, alices);
+  const grpc::Status unknown = list(kKeyB, "model-unknown");
+  EXPECT_EQ(theirs.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND);
+  std::string masked = theirs.error_message();
+  masked.replace(masked.find(alices), alices.size(), "model-unknown");
+  EXPECT_EQ(masked, unknown.error_message());
+
+  // Checkpoints that are not there: the answers name the tinker:// path, never the server's.
+  const std::string root = live.dir.Sub("checkpoints");
+  std::vector<grpc::Status> answers;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-api-key", kKeyA);
+    v1::LoadStateRequest req;
+    req.set_model_id(alices);
+    req.set_seq_id(1);
+    req.set_path("tinker://" + alices + "/weights/absent");
+    v1::LoadStateResponse resp;
+    answers.push_back(live.stub->LoadState(&ctx, req, &resp));
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-api-key", kKeyA);
+    v1::CreateModelFromStateRequest req;
+    req.set_path("tinker://" + alices + "/weights/absent");
+    v1::ModelInfo resp;
+    answers.push_back(live.stub->CreateModelFromState(&ctx, req, &resp));
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-api-key", kKeyA);
+    v1::DeleteCheckpointRequest req;
+    req.set_path("tinker://" + alices + "/weights/absent");
+    v1::DeleteCheckpointResponse resp;
+    answers.push_back(live.stub->DeleteCheckpoint(&ctx, req, &resp));
+  }
+  for (const grpc::Status& st : answers) {
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
+    EXPECT_EQ(st.error_message().find(root), std::string::npos) << st.error_message();
+    EXPECT_EQ(st.error_message().find(live.dir.Sub("")), std::string::npos) << st.error_message();
+    EXPECT_NE(st.error_message().find("tinker://" + alices + "/weights/absent"), std::string::npos)
+        << st.error_message();
+  }
 }
 
 }  // namespace
