@@ -16,6 +16,7 @@
 #include "runner/model/tiny_model.h"
 #include "runner/model/weights.h"
 #include "runner/tenant.h"
+#include "runner/util/echo.h"
 #include "runner/util/log.h"
 #include "runner/util/status_macros.h"
 #include "runner/validate.h"
@@ -102,7 +103,7 @@ struct ModelRunner::Impl {
   absl::StatusOr<Tenant*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = tenants.find(id);
     if (it == tenants.end())
-      return absl::NotFoundError(absl::StrCat("model_id: no model '", id, "'"));
+      return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(id), "'"));
     return &it->second;
   }
   // Resolves, reads and verifies a training checkpoint in the training dtype.
@@ -210,7 +211,7 @@ absl::Status ModelRunner::DeleteModel(const std::string& model_id) {
     it = it->second.stage->model_id() == model_id ? impl_->streams.erase(it) : std::next(it);
   }
   if (impl_->tenants.erase(model_id) == 0) {
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return absl::OkStatus();
 }

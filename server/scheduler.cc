@@ -1,6 +1,7 @@
 #include "server/scheduler.h"
 
 #include "absl/strings/str_cat.h"
+#include "runner/util/echo.h"
 #include "runner/util/log.h"
 
 namespace tinkerd {
@@ -41,7 +42,8 @@ void Scheduler::RemoveModel(const std::string& model_id) {
     if (it == queues_.end()) return;
     Queue& q = it->second;
     q.removed = true;
-    const absl::Status gone = absl::NotFoundError(absl::StrCat("model ", model_id, " was deleted"));
+    const absl::Status gone =
+        absl::NotFoundError(absl::StrCat("model ", Echo(model_id), " was deleted"));
     for (auto p = q.pending.begin(); p != q.pending.end();) {
       if (p->second.running) {
         ++p;
@@ -75,7 +77,7 @@ absl::StatusOr<int64_t> Scheduler::NextSeqId(const std::string& model_id) const 
   absl::MutexLock lock(&mu_);
   auto it = queues_.find(model_id);
   if (it == queues_.end() || it->second.removed) {
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return it->second.next_seq;
 }
@@ -96,19 +98,20 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
     if (seq_id < 1) {
       immediate = absl::InvalidArgumentError(absl::StrCat("seq_id: must be >= 1, got ", seq_id));
     } else if (it == queues_.end() || it->second.removed) {
-      immediate = absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+      immediate = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
     } else {
       Queue& q = it->second;
       auto cached = q.done.find(seq_id);
       auto pending = q.pending.find(seq_id);
       auto conflict = [&](const std::string& used_for) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "seq_id ", seq_id, " of model ", model_id, " was already used for another request (",
-            used_for, "); a retry must resend the same RPC with the same payload"));
+        return absl::AlreadyExistsError(
+            absl::StrCat("seq_id ", seq_id, " of model ", Echo(model_id),
+                         " was already used for another request (", used_for,
+                         "); a retry must resend the same RPC with the same payload"));
       };
       if ((cached != q.done.end() || pending != q.pending.end()) && job.final_hash) {
         // A stream whose digest is not known yet cannot be compared with the earlier use.
-        immediate = absl::AbortedError(absl::StrCat("seq_id ", seq_id, " of model ", model_id,
+        immediate = absl::AbortedError(absl::StrCat("seq_id ", seq_id, " of model ", Echo(model_id),
                                                     " is used by another request still running"));
       } else if (cached != q.done.end()) {
         const Done& d = cached->second;
@@ -128,7 +131,7 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
         }
       } else if (seq_id < q.next_seq) {
         immediate = absl::FailedPreconditionError(absl::StrCat(
-            "seq_id ", seq_id, " of model ", model_id,
+            "seq_id ", seq_id, " of model ", Echo(model_id),
             " was applied already and its result has left the cache; next seq_id is ", q.next_seq));
       } else if (!accepting_) {
         immediate = absl::UnavailableError("server is shutting down");
@@ -136,9 +139,9 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
                  seq_id != q.next_seq) {
         // The next seq_id is always admitted: it can run at once, and refusing it while later
         // ones fill the queue would deadlock the model until they time out.
-        immediate =
-            absl::ResourceExhaustedError(absl::StrCat("model ", model_id, " has ", q.pending.size(),
-                                                      " queued requests (the limit); retry later"));
+        immediate = absl::ResourceExhaustedError(
+            absl::StrCat("model ", Echo(model_id), " has ", q.pending.size(),
+                         " queued requests (the limit); retry later"));
       } else {
         Pending p;
         p.spec = std::move(job);
@@ -170,7 +173,7 @@ JobResult Scheduler::Retrieve(const std::string& model_id, int64_t seq_id) const
   absl::MutexLock lock(&mu_);
   auto it = queues_.find(model_id);
   if (it == queues_.end())
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   auto d = it->second.done.find(seq_id);
   if (d != it->second.done.end()) return d->second.result;
   if (seq_id >= it->second.next_seq) {

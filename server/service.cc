@@ -11,6 +11,7 @@
 #include "absl/strings/str_replace.h"
 #include "runner/checkpoint/store.h"
 #include "runner/loss/loss_spec.h"
+#include "runner/util/echo.h"
 #include "runner/util/hash.h"
 #include "server/checkpoint_paths.h"
 #include "server/convert.h"
@@ -57,7 +58,7 @@ absl::Status TinkerdService::CheckOwner(const std::string& model_id, const std::
   absl::MutexLock lock(&owners_mu_);
   auto it = owners_.find(model_id);
   if (it != owners_.end() && it->second != tenant) {
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return absl::OkStatus();
 }
@@ -265,7 +266,7 @@ void TinkerdService::DoDeleteModel(grpc::CallbackServerContext* ctx, const v1::M
   if (!tenant) return;
   absl::Status st = absl::OkStatus();
   if (!scheduler_->HasModel(req->model_id())) {
-    st = absl::NotFoundError(absl::StrCat("model_id: no model '", req->model_id(), "'"));
+    st = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(req->model_id()), "'"));
   } else {
     scheduler_->RemoveModel(req->model_id());
     st = runner_->DeleteModel(req->model_id());
@@ -478,13 +479,13 @@ void TinkerdService::DoListCheckpoints(grpc::CallbackServerContext* ctx,
                                        v1::ListCheckpointsResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
-  absl::Status st = ValidateCheckpointName(req->model_id());
+  absl::Status st = ValidateCheckpointName(req->model_id(), "model_id");
   // A model this tenant has now, or had checkpoints of; anything else, another tenant's model
   // included (Admit), is NOT_FOUND alike, so that no tenant can probe which ids exist.
   std::error_code ec;
   if (st.ok() && !scheduler_->HasModel(req->model_id()) &&
       !std::filesystem::is_directory(TenantRoot(*tenant) + "/" + req->model_id(), ec)) {
-    st = absl::NotFoundError(absl::StrCat("model_id: no model '", req->model_id(), "'"));
+    st = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(req->model_id()), "'"));
   }
   if (st.ok()) {
     for (const char* kind : {"weights", "sampler_weights"}) {
@@ -579,8 +580,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
         FinishOnce(absl::InvalidArgumentError("stream: the first message must be a header"));
         return;
       }
-      Open(msg.header());
-      if (!opened_) return;
+      if (!Open(msg.header())) return;
     } else if (!msg.has_datum()) {
       Fail(absl::InvalidArgumentError(
           absl::StrCat("stream message ", index, ": after the header, only datums may follow")));
@@ -615,6 +615,10 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
           "stream: the client cancelled or went away before closing it; nothing was applied"));
       return;
     }
+    if (received_ == 0) {  // as for a unary call with an empty batch
+      Fail(absl::InvalidArgumentError("data: the stream closed without datums"));
+      return;
+    }
     {
       absl::MutexLock lock(&state_->mu);
       state_->closed = true;
@@ -646,25 +650,30 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     StartSendInitialMetadata();
   }
 
-  void Open(const v1::StreamHeader& h) {
+  // Whether to read on: false once the stream has its answer.
+  bool Open(const v1::StreamHeader& h) {
     if (absl::Status own = svc_->CheckOwner(h.model_id(), *tenant_); !own.ok()) {
       FinishOnce(own);
-      return;
+      return false;
     }
     auto loss = ResolveLoss(h.loss_fn().name(), ConfigFromProto(h.loss_fn()));
-    if (!loss.ok()) {
-      FinishOnce(loss.status());
-      return;
-    }
-    loss_spec_ = loss->spec;
     header_ = h;
     {
       absl::MutexLock lock(&state_->mu);
       state_->digest = PayloadHash(h);
+      // An invalid header still takes its seq_id, answered with the error, as an invalid unary
+      // request does: the model's later requests are not held up behind it.
+      if (!loss.ok()) state_->error = loss.status();
     }
     opened_ = true;
     replay_ = svc_->scheduler()->Used(h.model_id(), h.seq_id());
+    if (!loss.ok()) {
+      Submit();
+      return false;
+    }
+    loss_spec_ = loss->spec;
     if (!replay_) Submit();
+    return true;
   }
 
   // Queues the stream's job: at once for a new seq_id (it runs while datums arrive, its digest

@@ -436,5 +436,73 @@ TEST(RequestPath, CheckpointErrorsDoNotTellTenantsApartOrNameServerPaths) {
   }
 }
 
+// Defect 13: the smaller inconsistencies.
+TEST(RequestPath, FieldNamesEchoCapsAndStreamsMatchUnaryCalls) {
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  {  // ListCheckpoints names the field it checks.
+    grpc::ClientContext ctx;
+    v1::ListCheckpointsRequest req;
+    req.set_model_id("../etc");
+    v1::ListCheckpointsResponse resp;
+    grpc::Status st = live.stub->ListCheckpoints(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(st.error_message().rfind("model_id:", 0), 0u) << st.error_message();
+  }
+  // An 8 KB id keeps its code; the message quotes a capped prefix only.
+  const std::string huge(8 << 10, 'm');
+  {
+    grpc::ClientContext ctx;
+    v1::ModelRef ref;
+    ref.set_model_id(huge);
+    v1::ModelInfo info;
+    grpc::Status st = live.stub->GetInfo(&ctx, ref, &info);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message().size();
+    EXPECT_LT(st.error_message().size(), 200u);
+  }
+  {
+    SplitMix64 g(13);
+    v1::ForwardBackwardOutput out;
+    grpc::Status st =
+        live.FwdBwd(MakeRequest(huge, 1, RandomData(g, {5}, "cross_entropy", 128)), &out);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message().size();
+    EXPECT_LT(st.error_message().size(), 200u);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::DeleteCheckpointRequest req;
+    req.set_path("tinker://" + huge);
+    v1::DeleteCheckpointResponse resp;
+    grpc::Status st = live.stub->DeleteCheckpoint(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message().size();
+    EXPECT_LT(st.error_message().size(), 300u);
+  }
+  {
+    SplitMix64 g(14);
+    v1::ForwardBackwardOutput out;
+    grpc::Status st =
+        live.FwdBwd(MakeRequest(model, 1, RandomData(g, {5}, "cross_entropy", 128), huge), &out);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message().size();
+    EXPECT_LT(st.error_message().size(), 300u);
+  }
+  // A header-only stream is an empty batch, as for a unary call: INVALID_ARGUMENT, seq_id taken.
+  v1::ForwardBackwardOutput out;
+  grpc::Status st = Stream(live, model, 2, {}, &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_EQ(live.Info(model).next_seq_id(), 3);
+  // An invalid header takes its seq_id too, so the next request need not wait for it.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto writer = live.stub->StreamForwardBackward(&ctx, &out);
+    writer->Write(Header(model, 3, "no_such_loss"));
+    writer->WritesDone();
+    st = writer->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("unknown loss"), std::string::npos) << st.error_message();
+  }
+  EXPECT_EQ(live.Info(model).next_seq_id(), 4);
+}
+
 }  // namespace
 }  // namespace tinkerd::testing
