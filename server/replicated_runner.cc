@@ -23,10 +23,11 @@ absl::Status RunAppend(ModelRunner* r, const v1::internal::StreamAppend& a) {
   return r->StreamAppend(a.stream_id(), std::move(*data));
 }
 
-absl::StatusOr<std::string> RunCreate(ModelRunner* r, const v1::CreateModelRequest& req) {
+absl::StatusOr<std::string> RunCreate(ModelRunner* r, const v1::CreateModelRequest& req,
+                                      const std::string& model_id) {
   auto opts = CreateOptionsFromProto(req);
   if (!opts.ok()) return opts.status();
-  return r->CreateModel(*opts);
+  return r->CreateModel(*opts, model_id);
 }
 
 }  // namespace
@@ -35,7 +36,7 @@ absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
   using C = v1::internal::Command;
   switch (cmd.op_case()) {
     case C::kCreateModel:
-      return RunCreate(r, cmd.create_model()).status();
+      return RunCreate(r, cmd.create_model(), cmd.new_model_id()).status();
     case C::kDeleteModel:
       return r->DeleteModel(cmd.delete_model());
     case C::kForwardBackward:
@@ -61,7 +62,8 @@ absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
     case C::kLoadState: {
       const auto& l = cmd.load_state();
       if (l.model_id().empty())
-        return r->CreateModelFromState(l.fs_path(), l.with_optimizer()).status();
+        return r->CreateModelFromState(l.fs_path(), l.with_optimizer(), cmd.new_model_id())
+            .status();
       return r->LoadState(l.model_id(), l.fs_path(), l.with_optimizer());
     }
     case C::kPing:
@@ -117,9 +119,12 @@ absl::StatusOr<T> ReplicatedRunner::Replicate(const v1::internal::Command& cmd,
 }
 
 absl::StatusOr<std::string> ReplicatedRunner::CreateModel(const v1::CreateModelRequest& req) {
+  auto id = ModelRunner::NewModelId();
+  if (!id.ok()) return id.status();
   v1::internal::Command c;
   *c.mutable_create_model() = req;
-  return Replicate<std::string>(c, [&] { return RunCreate(runner_, req); });
+  c.set_new_model_id(*id);
+  return Replicate<std::string>(c, [&] { return RunCreate(runner_, req, *id); });
 }
 
 absl::Status ReplicatedRunner::DeleteModel(const std::string& model_id) {
@@ -202,11 +207,14 @@ absl::Status ReplicatedRunner::LoadState(const std::string& model_id, const std:
 
 absl::StatusOr<std::string> ReplicatedRunner::CreateModelFromState(const std::string& fs_path,
                                                                    bool with_optimizer) {
+  auto id = ModelRunner::NewModelId();
+  if (!id.ok()) return id.status();
   v1::internal::Command c;
   c.mutable_load_state()->set_fs_path(fs_path);
   c.mutable_load_state()->set_with_optimizer(with_optimizer);
+  c.set_new_model_id(*id);
   return Replicate<std::string>(
-      c, [&] { return runner_->CreateModelFromState(fs_path, with_optimizer); });
+      c, [&] { return runner_->CreateModelFromState(fs_path, with_optimizer, *id); });
 }
 
 absl::Status ReplicatedRunner::Ping() {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "server/auth.h"
@@ -502,6 +503,86 @@ TEST(RequestPath, FieldNamesEchoCapsAndStreamsMatchUnaryCalls) {
     EXPECT_NE(st.error_message().find("unknown loss"), std::string::npos) << st.error_message();
   }
   EXPECT_EQ(live.Info(model).next_seq_id(), 4);
+}
+
+// Defect 7: model ids are never reused, across restarts too, and do not count models.
+TEST(RequestPath, ModelIdsAreNeverReusedAndRevealNoCounts) {
+  std::set<std::string> ids;
+  auto check = [&](const std::string& id) {
+    EXPECT_EQ(id.size(), 6u + 32u) << id;
+    EXPECT_EQ(id.rfind("model-", 0), 0u) << id;
+    EXPECT_EQ(id.find_first_not_of("0123456789abcdef", 6), std::string::npos) << id;
+    EXPECT_TRUE(ids.insert(id).second) << id << " was reused";
+  };
+  LiveServer live;
+  check(live.CreateModel());
+  check(live.CreateModel());
+  // A restarted server (same base model, same checkpoint root) gives new ids.
+  ServerConfig sc;
+  sc.listen_address = "127.0.0.1:0";
+  sc.checkpoint_root = live.dir.Sub("checkpoints");
+  live.server.reset();
+  auto again = TinkerdServer::Start(sc, MakeRunner(live.model_dir, ComputeDType::kFloat64, 4096));
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  auto stub = v1::Tinkerd::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*again)->port()), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 2; ++i) {
+    grpc::ClientContext ctx;
+    v1::ModelInfo info;
+    ASSERT_TRUE(stub->CreateModel(&ctx, v1::CreateModelRequest(), &info).ok());
+    check(info.model_id());
+  }
+}
+
+// Defect 8: a model is admitted only within the per-model limit and the server's memory budget,
+// RESOURCE_EXHAUSTED before anything is allocated; deleting a model frees its share.
+TEST(RequestPath, ModelsAreAdmittedWithinSizeLimitAndMemoryBudget) {
+  TempDir dir;
+  RunnerConfig rc;
+  rc.base_model_path = WriteModel(dir, TinyConfig("llama"));
+  rc.compute_dtype = ComputeDType::kFloat64;
+  rc.device = TestDevice();
+  // LoRA on every module of the tiny model holds 1184 * rank trainable values; with their
+  // gradients and AdamW moments in float64, rank 4 is 151,552 bytes.
+  rc.max_model_bytes = 1 << 20;
+  rc.memory_budget_bytes = 400 << 10;
+  auto runner = ModelRunner::Create(rc);
+  ASSERT_TRUE(runner.ok()) << runner.status().message();
+  ServerConfig sc;
+  sc.listen_address = "127.0.0.1:0";
+  sc.checkpoint_root = dir.Sub("checkpoints");
+  auto server = TinkerdServer::Start(sc, std::move(*runner));
+  ASSERT_TRUE(server.ok()) << server.status().message();
+  auto stub = v1::Tinkerd::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
+  auto create = [&](int64_t rank, v1::ModelInfo* info) {
+    grpc::ClientContext ctx;
+    v1::CreateModelRequest req;
+    req.mutable_lora()->set_rank(rank);
+    req.mutable_lora()->set_train_attn(true);
+    req.mutable_lora()->set_train_mlp(true);
+    req.mutable_lora()->set_train_unembed(true);
+    return stub->CreateModel(&ctx, req, info);
+  };
+  v1::ModelInfo a, b, c;
+  grpc::Status st = create(64, &c);  // 2.4 MB: over the per-model limit
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_NE(st.error_message().find("per-model limit"), std::string::npos) << st.error_message();
+  ASSERT_TRUE(create(4, &a).ok());
+  EXPECT_EQ(a.trainable_parameters(), 1184 * 4);
+  ASSERT_TRUE(create(4, &b).ok());
+  st = create(4, &c);  // a third would pass the budget
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_NE(st.error_message().find("memory budget"), std::string::npos) << st.error_message();
+  {
+    grpc::ClientContext ctx;
+    v1::ModelRef ref;
+    ref.set_model_id(a.model_id());
+    v1::DeleteModelResponse resp;
+    ASSERT_TRUE(stub->DeleteModel(&ctx, ref, &resp).ok());
+  }
+  st = create(4, &c);
+  EXPECT_TRUE(st.ok()) << st.error_message();
 }
 
 }  // namespace
