@@ -431,9 +431,23 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   }
   CheckpointMeta meta{options.last_seq_id, impl_->base_fingerprint, impl_->config.base_model_path,
                       impl_->dtype == at::kDouble ? "float64" : "float32"};
-  return Guarded("save_state", [&] {
+  return Guarded("save_state", [&]() -> absl::Status {
+    // Each rank holds its share of the gradient until optim_step reduces them (Note [Reduce once]
+    // in runner/dist/collectives.h); a checkpoint holds their sum.
+    std::map<std::string, at::Tensor> accumulated;
+    if (options.include_accumulated) {
+      std::vector<at::Tensor> sums;
+      for (const auto& [name, g] : t->grad_sum) sums.push_back(g.clone());
+      if (impl_->collectives->world_size() > 1) {
+        RETURN_IF_ERROR(impl_->collectives->AllReduceSumGradients(sums));
+      }
+      size_t i = 0;
+      for (const auto& [name, g] : t->grad_sum) accumulated[name] = sums[i++];
+    }
+    if (impl_->collectives->rank() != 0) return absl::OkStatus();
     return CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
-      return WriteTrainingState(*t, meta, options.include_accumulated, dir);
+      return WriteTrainingState(*t, meta, options.include_accumulated ? &accumulated : nullptr,
+                                dir);
     });
   });
 }
@@ -442,7 +456,8 @@ namespace {
 
 // Copies a checked checkpoint into a model. Called with the runner's lock held, after
 // CheckCompatible, so it cannot fail halfway.
-void ApplyLoadedState(Tenant& t, const LoadedState& s, bool with_optimizer) {
+// `rank`: the checkpoint's gradient sum goes to rank 0, zeros to the others (see SaveState).
+void ApplyLoadedState(Tenant& t, const LoadedState& s, bool with_optimizer, int rank) {
   at::NoGradGuard no_grad;
   for (auto& [name, p] : t.params) {
     p.copy_(s.params.at(name));
@@ -453,7 +468,7 @@ void ApplyLoadedState(Tenant& t, const LoadedState& s, bool with_optimizer) {
       t.exp_avg_sq[name].zero_();
     }
     auto g = s.grad_sum.find(name);
-    if (g != s.grad_sum.end()) {
+    if (g != s.grad_sum.end() && rank == 0) {
       t.grad_sum[name].copy_(g->second);
     } else {
       t.grad_sum[name].zero_();
@@ -488,7 +503,7 @@ absl::Status ModelRunner::LoadState(const std::string& model_id, const std::stri
   ASSIGN_OR_RETURN(LoadedState s, impl_->ReadState(path));
   RETURN_IF_ERROR(CheckCompatible(*t, s));
   return Guarded("load_state", [&]() -> absl::Status {
-    ApplyLoadedState(*t, s, with_optimizer);
+    ApplyLoadedState(*t, s, with_optimizer, impl_->collectives->rank());
     return absl::OkStatus();
   });
 }
@@ -508,7 +523,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
   absl::Status st = CheckCompatible(*t, *s);
   if (st.ok()) {
     st = Guarded("load_state", [&]() -> absl::Status {
-      ApplyLoadedState(*t, *s, with_optimizer);
+      ApplyLoadedState(*t, *s, with_optimizer, impl_->collectives->rank());
       return absl::OkStatus();
     });
   }

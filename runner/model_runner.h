@@ -74,6 +74,9 @@ class ModelRunner {
   // accumulated unless include_accumulated. LoadState needs a model with nothing accumulated and
   // the same adapter layout; corrupt, truncated or foreign checkpoints are refused and change
   // nothing. Without the optimizer, Adam moments and the step start from zero.
+  // Under data parallelism every rank calls SaveState (accumulated gradients are summed over the
+  // ranks, so the checkpoint holds the global sum at any world size) and rank 0 alone writes;
+  // loading puts that sum on rank 0 and zeros elsewhere, so the next step reduces to it.
   absl::Status SaveState(const std::string& model_id, const std::string& path,
                          const SaveStateOptions& options);
   absl::Status LoadState(const std::string& model_id, const std::string& path, bool with_optimizer);

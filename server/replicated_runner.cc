@@ -23,6 +23,14 @@ absl::Status RunAppend(ModelRunner* r, const v1::internal::StreamAppend& a) {
   return r->StreamAppend(a.stream_id(), std::move(*data));
 }
 
+absl::Status RunSave(ModelRunner* r, const v1::internal::SaveState& s) {
+  SaveStateOptions o;
+  o.overwrite = s.overwrite();
+  o.include_accumulated = s.include_accumulated();
+  o.last_seq_id = s.last_seq_id();
+  return r->SaveState(s.model_id(), s.fs_path(), o);
+}
+
 absl::StatusOr<std::string> RunCreate(ModelRunner* r, const v1::CreateModelRequest& req,
                                       const std::string& model_id) {
   auto opts = CreateOptionsFromProto(req);
@@ -66,6 +74,8 @@ absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
             .status();
       return r->LoadState(l.model_id(), l.fs_path(), l.with_optimizer());
     }
+    case C::kSaveState:
+      return RunSave(r, cmd.save_state());
     case C::kPing:
     case C::kShutdown:
     case C::OP_NOT_SET:
@@ -199,6 +209,24 @@ absl::Status ReplicatedRunner::LoadState(const std::string& model_id, const std:
   return Replicate<bool>(c,
                          [&]() -> absl::StatusOr<bool> {
                            auto st = runner_->LoadState(model_id, fs_path, with_optimizer);
+                           if (!st.ok()) return st;
+                           return true;
+                         })
+      .status();
+}
+
+absl::Status ReplicatedRunner::SaveState(const std::string& model_id, const std::string& fs_path,
+                                         const SaveStateOptions& options) {
+  v1::internal::Command c;
+  auto* s = c.mutable_save_state();
+  s->set_model_id(model_id);
+  s->set_fs_path(fs_path);
+  s->set_overwrite(options.overwrite);
+  s->set_include_accumulated(options.include_accumulated);
+  s->set_last_seq_id(options.last_seq_id);
+  return Replicate<bool>(c,
+                         [&]() -> absl::StatusOr<bool> {
+                           auto st = RunSave(runner_, *s);
                            if (!st.ok()) return st;
                            return true;
                          })

@@ -375,20 +375,19 @@ void TinkerdService::DoSaveState(grpc::CallbackServerContext* ctx, const v1::Sav
   const CheckpointPath path{req->model_id(), "weights", req->name()};
   const std::string fs = path.Fs(TenantRoot(*tenant));
   const std::string tenant_root = TenantRoot(*tenant), root = checkpoint_root_;
-  ModelRunner* local = runner_->local();
+  ReplicatedRunner* runner = runner_;
   auto request = std::make_shared<v1::SaveStateRequest>(*req);
   SubmitOrdered<v1::SaveStateResponse>(
       scheduler_, req->model_id(), req->seq_id(), "SaveState", PayloadHash(*req),
-      [invalid, local, request, fs, path, tenant_root, root,
+      [invalid, runner, request, fs, path, tenant_root, root,
        metrics = metrics_]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         SaveStateOptions o;
         o.overwrite = request->overwrite();
         o.include_accumulated = request->include_accumulated();
         o.last_seq_id = request->seq_id();
-        // Every rank holds the same state, so rank 0 alone writes it.
         const auto t0 = std::chrono::steady_clock::now();
-        if (auto st = local->SaveState(request->model_id(), fs, o); !st.ok())
+        if (auto st = runner->SaveState(request->model_id(), fs, o); !st.ok())
           return HidePaths(st, tenant_root, root);
         metrics->ObserveCheckpoint(
             "save", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
