@@ -5,9 +5,18 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "runner/checkpoint/state_io.h"
 #include "runner/checkpoint/store.h"
@@ -16,6 +25,8 @@
 #include "runner/model/tiny_model.h"
 #include "runner/model/weights.h"
 #include "runner/tenant.h"
+#include "runner/util/echo.h"
+#include "runner/util/exception_status.h"
 #include "runner/util/log.h"
 #include "runner/util/status_macros.h"
 #include "runner/validate.h"
@@ -28,10 +39,8 @@ template <typename F>
 auto Guarded(const char* what, F&& f) -> decltype(f()) {
   try {
     return f();
-  } catch (const c10::Error& e) {
-    return absl::InternalError(absl::StrCat(what, ": ", e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+  } catch (...) {
+    return ExceptionStatus(what, std::current_exception());
   }
 }
 
@@ -59,6 +68,20 @@ at::Tensor CloneTrainable(const at::Tensor& t, at::ScalarType train_dtype) {
   return t.detach().to(train_dtype, /*non_blocking=*/false, /*copy=*/true).set_requires_grad(true);
 }
 
+std::string Bytes(int64_t n) {
+  if (n < (int64_t{1} << 20)) return absl::StrFormat("%.1f KiB", n / 1024.0);
+  if (n < (int64_t{1} << 30)) return absl::StrFormat("%.1f MiB", n / 1048576.0);
+  return absl::StrFormat("%.2f GiB", n / 1073741824.0);
+}
+
+// Half the machine's physical memory: the models' share when no budget is configured, leaving
+// the rest for activations, the base model and the process.
+int64_t DefaultMemoryBudget() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return int64_t{8} << 30;
+  return static_cast<int64_t>(pages) * page / 2;
+}
+
 }  // namespace
 
 struct ModelRunner::Impl {
@@ -72,7 +95,6 @@ struct ModelRunner::Impl {
   std::unique_ptr<RopeCache> rope;  // cos/sin rows shared by every model of this base
   mutable absl::Mutex mu;
   std::map<std::string, Tenant> tenants ABSL_GUARDED_BY(mu);
-  int64_t next_id ABSL_GUARDED_BY(mu) = 0;
 
   struct Stream {
     std::unique_ptr<CallStage> stage;
@@ -111,9 +133,47 @@ struct ModelRunner::Impl {
   absl::StatusOr<Tenant*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = tenants.find(id);
     if (it == tenants.end())
-      return absl::NotFoundError(absl::StrCat("model_id: no model '", id, "'"));
+      return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(id), "'"));
     return &it->second;
   }
+  // Memory a model's trainable state would take, counted before anything is allocated: each
+  // trainable value is held four times (the parameter, its gradient sum, AdamW's two moments) in
+  // the training dtype. Activations are bounded by micro_batch_tokens, not counted here.
+  absl::StatusOr<int64_t> StateBytes(const CreateModelOptions& options) const {
+    int64_t values = 0;
+    if (options.lora) {
+      RETURN_IF_ERROR(LoraAdapter::Validate(*options.lora));
+      values = LoraAdapter::CountValues(model_config, *options.lora);
+    } else {
+      for (const auto& [name, w] : base.Named(model_config.tie_word_embeddings)) {
+        values += w.numel();
+      }
+    }
+    return values * 4 * at::elementSize(TrainDType());
+  }
+  // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
+  at::ScalarType TrainDType() const { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
+  // Admits a model of `bytes` within the per-model limit and what the budget has left.
+  absl::Status Admit(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (config.max_model_bytes > 0 && bytes > config.max_model_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "create_model: the model's trainable state (parameters, gradients, AdamW moments) "
+          "would take ",
+          Bytes(bytes), ", over the per-model limit of ", Bytes(config.max_model_bytes),
+          " (a smaller lora.rank, or fewer adapted modules, fits)"));
+    }
+    int64_t used = 0;
+    for (const auto& [id, t] : tenants) used += t.state_bytes;
+    if (used + bytes > memory_budget) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "create_model: the server's memory budget for models (", Bytes(memory_budget),
+          ") has ", Bytes(std::max<int64_t>(0, memory_budget - used)),
+          " left; this model needs ", Bytes(bytes), ". Delete a model, or retry later"));
+    }
+    return absl::OkStatus();
+  }
+  int64_t memory_budget = 0;  // config.memory_budget_bytes, or DefaultMemoryBudget()
+
   // Resolves, reads and verifies a training checkpoint in the training dtype.
   absl::StatusOr<LoadedState> ReadState(const std::string& path) const;
   ModelLimits Limits() const {
@@ -151,6 +211,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     }
     ASSIGN_OR_RETURN(impl->device, ResolveDevice(config.device));
     impl->collectives = config.collectives ? config.collectives : MakeLocalCollectives();
+    impl->memory_budget =
+        config.memory_budget_bytes > 0 ? config.memory_budget_bytes : DefaultMemoryBudget();
     if (config.num_threads > 0) at::set_num_threads(config.num_threads);
     TensorMap tensors;
     if (config.base_model_path == kEmbeddedDefaultModel) {
@@ -175,22 +237,45 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     impl->rope = std::make_unique<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
-    TLOG_INFO("runner: {} | {}", config.DebugString(), impl->model_config.DebugString());
+    TLOG_INFO("runner: {} | {} | memory budget for models {}", config.DebugString(),
+              impl->model_config.DebugString(), Bytes(impl->memory_budget));
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
   });
 }
 
-absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& options) {
+absl::StatusOr<std::string> ModelRunner::NewModelId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
+    got += static_cast<size_t>(n);
+  }
+  return absl::StrCat("model-", absl::BytesToHexString(absl::string_view(
+                                    reinterpret_cast<const char*>(bytes), sizeof(bytes))));
+}
+
+absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& options,
+                                                     const std::string& model_id) {
+  std::string id = model_id;
+  if (id.empty()) {
+    ASSIGN_OR_RETURN(id, NewModelId());
+  }
   absl::MutexLock lock(&impl_->mu);
+  if (impl_->tenants.count(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("create_model: model ", Echo(id), " exists"));
+  }
   if (static_cast<int>(impl_->tenants.size()) >= impl_->config.max_models) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "create_model: the server holds its maximum of ", impl_->config.max_models, " models"));
   }
+  ASSIGN_OR_RETURN(const int64_t state_bytes, impl_->StateBytes(options));
+  RETURN_IF_ERROR(impl_->Admit(state_bytes));
   return Guarded("create_model", [&]() -> absl::StatusOr<std::string> {
     Tenant t;
     t.options = options;
-    // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
-    const at::ScalarType train_dtype = impl_->dtype == at::kDouble ? at::kDouble : at::kFloat;
+    const at::ScalarType train_dtype = impl_->TrainDType();
     if (options.lora) {
       ASSIGN_OR_RETURN(LoraAdapter a,
                        LoraAdapter::Create(impl_->model_config, *options.lora, options.seed,
@@ -218,8 +303,8 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
       t.exp_avg[name] = at::zeros_like(p).set_requires_grad(false);
       t.exp_avg_sq[name] = at::zeros_like(p).set_requires_grad(false);
     }
-    t.id = absl::StrCat("model-", impl_->next_id++);
-    const std::string id = t.id;
+    t.id = id;
+    t.state_bytes = state_bytes;
     impl_->tenants.emplace(id, std::move(t));
     TLOG_INFO("create_model {}: {} reduction={}", id,
               options.lora ? absl::StrCat("lora rank=", options.lora->rank) : "full",
@@ -234,7 +319,7 @@ absl::Status ModelRunner::DeleteModel(const std::string& model_id) {
     it = it->second.stage->model_id() == model_id ? impl_->streams.erase(it) : std::next(it);
   }
   if (impl_->tenants.erase(model_id) == 0) {
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return absl::OkStatus();
 }
@@ -370,9 +455,23 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   }
   CheckpointMeta meta{options.last_seq_id, impl_->base_fingerprint, impl_->config.base_model_path,
                       impl_->dtype == at::kDouble ? "float64" : "float32"};
-  return Guarded("save_state", [&] {
+  return Guarded("save_state", [&]() -> absl::Status {
+    // Each rank holds its share of the gradient until optim_step reduces them (Note [Reduce once]
+    // in runner/dist/collectives.h); a checkpoint holds their sum.
+    std::map<std::string, at::Tensor> accumulated;
+    if (options.include_accumulated) {
+      std::vector<at::Tensor> sums;
+      for (const auto& [name, g] : t->grad_sum) sums.push_back(g.clone());
+      if (impl_->collectives->world_size() > 1) {
+        RETURN_IF_ERROR(impl_->collectives->AllReduceSumGradients(sums));
+      }
+      size_t i = 0;
+      for (const auto& [name, g] : t->grad_sum) accumulated[name] = sums[i++];
+    }
+    if (impl_->collectives->rank() != 0) return absl::OkStatus();
     return CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
-      return WriteTrainingState(*t, meta, options.include_accumulated, dir);
+      return WriteTrainingState(*t, meta, options.include_accumulated ? &accumulated : nullptr,
+                                dir);
     });
   });
 }
@@ -381,7 +480,8 @@ namespace {
 
 // Copies a checked checkpoint into a model. Called with the runner's lock held, after
 // CheckCompatible, so it cannot fail halfway.
-void ApplyLoadedState(Tenant& t, const LoadedState& s, bool with_optimizer) {
+// `rank`: the checkpoint's gradient sum goes to rank 0, zeros to the others (see SaveState).
+void ApplyLoadedState(Tenant& t, const LoadedState& s, bool with_optimizer, int rank) {
   at::NoGradGuard no_grad;
   for (auto& [name, p] : t.params) {
     p.copy_(s.params.at(name));
@@ -392,7 +492,7 @@ void ApplyLoadedState(Tenant& t, const LoadedState& s, bool with_optimizer) {
       t.exp_avg_sq[name].zero_();
     }
     auto g = s.grad_sum.find(name);
-    if (g != s.grad_sum.end()) {
+    if (g != s.grad_sum.end() && rank == 0) {
       t.grad_sum[name].copy_(g->second);
     } else {
       t.grad_sum[name].zero_();
@@ -427,26 +527,27 @@ absl::Status ModelRunner::LoadState(const std::string& model_id, const std::stri
   ASSIGN_OR_RETURN(LoadedState s, impl_->ReadState(path));
   RETURN_IF_ERROR(CheckCompatible(*t, s));
   return Guarded("load_state", [&]() -> absl::Status {
-    ApplyLoadedState(*t, s, with_optimizer);
+    ApplyLoadedState(*t, s, with_optimizer, impl_->collectives->rank());
     return absl::OkStatus();
   });
 }
 
 absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string& path,
-                                                              bool with_optimizer) {
+                                                              bool with_optimizer,
+                                                              const std::string& model_id) {
   absl::StatusOr<LoadedState> s;
   {
     absl::MutexLock lock(&impl_->mu);
     s = impl_->ReadState(path);  // read and verified once, then applied to the new model
   }
   if (!s.ok()) return s.status();
-  ASSIGN_OR_RETURN(std::string id, CreateModel(s->options));
+  ASSIGN_OR_RETURN(std::string id, CreateModel(s->options, model_id));
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(Tenant * t, impl_->Find(id));
   absl::Status st = CheckCompatible(*t, *s);
   if (st.ok()) {
     st = Guarded("load_state", [&]() -> absl::Status {
-      ApplyLoadedState(*t, *s, with_optimizer);
+      ApplyLoadedState(*t, *s, with_optimizer, impl_->collectives->rank());
       return absl::OkStatus();
     });
   }

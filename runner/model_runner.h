@@ -36,7 +36,9 @@ class ModelRunner {
   ModelRunner(const ModelRunner&) = delete;
   ModelRunner& operator=(const ModelRunner&) = delete;
 
-  absl::StatusOr<std::string> CreateModel(const CreateModelOptions& options);
+  // `model_id` empty: a new id from NewModelId(). Data-parallel ranks pass rank 0's id.
+  absl::StatusOr<std::string> CreateModel(const CreateModelOptions& options,
+                                          const std::string& model_id = "");
   absl::Status DeleteModel(const std::string& model_id);
   absl::StatusOr<ModelInfo> GetInfo(const std::string& model_id) const;
   std::vector<std::string> ListModels() const;
@@ -72,11 +74,18 @@ class ModelRunner {
   // accumulated unless include_accumulated. LoadState needs a model with nothing accumulated and
   // the same adapter layout; corrupt, truncated or foreign checkpoints are refused and change
   // nothing. Without the optimizer, Adam moments and the step start from zero.
+  // Under data parallelism every rank calls SaveState (accumulated gradients are summed over the
+  // ranks, so the checkpoint holds the global sum at any world size) and rank 0 alone writes;
+  // loading puts that sum on rank 0 and zeros elsewhere, so the next step reduces to it.
   absl::Status SaveState(const std::string& model_id, const std::string& path,
                          const SaveStateOptions& options);
   absl::Status LoadState(const std::string& model_id, const std::string& path, bool with_optimizer);
   // A new model from a checkpoint (its adapter layout, loss_reduction and seed).
-  absl::StatusOr<std::string> CreateModelFromState(const std::string& path, bool with_optimizer);
+  absl::StatusOr<std::string> CreateModelFromState(const std::string& path, bool with_optimizer,
+                                                   const std::string& model_id = "");
+  // "model-" and 128 random bits in hex, from the kernel's CSPRNG: never reused, across restarts
+  // too (an old model's checkpoints stay its own), and telling nothing of how many models exist.
+  static absl::StatusOr<std::string> NewModelId();
   // For samplers: a PEFT adapter directory, or (merged) full weights in Hugging Face layout that
   // ModelRunner::Create loads as a base model.
   absl::Status SaveWeightsForSampler(const std::string& model_id, const std::string& path,

@@ -14,6 +14,10 @@ absl::Status RunnerConfig::Validate() const {
     return absl::InvalidArgumentError("runner: micro_batch_tokens must be >= 1");
   if (num_threads < 0) return absl::InvalidArgumentError("runner: num_threads must be >= 0");
   if (max_models < 1) return absl::InvalidArgumentError("runner: max_models must be >= 1");
+  if (max_model_bytes < 0)
+    return absl::InvalidArgumentError("runner: max_model_bytes must be >= 0 (0: the budget)");
+  if (memory_budget_bytes < 0)
+    return absl::InvalidArgumentError("runner: memory_budget_bytes must be >= 0 (0: half of RAM)");
   if (auto d = ParseDevice(device); !d.ok()) return d.status();
   return absl::OkStatus();
 }
@@ -58,9 +62,11 @@ absl::StatusOr<DeviceSpec> ParseDevice(absl::string_view device) {
 std::string RunnerConfig::DebugString() const {
   return absl::StrFormat(
       "base_model_path=%s device=%s compute_dtype=%s micro_batch_tokens=%d "
-      "activation_checkpointing=%s num_threads=%d max_models=%d",
+      "activation_checkpointing=%s num_threads=%d max_models=%d max_model_bytes=%d "
+      "memory_budget_bytes=%d",
       base_model_path, device, ComputeDTypeName(compute_dtype), micro_batch_tokens,
-      activation_checkpointing ? "true" : "false", num_threads, max_models);
+      activation_checkpointing ? "true" : "false", num_threads, max_models, max_model_bytes,
+      memory_budget_bytes);
 }
 
 }  // namespace tinkerd

@@ -29,6 +29,14 @@ struct RunnerConfig {
   bool activation_checkpointing = false;
   int num_threads = 0;  // intra-op threads for LibTorch; 0 keeps LibTorch's default
   int max_models = 64;  // tenants resident at once
+  // Admission of a model by the trainable state it would hold (parameters, gradient sums and
+  // AdamW moments, estimated from the model and its LoRA layout before anything is allocated):
+  // at most max_model_bytes for one model (0: no limit but the budget; a multi-tenant server sets
+  // one so that no client takes the whole budget), and memory_budget_bytes for all of them
+  // together (0: half the machine's physical memory). Past either, CreateModel is
+  // RESOURCE_EXHAUSTED.
+  int64_t max_model_bytes = 0;
+  int64_t memory_budget_bytes = 0;
   // Where weights live and compute runs: "cpu", "cuda" (device 0) or "cuda:N". A CUDA device
   // needs a CUDA build of LibTorch and a visible GPU; ModelRunner::Create checks both.
   std::string device = "cpu";

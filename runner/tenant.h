@@ -31,6 +31,7 @@ struct Tenant {
   std::map<std::string, at::Tensor> grad_sum;
   std::map<std::string, at::Tensor> exp_avg;
   std::map<std::string, at::Tensor> exp_avg_sq;
+  int64_t state_bytes = 0;  // of params and accumulators, as admitted (ModelRunner::CreateModel)
   int64_t accumulated_tokens = 0;     // global valid tokens since the last step
   int64_t accumulated_sequences = 0;  // global valid sequences since the last step
   int64_t step = 0;

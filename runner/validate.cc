@@ -98,4 +98,21 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
   return absl::OkStatus();
 }
 
+absl::Status ValidateAdamParams(const AdamParams& p) {
+  auto bad = [](const char* field, const char* why, double v) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("adam_params.", field, ": ", why, " (got ", v, ")"));
+  };
+  if (!std::isfinite(p.learning_rate) || p.learning_rate < 0)
+    return bad("learning_rate", "must be finite and >= 0", p.learning_rate);
+  if (!(p.beta1 >= 0 && p.beta1 < 1)) return bad("beta1", "must be in [0, 1)", p.beta1);
+  if (!(p.beta2 >= 0 && p.beta2 < 1)) return bad("beta2", "must be in [0, 1)", p.beta2);
+  if (!std::isfinite(p.eps) || p.eps <= 0) return bad("eps", "must be finite and > 0", p.eps);
+  if (!std::isfinite(p.weight_decay) || p.weight_decay < 0)
+    return bad("weight_decay", "must be finite and >= 0", p.weight_decay);
+  if (!std::isfinite(p.grad_clip_norm) || p.grad_clip_norm < 0)
+    return bad("grad_clip_norm", "must be finite and >= 0 (0 disables clipping)", p.grad_clip_norm);
+  return absl::OkStatus();
+}
+
 }  // namespace tinkerd

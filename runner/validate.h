@@ -24,4 +24,11 @@ struct ModelLimits {
 absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
                           const ModelLimits& limits);
 
+// InvalidArgument naming the field (adam_params.<field>) when a hyper-parameter is not finite or
+// out of range: learning_rate >= 0, beta1 and beta2 in [0, 1), eps > 0 (eps = 0 divides 0 by 0
+// for a parameter whose gradient stayed 0, and the NaN then spreads to every later step),
+// weight_decay >= 0, grad_clip_norm >= 0 (0 disables clipping). The server checks this before it
+// queues an optim_step; the runner again at its boundary.
+absl::Status ValidateAdamParams(const AdamParams& p);
+
 }  // namespace tinkerd

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "runner/util/echo.h"
 
 namespace tinkerd {
 namespace {
@@ -26,10 +27,11 @@ std::string CheckpointPath::Fs(const std::string& root) const {
   return absl::StrCat(root, "/", model_id, "/", kind, "/", name);
 }
 
-absl::Status ValidateCheckpointName(const std::string& name) {
+absl::Status ValidateCheckpointName(const std::string& name, absl::string_view field) {
   if (!SafeComponent(name)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "name: '", name, "' must be 1-200 characters of [A-Za-z0-9._:-], not starting with '.'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": '", Echo(name),
+                     "' must be 1-200 characters of [A-Za-z0-9._:-], not starting with '.'"));
   }
   return absl::OkStatus();
 }
@@ -37,13 +39,14 @@ absl::Status ValidateCheckpointName(const std::string& name) {
 absl::StatusOr<CheckpointPath> ParseCheckpointPath(const std::string& uri) {
   constexpr absl::string_view kScheme = "tinker://";
   if (uri.rfind(std::string(kScheme), 0) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("path: '", uri, "' must start with tinker://"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("path: '", Echo(uri), "' must start with tinker://"));
   }
   std::vector<std::string> parts = absl::StrSplit(uri.substr(kScheme.size()), '/');
   if (parts.size() != 3 || !SafeComponent(parts[0]) || !SafeComponent(parts[2]) ||
       (parts[1] != "weights" && parts[1] != "sampler_weights")) {
     return absl::InvalidArgumentError(
-        absl::StrCat("path: '", uri,
+        absl::StrCat("path: '", Echo(uri),
                      "' must be tinker://<model_id>/weights/<name> or "
                      "tinker://<model_id>/sampler_weights/<name>"));
   }

@@ -19,7 +19,8 @@ struct CheckpointPath {
 // INVALID_ARGUMENT unless the path has exactly that shape with safe components (no '/', no
 // leading '.', nothing outside [A-Za-z0-9._:-]), so no path can escape the root.
 absl::StatusOr<CheckpointPath> ParseCheckpointPath(const std::string& uri);
-// A checkpoint name a client chose, checked the same way.
-absl::Status ValidateCheckpointName(const std::string& name);
+// A checkpoint name a client chose (or a model id used as a folder), checked the same way; the
+// error names `field`.
+absl::Status ValidateCheckpointName(const std::string& name, absl::string_view field = "name");
 
 }  // namespace tinkerd

@@ -23,10 +23,19 @@ absl::Status RunAppend(ModelRunner* r, const v1::internal::StreamAppend& a) {
   return r->StreamAppend(a.stream_id(), std::move(*data));
 }
 
-absl::StatusOr<std::string> RunCreate(ModelRunner* r, const v1::CreateModelRequest& req) {
+absl::Status RunSave(ModelRunner* r, const v1::internal::SaveState& s) {
+  SaveStateOptions o;
+  o.overwrite = s.overwrite();
+  o.include_accumulated = s.include_accumulated();
+  o.last_seq_id = s.last_seq_id();
+  return r->SaveState(s.model_id(), s.fs_path(), o);
+}
+
+absl::StatusOr<std::string> RunCreate(ModelRunner* r, const v1::CreateModelRequest& req,
+                                      const std::string& model_id) {
   auto opts = CreateOptionsFromProto(req);
   if (!opts.ok()) return opts.status();
-  return r->CreateModel(*opts);
+  return r->CreateModel(*opts, model_id);
 }
 
 }  // namespace
@@ -35,7 +44,7 @@ absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
   using C = v1::internal::Command;
   switch (cmd.op_case()) {
     case C::kCreateModel:
-      return RunCreate(r, cmd.create_model()).status();
+      return RunCreate(r, cmd.create_model(), cmd.new_model_id()).status();
     case C::kDeleteModel:
       return r->DeleteModel(cmd.delete_model());
     case C::kForwardBackward:
@@ -61,9 +70,12 @@ absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
     case C::kLoadState: {
       const auto& l = cmd.load_state();
       if (l.model_id().empty())
-        return r->CreateModelFromState(l.fs_path(), l.with_optimizer()).status();
+        return r->CreateModelFromState(l.fs_path(), l.with_optimizer(), cmd.new_model_id())
+            .status();
       return r->LoadState(l.model_id(), l.fs_path(), l.with_optimizer());
     }
+    case C::kSaveState:
+      return RunSave(r, cmd.save_state());
     case C::kPing:
     case C::kShutdown:
     case C::OP_NOT_SET:
@@ -117,9 +129,12 @@ absl::StatusOr<T> ReplicatedRunner::Replicate(const v1::internal::Command& cmd,
 }
 
 absl::StatusOr<std::string> ReplicatedRunner::CreateModel(const v1::CreateModelRequest& req) {
+  auto id = ModelRunner::NewModelId();
+  if (!id.ok()) return id.status();
   v1::internal::Command c;
   *c.mutable_create_model() = req;
-  return Replicate<std::string>(c, [&] { return RunCreate(runner_, req); });
+  c.set_new_model_id(*id);
+  return Replicate<std::string>(c, [&] { return RunCreate(runner_, req, *id); });
 }
 
 absl::Status ReplicatedRunner::DeleteModel(const std::string& model_id) {
@@ -200,13 +215,34 @@ absl::Status ReplicatedRunner::LoadState(const std::string& model_id, const std:
       .status();
 }
 
+absl::Status ReplicatedRunner::SaveState(const std::string& model_id, const std::string& fs_path,
+                                         const SaveStateOptions& options) {
+  v1::internal::Command c;
+  auto* s = c.mutable_save_state();
+  s->set_model_id(model_id);
+  s->set_fs_path(fs_path);
+  s->set_overwrite(options.overwrite);
+  s->set_include_accumulated(options.include_accumulated);
+  s->set_last_seq_id(options.last_seq_id);
+  return Replicate<bool>(c,
+                         [&]() -> absl::StatusOr<bool> {
+                           auto st = RunSave(runner_, *s);
+                           if (!st.ok()) return st;
+                           return true;
+                         })
+      .status();
+}
+
 absl::StatusOr<std::string> ReplicatedRunner::CreateModelFromState(const std::string& fs_path,
                                                                    bool with_optimizer) {
+  auto id = ModelRunner::NewModelId();
+  if (!id.ok()) return id.status();
   v1::internal::Command c;
   c.mutable_load_state()->set_fs_path(fs_path);
   c.mutable_load_state()->set_with_optimizer(with_optimizer);
+  c.set_new_model_id(*id);
   return Replicate<std::string>(
-      c, [&] { return runner_->CreateModelFromState(fs_path, with_optimizer); });
+      c, [&] { return runner_->CreateModelFromState(fs_path, with_optimizer, *id); });
 }
 
 absl::Status ReplicatedRunner::Ping() {

@@ -37,6 +37,9 @@ class ReplicatedRunner {
   absl::StatusOr<ForwardBackwardResult> FinishStream(int64_t stream_id);
   void AbortStream(int64_t stream_id);
   // Loads on every rank (the path must be readable by all ranks: shared storage across machines).
+  // Every rank takes part (accumulated gradients are summed over ranks); rank 0 writes.
+  absl::Status SaveState(const std::string& model_id, const std::string& fs_path,
+                         const SaveStateOptions& options);
   absl::Status LoadState(const std::string& model_id, const std::string& fs_path,
                          bool with_optimizer);
   absl::StatusOr<std::string> CreateModelFromState(const std::string& fs_path, bool with_optimizer);

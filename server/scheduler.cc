@@ -1,6 +1,7 @@
 #include "server/scheduler.h"
 
 #include "absl/strings/str_cat.h"
+#include "runner/util/echo.h"
 #include "runner/util/log.h"
 
 namespace tinkerd {
@@ -41,13 +42,14 @@ void Scheduler::RemoveModel(const std::string& model_id) {
     if (it == queues_.end()) return;
     Queue& q = it->second;
     q.removed = true;
-    const absl::Status gone = absl::NotFoundError(absl::StrCat("model ", model_id, " was deleted"));
+    const absl::Status gone =
+        absl::NotFoundError(absl::StrCat("model ", Echo(model_id), " was deleted"));
     for (auto p = q.pending.begin(); p != q.pending.end();) {
       if (p->second.running) {
         ++p;
         continue;
       }
-      for (auto& w : p->second.waiters) calls.emplace_back(std::move(w), gone);
+      for (auto& w : p->second.waiters) calls.emplace_back(std::move(w.done), gone);
       if (p->second.spec.on_drop) p->second.spec.on_drop();
       p = q.pending.erase(p);
     }
@@ -75,9 +77,17 @@ absl::StatusOr<int64_t> Scheduler::NextSeqId(const std::string& model_id) const 
   absl::MutexLock lock(&mu_);
   auto it = queues_.find(model_id);
   if (it == queues_.end() || it->second.removed) {
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return it->second.next_seq;
+}
+
+bool Scheduler::Used(const std::string& model_id, int64_t seq_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(model_id);
+  if (it == queues_.end()) return false;
+  const Queue& q = it->second;
+  return seq_id < q.next_seq || q.pending.count(seq_id) > 0;
 }
 
 void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job, JobCallback done) {
@@ -88,26 +98,40 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
     if (seq_id < 1) {
       immediate = absl::InvalidArgumentError(absl::StrCat("seq_id: must be >= 1, got ", seq_id));
     } else if (it == queues_.end() || it->second.removed) {
-      immediate = absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+      immediate = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
     } else {
       Queue& q = it->second;
       auto cached = q.done.find(seq_id);
       auto pending = q.pending.find(seq_id);
-      const absl::Status conflict = absl::AlreadyExistsError(absl::StrCat(
-          "seq_id ", seq_id, " of model ", model_id,
-          " was already used for a different request; a retry must resend the same payload"));
-      if (cached != q.done.end()) {
-        immediate = cached->second.first == job.payload_hash ? cached->second.second : conflict;
+      auto conflict = [&](const std::string& used_for) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("seq_id ", seq_id, " of model ", Echo(model_id),
+                         " was already used for another request (", used_for,
+                         "); a retry must resend the same RPC with the same payload"));
+      };
+      if ((cached != q.done.end() || pending != q.pending.end()) && job.final_hash) {
+        // A stream whose digest is not known yet cannot be compared with the earlier use.
+        immediate = absl::AbortedError(absl::StrCat("seq_id ", seq_id, " of model ", Echo(model_id),
+                                                    " is used by another request still running"));
+      } else if (cached != q.done.end()) {
+        const Done& d = cached->second;
+        immediate =
+            d.kind == job.kind && d.payload_hash == job.payload_hash ? d.result : conflict(d.kind);
       } else if (pending != q.pending.end()) {
-        if (pending->second.spec.payload_hash != job.payload_hash) {
-          immediate = conflict;
+        const JobSpec& first = pending->second.spec;
+        if (first.kind != job.kind ||
+            (!first.final_hash && first.payload_hash != job.payload_hash)) {
+          immediate = conflict(first.kind);
         } else {
-          pending->second.waiters.push_back(std::move(done));  // a retry joins the original
+          // A retry joins the original; against a stream, compared once the stream is complete.
+          std::optional<uint64_t> check;
+          if (first.final_hash) check = job.payload_hash;
+          pending->second.waiters.push_back({std::move(done), check});
           return;
         }
       } else if (seq_id < q.next_seq) {
         immediate = absl::FailedPreconditionError(absl::StrCat(
-            "seq_id ", seq_id, " of model ", model_id,
+            "seq_id ", seq_id, " of model ", Echo(model_id),
             " was applied already and its result has left the cache; next seq_id is ", q.next_seq));
       } else if (!accepting_) {
         immediate = absl::UnavailableError("server is shutting down");
@@ -115,13 +139,13 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
                  seq_id != q.next_seq) {
         // The next seq_id is always admitted: it can run at once, and refusing it while later
         // ones fill the queue would deadlock the model until they time out.
-        immediate =
-            absl::ResourceExhaustedError(absl::StrCat("model ", model_id, " has ", q.pending.size(),
-                                                      " queued requests (the limit); retry later"));
+        immediate = absl::ResourceExhaustedError(
+            absl::StrCat("model ", Echo(model_id), " has ", q.pending.size(),
+                         " queued requests (the limit); retry later"));
       } else {
         Pending p;
         p.spec = std::move(job);
-        p.waiters.push_back(std::move(done));
+        p.waiters.push_back({std::move(done), std::nullopt});
         p.enqueued = absl::Now();
         q.pending.emplace(seq_id, std::move(p));
         wake_ = true;
@@ -149,9 +173,9 @@ JobResult Scheduler::Retrieve(const std::string& model_id, int64_t seq_id) const
   absl::MutexLock lock(&mu_);
   auto it = queues_.find(model_id);
   if (it == queues_.end())
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   auto d = it->second.done.find(seq_id);
-  if (d != it->second.done.end()) return d->second.second;
+  if (d != it->second.done.end()) return d->second.result;
   if (seq_id >= it->second.next_seq) {
     return absl::FailedPreconditionError(absl::StrCat("seq_id ", seq_id, " has not finished yet"));
   }
@@ -184,7 +208,7 @@ void Scheduler::ExpireLocked(std::vector<std::pair<JobCallback, JobResult>>* cal
             absl::StrCat("seq_id ", p->first, " of model ", id, " waited ",
                          absl::FormatDuration(config_.order_timeout), " for seq_id ", q.next_seq,
                          ", which never arrived; send it (or retry this request after it)"));
-        for (auto& w : p->second.waiters) calls->emplace_back(std::move(w), st);
+        for (auto& w : p->second.waiters) calls->emplace_back(std::move(w.done), st);
         if (p->second.spec.on_drop) p->second.spec.on_drop();
         p = q.pending.erase(p);
       } else {
@@ -235,8 +259,18 @@ void Scheduler::Loop() {
     job->running = false;
     if (!step.done) continue;
     // Finished: cache the result, advance the model, answer every waiter (retries included).
-    for (auto& w : job->waiters) calls.emplace_back(std::move(w), step.result);
-    q->done[seq] = {job->spec.payload_hash, step.result};
+    const uint64_t hash = job->spec.final_hash ? job->spec.final_hash() : job->spec.payload_hash;
+    for (auto& w : job->waiters) {
+      if (w.payload_hash && *w.payload_hash != hash) {
+        calls.emplace_back(std::move(w.done), absl::AlreadyExistsError(absl::StrCat(
+                                                  "seq_id ", seq, " of model ", model,
+                                                  " was already used for another ", job->spec.kind,
+                                                  "; a retry must resend the same payload")));
+      } else {
+        calls.emplace_back(std::move(w.done), step.result);
+      }
+    }
+    q->done[seq] = {job->spec.kind, hash, step.result};
     while (static_cast<int>(q->done.size()) > config_.result_cache_per_model)
       q->done.erase(q->done.begin());
     q->pending.erase(seq);
@@ -247,7 +281,7 @@ void Scheduler::Loop() {
   for (auto& [id, q] : queues_) {
     for (auto& [seq, p] : q.pending) {
       for (auto& w : p.waiters)
-        calls.emplace_back(std::move(w),
+        calls.emplace_back(std::move(w.done),
                            absl::UnavailableError("server shut down before this request ran"));
       if (p.spec.on_drop) p.spec.on_drop();
     }

@@ -3,10 +3,11 @@
 //
 // Per model: requests wait in an ordered queue until every earlier seq_id was applied (or time
 // out with DEADLINE_EXCEEDED, the slot left open for a retry). Each result stays in a bounded
-// cache keyed by seq_id, with a hash of the request: a retry with the same key and payload gets
-// that result (or joins the one in flight) and is never applied twice; the same key with another
-// payload gets ALREADY_EXISTS. Past `max_pending_per_model` queued requests, RESOURCE_EXHAUSTED
-// (except for the model's next seq_id, which is always admitted so a full queue cannot deadlock).
+// cache keyed by seq_id, with the request's kind (which RPC) and a hash of its payload: a retry
+// with the same key, kind and payload gets that result (or joins the one in flight) and is never
+// applied twice; the same key with another kind or payload gets ALREADY_EXISTS. Past
+// `max_pending_per_model` queued requests, RESOURCE_EXHAUSTED (except for the model's next seq_id,
+// which is always admitted so a full queue cannot deadlock).
 //
 // Thread-safety: every public method may be called from any thread (gRPC handlers). Completion
 // callbacks run on the scheduler thread or, for immediate answers, on the caller's thread; they
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,7 +40,16 @@ struct JobStep {
 };
 
 struct JobSpec {
+  // With (model_id, seq_id), the retry key: `kind` names the RPC, so that the same seq_id sent
+  // with another RPC is a conflict even when the two payloads serialize to the same bytes.
+  std::string kind;
   uint64_t payload_hash = 0;
+  // A stream's digest covers every datum, so it is known only once the job finished: when set,
+  // it is called then and cached instead of payload_hash, and retries that joined the job while
+  // it ran are compared with it at that point. Such a job is only admitted for a seq_id not used
+  // yet (ABORTED otherwise): a caller checks Used() first and submits a retry with its final
+  // payload_hash instead.
+  std::function<uint64_t()> final_hash;
   std::function<JobStep()> run;   // on the scheduler thread
   std::function<bool()> ready;    // null: always ready; else polled before each step
   std::function<void()> on_drop;  // called if the job is dropped without finishing (optional)
@@ -67,6 +78,9 @@ class Scheduler {
   std::vector<std::string> Models() const;
   // The next seq_id the model will apply, or NOT_FOUND.
   absl::StatusOr<int64_t> NextSeqId(const std::string& model_id) const;
+  // Whether (model_id, seq_id) was applied already or is queued: a request for it is a retry
+  // (or a conflict), not new work.
+  bool Used(const std::string& model_id, int64_t seq_id) const;
 
   // Calls `done` exactly once with the job's result (or the reason it was not run).
   void Submit(const std::string& model_id, int64_t seq_id, JobSpec job, JobCallback done);
@@ -78,16 +92,27 @@ class Scheduler {
   JobResult Retrieve(const std::string& model_id, int64_t seq_id) const;
 
  private:
+  struct Waiter {
+    JobCallback done;
+    // A retry that joined a job with a final_hash: answered with the result only if its payload
+    // matches the job's final one. Unset for the original request and already-checked retries.
+    std::optional<uint64_t> payload_hash;
+  };
   struct Pending {
     JobSpec spec;
-    std::vector<JobCallback> waiters;
+    std::vector<Waiter> waiters;
     absl::Time enqueued;
     bool running = false;
+  };
+  struct Done {
+    std::string kind;
+    uint64_t payload_hash = 0;
+    JobResult result;
   };
   struct Queue {
     int64_t next_seq = 1;
     std::map<int64_t, Pending> pending;
-    std::map<int64_t, std::pair<uint64_t, JobResult>> done;  // bounded cache
+    std::map<int64_t, Done> done;  // bounded cache
     bool removed = false;
   };
 

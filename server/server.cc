@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "runner/checkpoint/store.h"
 #include "runner/model/safetensors.h"
 #include "runner/util/log.h"
 
@@ -46,6 +47,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   s->runner_ = std::move(runner);
   s->replicated_ =
       std::make_unique<ReplicatedRunner>(s->runner_.get(), s->runner_->config().collectives);
+  // Saves killed mid-way (SIGKILL, a crash) left temporaries and unreferenced versions behind.
+  SweepCheckpointLeftovers(config.checkpoint_root);
   s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
   s->metrics_ = std::make_unique<Metrics>();
   s->service_ = std::make_unique<TinkerdService>(s->replicated_.get(), s->scheduler_.get(),

@@ -29,6 +29,7 @@ class TinkerdServer {
   // already accepted run to completion within the grace period, then everything stops.
   void Shutdown();
   ModelRunner* runner() const { return runner_.get(); }
+  Scheduler* scheduler() const { return scheduler_.get(); }
   // False once a rank of a data-parallel job failed (health is NOT_SERVING then).
   bool healthy() const { return replicated_->healthy(); }
   // The HTTP port of /metrics, /healthz, /readyz (0 when off).

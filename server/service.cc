@@ -2,13 +2,16 @@
 
 #include <chrono>
 #include <deque>
+#include <filesystem>
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "runner/checkpoint/store.h"
 #include "runner/loss/loss_spec.h"
+#include "runner/util/echo.h"
 #include "runner/util/hash.h"
 #include "server/checkpoint_paths.h"
 #include "server/convert.h"
@@ -16,7 +19,7 @@
 
 namespace tinkerd {
 
-uint64_t PayloadHash(const google::protobuf::Message& m) {
+uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h) {
   std::string bytes;
   {
     google::protobuf::io::StringOutputStream out(&bytes);
@@ -24,8 +27,23 @@ uint64_t PayloadHash(const google::protobuf::Message& m) {
     coded.SetSerializationDeterministic(true);  // map order must not change the hash
     m.SerializeToCodedStream(&coded);
   }
-  return Fnv64(bytes);
+  return Fnv64(bytes, h);
 }
+
+namespace {
+
+// Errors of checkpoint storage name files under the server's root, and clients know checkpoints
+// by their tinker:// paths only: <tenant_root>/<model>/<kind>/<name>... becomes
+// tinker://<model>/<kind>/<name>..., and any other mention of the root is masked.
+absl::Status HidePaths(const absl::Status& st, const std::string& tenant_root,
+                       const std::string& root) {
+  if (st.ok()) return st;
+  std::string m = absl::StrReplaceAll(st.message(), {{tenant_root + "/", "tinker://"}});
+  m = absl::StrReplaceAll(m, {{root, "<checkpoint_root>"}});
+  return absl::Status(st.code(), m);
+}
+
+}  // namespace
 
 TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
                                std::string checkpoint_root, ApiKeys keys, Metrics* metrics)
@@ -40,7 +58,7 @@ absl::Status TinkerdService::CheckOwner(const std::string& model_id, const std::
   absl::MutexLock lock(&owners_mu_);
   auto it = owners_.find(model_id);
   if (it != owners_.end() && it->second != tenant) {
-    return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return absl::OkStatus();
 }
@@ -60,24 +78,146 @@ absl::Status TinkerdService::RegisterNewModel(const std::string& model_id,
 }
 
 std::optional<std::string> TinkerdService::Admit(grpc::CallbackServerContext* ctx,
-                                                 grpc::ServerUnaryReactor* reactor,
-                                                 const std::string* model_id) {
+                                                 UnaryCall* reactor, const std::string* model_id) {
   auto tenant = keys_.Authenticate(ctx);
   absl::Status st = tenant.status();
   if (st.ok() && model_id != nullptr) st = CheckOwner(*model_id, *tenant);
   if (!st.ok()) {
-    reactor->Finish(ToGrpcStatus(st));
+    reactor->Reply(ToGrpcStatus(st));
     return std::nullopt;
   }
   return *tenant;
 }
 
+namespace {
+
+// A unary call's parsed request and typed response.
+template <typename Req, typename Resp>
+class TypedCall final : public UnaryCall {
+ public:
+  explicit TypedCall(grpc::ByteBuffer* out) : out_(out) {}
+  void OnDone() override { delete this; }
+
+  Req req;
+  Resp resp;
+
+ private:
+  void SerializeResponse() override {
+    const std::string bytes = resp.SerializeAsString();
+    grpc::Slice slice(bytes);
+    *out_ = grpc::ByteBuffer(&slice, 1);
+  }
+
+  grpc::ByteBuffer* out_;
+};
+
+}  // namespace
+
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* TinkerdService::Unary(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
+    void (TinkerdService::*handler)(grpc::CallbackServerContext*, const Req*, Resp*, UnaryCall*)) {
+  auto* call = new TypedCall<Req, Resp>(out);
+  grpc::ByteBuffer bytes(*in);  // shares the slices; Deserialize clears the buffer it reads
+  if (!grpc::SerializationTraits<Req>::Deserialize(&bytes, &call->req).ok()) {
+    call->Reply(ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("request: does not parse as ", Req::descriptor()->full_name(),
+                     " (malformed bytes, or a string field that is not valid UTF-8)"))));
+    return call;
+  }
+  (this->*handler)(ctx, &call->req, &call->resp, call);
+  return call;
+}
+
 grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContext* ctx,
-                                                      const v1::CreateModelRequest* req,
-                                                      v1::ModelInfo* resp) {
-  auto* reactor = ctx->DefaultReactor();
+                                                      const grpc::ByteBuffer* req,
+                                                      grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoCreateModel);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* ctx,
+                                                  const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoGetInfo);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* req,
+                                                     grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoListModels);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::DeleteModel(grpc::CallbackServerContext* ctx,
+                                                      const grpc::ByteBuffer* req,
+                                                      grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoDeleteModel);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::Forward(grpc::CallbackServerContext* ctx,
+                                                  const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoForward);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ForwardBackward(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* req,
+                                                          grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoForwardBackward);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoOptimStep);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoSaveState);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoLoadState);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(grpc::CallbackServerContext* ctx,
+                                                               const grpc::ByteBuffer* req,
+                                                               grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoCreateModelFromState);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::SaveWeightsForSampler(grpc::CallbackServerContext* ctx,
+                                                                const grpc::ByteBuffer* req,
+                                                                grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoSaveWeightsForSampler);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ListCheckpoints(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* req,
+                                                          grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoListCheckpoints);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* req,
+                                                           grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoDeleteCheckpoint);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::RetrieveResult(grpc::CallbackServerContext* ctx,
+                                                         const grpc::ByteBuffer* req,
+                                                         grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoRetrieveResult);
+}
+
+void TinkerdService::DoCreateModel(grpc::CallbackServerContext* ctx,
+                                   const v1::CreateModelRequest* req, v1::ModelInfo* resp,
+                                   UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = [&]() -> absl::Status {
     auto opts = CreateOptionsFromProto(*req);  // checked here so a bad request is never broadcast
     if (!opts.ok()) return opts.status();
@@ -85,15 +225,13 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModel(grpc::CallbackServerContex
     if (!id.ok()) return id.status();
     return RegisterNewModel(*id, *tenant, resp);
   }();
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* ctx,
-                                                  const v1::ModelRef* req, v1::ModelInfo* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoGetInfo(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+                               v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = [&]() -> absl::Status {
     auto next = scheduler_->NextSeqId(req->model_id());
     if (!next.ok()) return next.status();
@@ -103,16 +241,13 @@ grpc::ServerUnaryReactor* TinkerdService::GetInfo(grpc::CallbackServerContext* c
     resp->set_next_seq_id(*next);
     return absl::OkStatus();
   }();
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext* ctx,
-                                                     const v1::ListModelsRequest*,
-                                                     v1::ListModelsResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoListModels(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest*,
+                                  v1::ListModelsResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
-  if (!tenant) return reactor;
+  if (!tenant) return;
   for (const std::string& id : scheduler_->Models()) {
     if (!CheckOwner(id, *tenant).ok()) continue;  // other tenants' models are invisible
     auto info = runner_->local()->GetInfo(id);
@@ -122,41 +257,36 @@ grpc::ServerUnaryReactor* TinkerdService::ListModels(grpc::CallbackServerContext
     InfoToProto(*info, m);
     m->set_next_seq_id(*next);
   }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  reactor->Reply(grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor* TinkerdService::DeleteModel(grpc::CallbackServerContext* ctx,
-                                                      const v1::ModelRef* req,
-                                                      v1::DeleteModelResponse*) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoDeleteModel(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+                                   v1::DeleteModelResponse*, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = absl::OkStatus();
   if (!scheduler_->HasModel(req->model_id())) {
-    st = absl::NotFoundError(absl::StrCat("model_id: no model '", req->model_id(), "'"));
+    st = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(req->model_id()), "'"));
   } else {
     scheduler_->RemoveModel(req->model_id());
     st = runner_->DeleteModel(req->model_id());
     absl::MutexLock lock(&owners_mu_);
     owners_.erase(req->model_id());
   }
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ctx,
-                                                 const v1::ForwardBackwardRequest* req,
-                                                 v1::ForwardBackwardOutput* resp, bool backward) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::FwdBwd(grpc::CallbackServerContext* ctx, const v1::ForwardBackwardRequest* req,
+                            v1::ForwardBackwardOutput* resp, bool backward, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   // Validate everything now, before queueing. An invalid request still takes its seq_id slot
   // (answered with the error) so the model's later requests are not held up behind it.
   absl::Status invalid = ValidateForwardRequest(*req, limits_);
   auto request = std::make_shared<v1::ForwardBackwardRequest>(*req);
   JobSpec job;
-  job.payload_hash = PayloadHash(*req) ^ (backward ? 0x9e3779b97f4a7c15ull : 0);
+  job.kind = backward ? "ForwardBackward" : "Forward";
+  job.payload_hash = PayloadHash(*req);
   ReplicatedRunner* runner = runner_;
   Metrics* metrics = metrics_;
   job.run = [runner, request, invalid, backward, metrics]() -> JobStep {
@@ -171,36 +301,37 @@ grpc::ServerUnaryReactor* TinkerdService::FwdBwd(grpc::CallbackServerContext* ct
   scheduler_->Submit(req->model_id(), req->seq_id(), std::move(job),
                      [reactor, resp](const JobResult& r) {
                        if (r.ok()) *resp = r->forward_backward();
-                       reactor->Finish(ToGrpcStatus(r.status()));
+                       reactor->Reply(ToGrpcStatus(r.status()));
                      });
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* TinkerdService::Forward(grpc::CallbackServerContext* ctx,
-                                                  const v1::ForwardBackwardRequest* req,
-                                                  v1::ForwardBackwardOutput* resp) {
-  return FwdBwd(ctx, req, resp, /*backward=*/false);
+void TinkerdService::DoForward(grpc::CallbackServerContext* ctx,
+                               const v1::ForwardBackwardRequest* req,
+                               v1::ForwardBackwardOutput* resp, UnaryCall* reactor) {
+  FwdBwd(ctx, req, resp, /*backward=*/false, reactor);
 }
 
-grpc::ServerUnaryReactor* TinkerdService::ForwardBackward(grpc::CallbackServerContext* ctx,
-                                                          const v1::ForwardBackwardRequest* req,
-                                                          v1::ForwardBackwardOutput* resp) {
-  return FwdBwd(ctx, req, resp, /*backward=*/true);
+void TinkerdService::DoForwardBackward(grpc::CallbackServerContext* ctx,
+                                       const v1::ForwardBackwardRequest* req,
+                                       v1::ForwardBackwardOutput* resp, UnaryCall* reactor) {
+  FwdBwd(ctx, req, resp, /*backward=*/true, reactor);
 }
 
-grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext* ctx,
-                                                    const v1::OptimStepRequest* req,
-                                                    v1::OptimStepResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoOptimStep(grpc::CallbackServerContext* ctx, const v1::OptimStepRequest* req,
+                                 v1::OptimStepResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
+  // Checked here, before the request is queued, hashed and broadcast; like any invalid request it
+  // still takes its seq_id (answered with the error) so later requests are not held up.
+  const absl::Status invalid = ValidateAdamParams(AdamFromProto(req->adam_params()));
   JobSpec job;
+  job.kind = "OptimStep";
   job.payload_hash = PayloadHash(*req);
   ReplicatedRunner* runner = runner_;
-  const std::string model_id = req->model_id();
   auto request = std::make_shared<v1::OptimStepRequest>(*req);
   Metrics* metrics = metrics_;
-  job.run = [runner, request, metrics]() -> JobStep {
+  job.run = [runner, request, invalid, metrics]() -> JobStep {
+    if (!invalid.ok()) return {true, invalid};
     auto r = runner->OptimStep(*request);
     if (!r.ok()) return {true, r.status()};
     metrics->AddOptimStep(r->skipped);
@@ -208,55 +339,56 @@ grpc::ServerUnaryReactor* TinkerdService::OptimStep(grpc::CallbackServerContext*
     OptimStepToProto(*r, out.mutable_optim_step());
     return {true, out};
   };
-  scheduler_->Submit(model_id, req->seq_id(), std::move(job), [reactor, resp](const JobResult& r) {
-    if (r.ok()) *resp = r->optim_step();
-    reactor->Finish(ToGrpcStatus(r.status()));
-  });
-  return reactor;
+  scheduler_->Submit(req->model_id(), req->seq_id(), std::move(job),
+                     [reactor, resp](const JobResult& r) {
+                       if (r.ok()) *resp = r->optim_step();
+                       reactor->Reply(ToGrpcStatus(r.status()));
+                     });
 }
 
 namespace {
 
 // Submits an ordered job whose result is one field of RetrieveResultResponse.
 template <typename Resp>
-void SubmitOrdered(Scheduler* scheduler, const std::string& model_id, int64_t seq_id, uint64_t hash,
+void SubmitOrdered(Scheduler* scheduler, const std::string& model_id, int64_t seq_id,
+                   std::string kind, uint64_t hash,
                    std::function<absl::StatusOr<v1::RetrieveResultResponse>()> run,
-                   grpc::ServerUnaryReactor* reactor, Resp* resp,
+                   UnaryCall* reactor, Resp* resp,
                    const Resp& (v1::RetrieveResultResponse::*field)() const) {
   JobSpec job;
+  job.kind = std::move(kind);
   job.payload_hash = hash;
   job.run = [run]() -> JobStep { return {true, run()}; };
   scheduler->Submit(model_id, seq_id, std::move(job), [reactor, resp, field](const JobResult& r) {
     if (r.ok()) *resp = ((*r).*field)();
-    reactor->Finish(ToGrpcStatus(r.status()));
+    reactor->Reply(ToGrpcStatus(r.status()));
   });
 }
 
 }  // namespace
 
-grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext* ctx,
-                                                    const v1::SaveStateRequest* req,
-                                                    v1::SaveStateResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoSaveState(grpc::CallbackServerContext* ctx, const v1::SaveStateRequest* req,
+                                 v1::SaveStateResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   const absl::Status invalid = ValidateCheckpointName(req->name());
   const CheckpointPath path{req->model_id(), "weights", req->name()};
   const std::string fs = path.Fs(TenantRoot(*tenant));
-  ModelRunner* local = runner_->local();
+  const std::string tenant_root = TenantRoot(*tenant), root = checkpoint_root_;
+  ReplicatedRunner* runner = runner_;
   auto request = std::make_shared<v1::SaveStateRequest>(*req);
   SubmitOrdered<v1::SaveStateResponse>(
-      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
-      [invalid, local, request, fs, path,
+      scheduler_, req->model_id(), req->seq_id(), "SaveState", PayloadHash(*req),
+      [invalid, runner, request, fs, path, tenant_root, root,
        metrics = metrics_]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         SaveStateOptions o;
         o.overwrite = request->overwrite();
         o.include_accumulated = request->include_accumulated();
         o.last_seq_id = request->seq_id();
-        // Every rank holds the same state, so rank 0 alone writes it.
         const auto t0 = std::chrono::steady_clock::now();
-        if (auto st = local->SaveState(request->model_id(), fs, o); !st.ok()) return st;
+        if (auto st = runner->SaveState(request->model_id(), fs, o); !st.ok())
+          return HidePaths(st, tenant_root, root);
         metrics->ObserveCheckpoint(
             "save", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         v1::RetrieveResultResponse out;
@@ -264,15 +396,12 @@ grpc::ServerUnaryReactor* TinkerdService::SaveState(grpc::CallbackServerContext*
         return out;
       },
       reactor, resp, &v1::RetrieveResultResponse::save_state);
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext* ctx,
-                                                    const v1::LoadStateRequest* req,
-                                                    v1::LoadStateResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoLoadState(grpc::CallbackServerContext* ctx, const v1::LoadStateRequest* req,
+                                 v1::LoadStateResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   auto path = ParseCheckpointPath(req->path());
   absl::Status invalid = path.status();
   if (invalid.ok() && path->kind != "weights") {
@@ -280,29 +409,29 @@ grpc::ServerUnaryReactor* TinkerdService::LoadState(grpc::CallbackServerContext*
         absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
   }
   const std::string fs = invalid.ok() ? path->Fs(TenantRoot(*tenant)) : "";
+  const std::string tenant_root = TenantRoot(*tenant), root = checkpoint_root_;
   ReplicatedRunner* runner = runner_;
   auto request = std::make_shared<v1::LoadStateRequest>(*req);
   SubmitOrdered<v1::LoadStateResponse>(
-      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
-      [invalid, runner, request, fs]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+      scheduler_, req->model_id(), req->seq_id(), "LoadState", PayloadHash(*req),
+      [invalid, runner, request, fs, tenant_root,
+       root]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         if (auto st = runner->LoadState(request->model_id(), fs, request->with_optimizer());
             !st.ok())
-          return st;
+          return HidePaths(st, tenant_root, root);
         v1::RetrieveResultResponse out;
         out.mutable_load_state()->set_path(request->path());
         return out;
       },
       reactor, resp, &v1::RetrieveResultResponse::load_state);
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(
-    grpc::CallbackServerContext* ctx, const v1::CreateModelFromStateRequest* req,
-    v1::ModelInfo* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoCreateModelFromState(grpc::CallbackServerContext* ctx,
+                                            const v1::CreateModelFromStateRequest* req,
+                                            v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
-  if (!tenant) return reactor;
+  if (!tenant) return;
   absl::Status st = [&]() -> absl::Status {
     auto path = ParseCheckpointPath(req->path());
     if (!path.ok()) return path.status();
@@ -310,47 +439,53 @@ grpc::ServerUnaryReactor* TinkerdService::CreateModelFromState(
       return absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
     }
     auto id = runner_->CreateModelFromState(path->Fs(TenantRoot(*tenant)), req->with_optimizer());
-    if (!id.ok()) return id.status();
+    if (!id.ok()) return HidePaths(id.status(), TenantRoot(*tenant), checkpoint_root_);
     return RegisterNewModel(*id, *tenant, resp);
   }();
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::SaveWeightsForSampler(
-    grpc::CallbackServerContext* ctx, const v1::SaveWeightsForSamplerRequest* req,
-    v1::SaveWeightsForSamplerResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoSaveWeightsForSampler(grpc::CallbackServerContext* ctx,
+                                             const v1::SaveWeightsForSamplerRequest* req,
+                                             v1::SaveWeightsForSamplerResponse* resp,
+                                             UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   const absl::Status invalid = ValidateCheckpointName(req->name());
   const CheckpointPath path{req->model_id(), "sampler_weights", req->name()};
   const std::string fs = path.Fs(TenantRoot(*tenant));
+  const std::string tenant_root = TenantRoot(*tenant), root = checkpoint_root_;
   ModelRunner* local = runner_->local();
   auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(*req);
   SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
-      scheduler_, req->model_id(), req->seq_id(), PayloadHash(*req),
-      [invalid, local, request, fs, path]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+      scheduler_, req->model_id(), req->seq_id(), "SaveWeightsForSampler", PayloadHash(*req),
+      [invalid, local, request, fs, path, tenant_root,
+       root]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
         if (auto st = local->SaveWeightsForSampler(request->model_id(), fs, request->merged(),
                                                    request->overwrite());
             !st.ok())
-          return st;
+          return HidePaths(st, tenant_root, root);
         v1::RetrieveResultResponse out;
         out.mutable_save_weights_for_sampler()->set_path(path.Uri());
         return out;
       },
       reactor, resp, &v1::RetrieveResultResponse::save_weights_for_sampler);
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* TinkerdService::ListCheckpoints(grpc::CallbackServerContext* ctx,
-                                                          const v1::ListCheckpointsRequest* req,
-                                                          v1::ListCheckpointsResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoListCheckpoints(grpc::CallbackServerContext* ctx,
+                                       const v1::ListCheckpointsRequest* req,
+                                       v1::ListCheckpointsResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
-  absl::Status st = ValidateCheckpointName(req->model_id());
+  if (!tenant) return;
+  absl::Status st = ValidateCheckpointName(req->model_id(), "model_id");
+  // A model this tenant has now, or had checkpoints of; anything else, another tenant's model
+  // included (Admit), is NOT_FOUND alike, so that no tenant can probe which ids exist.
+  std::error_code ec;
+  if (st.ok() && !scheduler_->HasModel(req->model_id()) &&
+      !std::filesystem::is_directory(TenantRoot(*tenant) + "/" + req->model_id(), ec)) {
+    st = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(req->model_id()), "'"));
+  }
   if (st.ok()) {
     for (const char* kind : {"weights", "sampler_weights"}) {
       for (const std::string& name : tinkerd::ListCheckpoints(
@@ -361,33 +496,31 @@ grpc::ServerUnaryReactor* TinkerdService::ListCheckpoints(grpc::CallbackServerCo
       }
     }
   }
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::DeleteCheckpoint(grpc::CallbackServerContext* ctx,
-                                                           const v1::DeleteCheckpointRequest* req,
-                                                           v1::DeleteCheckpointResponse*) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoDeleteCheckpoint(grpc::CallbackServerContext* ctx,
+                                        const v1::DeleteCheckpointRequest* req,
+                                        v1::DeleteCheckpointResponse*, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
-  if (!tenant) return reactor;
+  if (!tenant) return;
   auto path = ParseCheckpointPath(req->path());
   absl::Status st = path.status();
-  if (st.ok()) st = tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(*tenant)));
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
+  if (st.ok()) {
+    st = HidePaths(tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(*tenant))), TenantRoot(*tenant),
+                   checkpoint_root_);
+  }
+  reactor->Reply(ToGrpcStatus(st));
 }
 
-grpc::ServerUnaryReactor* TinkerdService::RetrieveResult(grpc::CallbackServerContext* ctx,
-                                                         const v1::RetrieveResultRequest* req,
-                                                         v1::RetrieveResultResponse* resp) {
-  auto* reactor = ctx->DefaultReactor();
+void TinkerdService::DoRetrieveResult(grpc::CallbackServerContext* ctx,
+                                      const v1::RetrieveResultRequest* req,
+                                      v1::RetrieveResultResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
-  if (!tenant) return reactor;
+  if (!tenant) return;
   JobResult r = scheduler_->Retrieve(req->model_id(), req->seq_id());
   if (r.ok()) *resp = *r;
-  reactor->Finish(ToGrpcStatus(r.status()));
-  return reactor;
+  reactor->Reply(ToGrpcStatus(r.status()));
 }
 
 namespace {
@@ -396,50 +529,69 @@ namespace {
 struct StreamState {
   absl::Mutex mu;
   std::deque<v1::Datum> queue ABSL_GUARDED_BY(mu);  // validated on arrival
-  bool closed ABSL_GUARDED_BY(mu) = false;          // the client sent every datum
-  absl::Status error ABSL_GUARDED_BY(mu);           // a bad datum, or the client went away
+  bool closed ABSL_GUARDED_BY(mu) = false;          // the client half-closed: every datum is here
+  absl::Status error ABSL_GUARDED_BY(mu);  // a bad or unparsable message, or the client went away
+  // Over the header and every datum in order (deterministic serializations): the payload part of
+  // the stream's retry key, complete once `closed` or `error` is set.
+  uint64_t digest ABSL_GUARDED_BY(mu) = kFnv64Basis;
 };
 
 // StreamForwardBackward: the header opens a job in the model's seq_id order; datums are
 // validated on arrival and queued; the job feeds them to the runner's stream (which runs full
-// micro-batches as they fill) and commits when the client closes the stream.
-class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBackwardMessage> {
+// micro-batches as they fill) and commits only when the client half-closed cleanly. Anything
+// else (a bad or unparsable message, a cancel, a disconnect) discards the whole stream.
+//
+// A stream for a seq_id already used is a retry (or a conflict): its payload is known only once
+// it is complete, so it is read to the end first and submitted then, with its digest, to be
+// compared with the earlier request's.
+class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  StreamReactor(TinkerdService* svc, v1::ForwardBackwardOutput* resp,
+  StreamReactor(TinkerdService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp,
                 absl::StatusOr<std::string> tenant)
-      : svc_(svc), resp_(resp), tenant_(std::move(tenant)) {
+      : svc_(svc), ctx_(ctx), resp_(resp), tenant_(std::move(tenant)) {
     if (!tenant_.ok()) {
       FinishOnce(tenant_.status());
       return;
     }
-    StartRead(&msg_);
+    StartRead(&buf_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client closed its side (or the call ended)
-      if (!submitted_) {
-        FinishOnce(absl::InvalidArgumentError("stream: closed before its header"));
-      } else {
-        absl::MutexLock lock(&state_->mu);
-        state_->closed = true;
-      }
-      svc_->scheduler()->Wake();
+    if (!ok) {  // the client half-closed, or the call failed: told apart in OnReadsEnded
+      OnReadsEnded();
       return;
     }
-    if (!submitted_) {
-      if (!msg_.has_header()) {
+    const size_t index = messages_++;
+    v1::StreamForwardBackwardMessage msg;
+    if (!grpc::SerializationTraits<v1::StreamForwardBackwardMessage>::Deserialize(&buf_, &msg)
+             .ok()) {
+      const absl::Status st = absl::InvalidArgumentError(absl::StrCat(
+          "stream message ", index, ": does not parse as a StreamForwardBackwardMessage"));
+      if (!opened_) {
+        FinishOnce(st);
+      } else {
+        Fail(st);
+      }
+      return;
+    }
+    if (!opened_) {
+      if (!msg.has_header()) {
         FinishOnce(absl::InvalidArgumentError("stream: the first message must be a header"));
         return;
       }
-      Open(msg_.header());
-      if (!submitted_) return;
-    } else if (!msg_.has_datum()) {
-      Fail(absl::InvalidArgumentError("stream: after the header, only datums may follow"));
+      if (!Open(msg.header())) return;
+    } else if (!msg.has_datum()) {
+      Fail(absl::InvalidArgumentError(
+          absl::StrCat("stream message ", index, ": after the header, only datums may follow")));
       return;
     } else {
-      auto d = DatumFromProto(msg_.datum(), received_);
+      auto d = DatumFromProto(msg.datum(), received_);
       absl::Status st = d.status();
       if (st.ok()) st = ValidateData({*d}, *loss_spec_, svc_->limits());
+      {
+        absl::MutexLock lock(&state_->mu);
+        state_->digest = PayloadHash(msg, state_->digest);
+      }
       if (!st.ok()) {
         Fail(absl::InvalidArgumentError(
             absl::StrCat("stream datum ", received_, ": ", st.message())));
@@ -447,14 +599,35 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
       }
       ++received_;
       absl::MutexLock lock(&state_->mu);
-      state_->queue.push_back(msg_.datum());
+      state_->queue.push_back(std::move(*msg.mutable_datum()));
     }
     svc_->scheduler()->Wake();
-    StartRead(&msg_);
+    StartRead(&buf_);
+  }
+
+  // A read fails alike for a half-close and for a cancel or a disconnect, and OnCancel may come
+  // later still. Sending the initial metadata tells them apart: it fails once the client's side
+  // of the call is gone, and succeeds on a call the client only half-closed.
+  void OnSendInitialMetadataDone(bool ok) override {
+    if (!ok || ctx_->IsCancelled()) {
+      Fail(absl::CancelledError(
+          "stream: the client cancelled or went away before closing it; nothing was applied"));
+      return;
+    }
+    if (received_ == 0) {  // as for a unary call with an empty batch
+      Fail(absl::InvalidArgumentError("data: the stream closed without datums"));
+      return;
+    }
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->closed = true;
+    }
+    if (replay_) Submit();
+    svc_->scheduler()->Wake();
   }
 
   void OnCancel() override {
-    if (state_) {
+    {
       absl::MutexLock lock(&state_->mu);
       if (state_->error.ok()) state_->error = absl::CancelledError("stream: client cancelled");
     }
@@ -464,25 +637,64 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
   void OnDone() override { delete this; }
 
  private:
-  void Open(const v1::StreamHeader& h) {
+  void OnReadsEnded() {
+    if (!opened_) {
+      FinishOnce(absl::InvalidArgumentError("stream: closed before its header"));
+      return;
+    }
+    {
+      absl::MutexLock lock(&finish_mu_);
+      if (finished_) return;  // answered already (say, the seq_id was refused)
+    }
+    StartSendInitialMetadata();
+  }
+
+  // Whether to read on: false once the stream has its answer.
+  bool Open(const v1::StreamHeader& h) {
     if (absl::Status own = svc_->CheckOwner(h.model_id(), *tenant_); !own.ok()) {
       FinishOnce(own);
-      return;
+      return false;
     }
     auto loss = ResolveLoss(h.loss_fn().name(), ConfigFromProto(h.loss_fn()));
+    header_ = h;
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->digest = PayloadHash(h);
+      // An invalid header still takes its seq_id, answered with the error, as an invalid unary
+      // request does: the model's later requests are not held up behind it.
+      if (!loss.ok()) state_->error = loss.status();
+    }
+    opened_ = true;
+    replay_ = svc_->scheduler()->Used(h.model_id(), h.seq_id());
     if (!loss.ok()) {
-      FinishOnce(loss.status());
-      return;
+      Submit();
+      return false;
     }
     loss_spec_ = loss->spec;
-    state_ = std::make_shared<StreamState>();
-    auto state = state_;
+    if (!replay_) Submit();
+    return true;
+  }
+
+  // Queues the stream's job: at once for a new seq_id (it runs while datums arrive, its digest
+  // taken when it finishes), or for a retry once the stream is complete.
+  void Submit() {
+    std::shared_ptr<StreamState> state = state_;
     ReplicatedRunner* runner = svc_->runner();
     auto stream_id = std::make_shared<int64_t>(0);
-    const std::string model_id = h.model_id();
-    const v1::LossFn loss_fn = h.loss_fn();
+    const std::string model_id = header_.model_id();
+    const v1::LossFn loss_fn = header_.loss_fn();
     JobSpec job;
-    job.payload_hash = PayloadHash(h);
+    job.kind = "StreamForwardBackward";
+    {
+      absl::MutexLock lock(&state->mu);
+      job.payload_hash = state->digest;
+    }
+    if (!replay_) {
+      job.final_hash = [state] {
+        absl::MutexLock lock(&state->mu);
+        return state->digest;
+      };
+    }
     job.ready = [state] {
       absl::MutexLock lock(&state->mu);
       return !state->queue.empty() || state->closed || !state->error.ok();
@@ -522,20 +734,27 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
     job.on_drop = [runner, stream_id] {
       if (*stream_id) runner->AbortStream(*stream_id);
     };
-    submitted_ = true;
-    svc_->scheduler()->Submit(model_id, h.seq_id(), std::move(job), [this](const JobResult& r) {
-      if (r.ok()) *resp_ = r->forward_backward();
-      FinishOnce(r.status());
-    });
+    svc_->scheduler()->Submit(
+        model_id, header_.seq_id(), std::move(job), [this](const JobResult& r) {
+          if (r.ok()) {
+            const std::string bytes = r->forward_backward().SerializeAsString();
+            grpc::Slice slice(bytes);
+            *resp_ = grpc::ByteBuffer(&slice, 1);
+          }
+          FinishOnce(r.status());
+        });
   }
 
-  // A bad datum: the job sees the error and answers with it, keeping the seq_id order intact.
+  // The stream failed after its header: the job sees the error and answers with it, keeping the
+  // seq_id order intact. No read is started again.
   void Fail(absl::Status st) {
     Scheduler* scheduler = svc_->scheduler();  // read before the job can finish and free us
+    const bool submit = replay_;
     {
       absl::MutexLock lock(&state_->mu);
       if (state_->error.ok()) state_->error = st;
     }
+    if (submit) Submit();
     scheduler->Wake();
   }
 
@@ -551,12 +770,17 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
   }
 
   TinkerdService* svc_;
-  v1::ForwardBackwardOutput* resp_;
+  grpc::CallbackServerContext* ctx_;
+  grpc::ByteBuffer* resp_;
   absl::StatusOr<std::string> tenant_;
-  v1::StreamForwardBackwardMessage msg_;
-  std::shared_ptr<StreamState> state_;
+  grpc::ByteBuffer buf_;
+  // Created up front: OnCancel may run on another thread at any time.
+  const std::shared_ptr<StreamState> state_ = std::make_shared<StreamState>();
+  v1::StreamHeader header_;
   const LossSpec* loss_spec_ = nullptr;
-  bool submitted_ = false;
+  bool opened_ = false;  // the header was valid
+  bool replay_ = false;  // a retry: submitted once complete
+  size_t messages_ = 0;
   size_t received_ = 0;
   absl::Mutex finish_mu_;
   bool finished_ = false;
@@ -564,9 +788,9 @@ class StreamReactor final : public grpc::ServerReadReactor<v1::StreamForwardBack
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::StreamForwardBackwardMessage>* TinkerdService::StreamForwardBackward(
-    grpc::CallbackServerContext* ctx, v1::ForwardBackwardOutput* resp) {
-  return new StreamReactor(this, resp, keys_.Authenticate(ctx));
+grpc::ServerReadReactor<grpc::ByteBuffer>* TinkerdService::StreamForwardBackward(
+    grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp) {
+  return new StreamReactor(this, ctx, resp, keys_.Authenticate(ctx));
 }
 
 }  // namespace tinkerd

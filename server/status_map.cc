@@ -52,7 +52,12 @@ grpc::StatusCode Code(absl::StatusCode c) {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(Code(status.code()), std::string(status.message()));
+  // The message travels in metadata: a long one (input echoed somewhere uncapped) would replace
+  // the answer with a metadata-size error. Messages quote input through Echo; this is the backstop.
+  constexpr size_t kMaxMessage = 1024;
+  std::string message(status.message().substr(0, kMaxMessage));
+  if (status.message().size() > kMaxMessage) message += "... (truncated)";
+  return grpc::Status(Code(status.code()), std::move(message));
 }
 
 }  // namespace tinkerd

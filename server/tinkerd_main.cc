@@ -31,6 +31,11 @@ ABSL_FLAG(std::string, device, "cpu",
 ABSL_FLAG(int64_t, micro_batch_tokens, 4096, "token budget of one packed micro-batch");
 ABSL_FLAG(int, threads, 0, "LibTorch intra-op threads (0: LibTorch's default)");
 ABSL_FLAG(int, max_models, 64, "models resident at once");
+ABSL_FLAG(int64_t, max_model_mb, 0,
+          "largest trainable state (parameters, gradients, AdamW moments) one model may hold, "
+          "MiB (0: only the memory budget limits it)");
+ABSL_FLAG(int64_t, memory_budget_mb, 0,
+          "trainable state all models together may hold, MiB (0: half the physical memory)");
 ABSL_FLAG(int, max_message_mb, 256, "largest request or response, MiB");
 ABSL_FLAG(int, max_pending_per_model, 64, "queued requests per model before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, result_cache_per_model, 256, "finished results kept per model for retries");
@@ -118,6 +123,8 @@ int main(int argc, char** argv) {
   rc.micro_batch_tokens = absl::GetFlag(FLAGS_micro_batch_tokens);
   rc.num_threads = absl::GetFlag(FLAGS_threads);
   rc.max_models = absl::GetFlag(FLAGS_max_models);
+  rc.max_model_bytes = absl::GetFlag(FLAGS_max_model_mb) << 20;
+  rc.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
   rc.device = absl::GetFlag(FLAGS_device);
   auto device = tinkerd::ParseDevice(rc.device);
   if (!device.ok()) {

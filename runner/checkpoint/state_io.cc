@@ -49,7 +49,8 @@ uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base) {
 }
 
 absl::Status WriteTrainingState(const Tenant& t, const CheckpointMeta& meta,
-                                bool include_accumulated, const std::string& dir) {
+                                const std::map<std::string, at::Tensor>* accumulated,
+                                const std::string& dir) {
   TrainingManifest m;
   auto save = [&](const std::string& name,
                   const std::map<std::string, at::Tensor>& tensors) -> absl::Status {
@@ -62,8 +63,8 @@ absl::Status WriteTrainingState(const Tenant& t, const CheckpointMeta& meta,
   std::map<std::string, at::Tensor> moments = Prefixed(t.exp_avg, "exp_avg.");
   for (auto& [k, v] : Prefixed(t.exp_avg_sq, "exp_avg_sq.")) moments[k] = v;
   RETURN_IF_ERROR(save("optimizer.safetensors", moments));
-  if (include_accumulated) {
-    RETURN_IF_ERROR(save("accumulators.safetensors", t.grad_sum));
+  if (accumulated != nullptr) {
+    RETURN_IF_ERROR(save("accumulators.safetensors", *accumulated));
     m.accumulated = Accumulated{t.accumulated_tokens, t.accumulated_sequences};
   }
   m.model_id = t.id;

@@ -22,8 +22,11 @@ struct CheckpointMeta {
   std::string training_dtype;  // "float32" or "float64"
 };
 
+// `accumulated`: the gradient sums to save with the counters (summed over data-parallel ranks),
+// or null to save none.
 absl::Status WriteTrainingState(const Tenant& t, const CheckpointMeta& meta,
-                                bool include_accumulated, const std::string& dir);
+                                const std::map<std::string, at::Tensor>* accumulated,
+                                const std::string& dir);
 
 struct LoadedState {
   CreateModelOptions options;

@@ -5,8 +5,9 @@
 // every file and the directory, renames it to a fresh P.v<K>, then atomically replaces the
 // symlink (rename of a new link over the old one) and only then removes the previous version.
 // So a reader sees the old checkpoint or the new one, never a partial one, and overwriting never
-// leaves a moment without a valid checkpoint; a crash leaves at worst unreferenced directories,
-// which the next commit in that folder removes.
+// leaves a moment without a valid checkpoint; a crash leaves at worst temporaries and
+// unreferenced versions, which the next commit in that folder (of any name) removes, as does
+// SweepCheckpointLeftovers at start-up.
 #pragma once
 
 #include <functional>
@@ -31,6 +32,10 @@ absl::StatusOr<std::string> ResolveCheckpoint(const std::string& path);
 
 // Names of complete checkpoints directly under `folder`, sorted.
 std::vector<std::string> ListCheckpoints(const std::string& folder);
+
+// Removes, in every folder under `root`, the leftovers of saves that are over (killed mid-way):
+// their temporaries and versions no checkpoint points to. Saves still running are left alone.
+void SweepCheckpointLeftovers(const std::string& root);
 
 // Removes the link and its directory. NOT_FOUND when absent.
 absl::Status DeleteCheckpoint(const std::string& path);

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "runner/util/echo.h"
 
 namespace tinkerd {
 
@@ -37,8 +38,9 @@ absl::StatusOr<ResolvedLoss> ResolveLoss(const std::string& name,
   if (spec == nullptr) {
     std::vector<std::string> names;
     for (const LossSpec& s : AllLossSpecs()) names.push_back(s.name);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "loss_fn: unknown loss '", name, "' (expected one of ", absl::StrJoin(names, ", "), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("loss_fn: unknown loss '", Echo(name),
+                                                   "' (expected one of ",
+                                                   absl::StrJoin(names, ", "), ")"));
   }
   ResolvedLoss r{spec, {}};
   for (const auto& [key, value] : config) {
@@ -46,12 +48,13 @@ absl::StatusOr<ResolvedLoss> ResolveLoss(const std::string& name,
       std::vector<std::string> keys;
       for (const auto& [k, v] : spec->config) keys.push_back(k);
       return absl::InvalidArgumentError(
-          absl::StrCat("loss_fn_config: key '", key, "' is not a parameter of ", name,
+          absl::StrCat("loss_fn_config: key '", Echo(key), "' is not a parameter of ", name,
                        keys.empty() ? " (it takes none)"
                                     : absl::StrCat(" (expected ", absl::StrJoin(keys, ", "), ")")));
     }
     if (!std::isfinite(value)) {
-      return absl::InvalidArgumentError(absl::StrCat("loss_fn_config: '", key, "' must be finite"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("loss_fn_config: '", Echo(key), "' must be finite"));
     }
   }
   for (const auto& [key, def] : spec->config) {

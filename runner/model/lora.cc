@@ -7,9 +7,7 @@
 
 namespace tinkerd {
 
-absl::StatusOr<LoraAdapter> LoraAdapter::Create(const ModelConfig& c, const LoraConfig& lora,
-                                                uint64_t seed, at::ScalarType dtype,
-                                                at::Device device) {
+absl::Status LoraAdapter::Validate(const LoraConfig& lora) {
   if (lora.rank <= 0 || lora.rank > 4096) {
     return absl::InvalidArgumentError("lora.rank: must be in [1, 4096]");
   }
@@ -20,40 +18,59 @@ absl::StatusOr<LoraAdapter> LoraAdapter::Create(const ModelConfig& c, const Lora
     return absl::InvalidArgumentError(
         "lora: at least one of train_attn, train_mlp, train_unembed must be true");
   }
-  LoraAdapter a;
-  a.scale_ = lora.alpha / static_cast<double>(lora.rank);
-  const int64_t r = lora.rank;
-  auto add = [&](const std::string& module, int64_t in, int64_t out) {
-    at::Tensor A = at::empty({r, in}, at::kDouble);
-    double* p = A.data_ptr<double>();
-    SplitMix64 g(MixSeed(seed, module.c_str()));
-    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-    for (int64_t i = 0; i < A.numel(); ++i) p[i] = g.Uniform(-bound, bound);
-    // Drawn on the host from a counter-based RNG, so the adapter is the same on every device.
-    LoraPair pair{A.to(device, dtype),
-                  at::zeros({out, r}, at::TensorOptions().dtype(dtype).device(device))};
-    pair.A_rI.set_requires_grad(true);
-    pair.B_Or.set_requires_grad(true);
-    a.pairs_[module] = std::move(pair);
-  };
+  return absl::OkStatus();
+}
+
+std::vector<LoraAdapter::Module> LoraAdapter::Modules(const ModelConfig& c,
+                                                      const LoraConfig& lora) {
+  std::vector<Module> out;
   const int64_t D = c.hidden_size, I = c.intermediate_size;
   const int64_t q_out = c.num_attention_heads * c.head_dim;
   const int64_t kv_out = c.num_key_value_heads * c.head_dim;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     if (lora.train_attn) {
-      add(p + "self_attn.q_proj", D, q_out);
-      add(p + "self_attn.k_proj", D, kv_out);
-      add(p + "self_attn.v_proj", D, kv_out);
-      add(p + "self_attn.o_proj", q_out, D);
+      out.push_back({p + "self_attn.q_proj", D, q_out});
+      out.push_back({p + "self_attn.k_proj", D, kv_out});
+      out.push_back({p + "self_attn.v_proj", D, kv_out});
+      out.push_back({p + "self_attn.o_proj", q_out, D});
     }
     if (lora.train_mlp) {
-      add(p + "mlp.gate_proj", D, I);
-      add(p + "mlp.up_proj", D, I);
-      add(p + "mlp.down_proj", I, D);
+      out.push_back({p + "mlp.gate_proj", D, I});
+      out.push_back({p + "mlp.up_proj", D, I});
+      out.push_back({p + "mlp.down_proj", I, D});
     }
   }
-  if (lora.train_unembed) add("lm_head", D, c.vocab_size);
+  if (lora.train_unembed) out.push_back({"lm_head", D, c.vocab_size});
+  return out;
+}
+
+int64_t LoraAdapter::CountValues(const ModelConfig& config, const LoraConfig& lora) {
+  int64_t n = 0;
+  for (const Module& m : Modules(config, lora)) n += lora.rank * (m.in + m.out);
+  return n;
+}
+
+absl::StatusOr<LoraAdapter> LoraAdapter::Create(const ModelConfig& c, const LoraConfig& lora,
+                                                uint64_t seed, at::ScalarType dtype,
+                                                at::Device device) {
+  if (absl::Status st = Validate(lora); !st.ok()) return st;
+  LoraAdapter a;
+  a.scale_ = lora.alpha / static_cast<double>(lora.rank);
+  const int64_t r = lora.rank;
+  for (const Module& m : Modules(c, lora)) {
+    at::Tensor A = at::empty({r, m.in}, at::kDouble);
+    double* p = A.data_ptr<double>();
+    SplitMix64 g(MixSeed(seed, m.name.c_str()));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(m.in));
+    for (int64_t i = 0; i < A.numel(); ++i) p[i] = g.Uniform(-bound, bound);
+    // Drawn on the host from a counter-based RNG, so the adapter is the same on every device.
+    LoraPair pair{A.to(device, dtype),
+                  at::zeros({m.out, r}, at::TensorOptions().dtype(dtype).device(device))};
+    pair.A_rI.set_requires_grad(true);
+    pair.B_Or.set_requires_grad(true);
+    a.pairs_[m.name] = std::move(pair);
+  }
   return a;
 }
 

@@ -7,6 +7,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "runner/model/config.h"
@@ -24,6 +25,11 @@ class LoraAdapter {
   // Adapts q,k,v,o (train_attn), gate,up,down (train_mlp) and lm_head (train_unembed).
   static absl::StatusOr<LoraAdapter> Create(const ModelConfig& config, const LoraConfig& lora,
                                             uint64_t seed, at::ScalarType dtype, at::Device device);
+  // INVALID_ARGUMENT naming the field when `lora` cannot make an adapter.
+  static absl::Status Validate(const LoraConfig& lora);
+  // Trainable values the adapter would hold, counted without allocating (admission control).
+  // `lora` must be valid.
+  static int64_t CountValues(const ModelConfig& config, const LoraConfig& lora);
 
   // The pair adapting `module` (an HF module path such as "model.layers.3.self_attn.q_proj"),
   // or null when that module is not adapted.
@@ -34,6 +40,12 @@ class LoraAdapter {
   std::map<std::string, at::Tensor> Parameters() const;
 
  private:
+  struct Module {
+    std::string name;
+    int64_t in, out;
+  };
+  static std::vector<Module> Modules(const ModelConfig& config, const LoraConfig& lora);
+
   double scale_ = 1.0;
   std::map<std::string, LoraPair> pairs_;
 };

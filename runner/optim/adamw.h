@@ -9,11 +9,9 @@
 
 #include "absl/status/status.h"
 #include "runner/types.h"
+#include "runner/validate.h"  // ValidateAdamParams: torch-free, so the server checks at its edge
 
 namespace tinkerd {
-
-// InvalidArgument naming the field when a hyper-parameter is out of range or not finite.
-absl::Status ValidateAdamParams(const AdamParams& p);
 
 // Updates `param`, `exp_avg`, `exp_avg_sq` in place. `grad` is read only.
 void AdamWUpdate(const AdamParams& p, int64_t step, const at::Tensor& grad, at::Tensor& param,

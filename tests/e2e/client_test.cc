@@ -133,16 +133,18 @@ TEST(Tinkerctl, HealthCreateInfoListDelete) {
   EXPECT_NE(hout.find("SERVING"), std::string::npos);
   auto [cc, cout] = Ctl(live, "create --lora_rank=8 --loss_reduction=sum");
   ASSERT_EQ(cc, 0) << cout;
-  EXPECT_NE(cout.find("model-0"), std::string::npos) << cout;
-  auto [ic, iout] = Ctl(live, "info model-0");
+  const size_t at = cout.find("model-");
+  ASSERT_NE(at, std::string::npos) << cout;
+  const std::string id = cout.substr(at, cout.find_first_not_of("model-0123456789abcdef", at) - at);
+  auto [ic, iout] = Ctl(live, "info " + id);
   EXPECT_EQ(ic, 0) << iout;
   EXPECT_NE(iout.find("sum"), std::string::npos) << iout;
-  EXPECT_EQ(live.server->runner()->GetInfo("model-0")->lora.rank, 8);
+  EXPECT_EQ(live.server->runner()->GetInfo(id)->lora.rank, 8);
   auto [lc, lout] = Ctl(live, "list");
-  EXPECT_NE(lout.find("model-0"), std::string::npos) << lout;
-  EXPECT_EQ(Ctl(live, "delete model-0").first, 0);
-  EXPECT_EQ(Ctl(live, "info model-0").first, 1);  // NOT_FOUND now
-  EXPECT_EQ(Ctl(live, "frobnicate").first, 2);    // usage error
+  EXPECT_NE(lout.find(id), std::string::npos) << lout;
+  EXPECT_EQ(Ctl(live, "delete " + id).first, 0);
+  EXPECT_EQ(Ctl(live, "info " + id).first, 1);  // NOT_FOUND now
+  EXPECT_EQ(Ctl(live, "frobnicate").first, 2);  // usage error
 }
 
 }  // namespace
