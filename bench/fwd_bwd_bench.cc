@@ -373,14 +373,16 @@ double PeakRssMB() {
 // The CUDA caching allocator's peak, from the matmul probe's end to the last training step.
 void ResetPeakDeviceMemory(const at::Device& device) {
 #ifdef TINKERD_BENCH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : 0);
+  if (device.is_cuda())
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : 0);
 #endif
 }
 
 double PeakDeviceMemoryMB(const at::Device& device) {
 #ifdef TINKERD_BENCH_CUDA
   if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.has_index() ? device.index() : 0);
+    const auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.has_index() ? device.index() : 0);
     return static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0);
   }
 #endif

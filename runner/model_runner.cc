@@ -166,9 +166,9 @@ struct ModelRunner::Impl {
     for (const auto& [id, t] : tenants) used += t.state_bytes;
     if (used + bytes > memory_budget) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "create_model: the server's memory budget for models (", Bytes(memory_budget),
-          ") has ", Bytes(std::max<int64_t>(0, memory_budget - used)),
-          " left; this model needs ", Bytes(bytes), ". Delete a model, or retry later"));
+          "create_model: the server's memory budget for models (", Bytes(memory_budget), ") has ",
+          Bytes(std::max<int64_t>(0, memory_budget - used)), " left; this model needs ",
+          Bytes(bytes), ". Delete a model, or retry later"));
     }
     return absl::OkStatus();
   }

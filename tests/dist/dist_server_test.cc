@@ -138,7 +138,8 @@ TEST(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare) {
   v1::LossFn ce;
   ce.set_name("cross_entropy");
   // Four sequences: the ranks split them, so each holds part of the gradient.
-  auto fb = tc->ForwardBackward(Wire(RandomData(g, {9, 31, 4, 17}, "cross_entropy", 128)), ce).get();
+  auto fb =
+      tc->ForwardBackward(Wire(RandomData(g, {9, 31, 4, 17}, "cross_entropy", 128)), ce).get();
   ASSERT_TRUE(fb.ok()) << fb.status().message();
 
   v1::SaveStateRequest save;
@@ -177,7 +178,8 @@ TEST(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare) {
   auto p1 = conn->Attach(info->model_id(), 4)->Forward(probe, ce).get();
   auto p2 = conn->Attach(restored.model_id(), 2)->Forward(probe, ce).get();
   ASSERT_TRUE(p1.ok() && p2.ok());
-  EXPECT_EQ(client::ToFloats(p1->outputs(0).logprobs()), client::ToFloats(p2->outputs(0).logprobs()));
+  EXPECT_EQ(client::ToFloats(p1->outputs(0).logprobs()),
+            client::ToFloats(p2->outputs(0).logprobs()));
   kill(job.pid, SIGTERM);
   EXPECT_EQ(ExitCode(job.pid), 0);
 }

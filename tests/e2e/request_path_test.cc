@@ -346,7 +346,8 @@ TEST(RequestPath, UnparsableRequestIsInvalidArgument) {
                                             "DeleteCheckpoint",
                                             "RetrieveResult"};
   // Field 1 (a string in every request) holding invalid UTF-8, then a field cut short.
-  for (const std::string& bytes : {std::string("\x0a\x01\xff", 3), std::string("\x0a\x7f\x01", 3)}) {
+  for (const std::string& bytes :
+       {std::string("\x0a\x01\xff", 3), std::string("\x0a\x7f\x01", 3)}) {
     for (const std::string& m : methods) {
       if (m == "ListModels" && bytes[1] == 1) continue;  // no string field: an unknown field
       grpc::ClientContext ctx;
