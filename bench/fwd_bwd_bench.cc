@@ -363,11 +363,33 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Peak resident set of this process (ru_maxrss is in KiB on Linux).
+// Peak resident set of this process over its whole life (ru_maxrss is in KiB on Linux): the
+// set-up (writing and loading the model) included.
 double PeakRssMB() {
   struct rusage ru {};
   getrusage(RUSAGE_SELF, &ru);
   return static_cast<double>(ru.ru_maxrss) / 1024.0;
+}
+
+// Peak resident set since the last ResetPeakRss (VmHWM), or -1 where /proc cannot say. Training
+// memory is measured from the first step, so that generating and loading the model's weights,
+// which a server does once, do not hide how memory grows with tokens.
+double PeakRssSinceResetMB() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  double kb = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "VmHWM: %lf kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb < 0 ? -1 : kb / 1024.0;
+}
+void ResetPeakRss() {
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);  // 5: reset the peak resident set size (proc(5))
+    std::fclose(f);
+  }
 }
 
 // The CUDA caching allocator's peak, from the matmul probe's end to the last training step.
@@ -506,6 +528,7 @@ int Run(const Flags& f) {
               f.device.c_str(), static_cast<long long>(f.matmul_reps), matmul_gflops,
               at::get_num_threads());
   ResetPeakDeviceMemory(device);
+  ResetPeakRss();
 
   // 5. Training steps: one ForwardBackward over the whole batch (the runner packs micro-batches
   // itself) and one OptimStep, exactly what a client's training step costs.
@@ -548,9 +571,12 @@ int Run(const Flags& f) {
   const double peak_device_mb = PeakDeviceMemoryMB(device);
   matmul_gflops =
       std::max(matmul_gflops, MeasureMatmulGflops(f.matmul_n, f.matmul_reps, matmul_dtype, device));
-  const double peak_rss_mb = PeakRssMB();
-  std::printf("memory: peak RSS %.0f MB, peak device allocation %.0f MB\n", peak_rss_mb,
-              peak_device_mb);
+  const double peak_rss_mb = PeakRssSinceResetMB();
+  const double process_peak_rss_mb = PeakRssMB();
+  std::printf(
+      "memory: peak RSS over the training steps %.0f MB (whole process, set-up included: "
+      "%.0f MB), peak device allocation %.0f MB\n",
+      peak_rss_mb, process_peak_rss_mb, peak_device_mb);
 
   const double step_med = Median(step_s);
   const double tokens_per_s = static_cast<double>(tokens_per_step) / step_med;
@@ -574,7 +600,8 @@ int Run(const Flags& f) {
       "\"tokens_per_step\":%lld,\"sequences\":%lld,\"flops_per_step\":%.6e,"
       "\"attn_flops_per_step\":%.6e,\"first_loss\":%.8f,\"threads\":%d,"
       "\"micro_batch_tokens\":%lld,\"steps\":%lld,\"warmup_steps\":%lld,"
-      "\"peak_rss_mb\":%.1f,\"peak_device_mb\":%.1f,\"device\":\"%s\",\"compute_dtype\":\"%s\","
+      "\"peak_rss_mb\":%.1f,\"process_peak_rss_mb\":%.1f,\"peak_device_mb\":%.1f,\"device\":\"%s\","
+      "\"compute_dtype\":\"%s\","
       "\"activation_checkpointing\":%lld,\"full_finetune\":%lld}\n",
       tokens_per_s, step_med, Median(fb_s), Median(optim_s), mfu, matmul_gflops, achieved_gflops,
       static_cast<long long>(flops.total_params), static_cast<long long>(flops.matmul_params),
@@ -582,7 +609,7 @@ int Run(const Flags& f) {
       static_cast<long long>(batch.size()), flops.Total(), flops.attn_flops, first_loss,
       at::get_num_threads(), static_cast<long long>(f.micro_batch_tokens),
       static_cast<long long>(f.steps), static_cast<long long>(f.warmup_steps), peak_rss_mb,
-      peak_device_mb, f.device.c_str(), f.compute_dtype.c_str(),
+      process_peak_rss_mb, peak_device_mb, f.device.c_str(), f.compute_dtype.c_str(),
       static_cast<long long>(f.activation_checkpointing), static_cast<long long>(f.full_finetune));
   std::fflush(stdout);
   return 0;

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runner/util/log.h"
+#include "runner/util/status_macros.h"
 #include "server/convert.h"
 
 namespace tinkerd {
@@ -39,6 +40,22 @@ absl::StatusOr<std::string> RunCreate(ModelRunner* r, const v1::CreateModelReque
 }
 
 }  // namespace
+
+absl::Status AgreeOnOutcome(Collectives* c, const absl::Status& mine) {
+  // A runner command changes a rank's state only when it succeeds, so ranks that all failed (with
+  // whatever codes) still hold the same state; ranks that differ in success no longer do.
+  ASSIGN_OR_RETURN(
+      std::vector<std::string> all,
+      c->AllGatherBytes(mine.ok() ? std::string("ok")
+                                  : absl::StrCat("failed: ", mine.ToString().substr(0, 400))));
+  for (size_t r = 1; r < all.size(); ++r) {
+    if ((all[r] == "ok") != (all[0] == "ok")) {
+      return absl::DataLossError(
+          absl::StrCat("the ranks diverged: rank 0 ", all[0], "; rank ", r, " ", all[r]));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
   using C = v1::internal::Command;
@@ -119,10 +136,14 @@ absl::StatusOr<T> ReplicatedRunner::Replicate(const v1::internal::Command& cmd,
     }
   }
   absl::StatusOr<T> r = apply();
+  if (collectives_->world_size() == 1) return r;
   // Only collectives fail with UNAVAILABLE inside the runner: the ranks are out of step now.
-  if (!r.ok() && r.status().code() == absl::StatusCode::kUnavailable &&
-      collectives_->world_size() > 1) {
+  if (!r.ok() && r.status().code() == absl::StatusCode::kUnavailable) {
     MarkBroken(r.status());
+    return broken_;
+  }
+  if (absl::Status agreed = AgreeOnOutcome(collectives_.get(), r.status()); !agreed.ok()) {
+    MarkBroken(agreed);
     return broken_;
   }
   return r;
@@ -280,10 +301,14 @@ absl::Status ReplicatedRunner::FollowerLoop(ModelRunner* runner, Collectives* co
       TLOG_INFO("rank 0 shut down; exiting");
       return absl::OkStatus();
     }
-    // Errors are the same on every rank (same data, same state) and rank 0 reports them; only a
-    // failed collective means this rank is out of step.
+    // Rank 0 reports errors to the client; a failed collective, or an outcome other than the
+    // other ranks', means this rank is out of step, and the job ends.
     absl::Status st = ApplyCommand(runner, cmd);
     if (st.code() == absl::StatusCode::kUnavailable) return st;
+    if (absl::Status agreed = AgreeOnOutcome(collectives, st); !agreed.ok()) {
+      TLOG_ERROR("{}", std::string(agreed.message()));
+      return agreed;
+    }
   }
 }
 

@@ -73,5 +73,10 @@ class ReplicatedRunner {
 
 // Applies one command to a runner (what every rank does with rank 0's broadcast).
 absl::Status ApplyCommand(ModelRunner* runner, const v1::internal::Command& cmd);
+// After each command every rank shares whether it succeeded. DATA_LOSS when some succeeded and
+// others failed: their states differ from then on (say, a rank that could not read a checkpoint,
+// or one started with a smaller --memory_budget_mb that refused a model). UNAVAILABLE when the
+// exchange itself fails.
+absl::Status AgreeOnOutcome(Collectives* collectives, const absl::Status& mine);
 
 }  // namespace tinkerd

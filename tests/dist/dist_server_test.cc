@@ -1,14 +1,17 @@
 // A data-parallel tinkerd (2 real ranks via --nproc, Gloo on loopback) driven by the real client:
 // the same results as the single-process runner, and a killed rank turns the server unhealthy with
 // clear errors within a bounded time instead of hanging clients.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <future>
 
 #include "client/client.h"
+#include "runner/dist/dist_config.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {
@@ -19,15 +22,23 @@ struct Job {
   int port = 0;
 };
 
-Job StartJob(const std::vector<std::string>& flags) {
+// A tinkerd process with `flags`; `env` set in it (without, --nproc makes the job). Waits for
+// rank 0's "listening" line; other ranks print none.
+Job StartJob(const std::vector<std::string>& flags,
+             const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  const bool rank0 = std::none_of(env.begin(), env.end(), [](const auto& kv) {
+    return kv.first == "RANK" && kv.second != "0";
+  });
   int out[2];
   EXPECT_EQ(pipe(out), 0);
   Job j;
   j.pid = fork();
   if (j.pid == 0) {
-    dup2(out[1], STDOUT_FILENO);
+    // Other ranks log to a sink: a closed pipe would end them with SIGPIPE.
+    dup2(rank0 ? out[1] : open("/dev/null", O_WRONLY), STDOUT_FILENO);
     close(out[0]);
     unsetenv("WORLD_SIZE");
+    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
     std::vector<std::string> args = {"tinkerd", "--listen=127.0.0.1:0", "--threads=1"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
@@ -37,6 +48,10 @@ Job StartJob(const std::vector<std::string>& flags) {
     _exit(127);
   }
   close(out[1]);
+  if (!rank0) {
+    close(out[0]);
+    return j;
+  }
   FILE* f = fdopen(out[0], "r");
   char line[512];
   while (fgets(line, sizeof(line), f) != nullptr) {
@@ -182,6 +197,58 @@ TEST(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare) {
             client::ToFloats(p2->outputs(0).logprobs()));
   kill(job.pid, SIGTERM);
   EXPECT_EQ(ExitCode(job.pid), 0);
+}
+
+// Ranks that differ on whether a command succeeded no longer hold the same state: the job stops
+// serving rather than train on, diverged. Here rank 1 runs with a memory budget too small for a
+// model rank 0 admits (ranks on machines of other sizes, or launched with other flags).
+TEST(DataParallelServer, RanksThatDisagreeOnAnOutcomeStopTheJob) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("llama"));
+  const std::vector<std::pair<std::string, std::string>> env = {
+      {"WORLD_SIZE", "2"},
+      {"MASTER_ADDR", "127.0.0.1"},
+      {"MASTER_PORT", std::to_string(FreeLoopbackPort())}};
+  auto with = [&](const std::string& rank) {
+    auto e = env;
+    e.push_back({"RANK", rank});
+    e.push_back({"LOCAL_RANK", rank});
+    return e;
+  };
+  const std::vector<std::string> flags = {"--base_model=" + model, "--compute_dtype=float64",
+                                          "--heartbeat_s=1", "--collective_timeout_s=10"};
+  std::vector<std::string> rank1_flags = flags;
+  rank1_flags.push_back("--memory_budget_mb=1");
+  Job rank1 = StartJob(rank1_flags, with("1"));
+  Job rank0 = StartJob(flags, with("0"));
+  ASSERT_GT(rank0.port, 0);
+  client::ClientOptions o;
+  o.target = "127.0.0.1:" + std::to_string(rank0.port);
+  o.max_attempts = 1;
+  auto conn = client::Connection::Create(o);
+  auto create = [&](int rank) {
+    v1::CreateModelRequest req;
+    req.mutable_lora()->set_rank(rank);
+    req.mutable_lora()->set_train_attn(true);
+    req.mutable_lora()->set_train_mlp(true);
+    req.mutable_lora()->set_train_unembed(true);
+    return conn->CreateModel(req);
+  };
+  // Control: a model both ranks admit (rank 4: 148 KiB of trainable state in float64).
+  auto small = create(4);
+  ASSERT_TRUE(small.ok()) << small.status().message();
+  ASSERT_TRUE(*conn->Health());
+  // Rank 64 needs 2.3 MiB: rank 0 admits it, rank 1 cannot.
+  auto big = create(64);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kUnavailable) << big.status();
+  EXPECT_NE(big.status().message().find("diverged"), std::string::npos) << big.status();
+  EXPECT_NE(big.status().message().find("memory budget"), std::string::npos) << big.status();
+  auto health = conn->Health();
+  EXPECT_TRUE(health.ok() && !*health) << "still serving after the ranks diverged";
+  EXPECT_NE(ExitCode(rank1.pid), 0);  // the diverged follower ends
+  kill(rank0.pid, SIGTERM);
+  ExitCode(rank0.pid);
 }
 
 TEST(DataParallelServer, KilledRankMakesServerUnhealthyWithinBound) {
