@@ -24,7 +24,7 @@
 #include "runner/model/safetensors.h"
 #include "runner/model/tiny_model.h"
 #include "runner/model/weights.h"
-#include "runner/tenant.h"
+#include "runner/train_step.h"
 #include "runner/util/echo.h"
 #include "runner/util/exception_status.h"
 #include "runner/util/log.h"
@@ -94,7 +94,7 @@ struct ModelRunner::Impl {
   uint64_t base_fingerprint = 0;
   std::unique_ptr<RopeCache> rope;  // cos/sin rows shared by every model of this base
   mutable absl::Mutex mu;
-  std::map<std::string, Tenant> tenants ABSL_GUARDED_BY(mu);
+  std::map<std::string, ModelState> models ABSL_GUARDED_BY(mu);
 
   struct Stream {
     std::unique_ptr<CallStage> stage;
@@ -130,9 +130,9 @@ struct ModelRunner::Impl {
                            .rope = rope.get()},
             config.test_hooks.get()};
   }
-  absl::StatusOr<Tenant*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    auto it = tenants.find(id);
-    if (it == tenants.end())
+  absl::StatusOr<ModelState*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = models.find(id);
+    if (it == models.end())
       return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(id), "'"));
     return &it->second;
   }
@@ -163,7 +163,7 @@ struct ModelRunner::Impl {
           " (a smaller lora.rank, or fewer adapted modules, fits)"));
     }
     int64_t used = 0;
-    for (const auto& [id, t] : tenants) used += t.state_bytes;
+    for (const auto& [id, t] : models) used += t.state_bytes;
     if (used + bytes > memory_budget) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "create_model: the server's memory budget for models (", Bytes(memory_budget), ") has ",
@@ -263,17 +263,17 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
     ASSIGN_OR_RETURN(id, NewModelId());
   }
   absl::MutexLock lock(&impl_->mu);
-  if (impl_->tenants.count(id)) {
+  if (impl_->models.count(id)) {
     return absl::AlreadyExistsError(absl::StrCat("create_model: model ", Echo(id), " exists"));
   }
-  if (static_cast<int>(impl_->tenants.size()) >= impl_->config.max_models) {
+  if (static_cast<int>(impl_->models.size()) >= impl_->config.max_models) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "create_model: the server holds its maximum of ", impl_->config.max_models, " models"));
   }
   ASSIGN_OR_RETURN(const int64_t state_bytes, impl_->StateBytes(options));
   RETURN_IF_ERROR(impl_->Admit(state_bytes));
   return Guarded("create_model", [&]() -> absl::StatusOr<std::string> {
-    Tenant t;
+    ModelState t;
     t.options = options;
     const at::ScalarType train_dtype = impl_->TrainDType();
     if (options.lora) {
@@ -305,7 +305,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
     }
     t.id = id;
     t.state_bytes = state_bytes;
-    impl_->tenants.emplace(id, std::move(t));
+    impl_->models.emplace(id, std::move(t));
     TLOG_INFO("create_model {}: {} reduction={}", id,
               options.lora ? absl::StrCat("lora rank=", options.lora->rank) : "full",
               std::string(LossReductionName(options.loss_reduction)));
@@ -318,7 +318,7 @@ absl::Status ModelRunner::DeleteModel(const std::string& model_id) {
   for (auto it = impl_->streams.begin(); it != impl_->streams.end();) {
     it = it->second.stage->model_id() == model_id ? impl_->streams.erase(it) : std::next(it);
   }
-  if (impl_->tenants.erase(model_id) == 0) {
+  if (impl_->models.erase(model_id) == 0) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return absl::OkStatus();
@@ -327,13 +327,13 @@ absl::Status ModelRunner::DeleteModel(const std::string& model_id) {
 std::vector<std::string> ModelRunner::ListModels() const {
   absl::MutexLock lock(&impl_->mu);
   std::vector<std::string> ids;
-  for (const auto& [id, t] : impl_->tenants) ids.push_back(id);
+  for (const auto& [id, t] : impl_->models) ids.push_back(id);
   return ids;
 }
 
 absl::StatusOr<ModelInfo> ModelRunner::GetInfo(const std::string& model_id) const {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   ModelInfo info;
   info.model_id = t->id;
   info.base_model = impl_->config.base_model_path;
@@ -355,7 +355,7 @@ absl::StatusOr<ForwardBackwardResult> ModelRunner::Forward(
     const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
     const std::map<std::string, double>& loss_fn_config) {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
   RETURN_IF_ERROR(ValidateData(data, *loss.spec, impl_->Limits()));
   return Guarded("forward", [&] { return RunForward(impl_->Context(), *t, data, loss, false); });
@@ -365,7 +365,7 @@ absl::StatusOr<ForwardBackwardResult> ModelRunner::ForwardBackward(
     const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
     const std::map<std::string, double>& loss_fn_config) {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
   ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
   RETURN_IF_ERROR(ValidateData(data, *loss.spec, impl_->Limits()));
@@ -376,7 +376,7 @@ absl::StatusOr<ForwardBackwardResult> ModelRunner::ForwardBackward(
 absl::StatusOr<OptimStepResult> ModelRunner::OptimStep(const std::string& model_id,
                                                        const AdamParams& params) {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
   return Guarded("optim_step", [&] { return ApplyOptimStep(impl_->Context(), *t, params); });
 }
@@ -385,7 +385,7 @@ absl::StatusOr<int64_t> ModelRunner::BeginStream(
     const std::string& model_id, const std::string& loss_fn,
     const std::map<std::string, double>& loss_fn_config) {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
   ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
   return Guarded("stream", [&]() -> absl::StatusOr<int64_t> {
@@ -446,7 +446,7 @@ void ModelRunner::AbortStream(int64_t stream_id) {
 absl::Status ModelRunner::SaveState(const std::string& model_id, const std::string& path,
                                     const SaveStateOptions& options) {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   if (t->accumulated_tokens > 0 && !options.include_accumulated) {
     return absl::FailedPreconditionError(
         absl::StrCat("save_state: model ", model_id, " has ", t->accumulated_tokens,
@@ -481,7 +481,7 @@ namespace {
 // Copies a checked checkpoint into a model. Called with the runner's lock held, after
 // CheckCompatible, so it cannot fail halfway.
 // `rank`: the checkpoint's gradient sum goes to rank 0, zeros to the others (see SaveState).
-void ApplyLoadedState(Tenant& t, const LoadedState& s, bool with_optimizer, int rank) {
+void ApplyLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer, int rank) {
   at::NoGradGuard no_grad;
   for (auto& [name, p] : t.params) {
     p.copy_(s.params.at(name));
@@ -517,7 +517,7 @@ absl::StatusOr<LoadedState> ModelRunner::Impl::ReadState(const std::string& path
 absl::Status ModelRunner::LoadState(const std::string& model_id, const std::string& path,
                                     bool with_optimizer) {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
   if (t->accumulated_tokens > 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -543,7 +543,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
   if (!s.ok()) return s.status();
   ASSIGN_OR_RETURN(std::string id, CreateModel(s->options, model_id));
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(id));
   absl::Status st = CheckCompatible(*t, *s);
   if (st.ok()) {
     st = Guarded("load_state", [&]() -> absl::Status {
@@ -552,7 +552,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
     });
   }
   if (!st.ok()) {
-    impl_->tenants.erase(id);
+    impl_->models.erase(id);
     return st;
   }
   return id;
@@ -562,7 +562,7 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
                                                 const std::string& path, bool merged,
                                                 bool overwrite) {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   return Guarded("save_weights_for_sampler", [&] {
     return CommitCheckpoint(path, overwrite, [&](const std::string& dir) {
       return merged ? WriteMergedModel(*t, impl_->model_config, impl_->base, dir)
@@ -574,7 +574,7 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
 absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string& model_id,
                                                                StateKind kind) const {
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(Tenant * t, impl_->Find(model_id));
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   const std::map<std::string, at::Tensor>* src = &t->params;
   if (kind == StateKind::kGrads) src = &t->grad_sum;
   if (kind == StateKind::kAdamExpAvg) src = &t->exp_avg;

@@ -1,5 +1,7 @@
 // The training step: forward/backward over packed micro-batches into staged gradients, and the
 // optimizer step. Shape suffixes: T tokens of a micro-batch.
+#include "runner/train_step.h"
+
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -14,12 +16,11 @@
 #include "runner/optim/adamw.h"
 #include "runner/packing/karmarkar_karp.h"
 #include "runner/packing/micro_batch.h"
-#include "runner/tenant.h"
 
 namespace tinkerd {
 namespace {
 
-const BaseWeights& WeightsOf(const StepContext& ctx, const Tenant& t) {
+const BaseWeights& WeightsOf(const StepContext& ctx, const ModelState& t) {
   return t.full ? *t.full : *ctx.base;
 }
 
@@ -51,9 +52,9 @@ at::Tensor GatherInt(const std::vector<Datum>& data, const std::vector<int>& mb,
 
 }  // namespace
 
-CallStage::CallStage(const StepContext& ctx, Tenant& tenant, ResolvedLoss loss, bool backward)
-    : ctx_(ctx), tenant_(tenant), loss_(std::move(loss)), backward_(backward) {
-  for (const auto& [name, p] : tenant_.params) {
+CallStage::CallStage(const StepContext& ctx, ModelState& model, ResolvedLoss loss, bool backward)
+    : ctx_(ctx), model_(model), loss_(std::move(loss)), backward_(backward) {
+  for (const auto& [name, p] : model_.params) {
     params_.push_back(p);
     if (backward_) staged_.push_back(at::zeros_like(p).set_requires_grad(false));
   }
@@ -65,7 +66,7 @@ void CallStage::Run(const std::vector<Datum>& data) {
   const at::ScalarType dt = ctx_.compute_dtype == at::kDouble ? at::kDouble : at::kFloat;
   const at::TensorOptions on_device = at::TensorOptions().dtype(dt).device(ctx_.device);
   const std::string& mask_key = loss_.spec->implicit_mask_input;
-  const bool seq_token_mean = tenant_.options.loss_reduction == LossReduction::kSeqMeanTokenMean;
+  const bool seq_token_mean = model_.options.loss_reduction == LossReduction::kSeqMeanTokenMean;
   std::vector<int64_t> lengths;
   for (const Datum& d : data) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
   const size_t first_output = result_.outputs.size();
@@ -116,8 +117,8 @@ void CallStage::Run(const std::vector<Datum>& data) {
     at::Tensor scale_T = at::from_blob(scale.data(), {T}, at::kDouble)
                              .to(on_device, /*non_blocking=*/false, /*copy=*/true);
 
-    const BaseWeights& weights = WeightsOf(ctx_, tenant_);
-    const LoraAdapter* lora = tenant_.lora ? &*tenant_.lora : nullptr;
+    const BaseWeights& weights = WeightsOf(ctx_, model_);
+    const LoraAdapter* lora = model_.lora ? &*model_.lora : nullptr;
     kernels::LogprobHeadParams head;
     head.hidden_TD = ForwardHidden(*ctx_.config, weights, lora, batch, ctx_.forward);
     head.weight_VD = weights.lm_head_VD;
@@ -209,22 +210,22 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
     // The only place a call changes training state.
     at::NoGradGuard no_grad;
     size_t k = 0;
-    for (auto& [name, g] : tenant_.grad_sum) g.add_(staged_[k++]);
-    tenant_.accumulated_tokens += counts[0];
-    tenant_.accumulated_sequences += counts[1];
+    for (auto& [name, g] : model_.grad_sum) g.add_(staged_[k++]);
+    model_.accumulated_tokens += counts[0];
+    model_.accumulated_sequences += counts[1];
     if (ctx_.test_hooks && ctx_.test_hooks->allreduce_accumulator_per_call) {
       std::vector<at::Tensor> acc;
-      for (auto& [name, g] : tenant_.grad_sum) acc.push_back(g);
+      for (auto& [name, g] : model_.grad_sum) acc.push_back(g);
       if (auto st = c.AllReduceSumGradients(acc); !st.ok()) return st;
     }
   }
   return result;
 }
 
-absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant& tenant,
+absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelState& model,
                                                  const std::vector<Datum>& data,
                                                  const ResolvedLoss& loss, bool backward) {
-  CallStage stage(ctx, tenant, loss, backward);
+  CallStage stage(ctx, model, loss, backward);
   absl::Status local = absl::OkStatus();
   try {
     stage.Run(data);
@@ -236,7 +237,7 @@ absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant&
   return stage.Commit(local);
 }
 
-absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, Tenant& t,
+absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelState& t,
                                                const AdamParams& p) {
   if (auto st = ValidateAdamParams(p); !st.ok()) return st;
   if (t.accumulated_tokens == 0) {

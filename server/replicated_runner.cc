@@ -57,48 +57,65 @@ absl::Status AgreeOnOutcome(Collectives* c, const absl::Status& mine) {
   return absl::OkStatus();
 }
 
-absl::Status ApplyCommand(ModelRunner* r, const v1::internal::Command& cmd) {
+absl::StatusOr<CommandResult> Execute(ModelRunner* r, const v1::internal::Command& cmd) {
   using C = v1::internal::Command;
+  CommandResult out;
   switch (cmd.op_case()) {
-    case C::kCreateModel:
-      return RunCreate(r, cmd.create_model(), cmd.new_model_id()).status();
+    case C::kCreateModel: {
+      ASSIGN_OR_RETURN(out.model_id, RunCreate(r, cmd.create_model(), cmd.new_model_id()));
+      return out;
+    }
     case C::kDeleteModel:
-      return r->DeleteModel(cmd.delete_model());
-    case C::kForwardBackward:
-      return RunFwdBwd(r, cmd.forward_backward(), true).status();
-    case C::kForward:
-      return RunFwdBwd(r, cmd.forward(), false).status();
-    case C::kOptimStep:
-      return r
-          ->OptimStep(cmd.optim_step().model_id(), AdamFromProto(cmd.optim_step().adam_params()))
-          .status();
-    case C::kStreamBegin:
-      return r
-          ->BeginStream(cmd.stream_begin().model_id(), cmd.stream_begin().loss_fn().name(),
-                        ConfigFromProto(cmd.stream_begin().loss_fn()))
-          .status();
+      RETURN_IF_ERROR(r->DeleteModel(cmd.delete_model()));
+      return out;
+    case C::kForwardBackward: {
+      ASSIGN_OR_RETURN(out.forward, RunFwdBwd(r, cmd.forward_backward(), true));
+      return out;
+    }
+    case C::kForward: {
+      ASSIGN_OR_RETURN(out.forward, RunFwdBwd(r, cmd.forward(), false));
+      return out;
+    }
+    case C::kOptimStep: {
+      const auto& o = cmd.optim_step();
+      ASSIGN_OR_RETURN(out.step, r->OptimStep(o.model_id(), AdamFromProto(o.adam_params())));
+      return out;
+    }
+    case C::kStreamBegin: {
+      const auto& b = cmd.stream_begin();
+      ASSIGN_OR_RETURN(out.stream_id, r->BeginStream(b.model_id(), b.loss_fn().name(),
+                                                     ConfigFromProto(b.loss_fn())));
+      return out;
+    }
     case C::kStreamAppend:
-      return RunAppend(r, cmd.stream_append());
-    case C::kStreamFinish:
-      return r->FinishStream(cmd.stream_finish()).status();
+      RETURN_IF_ERROR(RunAppend(r, cmd.stream_append()));
+      return out;
+    case C::kStreamFinish: {
+      ASSIGN_OR_RETURN(out.forward, r->FinishStream(cmd.stream_finish()));
+      return out;
+    }
     case C::kStreamAbort:
       r->AbortStream(cmd.stream_abort());
-      return absl::OkStatus();
+      return out;
     case C::kLoadState: {
       const auto& l = cmd.load_state();
-      if (l.model_id().empty())
-        return r->CreateModelFromState(l.fs_path(), l.with_optimizer(), cmd.new_model_id())
-            .status();
-      return r->LoadState(l.model_id(), l.fs_path(), l.with_optimizer());
+      if (l.model_id().empty()) {
+        ASSIGN_OR_RETURN(out.model_id, r->CreateModelFromState(l.fs_path(), l.with_optimizer(),
+                                                               cmd.new_model_id()));
+        return out;
+      }
+      RETURN_IF_ERROR(r->LoadState(l.model_id(), l.fs_path(), l.with_optimizer()));
+      return out;
     }
     case C::kSaveState:
-      return RunSave(r, cmd.save_state());
+      RETURN_IF_ERROR(RunSave(r, cmd.save_state()));
+      return out;
     case C::kPing:
     case C::kShutdown:
     case C::OP_NOT_SET:
-      return absl::OkStatus();
+      return out;
   }
-  return absl::OkStatus();
+  return out;
 }
 
 ReplicatedRunner::ReplicatedRunner(ModelRunner* runner, std::shared_ptr<Collectives> collectives)
@@ -122,9 +139,7 @@ void ReplicatedRunner::MarkBroken(const absl::Status& why) {
   if (on_broken_) on_broken_(broken_);
 }
 
-template <typename T>
-absl::StatusOr<T> ReplicatedRunner::Replicate(const v1::internal::Command& cmd,
-                                              const std::function<absl::StatusOr<T>()>& apply) {
+absl::StatusOr<CommandResult> ReplicatedRunner::Replicate(const v1::internal::Command& cmd) {
   absl::MutexLock lock(&mu_);
   if (!broken_.ok()) return broken_;
   if (shut_down_) return absl::UnavailableError("server is shutting down");
@@ -135,7 +150,7 @@ absl::StatusOr<T> ReplicatedRunner::Replicate(const v1::internal::Command& cmd,
       return broken_;
     }
   }
-  absl::StatusOr<T> r = apply();
+  absl::StatusOr<CommandResult> r = Execute(runner_, cmd);
   if (collectives_->world_size() == 1) return r;
   // Only collectives fail with UNAVAILABLE inside the runner: the ranks are out of step now.
   if (!r.ok() && r.status().code() == absl::StatusCode::kUnavailable) {
@@ -150,38 +165,32 @@ absl::StatusOr<T> ReplicatedRunner::Replicate(const v1::internal::Command& cmd,
 }
 
 absl::StatusOr<std::string> ReplicatedRunner::CreateModel(const v1::CreateModelRequest& req) {
-  auto id = ModelRunner::NewModelId();
-  if (!id.ok()) return id.status();
   v1::internal::Command c;
   *c.mutable_create_model() = req;
-  c.set_new_model_id(*id);
-  return Replicate<std::string>(c, [&] { return RunCreate(runner_, req, *id); });
+  ASSIGN_OR_RETURN(*c.mutable_new_model_id(), ModelRunner::NewModelId());
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  return std::move(r.model_id);
 }
 
 absl::Status ReplicatedRunner::DeleteModel(const std::string& model_id) {
   v1::internal::Command c;
   c.set_delete_model(model_id);
-  return Replicate<bool>(c,
-                         [&]() -> absl::StatusOr<bool> {
-                           auto st = runner_->DeleteModel(model_id);
-                           if (!st.ok()) return st;
-                           return true;
-                         })
-      .status();
+  return Replicate(c).status();
 }
 
 absl::StatusOr<ForwardBackwardResult> ReplicatedRunner::ForwardBackward(
     const v1::ForwardBackwardRequest& req, bool backward) {
   v1::internal::Command c;
   *(backward ? c.mutable_forward_backward() : c.mutable_forward()) = req;
-  return Replicate<ForwardBackwardResult>(c, [&] { return RunFwdBwd(runner_, req, backward); });
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  return std::move(r.forward);
 }
 
 absl::StatusOr<OptimStepResult> ReplicatedRunner::OptimStep(const v1::OptimStepRequest& req) {
   v1::internal::Command c;
   *c.mutable_optim_step() = req;
-  return Replicate<OptimStepResult>(
-      c, [&] { return runner_->OptimStep(req.model_id(), AdamFromProto(req.adam_params())); });
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  return r.step;
 }
 
 absl::StatusOr<int64_t> ReplicatedRunner::BeginStream(const std::string& model_id,
@@ -189,36 +198,28 @@ absl::StatusOr<int64_t> ReplicatedRunner::BeginStream(const std::string& model_i
   v1::internal::Command c;
   c.mutable_stream_begin()->set_model_id(model_id);
   *c.mutable_stream_begin()->mutable_loss_fn() = loss;
-  return Replicate<int64_t>(
-      c, [&] { return runner_->BeginStream(model_id, loss.name(), ConfigFromProto(loss)); });
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  return r.stream_id;
 }
 
 absl::Status ReplicatedRunner::StreamAppend(int64_t stream_id, const std::vector<v1::Datum>& data) {
   v1::internal::Command c;
   c.mutable_stream_append()->set_stream_id(stream_id);
   for (const v1::Datum& d : data) *c.mutable_stream_append()->add_data() = d;
-  return Replicate<bool>(c,
-                         [&]() -> absl::StatusOr<bool> {
-                           auto st = RunAppend(runner_, c.stream_append());
-                           if (!st.ok()) return st;
-                           return true;
-                         })
-      .status();
+  return Replicate(c).status();
 }
 
 absl::StatusOr<ForwardBackwardResult> ReplicatedRunner::FinishStream(int64_t stream_id) {
   v1::internal::Command c;
   c.set_stream_finish(stream_id);
-  return Replicate<ForwardBackwardResult>(c, [&] { return runner_->FinishStream(stream_id); });
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  return std::move(r.forward);
 }
 
 void ReplicatedRunner::AbortStream(int64_t stream_id) {
   v1::internal::Command c;
   c.set_stream_abort(stream_id);
-  (void)Replicate<bool>(c, [&]() -> absl::StatusOr<bool> {
-    runner_->AbortStream(stream_id);
-    return true;
-  });
+  (void)Replicate(c);
 }
 
 absl::Status ReplicatedRunner::LoadState(const std::string& model_id, const std::string& fs_path,
@@ -227,13 +228,7 @@ absl::Status ReplicatedRunner::LoadState(const std::string& model_id, const std:
   c.mutable_load_state()->set_model_id(model_id);
   c.mutable_load_state()->set_fs_path(fs_path);
   c.mutable_load_state()->set_with_optimizer(with_optimizer);
-  return Replicate<bool>(c,
-                         [&]() -> absl::StatusOr<bool> {
-                           auto st = runner_->LoadState(model_id, fs_path, with_optimizer);
-                           if (!st.ok()) return st;
-                           return true;
-                         })
-      .status();
+  return Replicate(c).status();
 }
 
 absl::Status ReplicatedRunner::SaveState(const std::string& model_id, const std::string& fs_path,
@@ -245,32 +240,24 @@ absl::Status ReplicatedRunner::SaveState(const std::string& model_id, const std:
   s->set_overwrite(options.overwrite);
   s->set_include_accumulated(options.include_accumulated);
   s->set_last_seq_id(options.last_seq_id);
-  return Replicate<bool>(c,
-                         [&]() -> absl::StatusOr<bool> {
-                           auto st = RunSave(runner_, *s);
-                           if (!st.ok()) return st;
-                           return true;
-                         })
-      .status();
+  return Replicate(c).status();
 }
 
 absl::StatusOr<std::string> ReplicatedRunner::CreateModelFromState(const std::string& fs_path,
                                                                    bool with_optimizer) {
-  auto id = ModelRunner::NewModelId();
-  if (!id.ok()) return id.status();
   v1::internal::Command c;
   c.mutable_load_state()->set_fs_path(fs_path);
   c.mutable_load_state()->set_with_optimizer(with_optimizer);
-  c.set_new_model_id(*id);
-  return Replicate<std::string>(
-      c, [&] { return runner_->CreateModelFromState(fs_path, with_optimizer, *id); });
+  ASSIGN_OR_RETURN(*c.mutable_new_model_id(), ModelRunner::NewModelId());
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  return std::move(r.model_id);
 }
 
 absl::Status ReplicatedRunner::Ping() {
   if (collectives_->world_size() == 1) return absl::OkStatus();
   v1::internal::Command c;
   c.set_ping(true);
-  return Replicate<bool>(c, []() -> absl::StatusOr<bool> { return true; }).status();
+  return Replicate(c).status();
 }
 
 void ReplicatedRunner::Shutdown() {
@@ -303,7 +290,7 @@ absl::Status ReplicatedRunner::FollowerLoop(ModelRunner* runner, Collectives* co
     }
     // Rank 0 reports errors to the client; a failed collective, or an outcome other than the
     // other ranks', means this rank is out of step, and the job ends.
-    absl::Status st = ApplyCommand(runner, cmd);
+    absl::Status st = Execute(runner, cmd).status();
     if (st.code() == absl::StatusCode::kUnavailable) return st;
     if (absl::Status agreed = AgreeOnOutcome(collectives, st); !agreed.ok()) {
       TLOG_ERROR("{}", std::string(agreed.message()));

@@ -23,6 +23,14 @@
 
 namespace tinkerd {
 
+// What a command answers; rank 0 returns it to the client, followers drop it.
+struct CommandResult {
+  std::string model_id;           // create_model, load_state into a new model
+  int64_t stream_id = 0;          // stream_begin
+  ForwardBackwardResult forward;  // forward, forward_backward, stream_finish
+  OptimStepResult step;           // optim_step
+};
+
 class ReplicatedRunner {
  public:
   ReplicatedRunner(ModelRunner* runner, std::shared_ptr<Collectives> collectives);
@@ -57,10 +65,9 @@ class ReplicatedRunner {
   static absl::Status FollowerLoop(ModelRunner* runner, Collectives* collectives);
 
  private:
-  // Broadcasts `cmd` (world size > 1), then runs `apply` on this rank; one command at a time.
-  template <typename T>
-  absl::StatusOr<T> Replicate(const v1::internal::Command& cmd,
-                              const std::function<absl::StatusOr<T>()>& apply);
+  // Broadcasts `cmd` (world size > 1), executes it here as every follower does, and agrees with
+  // the other ranks on the outcome; one command at a time.
+  absl::StatusOr<CommandResult> Replicate(const v1::internal::Command& cmd);
   void MarkBroken(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ModelRunner* runner_;
@@ -71,8 +78,9 @@ class ReplicatedRunner {
   std::function<void(const absl::Status&)> on_broken_;
 };
 
-// Applies one command to a runner (what every rank does with rank 0's broadcast).
-absl::Status ApplyCommand(ModelRunner* runner, const v1::internal::Command& cmd);
+// The one dispatch of a command to a runner: rank 0 executes what it broadcasts, and every
+// follower what it receives, through this function alone.
+absl::StatusOr<CommandResult> Execute(ModelRunner* runner, const v1::internal::Command& cmd);
 // After each command every rank shares whether it succeeded. DATA_LOSS when some succeeded and
 // others failed: their states differ from then on (say, a rank that could not read a checkpoint,
 // or one started with a smaller --memory_budget_mb that refused a model). UNAVAILABLE when the

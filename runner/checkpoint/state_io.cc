@@ -48,7 +48,7 @@ uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base) {
   return Fnv64(bytes);
 }
 
-absl::Status WriteTrainingState(const Tenant& t, const CheckpointMeta& meta,
+absl::Status WriteTrainingState(const ModelState& t, const CheckpointMeta& meta,
                                 const std::map<std::string, at::Tensor>* accumulated,
                                 const std::string& dir) {
   TrainingManifest m;
@@ -125,7 +125,7 @@ absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t b
   return s;
 }
 
-absl::Status CheckCompatible(const Tenant& t, const LoadedState& s) {
+absl::Status CheckCompatible(const ModelState& t, const LoadedState& s) {
   auto describe = [](const std::optional<LoraConfig>& l) {
     return l ? absl::StrCat("LoRA rank ", l->rank, " (attn ", l->train_attn, ", mlp ", l->train_mlp,
                             ", unembed ", l->train_unembed, ")")
@@ -155,7 +155,7 @@ absl::Status CheckCompatible(const Tenant& t, const LoadedState& s) {
   return absl::OkStatus();
 }
 
-absl::Status WritePeftAdapter(const Tenant& t, const std::string& base_model,
+absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model,
                               const std::string& dir) {
   if (!t.options.lora) {
     return absl::FailedPreconditionError(
@@ -192,8 +192,8 @@ absl::Status WritePeftAdapter(const Tenant& t, const std::string& base_model,
   return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));
 }
 
-absl::Status WriteMergedModel(const Tenant& t, const ModelConfig& config, const BaseWeights& base,
-                              const std::string& dir) {
+absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
+                              const BaseWeights& base, const std::string& dir) {
   at::NoGradGuard no_grad;
   ModelConfig out = config;
   std::map<std::string, at::Tensor> w;

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "runner/tenant.h"
+#include "runner/model_state.h"
 
 namespace tinkerd {
 
@@ -24,7 +24,7 @@ struct CheckpointMeta {
 
 // `accumulated`: the gradient sums to save with the counters (summed over data-parallel ranks),
 // or null to save none.
-absl::Status WriteTrainingState(const Tenant& t, const CheckpointMeta& meta,
+absl::Status WriteTrainingState(const ModelState& t, const CheckpointMeta& meta,
                                 const std::map<std::string, at::Tensor>* accumulated,
                                 const std::string& dir);
 
@@ -43,14 +43,14 @@ absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t b
                                               at::ScalarType dtype);
 
 // Checks that `s` fits `t` (same adapter layout and shapes): FAILED_PRECONDITION otherwise.
-absl::Status CheckCompatible(const Tenant& t, const LoadedState& s);
+absl::Status CheckCompatible(const ModelState& t, const LoadedState& s);
 
 // PEFT adapter (adapter_config.json + adapter_model.safetensors, PEFT/vLLM tensor names).
-absl::Status WritePeftAdapter(const Tenant& t, const std::string& base_model,
+absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model,
                               const std::string& dir);
 // Full weights in Hugging Face layout with the adapter merged in; loadable as a base model.
-absl::Status WriteMergedModel(const Tenant& t, const ModelConfig& config, const BaseWeights& base,
-                              const std::string& dir);
+absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
+                              const BaseWeights& base, const std::string& dir);
 
 // A cheap identity of the base model: its config and a sample of its weights.
 uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base);

@@ -1,11 +1,10 @@
-// Internal: one trained model ("tenant") of a ModelRunner and the two functions that change its
-// training state. Shape suffixes: T tokens of a micro-batch, V vocab.
+// Internal: the two functions that change a model's training state, forward(_backward) into its
+// gradient sums and the optimizer step, and the call stage they share with streams. Shape
+// suffixes: T tokens of a micro-batch, V vocab.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <map>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,32 +12,14 @@
 #include "runner/dist/collectives.h"
 #include "runner/loss/loss_spec.h"
 #include "runner/model/config.h"
-#include "runner/model/lora.h"
 #include "runner/model/transformer.h"
+#include "runner/model_state.h"
 #include "runner/runner_config.h"
 #include "runner/types.h"
 
 namespace tinkerd {
 
-struct Tenant {
-  std::string id;
-  CreateModelOptions options;
-  std::optional<LoraAdapter> lora;  // LoRA models
-  std::optional<BaseWeights> full;  // full fine-tuning: this model's own copy of every weight
-  // Trainable tensors by name (sorted), and per name the fp32-or-wider gradient accumulator and
-  // AdamW moments. Accumulators hold raw sums: see DESIGN.md §3.
-  std::map<std::string, at::Tensor> params;
-  std::map<std::string, at::Tensor> grad_sum;
-  std::map<std::string, at::Tensor> exp_avg;
-  std::map<std::string, at::Tensor> exp_avg_sq;
-  int64_t state_bytes = 0;  // of params and accumulators, as admitted (ModelRunner::CreateModel)
-  int64_t accumulated_tokens = 0;     // global valid tokens since the last step
-  int64_t accumulated_sequences = 0;  // global valid sequences since the last step
-  int64_t step = 0;
-  int64_t skipped_steps = 0;
-};
-
-// Everything a training step needs besides the tenant.
+// Everything a training step needs besides the model's state.
 struct StepContext {
   const ModelConfig* config;
   const BaseWeights* base;
@@ -52,11 +33,11 @@ struct StepContext {
 
 // One logical forward(_backward) call in progress. Run() may be called many times (a stream);
 // each runs its datums in packed micro-batches into a staged gradient. Commit() adds the staged
-// gradient and the global counts to the tenant, once. Destroying a stage without Commit()
-// discards its contribution: the tenant is untouched until Commit.
+// gradient and the global counts to the model's state, once. Destroying a stage without Commit()
+// discards its contribution: the state is untouched until Commit.
 class CallStage {
  public:
-  CallStage(const StepContext& ctx, Tenant& tenant, ResolvedLoss loss, bool backward);
+  CallStage(const StepContext& ctx, ModelState& model, ResolvedLoss loss, bool backward);
   // Runs this rank's share of `data` (Karmarkar–Karp over token counts, the same partition on
   // every rank). Data must already be validated. Throws on LibTorch errors; the caller passes the
   // outcome to Commit, which every rank must reach so collectives line up.
@@ -64,15 +45,15 @@ class CallStage {
   // Agrees with every rank on `local` (this rank's outcome), sums counts and losses over ranks,
   // gathers per-datum outputs, and only if every rank succeeded adds the staged gradient.
   absl::StatusOr<ForwardBackwardResult> Commit(const absl::Status& local);
-  const std::string& model_id() const { return tenant_.id; }
+  const std::string& model_id() const { return model_.id; }
 
  private:
   StepContext ctx_;
-  Tenant& tenant_;
+  ModelState& model_;
   ResolvedLoss loss_;
   bool backward_;
   std::vector<at::Tensor> params_;
-  std::vector<at::Tensor> staged_;  // this call's gradient, same order as tenant_.params
+  std::vector<at::Tensor> staged_;  // this call's gradient, same order as model_.params
   ForwardBackwardResult result_;
   double loss_sum_ = 0;
   int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;
@@ -81,12 +62,12 @@ class CallStage {
 };
 
 // Runs `data` as one call: a CallStage run once and committed.
-absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, Tenant& tenant,
+absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelState& model,
                                                  const std::vector<Datum>& data,
                                                  const ResolvedLoss& loss, bool backward);
 
 // Normalize, reduce, clip, AdamW, clear. See ModelRunner::OptimStep.
-absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, Tenant& tenant,
+absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelState& model,
                                                const AdamParams& params);
 
 }  // namespace tinkerd
