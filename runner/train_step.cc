@@ -11,11 +11,13 @@
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kernels/logprob_head.h"
 #include "runner/loss/losses.h"
 #include "runner/optim/adamw.h"
 #include "runner/packing/karmarkar_karp.h"
 #include "runner/packing/micro_batch.h"
+#include "runner/util/status_macros.h"
 
 namespace tinkerd {
 namespace {
@@ -237,6 +239,34 @@ absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelSt
   return stage.Commit(local);
 }
 
+namespace {
+
+// After an optimizer step every replica must hold the same bits: the same reduced gradient was
+// applied to the same parameters. The ranks compare the step, the skipped steps and, per trainable
+// tensor, its float64 sum and sum of squares, written exactly (%a). A difference means a rank
+// diverged (a fault, a nondeterministic kernel, another base model): UNAVAILABLE, as for a failed
+// collective, so the server stops serving instead of training on with replicas that disagree.
+absl::Status CompareAcrossRanks(Collectives& c, const ModelState& t) {
+  if (c.world_size() == 1) return absl::OkStatus();
+  std::string digest = absl::StrCat(t.step, "/", t.skipped_steps);
+  for (const auto& [name, p] : t.params) {
+    const at::Tensor p64 = p.detach().to(at::kDouble);
+    absl::StrAppend(&digest, absl::StrFormat(" %a,%a", p64.sum().item<double>(),
+                                             p64.square().sum().item<double>()));
+  }
+  ASSIGN_OR_RETURN(std::vector<std::string> all, c.AllGatherBytes(digest));
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] != all[0]) {
+      return absl::UnavailableError(absl::StrCat("optim_step: the ranks diverged: after step ",
+                                                 t.step, " of model ", t.id, ", rank ", r,
+                                                 "'s trainable parameters differ from rank 0's"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelState& t,
                                                const AdamParams& p) {
   if (auto st = ValidateAdamParams(p); !st.ok()) return st;
@@ -302,6 +332,7 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   clear();
   t.step = step;
   r.step = step;
+  RETURN_IF_ERROR(CompareAcrossRanks(*ctx.collectives, t));
   return r;
 }
 

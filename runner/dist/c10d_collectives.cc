@@ -43,7 +43,7 @@ class C10dCollectives final : public Collectives {
         }
         at::Tensor bucket_N = at::cat(members).div_(ws);  // DDP's mean: divide, then SUM
         ReduceBucket(bucket_N);
-        if (options_.undo_mean_with_world_size) bucket_N.mul_(ws);
+        bucket_N.mul_(ws);  // the multiplication that turns DDP's mean back into our sum
         int64_t offset = 0;
         for (size_t k = i; k < j; ++k) {
           const int64_t n = grads[k].numel();

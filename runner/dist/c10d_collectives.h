@@ -13,10 +13,6 @@
 namespace tinkerd {
 
 struct C10dOptions {
-  // Gradients: DDP's mean all-reduce (each rank divides by world_size, then SUM), followed by the
-  // multiplication by world_size that turns the mean back into the sum our semantics need.
-  // Tests set this false to show that forgetting the factor is detected (a broken control).
-  bool undo_mean_with_world_size = true;
   // The model lives on a CUDA device: gradients are reduced over NCCL where LibTorch has it (a
   // second process group on the same store), else over Gloo through host memory.
   bool cuda_gradients = false;

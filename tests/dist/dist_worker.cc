@@ -2,19 +2,25 @@
 // environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes what it ended with (every
 // model's parameters, every step's gradient norm, every call's loss) as raw doubles to
 // --out.<rank>, so the test can compare world sizes.
-//   dist_worker --model_dir=D --out=F [--broken=none|no_world_size_factor|per_call_allreduce]
+//   dist_worker --model_dir=D --out=F
+//       [--broken=none|no_world_size_factor|per_call_allreduce|diverge_rank1]
+// With diverge_rank1, rank 1's replica is perturbed at the first step, and the worker exits 0 only
+// if that step fails with "diverged" on its rank.
 #include <cstdio>
 #include <fstream>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "runner/dist/c10d_collectives.h"
 #include "runner/util/log.h"
+#include "tests/dist/faulty_collectives.h"
 #include "tests/test_util.h"
 
 ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
-ABSL_FLAG(std::string, broken, "none", "none, no_world_size_factor or per_call_allreduce");
+ABSL_FLAG(std::string, broken, "none",
+          "none, no_world_size_factor, per_call_allreduce or diverge_rank1");
 
 namespace tinkerd::testing {
 namespace {
@@ -25,19 +31,21 @@ int Run() {
   dist->timeout = std::chrono::seconds(60);
   InitLogging(dist->rank, spdlog::level::warn);
   const std::string broken = absl::GetFlag(FLAGS_broken);
-  C10dOptions copts;
-  copts.undo_mean_with_world_size = broken != "no_world_size_factor";
-  auto collectives = MakeC10dCollectives(*dist, copts);
-  if (!collectives.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(collectives.status().message()).c_str());
+  auto c10d = MakeC10dCollectives(*dist);
+  if (!c10d.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(c10d.status().message()).c_str());
     return 3;
   }
+  Faults faults;
+  faults.forget_world_size_factor = broken == "no_world_size_factor";
+  if (broken == "diverge_rank1" && dist->rank == 1) faults.perturb_at_reduction = 0;
+  auto collectives = std::make_shared<FaultyCollectives>(*c10d, faults);
   RunnerConfig rc;
   rc.base_model_path = absl::GetFlag(FLAGS_model_dir);
   rc.compute_dtype = ComputeDType::kFloat64;
   rc.micro_batch_tokens = 16;
   rc.num_threads = 1;
-  rc.collectives = *collectives;
+  rc.collectives = collectives;
   rc.test_hooks = std::make_shared<RunnerConfig::TestHooks>();
   rc.test_hooks->allreduce_accumulator_per_call = broken == "per_call_allreduce";
   auto runner = ModelRunner::Create(rc);
@@ -84,6 +92,12 @@ int Run() {
       check(fs.status());
       out.push_back(fs->metrics.at("loss:sum"));
       auto os = r.OptimStep(*id, adam);
+      if (broken == "diverge_rank1") {
+        const bool caught = !os.ok() && absl::StrContains(os.status().message(), "diverged");
+        if (!caught)
+          std::fprintf(stderr, "rank %d: the diverged replica went unnoticed\n", dist->rank);
+        std::exit(caught ? 0 : 7);
+      }
       check(os.status());
       out.push_back(os->grad_norm);
       out.push_back(static_cast<double>(os->num_tokens));

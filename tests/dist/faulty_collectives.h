@@ -1,0 +1,60 @@
+// Collectives that forward to real ones (c10d over Gloo) and break them on purpose: the broken
+// controls and faults of the data-parallel tests. Production code carries no such switches.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runner/dist/collectives.h"
+
+namespace tinkerd::testing {
+
+struct Faults {
+  // The reduced gradient stays DDP's mean instead of the sum (the world-size factor forgotten).
+  bool forget_world_size_factor = false;
+  // At this gradient reduction (0-based), this rank adds 1e-3 to the first reduced value: its
+  // replica no longer matches the others'.
+  int perturb_at_reduction = -1;
+};
+
+class FaultyCollectives : public Collectives {
+ public:
+  FaultyCollectives(std::shared_ptr<Collectives> inner, Faults faults)
+      : inner_(std::move(inner)), faults_(faults) {}
+
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  absl::Status AllReduceSumGradients(std::vector<at::Tensor>& grads) override {
+    absl::Status st = inner_->AllReduceSumGradients(grads);
+    if (!st.ok()) return st;
+    if (faults_.forget_world_size_factor) {
+      for (at::Tensor& g : grads) g.div_(static_cast<double>(world_size()));
+    }
+    if (reductions_++ == faults_.perturb_at_reduction && !grads.empty()) {
+      grads[0].view(-1)[0].add_(1e-3);
+    }
+    return st;
+  }
+  absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) override {
+    return inner_->AllReduceSumCounts(counts);
+  }
+  absl::Status AllAgree(bool& ok) override { return inner_->AllAgree(ok); }
+  absl::Status AllReduceSumDoubles(std::vector<double>& values) override {
+    return inner_->AllReduceSumDoubles(values);
+  }
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine) override {
+    return inner_->AllGatherBytes(mine);
+  }
+  absl::Status BroadcastBytes(std::string& bytes, int root) override {
+    return inner_->BroadcastBytes(bytes, root);
+  }
+
+ private:
+  std::shared_ptr<Collectives> inner_;
+  Faults faults_;
+  int reductions_ = 0;
+};
+
+}  // namespace tinkerd::testing
