@@ -1,0 +1,287 @@
+#include "server/stream_reactor.h"
+
+#include <deque>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "runner/loss/loss_spec.h"
+#include "runner/util/echo.h"
+#include "runner/util/hash.h"
+#include "runner/validate.h"
+#include "server/convert.h"
+#include "server/status_map.h"
+
+namespace tinkerd {
+namespace {
+
+// What a stream's reactor (gRPC threads) and its job (scheduler thread) share.
+struct StreamState {
+  absl::Mutex mu;
+  std::deque<v1::Datum> queue ABSL_GUARDED_BY(mu);  // validated on arrival
+  bool closed ABSL_GUARDED_BY(mu) = false;          // the client half-closed: every datum is here
+  absl::Status error ABSL_GUARDED_BY(mu);  // a bad or unparsable message, or the client went away
+  // Over the header and every datum in order (deterministic serializations): the payload part of
+  // the stream's retry key, complete once `closed` or `error` is set.
+  uint64_t digest ABSL_GUARDED_BY(mu) = kFnv64Basis;
+};
+
+// StreamForwardBackward: the header opens a job in the model's seq_id order; datums are
+// validated on arrival and queued; the job feeds them to the runner's stream (which runs full
+// micro-batches as they fill) and commits only when the client half-closed cleanly. Anything
+// else (a bad or unparsable message, a cancel, a disconnect) discards the whole stream.
+//
+// A stream for a seq_id already used is a retry (or a conflict): its payload is known only once
+// it is complete, so it is read to the end first and submitted then, with its digest, to be
+// compared with the earlier request's.
+class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  StreamReactor(TinkerdService* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp,
+                absl::StatusOr<std::string> tenant)
+      : svc_(svc), ctx_(ctx), resp_(resp), tenant_(std::move(tenant)) {
+    if (!tenant_.ok()) {
+      FinishOnce(tenant_.status());
+      return;
+    }
+    StartRead(&buf_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed, or the call failed: told apart in OnReadsEnded
+      OnReadsEnded();
+      return;
+    }
+    const size_t index = messages_++;
+    v1::StreamForwardBackwardMessage msg;
+    if (!grpc::SerializationTraits<v1::StreamForwardBackwardMessage>::Deserialize(&buf_, &msg)
+             .ok()) {
+      const absl::Status st = absl::InvalidArgumentError(absl::StrCat(
+          "stream message ", index, ": does not parse as a StreamForwardBackwardMessage"));
+      if (!opened_) {
+        FinishOnce(st);
+      } else {
+        Fail(st);
+      }
+      return;
+    }
+    if (!opened_) {
+      if (!msg.has_header()) {
+        FinishOnce(absl::InvalidArgumentError("stream: the first message must be a header"));
+        return;
+      }
+      if (!Open(msg.header())) return;
+    } else if (!msg.has_datum()) {
+      Fail(absl::InvalidArgumentError(
+          absl::StrCat("stream message ", index, ": after the header, only datums may follow")));
+      return;
+    } else {
+      auto d = DatumFromProto(msg.datum(), received_);
+      absl::Status st = d.status();
+      if (st.ok()) st = ValidateData({*d}, *loss_spec_, svc_->limits());
+      {
+        absl::MutexLock lock(&state_->mu);
+        state_->digest = PayloadHash(msg, state_->digest);
+      }
+      if (!st.ok()) {
+        Fail(absl::InvalidArgumentError(
+            absl::StrCat("stream datum ", received_, ": ", st.message())));
+        return;
+      }
+      ++received_;
+      absl::MutexLock lock(&state_->mu);
+      state_->queue.push_back(std::move(*msg.mutable_datum()));
+    }
+    svc_->scheduler()->Wake();
+    StartRead(&buf_);
+  }
+
+  // A read fails alike for a half-close and for a cancel or a disconnect, and OnCancel may come
+  // later still. Sending the initial metadata tells them apart: it fails once the client's side
+  // of the call is gone, and succeeds on a call the client only half-closed.
+  void OnSendInitialMetadataDone(bool ok) override {
+    if (!ok || ctx_->IsCancelled()) {
+      Fail(absl::CancelledError(
+          "stream: the client cancelled or went away before closing it; nothing was applied"));
+      return;
+    }
+    if (received_ == 0) {  // as for a unary call with an empty batch
+      Fail(absl::InvalidArgumentError("data: the stream closed without datums"));
+      return;
+    }
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->closed = true;
+    }
+    if (replay_) Submit();
+    svc_->scheduler()->Wake();
+  }
+
+  void OnCancel() override {
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->error.ok()) state_->error = absl::CancelledError("stream: client cancelled");
+    }
+    svc_->scheduler()->Wake();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void OnReadsEnded() {
+    if (!opened_) {
+      FinishOnce(absl::InvalidArgumentError("stream: closed before its header"));
+      return;
+    }
+    {
+      absl::MutexLock lock(&finish_mu_);
+      if (finished_) return;  // answered already (say, the seq_id was refused)
+    }
+    StartSendInitialMetadata();
+  }
+
+  // Whether to read on: false once the stream has its answer.
+  bool Open(const v1::StreamHeader& h) {
+    if (absl::Status own = svc_->CheckOwner(h.model_id(), *tenant_); !own.ok()) {
+      FinishOnce(own);
+      return false;
+    }
+    auto loss = ResolveLoss(h.loss_fn().name(), ConfigFromProto(h.loss_fn()));
+    header_ = h;
+    {
+      absl::MutexLock lock(&state_->mu);
+      state_->digest = PayloadHash(h);
+      // An invalid header still takes its seq_id, answered with the error, as an invalid unary
+      // request does: the model's later requests are not held up behind it.
+      if (!loss.ok()) state_->error = loss.status();
+    }
+    opened_ = true;
+    replay_ = svc_->scheduler()->Used(h.model_id(), h.seq_id());
+    if (!loss.ok()) {
+      Submit();
+      return false;
+    }
+    loss_spec_ = loss->spec;
+    if (!replay_) Submit();
+    return true;
+  }
+
+  // Queues the stream's job: at once for a new seq_id (it runs while datums arrive, its digest
+  // taken when it finishes), or for a retry once the stream is complete.
+  void Submit() {
+    std::shared_ptr<StreamState> state = state_;
+    ReplicatedRunner* runner = svc_->runner();
+    auto stream_id = std::make_shared<int64_t>(0);
+    const std::string model_id = header_.model_id();
+    const v1::LossFn loss_fn = header_.loss_fn();
+    JobSpec job;
+    job.kind = "StreamForwardBackward";
+    {
+      absl::MutexLock lock(&state->mu);
+      job.payload_hash = state->digest;
+    }
+    if (!replay_) {
+      job.final_hash = [state] {
+        absl::MutexLock lock(&state->mu);
+        return state->digest;
+      };
+    }
+    job.ready = [state] {
+      absl::MutexLock lock(&state->mu);
+      return !state->queue.empty() || state->closed || !state->error.ok();
+    };
+    job.run = [state, runner, stream_id, model_id, loss_fn]() -> JobStep {
+      std::vector<v1::Datum> batch;
+      bool closed;
+      absl::Status error;
+      {
+        absl::MutexLock lock(&state->mu);
+        batch.assign(std::make_move_iterator(state->queue.begin()),
+                     std::make_move_iterator(state->queue.end()));
+        state->queue.clear();
+        closed = state->closed;
+        error = state->error;
+      }
+      auto fail = [&](absl::Status st) -> JobStep {
+        if (*stream_id) runner->AbortStream(*stream_id);
+        return {true, st};
+      };
+      if (!error.ok()) return fail(error);
+      if (*stream_id == 0) {
+        auto sid = runner->BeginStream(model_id, loss_fn);
+        if (!sid.ok()) return {true, sid.status()};
+        *stream_id = *sid;
+      }
+      if (!batch.empty()) {
+        if (auto st = runner->StreamAppend(*stream_id, batch); !st.ok()) return fail(st);
+      }
+      if (!closed) return JobStep{/*done=*/false};  // more datums to come: yield
+      auto r = runner->FinishStream(*stream_id);
+      if (!r.ok()) return {true, r.status()};
+      v1::RetrieveResultResponse out;
+      ResultToProto(*r, out.mutable_forward_backward());
+      return {true, out};
+    };
+    job.on_drop = [runner, stream_id] {
+      if (*stream_id) runner->AbortStream(*stream_id);
+    };
+    svc_->scheduler()->Submit(
+        model_id, header_.seq_id(), std::move(job), [this](const JobResult& r) {
+          if (r.ok()) {
+            const std::string bytes = r->forward_backward().SerializeAsString();
+            grpc::Slice slice(bytes);
+            *resp_ = grpc::ByteBuffer(&slice, 1);
+          }
+          FinishOnce(r.status());
+        });
+  }
+
+  // The stream failed after its header: the job sees the error and answers with it, keeping the
+  // seq_id order intact. No read is started again.
+  void Fail(absl::Status st) {
+    Scheduler* scheduler = svc_->scheduler();  // read before the job can finish and free us
+    const bool submit = replay_;
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->error.ok()) state_->error = st;
+    }
+    if (submit) Submit();
+    scheduler->Wake();
+  }
+
+  void FinishOnce(const absl::Status& st) {
+    {
+      absl::MutexLock lock(&finish_mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    // Outside the lock: Finish may lead gRPC to call OnDone, which deletes this reactor (and its
+    // mutex) on another thread before a lock guard here could release it.
+    Finish(ToGrpcStatus(st));
+  }
+
+  TinkerdService* svc_;
+  grpc::CallbackServerContext* ctx_;
+  grpc::ByteBuffer* resp_;
+  absl::StatusOr<std::string> tenant_;
+  grpc::ByteBuffer buf_;
+  // Created up front: OnCancel may run on another thread at any time.
+  const std::shared_ptr<StreamState> state_ = std::make_shared<StreamState>();
+  v1::StreamHeader header_;
+  const LossSpec* loss_spec_ = nullptr;
+  bool opened_ = false;  // the header was valid
+  bool replay_ = false;  // a retry: submitted once complete
+  size_t messages_ = 0;
+  size_t received_ = 0;
+  absl::Mutex finish_mu_;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewStreamReactor(TinkerdService* service,
+                                                            grpc::CallbackServerContext* ctx,
+                                                            grpc::ByteBuffer* resp,
+                                                            absl::StatusOr<std::string> tenant) {
+  return new StreamReactor(service, ctx, resp, std::move(tenant));
+}
+
+}  // namespace tinkerd
