@@ -351,26 +351,37 @@ absl::StatusOr<ModelInfo> ModelRunner::GetInfo(const std::string& model_id) cons
   return info;
 }
 
+absl::StatusOr<ForwardBackwardResult> ModelRunner::Forward(const std::string& model_id,
+                                                           const Batch& batch) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  return Guarded("forward", [&] {
+    return RunForward(impl_->Context(), *t, batch.data(), batch.loss(), false);
+  });
+}
+
+absl::StatusOr<ForwardBackwardResult> ModelRunner::ForwardBackward(const std::string& model_id,
+                                                                   const Batch& batch) {
+  absl::MutexLock lock(&impl_->mu);
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
+  return Guarded("forward_backward", [&] {
+    return RunForward(impl_->Context(), *t, batch.data(), batch.loss(), true);
+  });
+}
+
 absl::StatusOr<ForwardBackwardResult> ModelRunner::Forward(
     const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
     const std::map<std::string, double>& loss_fn_config) {
-  absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
-  ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
-  RETURN_IF_ERROR(ValidateData(data, *loss.spec, impl_->Limits()));
-  return Guarded("forward", [&] { return RunForward(impl_->Context(), *t, data, loss, false); });
+  ASSIGN_OR_RETURN(Batch batch, Batch::Check(data, loss_fn, loss_fn_config, limits()));
+  return Forward(model_id, batch);
 }
 
 absl::StatusOr<ForwardBackwardResult> ModelRunner::ForwardBackward(
     const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
     const std::map<std::string, double>& loss_fn_config) {
-  absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
-  RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
-  ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
-  RETURN_IF_ERROR(ValidateData(data, *loss.spec, impl_->Limits()));
-  return Guarded("forward_backward",
-                 [&] { return RunForward(impl_->Context(), *t, data, loss, true); });
+  ASSIGN_OR_RETURN(Batch batch, Batch::Check(data, loss_fn, loss_fn_config, limits()));
+  return ForwardBackward(model_id, batch);
 }
 
 absl::StatusOr<OptimStepResult> ModelRunner::OptimStep(const std::string& model_id,
@@ -399,12 +410,27 @@ absl::StatusOr<int64_t> ModelRunner::BeginStream(
 }
 
 absl::Status ModelRunner::StreamAppend(int64_t stream_id, std::vector<Datum> data) {
+  ResolvedLoss loss;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    auto it = impl_->streams.find(stream_id);
+    if (it == impl_->streams.end()) return absl::NotFoundError("stream: unknown or closed stream");
+    loss = it->second.loss;
+  }
+  ASSIGN_OR_RETURN(Batch batch, Batch::Check(std::move(data), std::move(loss), limits()));
+  return StreamAppend(stream_id, std::move(batch));
+}
+
+absl::Status ModelRunner::StreamAppend(int64_t stream_id, Batch batch) {
   absl::MutexLock lock(&impl_->mu);
   auto it = impl_->streams.find(stream_id);
   if (it == impl_->streams.end()) return absl::NotFoundError("stream: unknown or closed stream");
   Impl::Stream& s = it->second;
   RETURN_IF_ERROR(s.failed);
-  RETURN_IF_ERROR(ValidateData(data, *s.loss.spec, impl_->Limits()));
+  if (batch.loss().spec != s.loss.spec || batch.loss().config != s.loss.config) {
+    return absl::InvalidArgumentError("loss_fn: not the loss the stream began with");
+  }
+  std::vector<Datum> data = std::move(batch).TakeData();
   for (Datum& d : data) {
     s.buffered_tokens += static_cast<int64_t>(d.tokens.size());
     s.buffered.push_back(std::move(d));

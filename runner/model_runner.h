@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "runner/batch.h"
 #include "runner/runner_config.h"
 #include "runner/types.h"
 #include "runner/validate.h"
@@ -44,11 +45,15 @@ class ModelRunner {
   std::vector<std::string> ListModels() const;
 
   // Logprobs of target_tokens and the loss metrics, without touching any state.
+  absl::StatusOr<ForwardBackwardResult> Forward(const std::string& model_id, const Batch& batch);
+  // Accumulates the raw summed loss gradient of the batch. On error nothing is accumulated.
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const std::string& model_id,
+                                                        const Batch& batch);
+  // The same for callers holding unchecked datums (tests, benchmarks, embedders): Batch::Check
+  // against this runner's limits, then the above.
   absl::StatusOr<ForwardBackwardResult> Forward(
       const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
       const std::map<std::string, double>& loss_fn_config);
-
-  // Accumulates the raw summed loss gradient of `data`. On error nothing is accumulated.
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(
       const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
       const std::map<std::string, double>& loss_fn_config);
@@ -61,6 +66,8 @@ class ModelRunner {
   // OptimStep or stream (FAILED_PRECONDITION); the server orders requests so this never happens.
   absl::StatusOr<int64_t> BeginStream(const std::string& model_id, const std::string& loss_fn,
                                       const std::map<std::string, double>& loss_fn_config);
+  // The batch's loss must be the stream's. The vector form checks the datums first.
+  absl::Status StreamAppend(int64_t stream_id, Batch batch);
   absl::Status StreamAppend(int64_t stream_id, std::vector<Datum> data);
   absl::StatusOr<ForwardBackwardResult> FinishStream(int64_t stream_id);
   void AbortStream(int64_t stream_id);

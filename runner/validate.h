@@ -1,5 +1,5 @@
-// Checks a batch of datums against a loss and a model before anything runs. Torch-free: the gRPC
-// server calls it before queueing a request, the runner again at its boundary.
+// Checks a batch of datums against a loss and a model before anything runs. Torch-free. Called
+// through Batch::Check (runner/batch.h) alone: once per request, where it enters the server.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +28,7 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
 // out of range: learning_rate >= 0, beta1 and beta2 in [0, 1), eps > 0 (eps = 0 divides 0 by 0
 // for a parameter whose gradient stayed 0, and the NaN then spreads to every later step),
 // weight_decay >= 0, grad_clip_norm >= 0 (0 disables clipping). The server checks this before it
-// queues an optim_step; the runner again at its boundary.
+// queues an optim_step; the runner again at its boundary (a few comparisons, for its other callers).
 absl::Status ValidateAdamParams(const AdamParams& p);
 
 }  // namespace tinkerd

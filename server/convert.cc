@@ -174,13 +174,13 @@ absl::StatusOr<CreateModelOptions> CreateOptionsFromProto(const v1::CreateModelR
   return o;
 }
 
-absl::Status ValidateForwardRequest(const v1::ForwardBackwardRequest& req,
-                                    const ModelLimits& limits) {
-  auto loss = ResolveLoss(req.loss_fn().name(), ConfigFromProto(req.loss_fn()));
+absl::StatusOr<Batch> BatchFromProto(const google::protobuf::RepeatedPtrField<v1::Datum>& data,
+                                     const v1::LossFn& loss_fn, const ModelLimits& limits) {
+  absl::StatusOr<ResolvedLoss> loss = ResolveLoss(loss_fn.name(), ConfigFromProto(loss_fn));
   if (!loss.ok()) return loss.status();
-  auto data = DatumsFromProto(req.data());
-  if (!data.ok()) return data.status();
-  return ValidateData(*data, *loss->spec, limits);
+  absl::StatusOr<std::vector<Datum>> datums = DatumsFromProto(data);
+  if (!datums.ok()) return datums.status();
+  return Batch::Check(*std::move(datums), *std::move(loss), limits);
 }
 
 std::map<std::string, double> ConfigFromProto(const v1::LossFn& loss) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "runner/batch.h"
 #include "runner/types.h"
 #include "runner/validate.h"
 #include "tinkerd/v1/tinkerd.pb.h"
@@ -16,11 +17,11 @@ absl::StatusOr<std::vector<Datum>> DatumsFromProto(
     const google::protobuf::RepeatedPtrField<v1::Datum>& data, size_t first_index = 0);
 absl::StatusOr<Datum> DatumFromProto(const v1::Datum& d, size_t index);
 
-// Everything the server checks in a forward or forward_backward request before queueing it: the
-// loss and its config, the wire encoding of every datum, and ValidateData's semantic checks.
-// INVALID_ARGUMENT naming the field.
-absl::Status ValidateForwardRequest(const v1::ForwardBackwardRequest& req,
-                                    const ModelLimits& limits);
+// The one decoding of a batch of wire datums, with every check (the loss and its config, the
+// encoding of every datum, ValidateData's semantic checks): at the edge on the rank that received
+// the request, and from the command on the other ranks. INVALID_ARGUMENT naming the field.
+absl::StatusOr<Batch> BatchFromProto(const google::protobuf::RepeatedPtrField<v1::Datum>& data,
+                                     const v1::LossFn& loss, const ModelLimits& limits);
 
 v1::Tensor Float32ToProto(const std::vector<float>& v);
 void ResultToProto(const ForwardBackwardResult& r, v1::ForwardBackwardOutput* out);

@@ -6,40 +6,6 @@
 #include "server/convert.h"
 
 namespace tinkerd {
-namespace {
-
-absl::StatusOr<ForwardBackwardResult> RunFwdBwd(ModelRunner* r,
-                                                const v1::ForwardBackwardRequest& req,
-                                                bool backward) {
-  auto data = DatumsFromProto(req.data());
-  if (!data.ok()) return data.status();
-  const auto cfg = ConfigFromProto(req.loss_fn());
-  return backward ? r->ForwardBackward(req.model_id(), *data, req.loss_fn().name(), cfg)
-                  : r->Forward(req.model_id(), *data, req.loss_fn().name(), cfg);
-}
-
-absl::Status RunAppend(ModelRunner* r, const v1::internal::StreamAppend& a) {
-  auto data = DatumsFromProto(a.data());
-  if (!data.ok()) return data.status();
-  return r->StreamAppend(a.stream_id(), std::move(*data));
-}
-
-absl::Status RunSave(ModelRunner* r, const v1::internal::SaveState& s) {
-  SaveStateOptions o;
-  o.overwrite = s.overwrite();
-  o.include_accumulated = s.include_accumulated();
-  o.last_seq_id = s.last_seq_id();
-  return r->SaveState(s.model_id(), s.fs_path(), o);
-}
-
-absl::StatusOr<std::string> RunCreate(ModelRunner* r, const v1::CreateModelRequest& req,
-                                      const std::string& model_id) {
-  auto opts = CreateOptionsFromProto(req);
-  if (!opts.ok()) return opts.status();
-  return r->CreateModel(*opts, model_id);
-}
-
-}  // namespace
 
 absl::Status AgreeOnOutcome(Collectives* c, const absl::Status& mine) {
   // A runner command changes a rank's state only when it succeeds, so ranks that all failed (with
@@ -55,67 +21,6 @@ absl::Status AgreeOnOutcome(Collectives* c, const absl::Status& mine) {
     }
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<CommandResult> Execute(ModelRunner* r, const v1::internal::Command& cmd) {
-  using C = v1::internal::Command;
-  CommandResult out;
-  switch (cmd.op_case()) {
-    case C::kCreateModel: {
-      ASSIGN_OR_RETURN(out.model_id, RunCreate(r, cmd.create_model(), cmd.new_model_id()));
-      return out;
-    }
-    case C::kDeleteModel:
-      RETURN_IF_ERROR(r->DeleteModel(cmd.delete_model()));
-      return out;
-    case C::kForwardBackward: {
-      ASSIGN_OR_RETURN(out.forward, RunFwdBwd(r, cmd.forward_backward(), true));
-      return out;
-    }
-    case C::kForward: {
-      ASSIGN_OR_RETURN(out.forward, RunFwdBwd(r, cmd.forward(), false));
-      return out;
-    }
-    case C::kOptimStep: {
-      const auto& o = cmd.optim_step();
-      ASSIGN_OR_RETURN(out.step, r->OptimStep(o.model_id(), AdamFromProto(o.adam_params())));
-      return out;
-    }
-    case C::kStreamBegin: {
-      const auto& b = cmd.stream_begin();
-      ASSIGN_OR_RETURN(out.stream_id, r->BeginStream(b.model_id(), b.loss_fn().name(),
-                                                     ConfigFromProto(b.loss_fn())));
-      return out;
-    }
-    case C::kStreamAppend:
-      RETURN_IF_ERROR(RunAppend(r, cmd.stream_append()));
-      return out;
-    case C::kStreamFinish: {
-      ASSIGN_OR_RETURN(out.forward, r->FinishStream(cmd.stream_finish()));
-      return out;
-    }
-    case C::kStreamAbort:
-      r->AbortStream(cmd.stream_abort());
-      return out;
-    case C::kLoadState: {
-      const auto& l = cmd.load_state();
-      if (l.model_id().empty()) {
-        ASSIGN_OR_RETURN(out.model_id, r->CreateModelFromState(l.fs_path(), l.with_optimizer(),
-                                                               cmd.new_model_id()));
-        return out;
-      }
-      RETURN_IF_ERROR(r->LoadState(l.model_id(), l.fs_path(), l.with_optimizer()));
-      return out;
-    }
-    case C::kSaveState:
-      RETURN_IF_ERROR(RunSave(r, cmd.save_state()));
-      return out;
-    case C::kPing:
-    case C::kShutdown:
-    case C::OP_NOT_SET:
-      return out;
-  }
-  return out;
 }
 
 ReplicatedRunner::ReplicatedRunner(ModelRunner* runner, std::shared_ptr<Collectives> collectives)
@@ -139,18 +44,18 @@ void ReplicatedRunner::MarkBroken(const absl::Status& why) {
   if (on_broken_) on_broken_(broken_);
 }
 
-absl::StatusOr<CommandResult> ReplicatedRunner::Replicate(const v1::internal::Command& cmd) {
+absl::StatusOr<CommandResult> ReplicatedRunner::Replicate(Command cmd) {
   absl::MutexLock lock(&mu_);
   if (!broken_.ok()) return broken_;
   if (shut_down_) return absl::UnavailableError("server is shutting down");
   if (collectives_->world_size() > 1) {
-    std::string bytes = cmd.SerializeAsString();
+    std::string bytes = cmd.wire.SerializeAsString();
     if (auto st = collectives_->BroadcastBytes(bytes, 0); !st.ok()) {
       MarkBroken(st);
       return broken_;
     }
   }
-  absl::StatusOr<CommandResult> r = Execute(runner_, cmd);
+  absl::StatusOr<CommandResult> r = Execute(runner_, std::move(cmd));
   if (collectives_->world_size() == 1) return r;
   // Only collectives fail with UNAVAILABLE inside the runner: the ranks are out of step now.
   if (!r.ok() && r.status().code() == absl::StatusCode::kUnavailable) {
@@ -168,28 +73,28 @@ absl::StatusOr<std::string> ReplicatedRunner::CreateModel(const v1::CreateModelR
   v1::internal::Command c;
   *c.mutable_create_model() = req;
   ASSIGN_OR_RETURN(*c.mutable_new_model_id(), ModelRunner::NewModelId());
-  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return std::move(r.model_id);
 }
 
 absl::Status ReplicatedRunner::DeleteModel(const std::string& model_id) {
   v1::internal::Command c;
   c.set_delete_model(model_id);
-  return Replicate(c).status();
+  return Replicate(std::move(c)).status();
 }
 
 absl::StatusOr<ForwardBackwardResult> ReplicatedRunner::ForwardBackward(
-    const v1::ForwardBackwardRequest& req, bool backward) {
-  v1::internal::Command c;
-  *(backward ? c.mutable_forward_backward() : c.mutable_forward()) = req;
-  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+    v1::ForwardBackwardRequest req, Batch batch, bool backward) {
+  Command c{{}, std::move(batch)};
+  (backward ? c.wire.mutable_forward_backward() : c.wire.mutable_forward())->Swap(&req);
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return std::move(r.forward);
 }
 
 absl::StatusOr<OptimStepResult> ReplicatedRunner::OptimStep(const v1::OptimStepRequest& req) {
   v1::internal::Command c;
   *c.mutable_optim_step() = req;
-  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return r.step;
 }
 
@@ -198,28 +103,32 @@ absl::StatusOr<int64_t> ReplicatedRunner::BeginStream(const std::string& model_i
   v1::internal::Command c;
   c.mutable_stream_begin()->set_model_id(model_id);
   *c.mutable_stream_begin()->mutable_loss_fn() = loss;
-  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return r.stream_id;
 }
 
-absl::Status ReplicatedRunner::StreamAppend(int64_t stream_id, const std::vector<v1::Datum>& data) {
-  v1::internal::Command c;
-  c.mutable_stream_append()->set_stream_id(stream_id);
-  for (const v1::Datum& d : data) *c.mutable_stream_append()->add_data() = d;
-  return Replicate(c).status();
+absl::Status ReplicatedRunner::StreamAppend(int64_t stream_id, const v1::LossFn& loss,
+                                            std::vector<v1::Datum> data, Batch batch) {
+  Command c{{}, std::move(batch)};
+  v1::internal::StreamAppend* a = c.wire.mutable_stream_append();
+  a->set_stream_id(stream_id);
+  *a->mutable_loss_fn() = loss;
+  a->mutable_data()->Reserve(static_cast<int>(data.size()));
+  for (v1::Datum& d : data) a->add_data()->Swap(&d);
+  return Replicate(std::move(c)).status();
 }
 
 absl::StatusOr<ForwardBackwardResult> ReplicatedRunner::FinishStream(int64_t stream_id) {
   v1::internal::Command c;
   c.set_stream_finish(stream_id);
-  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return std::move(r.forward);
 }
 
 void ReplicatedRunner::AbortStream(int64_t stream_id) {
   v1::internal::Command c;
   c.set_stream_abort(stream_id);
-  (void)Replicate(c);
+  (void)Replicate(std::move(c));
 }
 
 absl::Status ReplicatedRunner::LoadState(const std::string& model_id, const std::string& fs_path,
@@ -228,7 +137,7 @@ absl::Status ReplicatedRunner::LoadState(const std::string& model_id, const std:
   c.mutable_load_state()->set_model_id(model_id);
   c.mutable_load_state()->set_fs_path(fs_path);
   c.mutable_load_state()->set_with_optimizer(with_optimizer);
-  return Replicate(c).status();
+  return Replicate(std::move(c)).status();
 }
 
 absl::Status ReplicatedRunner::SaveState(const std::string& model_id, const std::string& fs_path,
@@ -240,7 +149,7 @@ absl::Status ReplicatedRunner::SaveState(const std::string& model_id, const std:
   s->set_overwrite(options.overwrite);
   s->set_include_accumulated(options.include_accumulated);
   s->set_last_seq_id(options.last_seq_id);
-  return Replicate(c).status();
+  return Replicate(std::move(c)).status();
 }
 
 absl::StatusOr<std::string> ReplicatedRunner::CreateModelFromState(const std::string& fs_path,
@@ -249,7 +158,7 @@ absl::StatusOr<std::string> ReplicatedRunner::CreateModelFromState(const std::st
   c.mutable_load_state()->set_fs_path(fs_path);
   c.mutable_load_state()->set_with_optimizer(with_optimizer);
   ASSIGN_OR_RETURN(*c.mutable_new_model_id(), ModelRunner::NewModelId());
-  ASSIGN_OR_RETURN(CommandResult r, Replicate(c));
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return std::move(r.model_id);
 }
 
@@ -257,7 +166,7 @@ absl::Status ReplicatedRunner::Ping() {
   if (collectives_->world_size() == 1) return absl::OkStatus();
   v1::internal::Command c;
   c.set_ping(true);
-  return Replicate(c).status();
+  return Replicate(std::move(c)).status();
 }
 
 void ReplicatedRunner::Shutdown() {
@@ -282,15 +191,16 @@ absl::Status ReplicatedRunner::FollowerLoop(ModelRunner* runner, Collectives* co
       TLOG_ERROR("lost rank 0: {}", std::string(st.message()));
       return st;
     }
-    v1::internal::Command cmd;
-    if (!cmd.ParseFromString(bytes)) return absl::DataLossError("unparsable command from rank 0");
-    if (cmd.has_shutdown()) {
+    v1::internal::Command wire;
+    if (!wire.ParseFromString(bytes)) return absl::DataLossError("unparsable command from rank 0");
+    if (wire.has_shutdown()) {
       TLOG_INFO("rank 0 shut down; exiting");
       return absl::OkStatus();
     }
     // Rank 0 reports errors to the client; a failed collective, or an outcome other than the
     // other ranks', means this rank is out of step, and the job ends.
-    absl::Status st = Execute(runner, cmd).status();
+    absl::StatusOr<Command> cmd = DecodeCommand(std::move(wire), runner->limits());
+    absl::Status st = cmd.ok() ? Execute(runner, *std::move(cmd)).status() : cmd.status();
     if (st.code() == absl::StatusCode::kUnavailable) return st;
     if (absl::Status agreed = AgreeOnOutcome(collectives, st); !agreed.ok()) {
       TLOG_ERROR("{}", std::string(agreed.message()));

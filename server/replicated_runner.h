@@ -18,18 +18,11 @@
 #include "absl/synchronization/mutex.h"
 #include "runner/dist/collectives.h"
 #include "runner/model_runner.h"
+#include "server/command.h"
 #include "tinkerd/v1/internal.pb.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {
-
-// What a command answers; rank 0 returns it to the client, followers drop it.
-struct CommandResult {
-  std::string model_id;           // create_model, load_state into a new model
-  int64_t stream_id = 0;          // stream_begin
-  ForwardBackwardResult forward;  // forward, forward_backward, stream_finish
-  OptimStepResult step;           // optim_step
-};
 
 class ReplicatedRunner {
  public:
@@ -37,11 +30,15 @@ class ReplicatedRunner {
 
   absl::StatusOr<std::string> CreateModel(const v1::CreateModelRequest& req);
   absl::Status DeleteModel(const std::string& model_id);
-  absl::StatusOr<ForwardBackwardResult> ForwardBackward(const v1::ForwardBackwardRequest& req,
+  // `batch`: the request's datums, decoded and checked at the edge; `req` travels to the other
+  // ranks (moved into the command, not copied).
+  absl::StatusOr<ForwardBackwardResult> ForwardBackward(v1::ForwardBackwardRequest req, Batch batch,
                                                         bool backward);
   absl::StatusOr<OptimStepResult> OptimStep(const v1::OptimStepRequest& req);
   absl::StatusOr<int64_t> BeginStream(const std::string& model_id, const v1::LossFn& loss);
-  absl::Status StreamAppend(int64_t stream_id, const std::vector<v1::Datum>& data);
+  // `batch`: `data` decoded and checked against the stream's loss `loss`.
+  absl::Status StreamAppend(int64_t stream_id, const v1::LossFn& loss, std::vector<v1::Datum> data,
+                            Batch batch);
   absl::StatusOr<ForwardBackwardResult> FinishStream(int64_t stream_id);
   void AbortStream(int64_t stream_id);
   // Loads on every rank (the path must be readable by all ranks: shared storage across machines).
@@ -67,7 +64,10 @@ class ReplicatedRunner {
  private:
   // Broadcasts `cmd` (world size > 1), executes it here as every follower does, and agrees with
   // the other ranks on the outcome; one command at a time.
-  absl::StatusOr<CommandResult> Replicate(const v1::internal::Command& cmd);
+  absl::StatusOr<CommandResult> Replicate(Command cmd);
+  absl::StatusOr<CommandResult> Replicate(v1::internal::Command wire) {
+    return Replicate(Command{std::move(wire), std::nullopt});
+  }
   void MarkBroken(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ModelRunner* runner_;
@@ -78,9 +78,6 @@ class ReplicatedRunner {
   std::function<void(const absl::Status&)> on_broken_;
 };
 
-// The one dispatch of a command to a runner: rank 0 executes what it broadcasts, and every
-// follower what it receives, through this function alone.
-absl::StatusOr<CommandResult> Execute(ModelRunner* runner, const v1::internal::Command& cmd);
 // After each command every rank shares whether it succeeded. DATA_LOSS when some succeeded and
 // others failed: their states differ from then on (say, a rank that could not read a checkpoint,
 // or one started with a smaller --memory_budget_mb that refused a model). UNAVAILABLE when the

@@ -117,7 +117,7 @@ class TypedCall final : public UnaryCall {
 template <typename Req, typename Resp>
 grpc::ServerUnaryReactor* TinkerdService::Unary(
     grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
-    void (TinkerdService::*handler)(grpc::CallbackServerContext*, const Req*, Resp*, UnaryCall*)) {
+    void (TinkerdService::*handler)(grpc::CallbackServerContext*, Req*, Resp*, UnaryCall*)) {
   auto* call = new TypedCall<Req, Resp>(out);
   grpc::ByteBuffer bytes(*in);  // shares the slices; Deserialize clears the buffer it reads
   if (!grpc::SerializationTraits<Req>::Deserialize(&bytes, &call->req).ok()) {
@@ -214,9 +214,8 @@ grpc::ServerUnaryReactor* TinkerdService::RetrieveResult(grpc::CallbackServerCon
   return Unary(ctx, req, resp, &TinkerdService::DoRetrieveResult);
 }
 
-void TinkerdService::DoCreateModel(grpc::CallbackServerContext* ctx,
-                                   const v1::CreateModelRequest* req, v1::ModelInfo* resp,
-                                   UnaryCall* reactor) {
+void TinkerdService::DoCreateModel(grpc::CallbackServerContext* ctx, v1::CreateModelRequest* req,
+                                   v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
   if (!tenant) return;
   absl::Status st = [&]() -> absl::Status {
@@ -229,7 +228,7 @@ void TinkerdService::DoCreateModel(grpc::CallbackServerContext* ctx,
   reactor->Reply(ToGrpcStatus(st));
 }
 
-void TinkerdService::DoGetInfo(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+void TinkerdService::DoGetInfo(grpc::CallbackServerContext* ctx, v1::ModelRef* req,
                                v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
@@ -245,7 +244,7 @@ void TinkerdService::DoGetInfo(grpc::CallbackServerContext* ctx, const v1::Model
   reactor->Reply(ToGrpcStatus(st));
 }
 
-void TinkerdService::DoListModels(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest*,
+void TinkerdService::DoListModels(grpc::CallbackServerContext* ctx, v1::ListModelsRequest*,
                                   v1::ListModelsResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
   if (!tenant) return;
@@ -261,7 +260,7 @@ void TinkerdService::DoListModels(grpc::CallbackServerContext* ctx, const v1::Li
   reactor->Reply(grpc::Status::OK);
 }
 
-void TinkerdService::DoDeleteModel(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+void TinkerdService::DoDeleteModel(grpc::CallbackServerContext* ctx, v1::ModelRef* req,
                                    v1::DeleteModelResponse*, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
@@ -277,48 +276,57 @@ void TinkerdService::DoDeleteModel(grpc::CallbackServerContext* ctx, const v1::M
   reactor->Reply(ToGrpcStatus(st));
 }
 
-void TinkerdService::FwdBwd(grpc::CallbackServerContext* ctx, const v1::ForwardBackwardRequest* req,
+void TinkerdService::FwdBwd(grpc::CallbackServerContext* ctx, v1::ForwardBackwardRequest* req,
                             v1::ForwardBackwardOutput* resp, bool backward, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
-  // Validate everything now, before queueing. An invalid request still takes its seq_id slot
-  // (answered with the error) so the model's later requests are not held up behind it.
-  absl::Status invalid = ValidateForwardRequest(*req, limits_);
-  auto request = std::make_shared<v1::ForwardBackwardRequest>(*req);
+  // Decoded and checked once, here, before queueing; the runner and the other ranks take the
+  // result as it is. An invalid request still takes its seq_id slot (answered with the error) so
+  // the model's later requests are not held up behind it.
   JobSpec job;
   job.kind = backward ? "ForwardBackward" : "Forward";
   job.payload_hash = PayloadHash(*req);
+  const std::string model_id = req->model_id();
+  const int64_t seq_id = req->seq_id();
+  absl::StatusOr<Batch> batch = BatchFromProto(req->data(), req->loss_fn(), limits_);
+  // The job runs once; shared only because std::function must be copyable.
+  struct Pending {
+    v1::ForwardBackwardRequest request;
+    absl::StatusOr<Batch> batch;
+  };
+  auto pending = std::make_shared<Pending>();
+  pending->request.Swap(req);
+  pending->batch = std::move(batch);
   ReplicatedRunner* runner = runner_;
   Metrics* metrics = metrics_;
-  job.run = [runner, request, invalid, backward, metrics]() -> JobStep {
-    if (!invalid.ok()) return {true, invalid};
-    auto r = runner->ForwardBackward(*request, backward);
+  job.run = [runner, pending, backward, metrics]() -> JobStep {
+    if (!pending->batch.ok()) return {true, pending->batch.status()};
+    auto r =
+        runner->ForwardBackward(std::move(pending->request), *std::move(pending->batch), backward);
     if (!r.ok()) return {true, r.status()};
     if (backward) metrics->AddTokens(static_cast<int64_t>(r->metrics.at("num_tokens:sum")));
     v1::RetrieveResultResponse out;
     ResultToProto(*r, out.mutable_forward_backward());
     return {true, out};
   };
-  scheduler_->Submit(req->model_id(), req->seq_id(), std::move(job),
-                     [reactor, resp](const JobResult& r) {
-                       if (r.ok()) *resp = r->forward_backward();
-                       reactor->Reply(ToGrpcStatus(r.status()));
-                     });
+  scheduler_->Submit(model_id, seq_id, std::move(job), [reactor, resp](const JobResult& r) {
+    if (r.ok()) *resp = r->forward_backward();
+    reactor->Reply(ToGrpcStatus(r.status()));
+  });
 }
 
-void TinkerdService::DoForward(grpc::CallbackServerContext* ctx,
-                               const v1::ForwardBackwardRequest* req,
+void TinkerdService::DoForward(grpc::CallbackServerContext* ctx, v1::ForwardBackwardRequest* req,
                                v1::ForwardBackwardOutput* resp, UnaryCall* reactor) {
   FwdBwd(ctx, req, resp, /*backward=*/false, reactor);
 }
 
 void TinkerdService::DoForwardBackward(grpc::CallbackServerContext* ctx,
-                                       const v1::ForwardBackwardRequest* req,
+                                       v1::ForwardBackwardRequest* req,
                                        v1::ForwardBackwardOutput* resp, UnaryCall* reactor) {
   FwdBwd(ctx, req, resp, /*backward=*/true, reactor);
 }
 
-void TinkerdService::DoOptimStep(grpc::CallbackServerContext* ctx, const v1::OptimStepRequest* req,
+void TinkerdService::DoOptimStep(grpc::CallbackServerContext* ctx, v1::OptimStepRequest* req,
                                  v1::OptimStepResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
@@ -368,7 +376,7 @@ void SubmitOrdered(Scheduler* scheduler, const std::string& model_id, int64_t se
 
 }  // namespace
 
-void TinkerdService::DoSaveState(grpc::CallbackServerContext* ctx, const v1::SaveStateRequest* req,
+void TinkerdService::DoSaveState(grpc::CallbackServerContext* ctx, v1::SaveStateRequest* req,
                                  v1::SaveStateResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
@@ -399,7 +407,7 @@ void TinkerdService::DoSaveState(grpc::CallbackServerContext* ctx, const v1::Sav
       reactor, resp, &v1::RetrieveResultResponse::save_state);
 }
 
-void TinkerdService::DoLoadState(grpc::CallbackServerContext* ctx, const v1::LoadStateRequest* req,
+void TinkerdService::DoLoadState(grpc::CallbackServerContext* ctx, v1::LoadStateRequest* req,
                                  v1::LoadStateResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
@@ -429,7 +437,7 @@ void TinkerdService::DoLoadState(grpc::CallbackServerContext* ctx, const v1::Loa
 }
 
 void TinkerdService::DoCreateModelFromState(grpc::CallbackServerContext* ctx,
-                                            const v1::CreateModelFromStateRequest* req,
+                                            v1::CreateModelFromStateRequest* req,
                                             v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
   if (!tenant) return;
@@ -447,7 +455,7 @@ void TinkerdService::DoCreateModelFromState(grpc::CallbackServerContext* ctx,
 }
 
 void TinkerdService::DoSaveWeightsForSampler(grpc::CallbackServerContext* ctx,
-                                             const v1::SaveWeightsForSamplerRequest* req,
+                                             v1::SaveWeightsForSamplerRequest* req,
                                              v1::SaveWeightsForSamplerResponse* resp,
                                              UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
@@ -475,7 +483,7 @@ void TinkerdService::DoSaveWeightsForSampler(grpc::CallbackServerContext* ctx,
 }
 
 void TinkerdService::DoListCheckpoints(grpc::CallbackServerContext* ctx,
-                                       const v1::ListCheckpointsRequest* req,
+                                       v1::ListCheckpointsRequest* req,
                                        v1::ListCheckpointsResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
@@ -501,7 +509,7 @@ void TinkerdService::DoListCheckpoints(grpc::CallbackServerContext* ctx,
 }
 
 void TinkerdService::DoDeleteCheckpoint(grpc::CallbackServerContext* ctx,
-                                        const v1::DeleteCheckpointRequest* req,
+                                        v1::DeleteCheckpointRequest* req,
                                         v1::DeleteCheckpointResponse*, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
   if (!tenant) return;
@@ -515,7 +523,7 @@ void TinkerdService::DoDeleteCheckpoint(grpc::CallbackServerContext* ctx,
 }
 
 void TinkerdService::DoRetrieveResult(grpc::CallbackServerContext* ctx,
-                                      const v1::RetrieveResultRequest* req,
+                                      v1::RetrieveResultRequest* req,
                                       v1::RetrieveResultResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;

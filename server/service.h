@@ -113,39 +113,39 @@ class TinkerdService final : public RawTinkerdService {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in,
                                   grpc::ByteBuffer* out,
                                   void (TinkerdService::*handler)(grpc::CallbackServerContext*,
-                                                                  const Req*, Resp*, UnaryCall*));
-  // The handlers, on parsed requests; each answers through `reactor`.
-  void DoCreateModel(grpc::CallbackServerContext* ctx, const v1::CreateModelRequest* req,
+                                                                  Req*, Resp*, UnaryCall*));
+  // The handlers, on parsed requests (theirs to consume); each answers through `reactor`.
+  void DoCreateModel(grpc::CallbackServerContext* ctx, v1::CreateModelRequest* req,
                      v1::ModelInfo* resp, UnaryCall* reactor);
-  void DoGetInfo(grpc::CallbackServerContext* ctx, const v1::ModelRef* req, v1::ModelInfo* resp,
+  void DoGetInfo(grpc::CallbackServerContext* ctx, v1::ModelRef* req, v1::ModelInfo* resp,
                  UnaryCall* reactor);
-  void DoListModels(grpc::CallbackServerContext* ctx, const v1::ListModelsRequest* req,
+  void DoListModels(grpc::CallbackServerContext* ctx, v1::ListModelsRequest* req,
                     v1::ListModelsResponse* resp, UnaryCall* reactor);
-  void DoDeleteModel(grpc::CallbackServerContext* ctx, const v1::ModelRef* req,
+  void DoDeleteModel(grpc::CallbackServerContext* ctx, v1::ModelRef* req,
                      v1::DeleteModelResponse* resp, UnaryCall* reactor);
-  void DoForward(grpc::CallbackServerContext* ctx, const v1::ForwardBackwardRequest* req,
+  void DoForward(grpc::CallbackServerContext* ctx, v1::ForwardBackwardRequest* req,
                  v1::ForwardBackwardOutput* resp, UnaryCall* reactor);
-  void DoForwardBackward(grpc::CallbackServerContext* ctx, const v1::ForwardBackwardRequest* req,
+  void DoForwardBackward(grpc::CallbackServerContext* ctx, v1::ForwardBackwardRequest* req,
                          v1::ForwardBackwardOutput* resp, UnaryCall* reactor);
-  void DoOptimStep(grpc::CallbackServerContext* ctx, const v1::OptimStepRequest* req,
+  void DoOptimStep(grpc::CallbackServerContext* ctx, v1::OptimStepRequest* req,
                    v1::OptimStepResponse* resp, UnaryCall* reactor);
-  void DoSaveState(grpc::CallbackServerContext* ctx, const v1::SaveStateRequest* req,
+  void DoSaveState(grpc::CallbackServerContext* ctx, v1::SaveStateRequest* req,
                    v1::SaveStateResponse* resp, UnaryCall* reactor);
-  void DoLoadState(grpc::CallbackServerContext* ctx, const v1::LoadStateRequest* req,
+  void DoLoadState(grpc::CallbackServerContext* ctx, v1::LoadStateRequest* req,
                    v1::LoadStateResponse* resp, UnaryCall* reactor);
   void DoCreateModelFromState(grpc::CallbackServerContext* ctx,
-                              const v1::CreateModelFromStateRequest* req, v1::ModelInfo* resp,
+                              v1::CreateModelFromStateRequest* req, v1::ModelInfo* resp,
                               UnaryCall* reactor);
   void DoSaveWeightsForSampler(grpc::CallbackServerContext* ctx,
-                               const v1::SaveWeightsForSamplerRequest* req,
+                               v1::SaveWeightsForSamplerRequest* req,
                                v1::SaveWeightsForSamplerResponse* resp, UnaryCall* reactor);
-  void DoListCheckpoints(grpc::CallbackServerContext* ctx, const v1::ListCheckpointsRequest* req,
+  void DoListCheckpoints(grpc::CallbackServerContext* ctx, v1::ListCheckpointsRequest* req,
                          v1::ListCheckpointsResponse* resp, UnaryCall* reactor);
-  void DoDeleteCheckpoint(grpc::CallbackServerContext* ctx, const v1::DeleteCheckpointRequest* req,
+  void DoDeleteCheckpoint(grpc::CallbackServerContext* ctx, v1::DeleteCheckpointRequest* req,
                           v1::DeleteCheckpointResponse* resp, UnaryCall* reactor);
-  void DoRetrieveResult(grpc::CallbackServerContext* ctx, const v1::RetrieveResultRequest* req,
+  void DoRetrieveResult(grpc::CallbackServerContext* ctx, v1::RetrieveResultRequest* req,
                         v1::RetrieveResultResponse* resp, UnaryCall* reactor);
-  void FwdBwd(grpc::CallbackServerContext* ctx, const v1::ForwardBackwardRequest* req,
+  void FwdBwd(grpc::CallbackServerContext* ctx, v1::ForwardBackwardRequest* req,
               v1::ForwardBackwardOutput* resp, bool backward, UnaryCall* reactor);
 
   ReplicatedRunner* runner_;

@@ -1,13 +1,14 @@
 #include "server/stream_reactor.h"
 
 #include <deque>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "runner/batch.h"
 #include "runner/loss/loss_spec.h"
 #include "runner/util/echo.h"
 #include "runner/util/hash.h"
-#include "runner/validate.h"
 #include "server/convert.h"
 #include "server/status_map.h"
 
@@ -17,9 +18,15 @@ namespace {
 // What a stream's reactor (gRPC threads) and its job (scheduler thread) share.
 struct StreamState {
   absl::Mutex mu;
-  std::deque<v1::Datum> queue ABSL_GUARDED_BY(mu);  // validated on arrival
-  bool closed ABSL_GUARDED_BY(mu) = false;          // the client half-closed: every datum is here
-  absl::Status error ABSL_GUARDED_BY(mu);  // a bad or unparsable message, or the client went away
+  // Each datum as it came (for the other ranks) and decoded and checked on arrival (for the
+  // runner): the stream's one decoding.
+  struct Arrived {
+    v1::Datum wire;
+    Batch batch;
+  };
+  std::deque<Arrived> queue ABSL_GUARDED_BY(mu);
+  bool closed ABSL_GUARDED_BY(mu) = false;  // the client half-closed: every datum is here
+  absl::Status error ABSL_GUARDED_BY(mu);   // a bad or unparsable message, or the client went away
   // Over the header and every datum in order (deterministic serializations): the payload part of
   // the stream's retry key, complete once `closed` or `error` is set.
   uint64_t digest ABSL_GUARDED_BY(mu) = kFnv64Basis;
@@ -74,9 +81,10 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
           absl::StrCat("stream message ", index, ": after the header, only datums may follow")));
       return;
     } else {
-      auto d = DatumFromProto(msg.datum(), received_);
-      absl::Status st = d.status();
-      if (st.ok()) st = ValidateData({*d}, *loss_spec_, svc_->limits());
+      absl::StatusOr<Datum> d = DatumFromProto(msg.datum(), received_);
+      absl::StatusOr<Batch> batch =
+          d.ok() ? Batch::Check({*std::move(d)}, loss_, svc_->limits()) : d.status();
+      const absl::Status st = batch.status();
       {
         absl::MutexLock lock(&state_->mu);
         state_->digest = PayloadHash(msg, state_->digest);
@@ -88,7 +96,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       }
       ++received_;
       absl::MutexLock lock(&state_->mu);
-      state_->queue.push_back(std::move(*msg.mutable_datum()));
+      state_->queue.push_back({std::move(*msg.mutable_datum()), *std::move(batch)});
     }
     svc_->scheduler()->Wake();
     StartRead(&buf_);
@@ -159,7 +167,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       Submit();
       return false;
     }
-    loss_spec_ = loss->spec;
+    loss_ = *std::move(loss);
     if (!replay_) Submit();
     return true;
   }
@@ -189,16 +197,23 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       return !state->queue.empty() || state->closed || !state->error.ok();
     };
     job.run = [state, runner, stream_id, model_id, loss_fn]() -> JobStep {
-      std::vector<v1::Datum> batch;
+      std::vector<v1::Datum> wire;
+      std::optional<Batch> batch;
       bool closed;
       absl::Status error;
       {
         absl::MutexLock lock(&state->mu);
-        batch.assign(std::make_move_iterator(state->queue.begin()),
-                     std::make_move_iterator(state->queue.end()));
+        for (StreamState::Arrived& a : state->queue) {
+          wire.push_back(std::move(a.wire));
+          if (!batch.has_value()) {
+            batch = std::move(a.batch);
+          } else if (absl::Status st = batch->Append(std::move(a.batch)); !st.ok()) {
+            error = st;  // not reached: every datum was checked against the header's loss
+          }
+        }
         state->queue.clear();
         closed = state->closed;
-        error = state->error;
+        if (error.ok()) error = state->error;
       }
       auto fail = [&](absl::Status st) -> JobStep {
         if (*stream_id) runner->AbortStream(*stream_id);
@@ -210,8 +225,10 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
         if (!sid.ok()) return {true, sid.status()};
         *stream_id = *sid;
       }
-      if (!batch.empty()) {
-        if (auto st = runner->StreamAppend(*stream_id, batch); !st.ok()) return fail(st);
+      if (batch.has_value()) {
+        if (auto st = runner->StreamAppend(*stream_id, loss_fn, std::move(wire), *std::move(batch));
+            !st.ok())
+          return fail(st);
       }
       if (!closed) return JobStep{/*done=*/false};  // more datums to come: yield
       auto r = runner->FinishStream(*stream_id);
@@ -266,7 +283,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   // Created up front: OnCancel may run on another thread at any time.
   const std::shared_ptr<StreamState> state_ = std::make_shared<StreamState>();
   v1::StreamHeader header_;
-  const LossSpec* loss_spec_ = nullptr;
+  ResolvedLoss loss_;    // the header's
   bool opened_ = false;  // the header was valid
   bool replay_ = false;  // a retry: submitted once complete
   size_t messages_ = 0;

@@ -1,4 +1,4 @@
-// Fuzzes the server's validation of forward / forward_backward requests (ValidateForwardRequest:
+// Fuzzes the server's one decoding of forward / forward_backward requests (BatchFromProto:
 // loss and config, wire decoding, ValidateData) on arbitrary bytes parsed as the protobuf.
 // Properties, besides no crash and no sanitizer report:
 //   - a refusal is always INVALID_ARGUMENT (a client error, never an internal one);
@@ -24,13 +24,14 @@ bool InVocab(int64_t t) {
   return t >= 0 && t < kLimits.vocab_size;
 }
 
-void CheckAccepted(const tinkerd::v1::ForwardBackwardRequest& req) {
-  auto data = tinkerd::DatumsFromProto(req.data());
-  FUZZ_CHECK(data.ok(), "an accepted request must decode");
-  FUZZ_CHECK(!data->empty(), "an empty batch was accepted");
+void CheckAccepted(const tinkerd::v1::ForwardBackwardRequest& req, const tinkerd::Batch& batch) {
+  const std::vector<tinkerd::Datum>& data = batch.data();
+  FUZZ_CHECK(data.size() == static_cast<size_t>(req.data_size()), "datums lost in decoding");
+  FUZZ_CHECK(!data.empty(), "an empty batch was accepted");
   const tinkerd::LossSpec* spec = tinkerd::FindLossSpec(req.loss_fn().name());
   FUZZ_CHECK(spec != nullptr, "an unknown loss was accepted");
-  for (const tinkerd::Datum& d : *data) {
+  FUZZ_CHECK(batch.loss().spec == spec, "the batch carries another loss than the request's");
+  for (const tinkerd::Datum& d : data) {
     const size_t n = d.tokens.size();
     FUZZ_CHECK(n > 0 && static_cast<int64_t>(n) <= kLimits.max_context_length,
                "sequence length outside (0, context]");
@@ -64,9 +65,11 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   tinkerd::v1::ForwardBackwardRequest req;
   if (!req.ParseFromArray(bytes, static_cast<int>(size))) return 0;
-  const absl::Status s = tinkerd::ValidateForwardRequest(req, kLimits);
+  const absl::StatusOr<tinkerd::Batch> batch =
+      tinkerd::BatchFromProto(req.data(), req.loss_fn(), kLimits);
+  const absl::Status s = batch.status();
   if (s.ok()) {
-    CheckAccepted(req);
+    CheckAccepted(req, *batch);
   } else {
     FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument,
                "a refusal that is not a client error");

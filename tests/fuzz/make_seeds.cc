@@ -85,7 +85,7 @@ v1::Datum MakeDatum(const std::string& loss, int n, int chunks, bool mask) {
 }
 
 void WriteRefused(const std::string& name, const v1::ForwardBackwardRequest& r) {
-  const absl::Status s = ValidateForwardRequest(r, {128, 256});
+  const absl::Status s = BatchFromProto(r.data(), r.loss_fn(), {128, 256}).status();
   Expect(s.ok(), false, name, s);
   Write("fuzz_request", name, r.SerializeAsString());
 }
@@ -109,7 +109,7 @@ void RequestSeeds() {
     for (const auto& [k, v] : c.config) (*r.mutable_loss_fn()->mutable_config())[k] = v;
     *r.add_data() = MakeDatum(c.loss, 9, 1, false);
     *r.add_data() = MakeDatum(c.loss, 17, 3, true);
-    const absl::Status s = ValidateForwardRequest(r, {128, 256});
+    const absl::Status s = BatchFromProto(r.data(), r.loss_fn(), {128, 256}).status();
     Expect(s.ok(), true, c.loss, s);
     Write("fuzz_request", c.loss, r.SerializeAsString());
   }

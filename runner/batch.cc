@@ -1,0 +1,30 @@
+#include "runner/batch.h"
+
+namespace tinkerd {
+
+absl::StatusOr<Batch> Batch::Check(std::vector<Datum> data, ResolvedLoss loss,
+                                   const ModelLimits& limits) {
+  if (loss.spec == nullptr) return absl::InvalidArgumentError("loss_fn: not resolved");
+  if (absl::Status st = ValidateData(data, *loss.spec, limits); !st.ok()) return st;
+  return Batch(std::move(data), std::move(loss));
+}
+
+absl::StatusOr<Batch> Batch::Check(std::vector<Datum> data, const std::string& loss_fn,
+                                   const std::map<std::string, double>& loss_fn_config,
+                                   const ModelLimits& limits) {
+  absl::StatusOr<ResolvedLoss> loss = ResolveLoss(loss_fn, loss_fn_config);
+  if (!loss.ok()) return loss.status();
+  return Check(std::move(data), *std::move(loss), limits);
+}
+
+absl::Status Batch::Append(Batch&& more) {
+  if (more.loss_.spec != loss_.spec || more.loss_.config != loss_.config) {
+    return absl::InvalidArgumentError("loss_fn: a batch appended to one of another loss");
+  }
+  data_.insert(data_.end(), std::make_move_iterator(more.data_.begin()),
+               std::make_move_iterator(more.data_.end()));
+  more.data_.clear();
+  return absl::OkStatus();
+}
+
+}  // namespace tinkerd
