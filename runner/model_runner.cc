@@ -127,8 +127,7 @@ struct ModelRunner::Impl {
             config.micro_batch_tokens,
             ForwardOptions{.recompute_layers = config.activation_checkpointing,
                            .compute_dtype = dtype,
-                           .rope = rope.get()},
-            config.test_hooks.get()};
+                           .rope = rope.get()}};
   }
   absl::StatusOr<ModelState*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = models.find(id);

@@ -43,16 +43,6 @@ struct RunnerConfig {
   // Data-parallel hook; null means a single process (world size 1).
   std::shared_ptr<Collectives> collectives;
 
-  // Fault injection for tests (never set by flags): forward_backward throws inside the runner
-  // just before micro-batch `fail_at_micro_batch` (0-based) of its next call, once.
-  struct TestHooks {
-    int fail_at_micro_batch = -1;
-    // Broken control for data-parallel tests: all-reduce the accumulated gradient after every
-    // call (the double-reduction bug of peers.md §7). Never set outside tests.
-    bool allreduce_accumulator_per_call = false;
-  };
-  std::shared_ptr<TestHooks> test_hooks;
-
   absl::Status Validate() const;
   std::string DebugString() const;
 };

@@ -86,11 +86,6 @@ void CallStage::Run(const std::vector<Datum>& data) {
   // ---- TRAINING SECTION BEGIN: one packed micro-batch per iteration ----
   for (std::vector<int> mb : PlanMicroBatches(mine_lengths, ctx_.micro_batch_tokens)) {
     for (int& j : mb) j = mine[j];  // positions in `mine` -> indices into `data`
-    if (ctx_.test_hooks && ctx_.test_hooks->fail_at_micro_batch == micro_batches_run_) {
-      ctx_.test_hooks->fail_at_micro_batch = -1;
-      throw std::runtime_error("injected fault (test hook)");
-    }
-    ++micro_batches_run_;
     std::optional<at::NoGradGuard> no_grad;
     if (!backward_) no_grad.emplace();
     PackedBatch batch{GatherInt(data, mb, /*targets=*/false, ctx_.device), {0}};
@@ -215,11 +210,6 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
     for (auto& [name, g] : model_.grad_sum) g.add_(staged_[k++]);
     model_.accumulated_tokens += counts[0];
     model_.accumulated_sequences += counts[1];
-    if (ctx_.test_hooks && ctx_.test_hooks->allreduce_accumulator_per_call) {
-      std::vector<at::Tensor> acc;
-      for (auto& [name, g] : model_.grad_sum) acc.push_back(g);
-      if (auto st = c.AllReduceSumGradients(acc); !st.ok()) return st;
-    }
   }
   return result;
 }

@@ -27,8 +27,7 @@ struct StepContext {
   at::ScalarType compute_dtype;
   at::Device device;  // of the weights; each micro-batch's inputs are moved there
   int64_t micro_batch_tokens;
-  ForwardOptions forward;               // activation checkpointing
-  RunnerConfig::TestHooks* test_hooks;  // may be null
+  ForwardOptions forward;  // activation checkpointing
 };
 
 // One logical forward(_backward) call in progress. Run() may be called many times (a stream);
@@ -57,7 +56,6 @@ class CallStage {
   ForwardBackwardResult result_;
   double loss_sum_ = 0;
   int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;
-  int micro_batches_run_ = 0;
   std::vector<size_t> owned_;  // indices into result_.outputs computed on this rank
 };
 

@@ -92,15 +92,15 @@ TEST_F(DataParallel, ForgettingTheWorldSizeFactorIsCaught) {
   EXPECT_GT(MaxAbsDiff(ranks[0], *reference_), 1e3 * kTol);
 }
 
-// Rank 1's replica is perturbed at the first optimizer step (tests/dist/faulty_collectives.h):
+// Rank 1's replica is perturbed at the first optimizer step (tests/faulty_collectives.h):
 // every rank must fail that step with "diverged" (each worker exits 0 only then). The control is
 // TwoAndThreeRanksEqualOneProcess, where the same comparison runs at every step and never fires.
 TEST_F(DataParallel, ADivergedReplicaIsCaughtAtTheStep) {
   RunRanks(*model_, dir_->Sub("diverge"), 2, "diverge_rank1");
 }
 
-TEST_F(DataParallel, AllReducingTheAccumulatorPerCallIsCaught) {
-  auto ranks = RunRanks(*model_, dir_->Sub("percall"), 2, "per_call_allreduce");
+TEST_F(DataParallel, ReducingTheAccumulatorTwiceIsCaught) {
+  auto ranks = RunRanks(*model_, dir_->Sub("twice"), 2, "reduce_twice");
   ASSERT_EQ(ranks[0].size(), reference_->size());
   EXPECT_GT(MaxAbsDiff(ranks[0], *reference_), 1e3 * kTol);
 }

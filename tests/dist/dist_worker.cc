@@ -3,7 +3,7 @@
 // model's parameters, every step's gradient norm, every call's loss) as raw doubles to
 // --out.<rank>, so the test can compare world sizes.
 //   dist_worker --model_dir=D --out=F
-//       [--broken=none|no_world_size_factor|per_call_allreduce|diverge_rank1]
+//       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1]
 // With diverge_rank1, rank 1's replica is perturbed at the first step, and the worker exits 0 only
 // if that step fails with "diverged" on its rank.
 #include <cstdio>
@@ -14,13 +14,12 @@
 #include "absl/strings/match.h"
 #include "runner/dist/c10d_collectives.h"
 #include "runner/util/log.h"
-#include "tests/dist/faulty_collectives.h"
+#include "tests/faulty_collectives.h"
 #include "tests/test_util.h"
 
 ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
-ABSL_FLAG(std::string, broken, "none",
-          "none, no_world_size_factor, per_call_allreduce or diverge_rank1");
+ABSL_FLAG(std::string, broken, "none", "none, no_world_size_factor, reduce_twice or diverge_rank1");
 
 namespace tinkerd::testing {
 namespace {
@@ -38,6 +37,7 @@ int Run() {
   }
   Faults faults;
   faults.forget_world_size_factor = broken == "no_world_size_factor";
+  faults.reduce_twice = broken == "reduce_twice";
   if (broken == "diverge_rank1" && dist->rank == 1) faults.perturb_at_reduction = 0;
   auto collectives = std::make_shared<FaultyCollectives>(*c10d, faults);
   RunnerConfig rc;
@@ -46,8 +46,6 @@ int Run() {
   rc.micro_batch_tokens = 16;
   rc.num_threads = 1;
   rc.collectives = collectives;
-  rc.test_hooks = std::make_shared<RunnerConfig::TestHooks>();
-  rc.test_hooks->allreduce_accumulator_per_call = broken == "per_call_allreduce";
   auto runner = ModelRunner::Create(rc);
   if (!runner.ok()) return 4;
   ModelRunner& r = **runner;

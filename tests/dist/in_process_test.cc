@@ -10,8 +10,8 @@
 #include "runner/dist/dist_config.h"
 #include "server/convert.h"
 #include "server/replicated_runner.h"
-#include "tests/dist/faulty_collectives.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/faulty_collectives.h"
 
 namespace tinkerd::testing {
 namespace {

@@ -6,6 +6,7 @@
 // and moments of O(1e-2) leaves ~50× margin over 2^-52 ≈ 2.2e-16 per operation.
 #include <gtest/gtest.h>
 
+#include "tests/faulty_collectives.h"
 #include "tests/test_util.h"
 
 namespace tinkerd::testing {
@@ -16,13 +17,13 @@ struct Fixture {
   std::unique_ptr<ModelRunner> runner;
   std::string id;
   explicit Fixture(LossReduction mode, ComputeDType dt = ComputeDType::kFloat64,
-                   std::shared_ptr<RunnerConfig::TestHooks> hooks = nullptr) {
+                   std::shared_ptr<Collectives> collectives = nullptr) {
     const std::string model = WriteModel(dir, TinyConfig("llama"));
     RunnerConfig rc;
     rc.base_model_path = model;
     rc.compute_dtype = dt;
     rc.micro_batch_tokens = 16;
-    rc.test_hooks = hooks;
+    rc.collectives = std::move(collectives);
     rc.device = TestDevice();
     runner = std::move(*ModelRunner::Create(rc));
     CreateModelOptions o;
@@ -174,18 +175,20 @@ TEST(OptimStep, NonFiniteNormSkipsClearsAndCounts) {
 }
 
 TEST(ForwardBackward, FailedCallLeavesStateUnchanged) {
-  auto hooks = std::make_shared<RunnerConfig::TestHooks>();
-  Fixture f(LossReduction::kTokenMean, ComputeDType::kFloat64, hooks);
+  auto faulty = std::make_shared<FaultyCollectives>(MakeLocalCollectives(), Faults{});
+  Fixture f(LossReduction::kTokenMean, ComputeDType::kFloat64, faulty);
   SplitMix64 g(5);
   ASSERT_TRUE(
       f.runner->ForwardBackward(f.id, RandomData(g, {10, 4}, "cispo", 128), "cispo", {}).ok());
   const auto grads = Flat(Snap(*f.runner, f.id, StateKind::kGrads));
   const auto info = *f.runner->GetInfo(f.id);
-  // Three micro-batches of ≤16 tokens; the fault strikes after the first two were back-propagated.
+  // Three micro-batches of ≤16 tokens; the fault strikes after all three were back-propagated
+  // and the call's counts reduced, at its last collective before it commits.
   auto data = RandomData(g, {14, 12, 15}, "cispo", 128);
-  hooks->fail_at_micro_batch = 2;
+  faulty->faults().fail_loss_reduction = true;
   auto r = f.runner->ForwardBackward(f.id, data, "cispo", {});
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal);
+  faulty->faults().fail_loss_reduction = false;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
   EXPECT_EQ(Flat(Snap(*f.runner, f.id, StateKind::kGrads)), grads);
   EXPECT_EQ(f.runner->GetInfo(f.id)->accumulated_tokens, info.accumulated_tokens);
   EXPECT_EQ(f.runner->GetInfo(f.id)->accumulated_sequences, info.accumulated_sequences);

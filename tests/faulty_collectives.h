@@ -1,5 +1,6 @@
-// Collectives that forward to real ones (c10d over Gloo) and break them on purpose: the broken
-// controls and faults of the data-parallel tests. Production code carries no such switches.
+// Collectives that forward to real ones (c10d over Gloo, or the identity at world size 1) and
+// break them on purpose: the broken controls and faults of the tests. Production code carries no
+// such switches.
 #pragma once
 
 #include <memory>
@@ -17,6 +18,13 @@ struct Faults {
   // At this gradient reduction (0-based), this rank adds 1e-3 to the first reduced value: its
   // replica no longer matches the others'.
   int perturb_at_reduction = -1;
+  // The reduced gradient is reduced once more: every rank's contribution counted world-size
+  // times, as when an accumulator that was already reduced is reduced again (reducing per call
+  // does that to every earlier call's gradient: the double-reduction bug of peers.md).
+  bool reduce_twice = false;
+  // The loss-sum reduction at the end of every forward(_backward) fails (UNAVAILABLE), after the
+  // call's micro-batches ran and its counts were reduced: the last moment before it commits.
+  bool fail_loss_reduction = false;
 };
 
 class FaultyCollectives : public Collectives {
@@ -29,6 +37,10 @@ class FaultyCollectives : public Collectives {
   absl::Status AllReduceSumGradients(std::vector<at::Tensor>& grads) override {
     absl::Status st = inner_->AllReduceSumGradients(grads);
     if (!st.ok()) return st;
+    if (faults_.reduce_twice) {
+      st = inner_->AllReduceSumGradients(grads);
+      if (!st.ok()) return st;
+    }
     if (faults_.forget_world_size_factor) {
       for (at::Tensor& g : grads) g.div_(static_cast<double>(world_size()));
     }
@@ -42,6 +54,7 @@ class FaultyCollectives : public Collectives {
   }
   absl::Status AllAgree(bool& ok) override { return inner_->AllAgree(ok); }
   absl::Status AllReduceSumDoubles(std::vector<double>& values) override {
+    if (faults_.fail_loss_reduction) return absl::UnavailableError("injected: a reduction failed");
     return inner_->AllReduceSumDoubles(values);
   }
   absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine) override {
@@ -50,6 +63,9 @@ class FaultyCollectives : public Collectives {
   absl::Status BroadcastBytes(std::string& bytes, int root) override {
     return inner_->BroadcastBytes(bytes, root);
   }
+
+  // Faults may change between calls (the runner calls its collectives on one thread at a time).
+  Faults& faults() { return faults_; }
 
  private:
   std::shared_ptr<Collectives> inner_;
