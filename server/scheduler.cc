@@ -29,46 +29,75 @@ void Scheduler::Stop(absl::Duration grace) {
   if (thread_.joinable()) thread_.join();
 }
 
-void Scheduler::AddModel(const std::string& model_id) {
+bool Scheduler::RunBetweenJobs(std::function<void()> op) {
   absl::MutexLock lock(&mu_);
-  queues_[model_id];
+  if (!accepting_) return false;
+  between_jobs_.push_back(std::move(op));
+  wake_ = true;
+  return true;
 }
 
-void Scheduler::RemoveModel(const std::string& model_id) {
-  std::vector<std::pair<JobCallback, JobResult>> calls;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = queues_.find(model_id);
-    if (it == queues_.end()) return;
-    Queue& q = it->second;
-    q.removed = true;
-    const absl::Status gone =
-        absl::NotFoundError(absl::StrCat("model ", Echo(model_id), " was deleted"));
-    for (auto p = q.pending.begin(); p != q.pending.end();) {
-      if (p->second.running) {
-        ++p;
-        continue;
-      }
-      for (auto& w : p->second.waiters) calls.emplace_back(std::move(w.done), gone);
-      if (p->second.spec.on_drop) p->second.spec.on_drop();
-      p = q.pending.erase(p);
+void Scheduler::CreateModel(std::string owner, std::function<absl::StatusOr<std::string>()> create,
+                            std::function<void(const absl::StatusOr<std::string>&)> done) {
+  auto op = [this, owner = std::move(owner), create = std::move(create), done] {
+    absl::StatusOr<std::string> id = create();
+    if (id.ok()) {
+      absl::MutexLock lock(&mu_);
+      queues_[*id].owner = owner;
     }
-    if (q.pending.empty()) queues_.erase(it);
+    done(id);
+  };
+  if (!RunBetweenJobs(std::move(op))) done(absl::UnavailableError("server is shutting down"));
+}
+
+void Scheduler::DeleteModel(std::string model_id, std::function<absl::Status()> destroy,
+                            std::function<void(const absl::Status&)> done) {
+  auto op = [this, model_id = std::move(model_id), destroy = std::move(destroy), done] {
+    std::vector<std::pair<JobCallback, JobResult>> calls;
+    bool found;
+    {
+      absl::MutexLock lock(&mu_);
+      found = queues_.count(model_id) > 0;
+      if (found) RemoveLocked(model_id, &calls);
+    }
+    for (auto& [cb, r] : calls) cb(r);
+    done(found ? destroy()
+               : absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'")));
+  };
+  if (!RunBetweenJobs(std::move(op))) done(absl::UnavailableError("server is shutting down"));
+}
+
+void Scheduler::RemoveLocked(const std::string& model_id,
+                             std::vector<std::pair<JobCallback, JobResult>>* calls) {
+  auto it = queues_.find(model_id);
+  if (it == queues_.end()) return;
+  const absl::Status gone =
+      absl::NotFoundError(absl::StrCat("model ", Echo(model_id), " was deleted"));
+  // Between jobs none runs; a stream that yielded waiting for datums is dropped with the rest.
+  for (auto& [seq, p] : it->second.pending) {
+    for (auto& w : p.waiters) calls->emplace_back(std::move(w.done), gone);
+    if (p.spec.on_drop) p.spec.on_drop();
   }
-  for (auto& [cb, r] : calls) cb(r);
+  queues_.erase(it);
 }
 
 bool Scheduler::HasModel(const std::string& model_id) const {
   absl::MutexLock lock(&mu_);
-  auto it = queues_.find(model_id);
-  return it != queues_.end() && !it->second.removed;
+  return queues_.count(model_id) > 0;
 }
 
-std::vector<std::string> Scheduler::Models() const {
+std::optional<std::string> Scheduler::Owner(const std::string& model_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(model_id);
+  if (it == queues_.end()) return std::nullopt;
+  return it->second.owner;
+}
+
+std::vector<std::string> Scheduler::Models(const std::string& owner) const {
   absl::MutexLock lock(&mu_);
   std::vector<std::string> out;
   for (const auto& [id, q] : queues_) {
-    if (!q.removed) out.push_back(id);
+    if (q.owner == owner) out.push_back(id);
   }
   return out;
 }
@@ -76,7 +105,7 @@ std::vector<std::string> Scheduler::Models() const {
 absl::StatusOr<int64_t> Scheduler::NextSeqId(const std::string& model_id) const {
   absl::MutexLock lock(&mu_);
   auto it = queues_.find(model_id);
-  if (it == queues_.end() || it->second.removed) {
+  if (it == queues_.end()) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return it->second.next_seq;
@@ -97,7 +126,7 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
     auto it = queues_.find(model_id);
     if (seq_id < 1) {
       immediate = absl::InvalidArgumentError(absl::StrCat("seq_id: must be >= 1, got ", seq_id));
-    } else if (it == queues_.end() || it->second.removed) {
+    } else if (it == queues_.end()) {
       immediate = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
     } else {
       Queue& q = it->second;
@@ -222,6 +251,16 @@ void Scheduler::Loop() {
   std::vector<std::pair<JobCallback, JobResult>> calls;
   absl::MutexLock lock(&mu_);
   while (true) {
+    if (!between_jobs_.empty()) {  // registry changes first, in the order they were asked
+      std::function<void()> op = std::move(between_jobs_.front());
+      between_jobs_.pop_front();
+      mu_.Unlock();
+      for (auto& [cb, r] : calls) cb(r);
+      calls.clear();
+      op();
+      mu_.Lock();
+      continue;
+    }
     ExpireLocked(&calls);
     std::string model;
     auto [q, job] = PickLocked(&model);
@@ -275,7 +314,6 @@ void Scheduler::Loop() {
       q->done.erase(q->done.begin());
     q->pending.erase(seq);
     q->next_seq = seq + 1;
-    if (q->removed && q->pending.empty()) queues_.erase(model);
   }
   // Whatever could not run in time fails, so no client waits forever.
   for (auto& [id, q] : queues_) {

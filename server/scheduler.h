@@ -9,12 +9,17 @@
 // `max_pending_per_model` queued requests, RESOURCE_EXHAUSTED (except for the model's next seq_id,
 // which is always admitted so a full queue cannot deadlock).
 //
+// It is also the registry of models: each model's id, owner (tenant) and queue. The registry
+// changes on the scheduler thread alone, between jobs, so no job of a model runs while the model
+// is created or deleted, and creations, deletions and requests are applied in one order.
+//
 // Thread-safety: every public method may be called from any thread (gRPC handlers). Completion
 // callbacks run on the scheduler thread or, for immediate answers, on the caller's thread; they
 // must not block.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <optional>
@@ -71,11 +76,22 @@ class Scheduler {
   // the rest with UNAVAILABLE, and joins the thread.
   void Stop(absl::Duration grace);
 
-  void AddModel(const std::string& model_id);
-  // Fails the model's queued requests with NOT_FOUND (a running one completes first).
-  void RemoveModel(const std::string& model_id);
+  // On the scheduler thread, between jobs: `create` makes the model in the runner and returns its
+  // id, which is then registered to `owner` with an empty queue; `done` gets the id or the error.
+  void CreateModel(std::string owner, std::function<absl::StatusOr<std::string>()> create,
+                   std::function<void(const absl::StatusOr<std::string>&)> done);
+  // On the scheduler thread, between jobs: the model leaves the registry (its queued requests,
+  // open streams included, fail with NOT_FOUND), then `destroy` deletes it from the runner; `done`
+  // gets destroy's status, or NOT_FOUND for a model not registered.
+  void DeleteModel(std::string model_id, std::function<absl::Status()> destroy,
+                   std::function<void(const absl::Status&)> done);
+  // Both answer UNAVAILABLE (on the caller's thread) once the scheduler is stopping.
+
   bool HasModel(const std::string& model_id) const;
-  std::vector<std::string> Models() const;
+  // The owner of a registered model; nullopt when there is no such model.
+  std::optional<std::string> Owner(const std::string& model_id) const;
+  // The models `owner` owns.
+  std::vector<std::string> Models(const std::string& owner) const;
   // The next seq_id the model will apply, or NOT_FOUND.
   absl::StatusOr<int64_t> NextSeqId(const std::string& model_id) const;
   // Whether (model_id, seq_id) was applied already or is queued: a request for it is a retry
@@ -113,10 +129,16 @@ class Scheduler {
     int64_t next_seq = 1;
     std::map<int64_t, Pending> pending;
     std::map<int64_t, Done> done;  // bounded cache
-    bool removed = false;
+    std::string owner;
   };
 
   void Loop();
+  // Runs `op` on the scheduler thread before the next job; false once stopping.
+  bool RunBetweenJobs(std::function<void()> op);
+  // Under mu_: removes the model's queue, failing its requests with NOT_FOUND.
+  void RemoveLocked(const std::string& model_id,
+                    std::vector<std::pair<JobCallback, JobResult>>* calls)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Under mu_: the next runnable (model, job) in round-robin order, or nulls.
   std::pair<Queue*, Pending*> PickLocked(std::string* model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Under mu_: fails out-of-order jobs that waited longer than order_timeout.
@@ -125,7 +147,8 @@ class Scheduler {
 
   const SchedulerConfig config_;
   mutable absl::Mutex mu_;
-  std::map<std::string, Queue> queues_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Queue> queues_ ABSL_GUARDED_BY(mu_);  // the registry
+  std::deque<std::function<void()>> between_jobs_ ABSL_GUARDED_BY(mu_);
   std::string last_served_ ABSL_GUARDED_BY(mu_);
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -56,26 +56,28 @@ TinkerdService::TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, M
       metrics_(metrics) {}
 
 absl::Status TinkerdService::CheckOwner(const std::string& model_id, const std::string& tenant) {
-  absl::MutexLock lock(&owners_mu_);
-  auto it = owners_.find(model_id);
-  if (it != owners_.end() && it->second != tenant) {
+  const std::optional<std::string> owner = scheduler_->Owner(model_id);
+  if (owner.has_value() && *owner != tenant) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   return absl::OkStatus();
 }
 
-absl::Status TinkerdService::RegisterNewModel(const std::string& model_id,
-                                              const std::string& tenant, v1::ModelInfo* resp) {
-  {
-    absl::MutexLock lock(&owners_mu_);
-    owners_[model_id] = tenant;
-  }
-  scheduler_->AddModel(model_id);
-  auto info = runner_->local()->GetInfo(model_id);
-  if (!info.ok()) return info.status();
-  InfoToProto(*info, resp);
-  resp->set_next_seq_id(1);
-  return absl::OkStatus();
+void TinkerdService::CreateRegistered(const std::string& tenant,
+                                      std::function<absl::StatusOr<std::string>()> create,
+                                      v1::ModelInfo* resp, UnaryCall* reactor) {
+  ModelRunner* local = runner_->local();
+  scheduler_->CreateModel(tenant, std::move(create),
+                          [local, resp, reactor](const absl::StatusOr<std::string>& id) {
+                            absl::Status st = id.status();
+                            if (st.ok()) {
+                              auto info = local->GetInfo(*id);
+                              st = info.status();
+                              if (st.ok()) InfoToProto(*info, resp);
+                              resp->set_next_seq_id(1);
+                            }
+                            reactor->Reply(ToGrpcStatus(st));
+                          });
 }
 
 std::optional<std::string> TinkerdService::Admit(grpc::CallbackServerContext* ctx,
@@ -218,14 +220,15 @@ void TinkerdService::DoCreateModel(grpc::CallbackServerContext* ctx, v1::CreateM
                                    v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
   if (!tenant) return;
-  absl::Status st = [&]() -> absl::Status {
-    auto opts = CreateOptionsFromProto(*req);  // checked here so a bad request is never broadcast
-    if (!opts.ok()) return opts.status();
-    auto id = runner_->CreateModel(*req);
-    if (!id.ok()) return id.status();
-    return RegisterNewModel(*id, *tenant, resp);
-  }();
-  reactor->Reply(ToGrpcStatus(st));
+  // Checked here so that a bad request is never queued nor broadcast.
+  if (auto opts = CreateOptionsFromProto(*req); !opts.ok()) {
+    reactor->Reply(ToGrpcStatus(opts.status()));
+    return;
+  }
+  auto request = std::make_shared<v1::CreateModelRequest>(std::move(*req));
+  ReplicatedRunner* runner = runner_;
+  CreateRegistered(
+      *tenant, [runner, request] { return runner->CreateModel(*request); }, resp, reactor);
 }
 
 void TinkerdService::DoGetInfo(grpc::CallbackServerContext* ctx, v1::ModelRef* req,
@@ -248,8 +251,7 @@ void TinkerdService::DoListModels(grpc::CallbackServerContext* ctx, v1::ListMode
                                   v1::ListModelsResponse* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
   if (!tenant) return;
-  for (const std::string& id : scheduler_->Models()) {
-    if (!CheckOwner(id, *tenant).ok()) continue;  // other tenants' models are invisible
+  for (const std::string& id : scheduler_->Models(*tenant)) {  // others' models are invisible
     auto info = runner_->local()->GetInfo(id);
     auto next = scheduler_->NextSeqId(id);
     if (!info.ok() || !next.ok()) continue;  // deleted meanwhile
@@ -264,16 +266,10 @@ void TinkerdService::DoDeleteModel(grpc::CallbackServerContext* ctx, v1::ModelRe
                                    v1::DeleteModelResponse*, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, &req->model_id());
   if (!tenant) return;
-  absl::Status st = absl::OkStatus();
-  if (!scheduler_->HasModel(req->model_id())) {
-    st = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(req->model_id()), "'"));
-  } else {
-    scheduler_->RemoveModel(req->model_id());
-    st = runner_->DeleteModel(req->model_id());
-    absl::MutexLock lock(&owners_mu_);
-    owners_.erase(req->model_id());
-  }
-  reactor->Reply(ToGrpcStatus(st));
+  ReplicatedRunner* runner = runner_;
+  scheduler_->DeleteModel(
+      req->model_id(), [runner, id = req->model_id()] { return runner->DeleteModel(id); },
+      [reactor](const absl::Status& st) { reactor->Reply(ToGrpcStatus(st)); });
 }
 
 void TinkerdService::FwdBwd(grpc::CallbackServerContext* ctx, v1::ForwardBackwardRequest* req,
@@ -441,17 +437,28 @@ void TinkerdService::DoCreateModelFromState(grpc::CallbackServerContext* ctx,
                                             v1::ModelInfo* resp, UnaryCall* reactor) {
   auto tenant = Admit(ctx, reactor, nullptr);
   if (!tenant) return;
-  absl::Status st = [&]() -> absl::Status {
-    auto path = ParseCheckpointPath(req->path());
-    if (!path.ok()) return path.status();
-    if (path->kind != "weights") {
-      return absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
-    }
-    auto id = runner_->CreateModelFromState(path->Fs(TenantRoot(*tenant)), req->with_optimizer());
-    if (!id.ok()) return HidePaths(id.status(), TenantRoot(*tenant), checkpoint_root_);
-    return RegisterNewModel(*id, *tenant, resp);
-  }();
-  reactor->Reply(ToGrpcStatus(st));
+  auto path = ParseCheckpointPath(req->path());
+  absl::Status invalid = path.status();
+  if (invalid.ok() && path->kind != "weights") {
+    invalid =
+        absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
+  }
+  if (!invalid.ok()) {
+    reactor->Reply(ToGrpcStatus(invalid));
+    return;
+  }
+  ReplicatedRunner* runner = runner_;
+  const std::string fs = path->Fs(TenantRoot(*tenant)), tenant_root = TenantRoot(*tenant),
+                    root = checkpoint_root_;
+  const bool with_optimizer = req->with_optimizer();
+  CreateRegistered(
+      *tenant,
+      [runner, fs, with_optimizer, tenant_root, root]() -> absl::StatusOr<std::string> {
+        auto id = runner->CreateModelFromState(fs, with_optimizer);
+        if (!id.ok()) return HidePaths(id.status(), tenant_root, root);
+        return id;
+      },
+      resp, reactor);
 }
 
 void TinkerdService::DoSaveWeightsForSampler(grpc::CallbackServerContext* ctx,

@@ -155,9 +155,11 @@ class TinkerdService final : public RawTinkerdService {
   // model is NOT_FOUND, exactly like a model that does not exist.
   std::optional<std::string> Admit(grpc::CallbackServerContext* ctx, UnaryCall* reactor,
                                    const std::string* model_id);
-  // A model just created for `tenant`: records the owner, opens its queue, describes it.
-  absl::Status RegisterNewModel(const std::string& model_id, const std::string& tenant,
-                                v1::ModelInfo* resp);
+  // Creates a model on the scheduler thread (the registry's), registered to `tenant`, and answers
+  // with its description; `create` makes it in the runner.
+  void CreateRegistered(const std::string& tenant,
+                        std::function<absl::StatusOr<std::string>()> create, v1::ModelInfo* resp,
+                        UnaryCall* reactor);
   std::string TenantRoot(const std::string& tenant) const {
     return checkpoint_root_ + "/" + tenant;
   }
@@ -166,8 +168,6 @@ class TinkerdService final : public RawTinkerdService {
   std::string checkpoint_root_;
   ApiKeys keys_;
   Metrics* metrics_;
-  absl::Mutex owners_mu_;
-  std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(owners_mu_);  // model_id -> tenant
 };
 
 // FNV-1a over the deterministic serialization: the idempotency check of (model_id, seq_id).

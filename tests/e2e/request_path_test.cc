@@ -586,5 +586,60 @@ TEST(RequestPath, ModelsAreAdmittedWithinSizeLimitAndMemoryBudget) {
   EXPECT_TRUE(st.ok()) << st.error_message();
 }
 
+// The registry: models are created and deleted on the scheduler thread, between jobs. A model
+// deleted while its stream waits for datums takes the stream with it (NOT_FOUND), and under
+// concurrent creations, deletions and training the registry and the runner hold the same models.
+TEST(RequestPath, DeletingAModelEndsItsOpenStreamAndRegistryMatchesRunner) {
+  LiveServer live({}, /*micro_batch_tokens=*/8);
+  const std::string model = live.CreateModel();
+  SplitMix64 g(21);
+  auto data = RandomData(g, {5, 6}, "cross_entropy", 128);
+  grpc::ClientContext stream_ctx;
+  stream_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::ForwardBackwardOutput out;
+  auto writer = live.stub->StreamForwardBackward(&stream_ctx, &out);
+  ASSERT_TRUE(writer->Write(Header(model, 1)));
+  ASSERT_TRUE(writer->Write(DatumMessage(data[0])));
+  WaitFor([&] { return live.server->scheduler()->Used(model, 1); }, "the stream's header");
+  auto remove = [&](const std::string& id) {
+    grpc::ClientContext ctx;
+    v1::ModelRef ref;
+    ref.set_model_id(id);
+    v1::DeleteModelResponse resp;
+    return live.stub->DeleteModel(&ctx, ref, &resp);
+  };
+  ASSERT_TRUE(remove(model).ok());
+  writer->Write(DatumMessage(data[1]));  // may fail: the stream has its answer
+  writer->WritesDone();
+  grpc::Status st = writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
+  EXPECT_EQ(remove(model).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(live.server->runner()->ListModels().empty());
+
+  // Four clients create a model, train it a little, and delete every other one, all at once.
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 4; ++c) {
+    clients.emplace_back([&live, &remove, c] {
+      SplitMix64 gc(100 + c);
+      for (int i = 0; i < 3; ++i) {
+        const std::string id = live.CreateModel();
+        v1::ForwardBackwardOutput o;
+        EXPECT_TRUE(
+            live.FwdBwd(MakeRequest(id, 1, RandomData(gc, {4, 7}, "cross_entropy", 128)), &o).ok());
+        if (i % 2 == 0) {
+          EXPECT_TRUE(remove(id).ok());
+        }
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  std::vector<std::string> registered = live.server->scheduler()->Models("default");  // no API keys
+  std::vector<std::string> in_runner = live.server->runner()->ListModels();
+  std::sort(registered.begin(), registered.end());
+  std::sort(in_runner.begin(), in_runner.end());
+  EXPECT_EQ(registered.size(), 4u);  // each client kept the second of its three models
+  EXPECT_EQ(registered, in_runner);
+}
+
 }  // namespace
 }  // namespace tinkerd::testing
