@@ -9,9 +9,9 @@ PKGS=(
   libtorch-dev libgloo-dev
   libopenblas0-openmp libopenblas-dev
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcpp-httplib-dev
+  libabsl-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcpp-httplib-dev libboost1.81-dev
   libgtest-dev libgmock-dev
-  python3-torch python3-numpy python3-yaml openssl procps
+  python3-torch python3-numpy python3-yaml python3-venv openssl curl procps
 )
 
 SUDO=""

@@ -83,6 +83,15 @@ void Metrics::ObserveRpc(const std::string& method, int code, double seconds) {
   h.sum += seconds;
 }
 
+void Metrics::ObserveHttp(const std::string& endpoint, int status, double seconds) {
+  absl::MutexLock lock(&mu_);
+  ++http_requests_[{endpoint, status}];
+  Histogram& h = http_latency_[endpoint];
+  for (size_t i = 0; i < kBuckets.size(); ++i) h.counts[i] += seconds <= kBuckets[i];
+  ++h.total;
+  h.sum += seconds;
+}
+
 void Metrics::AddTokens(int64_t n) {
   absl::MutexLock lock(&mu_);
   tokens_ += n;
@@ -127,6 +136,17 @@ std::string Metrics::Render(int64_t queue_depth, bool serving) const {
   }
   absl::StrAppend(&out, "# HELP tinkerd_request_duration_seconds RPC latency, by method.\n");
   histogram("tinkerd_request_duration_seconds", "method", latency_);
+  absl::StrAppend(&out,
+                  "# HELP tinkerd_http_requests_total Tinker HTTP API requests answered, by "
+                  "endpoint and HTTP status.\n# TYPE tinkerd_http_requests_total counter\n");
+  for (const auto& [key, n] : http_requests_) {
+    absl::StrAppend(&out, "tinkerd_http_requests_total{endpoint=\"", key.first, "\",status=\"",
+                    key.second, "\"} ", n, "\n");
+  }
+  absl::StrAppend(&out,
+                  "# HELP tinkerd_http_request_duration_seconds Tinker HTTP API latency "
+                  "(a long poll's includes its wait), by endpoint.\n");
+  histogram("tinkerd_http_request_duration_seconds", "endpoint", http_latency_);
   absl::StrAppend(&out, "# HELP tinkerd_checkpoint_duration_seconds Checkpoint save/load time.\n");
   histogram("tinkerd_checkpoint_duration_seconds", "op", checkpoint_);
   absl::StrAppend(&out, "# TYPE tinkerd_queue_depth gauge\ntinkerd_queue_depth ", queue_depth,

@@ -18,6 +18,8 @@ namespace tinkerd {
 class Metrics {
  public:
   void ObserveRpc(const std::string& method, int code, double seconds);
+  // A Tinker HTTP API request: `endpoint` is a known route (or "unknown"), `status` the HTTP one.
+  void ObserveHttp(const std::string& endpoint, int status, double seconds);
   void AddTokens(int64_t n);
   void AddOptimStep(bool skipped);
   void ObserveCheckpoint(const std::string& op, double seconds);
@@ -38,6 +40,8 @@ class Metrics {
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, int>, int64_t> requests_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Histogram> latency_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int>, int64_t> http_requests_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Histogram> http_latency_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Histogram> checkpoint_ ABSL_GUARDED_BY(mu_);
   int64_t tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_ ABSL_GUARDED_BY(mu_) = 0;

@@ -7,6 +7,7 @@
 
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "runner/checkpoint/store.h"
@@ -25,18 +26,20 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError("server: result_cache_per_model < 1");
   if (scheduler.order_timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("server: order_timeout <= 0");
+  if (auto st = tinker_http.Validate(); !st.ok()) return st;
   return absl::OkStatus();
 }
 
 std::string ServerConfig::DebugString() const {
   return absl::StrFormat(
       "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
-      "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s auth=%s tls=%s",
+      "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s auth=%s tls=%s %s",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       scheduler.max_pending_per_model, scheduler.result_cache_per_model,
       absl::FormatDuration(scheduler.order_timeout), checkpoint_root,
       api_keys.enabled() ? "api_keys" : "off",
-      tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"));
+      tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"),
+      tinker_http.DebugString());
 }
 
 absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
@@ -51,9 +54,9 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   SweepCheckpointLeftovers(config.checkpoint_root);
   s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
   s->metrics_ = std::make_unique<Metrics>();
-  s->service_ = std::make_unique<TinkerdService>(s->replicated_.get(), s->scheduler_.get(),
-                                                 s->runner_->limits(), config.checkpoint_root,
-                                                 config.api_keys, s->metrics_.get());
+  s->ops_ = std::make_unique<Ops>(s->replicated_.get(), s->scheduler_.get(), s->runner_->limits(),
+                                  config.checkpoint_root, s->metrics_.get());
+  s->service_ = std::make_unique<TinkerdService>(s->ops_.get(), config.api_keys);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -113,6 +116,44 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     }
     TLOG_INFO("metrics on http://{}:{}/metrics", config.metrics_host, s->http_->port());
   }
+  if (!config.tinker_http.listen.empty()) {
+    const std::string& listen = config.tinker_http.listen;
+    const size_t colon = listen.rfind(':');
+    int port = -1;
+    if (colon != std::string::npos && !absl::SimpleAtoi(listen.substr(colon + 1), &port)) port = -1;
+    if (port < 0 || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("http: listen address '", listen, "' is not HOST:PORT"));
+    }
+    std::string host = listen.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+    if (host == "localhost") host = "127.0.0.1";
+    s->tinker_api_ =
+        std::make_unique<http::TinkerApi>(s->ops_.get(), config.api_keys, config.tinker_http,
+                                          [raw](absl::Duration delay, std::function<void()> fn) {
+                                            raw->tinker_http_->After(delay, std::move(fn));
+                                          });
+    http::HttpServerConfig hc;
+    hc.host = host;
+    hc.port = port;
+    hc.threads = config.tinker_http.threads;
+    hc.max_body_bytes = config.tinker_http.max_body_bytes;
+    hc.tls_cert_file = config.tls_cert_file;  // the same certificate and clients as gRPC
+    hc.tls_key_file = config.tls_key_file;
+    hc.tls_client_ca_file = config.tls_client_ca_file;
+    auto server = http::HttpServer::Start(
+        hc, [api = s->tinker_api_.get()](http::Request req, http::Respond respond) {
+          api->Handle(std::move(req), std::move(respond));
+        });
+    if (!server.ok()) return server.status();
+    s->tinker_http_ = *std::move(server);
+    s->tinker_api_->StartReaper();
+    if (host != "127.0.0.1" && host != "::1" && !config.api_keys.enabled()) {
+      TLOG_WARN("Tinker HTTP API on {} without API keys: pass --api_keys_file", listen);
+    }
+    TLOG_INFO("Tinker HTTP API on {}://{}:{}/api/v1/",
+              config.tls_cert_file.empty() ? "http" : "https", host, s->tinker_http_->port());
+  }
   if (s->replicated_->world_size() > 1) {
     s->heartbeat_ = std::thread([raw] {
       absl::MutexLock lock(&raw->heartbeat_mu_);
@@ -151,6 +192,9 @@ void TinkerdServer::Shutdown() {
     }
     heartbeat_.join();
   }
+  // The HTTP API kept serving polls while the scheduler drained; now nothing finishes any more.
+  if (tinker_api_) tinker_api_->Close();
+  if (tinker_http_) tinker_http_->Stop();
   replicated_->Shutdown();  // the other ranks exit after the last request
   if (http_) http_->Stop();
   TLOG_INFO("shut down");

@@ -10,6 +10,8 @@
 
 #include "absl/status/statusor.h"
 #include "runner/model_runner.h"
+#include "server/http/http_server.h"
+#include "server/http/tinker_api.h"
 #include "server/metrics.h"
 #include "server/replicated_runner.h"
 #include "server/scheduler.h"
@@ -32,6 +34,8 @@ class TinkerdServer {
   Scheduler* scheduler() const { return scheduler_.get(); }
   // False once a rank of a data-parallel job failed (health is NOT_SERVING then).
   bool healthy() const { return replicated_->healthy(); }
+  // The port of the Tinker HTTP API (0 when off).
+  int tinker_http_port() const { return tinker_http_ ? tinker_http_->port() : 0; }
   // The HTTP port of /metrics, /healthz, /readyz (0 when off).
   int metrics_port() const { return http_ ? http_->port() : 0; }
 
@@ -47,7 +51,11 @@ class TinkerdServer {
   std::thread heartbeat_;
   absl::Mutex heartbeat_mu_;
   bool heartbeat_stop_ ABSL_GUARDED_BY(heartbeat_mu_) = false;
+  std::unique_ptr<Ops> ops_;
   std::unique_ptr<TinkerdService> service_;
+  // The HTTP server before the API: the API (holding its parked polls' connections) goes first.
+  std::unique_ptr<http::HttpServer> tinker_http_;
+  std::unique_ptr<http::TinkerApi> tinker_api_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool shut_down_ = false;

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "server/auth.h"
+#include "server/http/tinker_api_config.h"
 #include "server/scheduler.h"
 
 namespace tinkerd {
@@ -26,6 +27,8 @@ struct ServerConfig {
   ApiKeys api_keys = ApiKeys::Disabled();
   // TLS when cert and key are set (PEM files); mutual TLS when client_ca is set too.
   std::string tls_cert_file, tls_key_file, tls_client_ca_file;
+  // The Tinker HTTP API beside gRPC (off unless tinker_http.listen is set).
+  http::TinkerApiConfig tinker_http;
 
   absl::Status Validate() const;
   std::string DebugString() const;

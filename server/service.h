@@ -1,19 +1,15 @@
-// The gRPC service (callback API). Handlers validate a request completely before it is queued,
-// then hand it to the scheduler; the runner is only ever driven from the scheduler thread (model
-// management aside, which the runner serializes itself).
+// The gRPC front end (callback API): each handler authenticates the caller, parses its request
+// and hands it to the shared operations (server/ops.h), which check it completely before it is
+// queued; the answer goes back as the call's status and response.
 #pragma once
 
 #include <memory>
 
 #include <optional>
 #include "runner/model_runner.h"
-#include "runner/util/hash.h"
-#include "runner/validate.h"
 
 #include "server/auth.h"
-#include "server/metrics.h"
-#include "server/replicated_runner.h"
-#include "server/scheduler.h"
+#include "server/ops.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 
 namespace tinkerd {
@@ -52,9 +48,7 @@ using RawTinkerdService = v1::Tinkerd::WithRawCallbackMethod_CreateModel<
 
 class TinkerdService final : public RawTinkerdService {
  public:
-  // `runner` applies state changes on every rank; reads go to its local replica.
-  TinkerdService(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-                 std::string checkpoint_root, ApiKeys keys, Metrics* metrics);
+  TinkerdService(Ops* ops, ApiKeys keys);
 
   // The RPCs as registered, bytes in and bytes out: each parses its request (see Unary) and
   // calls its handler below. The stream requests StreamForwardBackwardMessage and responds
@@ -99,12 +93,13 @@ class TinkerdService final : public RawTinkerdService {
   grpc::ServerReadReactor<grpc::ByteBuffer>* StreamForwardBackward(grpc::CallbackServerContext* ctx,
                                                                    grpc::ByteBuffer* resp) override;
 
-  ReplicatedRunner* runner() const { return runner_; }
-  Scheduler* scheduler() const { return scheduler_; }
-  const ModelLimits& limits() const { return limits_; }
+  ReplicatedRunner* runner() const { return ops_->runner(); }
+  Scheduler* scheduler() const { return ops_->scheduler(); }
+  const ModelLimits& limits() const { return ops_->limits(); }
   const ApiKeys& keys() const { return keys_; }
-  // NOT_FOUND when the model belongs to another tenant (indistinguishable from a missing model).
-  absl::Status CheckOwner(const std::string& model_id, const std::string& tenant);
+  absl::Status CheckOwner(const std::string& model_id, const std::string& tenant) const {
+    return ops_->CheckOwner(model_id, tenant);
+  }
 
  private:
   // Parses the request and calls `handler` with it; a request that does not parse is
@@ -145,33 +140,11 @@ class TinkerdService final : public RawTinkerdService {
                           v1::DeleteCheckpointResponse* resp, UnaryCall* reactor);
   void DoRetrieveResult(grpc::CallbackServerContext* ctx, v1::RetrieveResultRequest* req,
                         v1::RetrieveResultResponse* resp, UnaryCall* reactor);
-  void FwdBwd(grpc::CallbackServerContext* ctx, v1::ForwardBackwardRequest* req,
-              v1::ForwardBackwardOutput* resp, bool backward, UnaryCall* reactor);
+  // The caller's tenant; otherwise finishes `reactor` with UNAUTHENTICATED and returns nullopt.
+  std::optional<std::string> Admit(grpc::CallbackServerContext* ctx, UnaryCall* reactor);
 
-  ReplicatedRunner* runner_;
-  Scheduler* scheduler_;
-  // The caller's tenant, after checking its key and (when model_id is given) that the model is
-  // its own; otherwise finishes `reactor` with the error and returns nullopt. Another tenant's
-  // model is NOT_FOUND, exactly like a model that does not exist.
-  std::optional<std::string> Admit(grpc::CallbackServerContext* ctx, UnaryCall* reactor,
-                                   const std::string* model_id);
-  // Creates a model on the scheduler thread (the registry's), registered to `tenant`, and answers
-  // with its description; `create` makes it in the runner.
-  void CreateRegistered(const std::string& tenant,
-                        std::function<absl::StatusOr<std::string>()> create, v1::ModelInfo* resp,
-                        UnaryCall* reactor);
-  std::string TenantRoot(const std::string& tenant) const {
-    return checkpoint_root_ + "/" + tenant;
-  }
-
-  ModelLimits limits_;
-  std::string checkpoint_root_;
+  Ops* ops_;
   ApiKeys keys_;
-  Metrics* metrics_;
 };
-
-// FNV-1a over the deterministic serialization: the idempotency check of (model_id, seq_id).
-// `h` continues an earlier hash (a stream's digest covers its header and every datum in order).
-uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h = kFnv64Basis);
 
 }  // namespace tinkerd

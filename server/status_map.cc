@@ -48,7 +48,62 @@ grpc::StatusCode Code(absl::StatusCode c) {
   return grpc::StatusCode::UNKNOWN;  // an integer outside the enum
 }
 
+// Exhaustive like Code(): the HTTP status and whether the client is the cause.
+struct HttpCode {
+  int status;
+  bool user;
+};
+HttpCode Http(absl::StatusCode c) {
+  switch (c) {
+    case absl::StatusCode::kOk:
+      return {200, false};
+    case absl::StatusCode::kCancelled:
+      return {400, true};
+    case absl::StatusCode::kUnknown:
+      return {500, false};
+    case absl::StatusCode::kInvalidArgument:
+      return {400, true};
+    case absl::StatusCode::kDeadlineExceeded:  // an earlier seq_id never came: retrying may help
+      return {504, false};
+    case absl::StatusCode::kNotFound:
+      return {404, true};
+    case absl::StatusCode::kAlreadyExists:  // 409 would be retried by the SDK, forever the same
+      return {400, true};
+    case absl::StatusCode::kPermissionDenied:
+      return {403, true};
+    case absl::StatusCode::kResourceExhausted:  // a full queue or memory budget: back off
+      return {429, true};
+    case absl::StatusCode::kFailedPrecondition:
+      return {400, true};
+    case absl::StatusCode::kAborted:
+      return {503, false};
+    case absl::StatusCode::kOutOfRange:
+      return {400, true};
+    case absl::StatusCode::kUnimplemented:  // deterministic: 501 would be retried like any 5xx
+      return {400, true};
+    case absl::StatusCode::kInternal:
+      return {500, false};
+    case absl::StatusCode::kUnavailable:
+      return {503, false};
+    case absl::StatusCode::kDataLoss:
+      return {500, false};
+    case absl::StatusCode::kUnauthenticated:
+      return {401, true};
+    case absl::StatusCode::kDoNotUseReservedForFutureExpansionUseDefaultInSwitchInstead_:
+      return {500, false};
+  }
+  return {500, false};
+}
+
 }  // namespace
+
+int HttpStatus(absl::StatusCode code) {
+  return Http(code).status;
+}
+
+const char* TinkerCategory(absl::StatusCode code) {
+  return Http(code).user ? "user" : "server";
+}
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;

@@ -52,6 +52,20 @@ ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA for client certificates (enabl
 ABSL_FLAG(int, metrics_port, -1,
           "serve Prometheus /metrics, /healthz and /readyz over HTTP on this port (-1: off)");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint binds to");
+ABSL_FLAG(std::string, http_listen, "",
+          "HOST:PORT of the Tinker HTTP API (/api/v1/..., what the Tinker Python SDK speaks); "
+          "empty: off; port 0 picks a free port");
+ABSL_FLAG(int, http_threads, 2, "threads serving the HTTP API (long polls take no thread)");
+ABSL_FLAG(std::string, served_model_name, "",
+          "the base model's name in the HTTP API (create_model's base_model); default: "
+          "--base_model as given (or the embedded model's name)");
+ABSL_FLAG(int, http_long_poll_s, 30,
+          "how long retrieve_future waits for a result before answering try_again (< 45, the "
+          "SDK's timeout)");
+ABSL_FLAG(int, http_future_keep_s, 600, "how long a finished future's result stays retrievable");
+ABSL_FLAG(int, http_session_idle_s, 0,
+          "a Tinker session without a heartbeat for this long ends and its models are deleted "
+          "(checkpoints stay); 0: never (the SDK heartbeats every 10 s)");
 ABSL_FLAG(int, nproc, 1,
           "data-parallel ranks to spawn on this machine (ignored when WORLD_SIZE is set, e.g. by "
           "torchrun, Slurm or Kubernetes)");
@@ -170,6 +184,15 @@ int main(int argc, char** argv) {
   sc.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   sc.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   sc.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  sc.tinker_http.listen = absl::GetFlag(FLAGS_http_listen);
+  sc.tinker_http.threads = absl::GetFlag(FLAGS_http_threads);
+  sc.tinker_http.served_model_name = absl::GetFlag(FLAGS_served_model_name).empty()
+                                         ? rc.base_model_path
+                                         : absl::GetFlag(FLAGS_served_model_name);
+  sc.tinker_http.max_body_bytes = sc.max_message_bytes;
+  sc.tinker_http.futures.long_poll = absl::Seconds(absl::GetFlag(FLAGS_http_long_poll_s));
+  sc.tinker_http.futures.keep = absl::Seconds(absl::GetFlag(FLAGS_http_future_keep_s));
+  sc.tinker_http.session_idle = absl::Seconds(absl::GetFlag(FLAGS_http_session_idle_s));
   if (!absl::GetFlag(FLAGS_api_keys_file).empty()) {
     auto keys = tinkerd::ApiKeys::LoadFile(absl::GetFlag(FLAGS_api_keys_file));
     if (!keys.ok()) {
@@ -185,6 +208,9 @@ int main(int argc, char** argv) {
   }
   // Scripts read this line to learn the port when --listen asked for port 0.
   std::printf("tinkerd listening on port %d\n", (*server)->port());
+  if ((*server)->tinker_http_port() > 0) {
+    std::printf("tinkerd http listening on port %d\n", (*server)->tinker_http_port());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&signals, &sig);

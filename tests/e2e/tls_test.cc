@@ -122,5 +122,42 @@ TEST(MutualTls, OnlyClientsWithACertificateFromTheTrustedCaGetIn) {
   EXPECT_EQ(half_code, 2) << half_out;
 }
 
+// curl against the Tinker HTTP API: (exit code, body). `args` are curl's TLS options.
+std::pair<int, std::string> Curl(const std::string& url, const std::string& args) {
+  FILE* p = popen(("curl -s --max-time 20 " + args + " " + url + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+TEST(Tls, TheTinkerHttpApiUsesTheSameCertificateAndClientCa) {
+  Pki pki;
+  ASSERT_TRUE(pki.ok);
+  for (bool mutual : {false, true}) {
+    ServerConfig sc = TlsServer(pki, mutual);
+    sc.tinker_http.listen = "127.0.0.1:0";
+    sc.tinker_http.served_model_name = "tiny";
+    LiveServer live(sc);
+    const std::string host = "127.0.0.1:" + std::to_string(live.server->tinker_http_port());
+    const std::string ca = "--cacert " + pki.Path("ca.pem");
+    const std::string cert =
+        " --cert " + pki.Path("client.pem") + " --key " + pki.Path("client.key");
+    const std::string rogue = " --cert " + pki.Path("rogue.pem") + " --key " + pki.Path("rogue.key");
+    auto [code, body] = Curl("https://" + host + "/api/v1/healthz", ca + cert);
+    EXPECT_EQ(code, 0) << body;
+    EXPECT_EQ(body, "{\"status\":\"ok\"}") << "mutual=" << mutual;
+    // Plain HTTP on the TLS port gets no answer; an untrusted server certificate is refused.
+    auto [plain_code, plain] = Curl("http://" + host + "/api/v1/healthz", "");
+    EXPECT_NE(plain.find("\"status\""), 0u) << plain;
+    EXPECT_NE(plain_code, 0);
+    EXPECT_NE(Curl("https://" + host + "/api/v1/healthz", cert).first, 0) << "no CA, yet trusted";
+    // Under mutual TLS a client without a certificate, or with one from another CA, gets nothing.
+    EXPECT_EQ(Curl("https://" + host + "/api/v1/healthz", ca).first == 0, !mutual);
+    EXPECT_EQ(Curl("https://" + host + "/api/v1/healthz", ca + rogue).first == 0, !mutual);
+  }
+}
+
 }  // namespace
 }  // namespace tinkerd::testing

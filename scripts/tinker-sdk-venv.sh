@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Creates (or reuses) a Python virtual environment with the official Tinker SDK at an exact version,
+# for the SDK compatibility tests (tests/sdk). The venv lives OUTSIDE the source tree:
+#   ${TINKERD_SDK_VENVS:-$HOME/.cache/tinkerd/sdk}/tinker-VERSION
+# Usage: scripts/tinker-sdk-venv.sh VERSION        (e.g. 0.25.0)
+# The last line of stdout is the venv's python path. Progress goes to stderr.
+# Exit codes: 0 ok; 77 the SDK cannot be installed because PyPI (or the configured index) is not
+# reachable, or no usable python/venv exists (ctest reports 77 as SKIP); 2 usage; 1 other errors.
+# Environment: TINKERD_SDK_PYTHON (interpreter to build the venv from; default python3, needs >= 3.11
+# and the venv module: on Debian 12 `apt-get install python3-venv`), TINKERD_SDK_VENVS (cache root),
+# PIP_INDEX_URL and the other PIP_* variables are honoured by pip.
+set -euo pipefail
+
+if (($# != 1)) || [[ ! $1 =~ ^[0-9]+(\.[0-9]+)*([a-z0-9.+-]*)$ ]]; then
+  echo "usage: $0 VERSION   (e.g. 0.25.0)" >&2
+  exit 2
+fi
+version=$1
+root=${TINKERD_SDK_VENVS:-$HOME/.cache/tinkerd/sdk}
+venv=$root/tinker-$version
+py=$venv/bin/python
+base_python=${TINKERD_SDK_PYTHON:-python3}
+
+log() { echo "[tinker-sdk-venv] $*" >&2; }
+skip() { echo "tinker-sdk-venv: SKIP: $*" >&2; exit 77; }
+
+# The venv is usable when it imports tinker at exactly the wanted version.
+usable() {
+  [[ -x $py && -f $venv/.tinkerd-complete ]] || return 1
+  local got
+  got=$("$py" -c 'import importlib.metadata as m, tinker; print(m.version("tinker"))' 2>/dev/null) || return 1
+  [[ $got == "$version" ]]
+}
+
+if usable; then
+  log "reusing $venv"
+  echo "$py"
+  exit 0
+fi
+
+command -v "$base_python" >/dev/null 2>&1 || skip "no $base_python interpreter to build the venv from"
+"$base_python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' ||
+  skip "$base_python is older than 3.11 (the SDK requires >= 3.11)"
+"$base_python" -c 'import venv, ensurepip' 2>/dev/null ||
+  skip "$base_python lacks the venv/ensurepip modules (Debian: apt-get install python3-venv)"
+
+mkdir -p "$root"
+# One installer at a time per version (ctest may run the wrapper for several tests in parallel).
+exec 9>"$root/.tinker-$version.lock"
+if command -v flock >/dev/null 2>&1; then flock 9; fi
+if usable; then
+  log "reusing $venv (built by a concurrent run)"
+  echo "$py"
+  exit 0
+fi
+
+# Build in place; the stamp file written last marks a complete venv, so an interrupted install is
+# detected (no stamp) and rebuilt from scratch by the next run.
+rm -rf "$venv"
+log "creating $venv for tinker==$version with $("$base_python" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+"$base_python" -m venv "$venv" >&2 || skip "'$base_python -m venv' failed (Debian: apt-get install python3-venv)"
+
+piplog=$(mktemp "${TMPDIR:-/tmp}/tinker-sdk-pip.XXXXXX")
+trap 'rm -f "$piplog"' EXIT
+start=$SECONDS
+if ! "$py" -m pip install --disable-pip-version-check --no-input --progress-bar off \
+    --timeout 30 --retries 2 "tinker==$version" >"$piplog" 2>&1; then
+  # "Cannot reach the index" is a skip; "reached it, but the install failed" is an error.
+  neterr='NewConnectionError|Failed to establish a new connection|Name or service not known|Temporary failure in name resolution|Network is unreachable|ConnectTimeout|Read timed out|ProxyError|Connection refused|No route to host|Max retries exceeded'
+  if grep -qiE "$neterr" "$piplog"; then
+    rm -rf "$venv"
+    skip "pip cannot reach the package index to install tinker==$version: $(grep -m1 -oiE "$neterr" "$piplog" | head -n1)"
+  fi
+  cat "$piplog" >&2
+  echo "tinker-sdk-venv: pip install tinker==$version failed (see above)" >&2
+  exit 1
+fi
+log "installed tinker==$version in $((SECONDS - start)) s"
+# What was resolved, for reproducing failures.
+"$py" -m pip freeze --disable-pip-version-check >"$venv/requirements.lock.txt" 2>/dev/null || true
+touch "$venv/.tinkerd-complete"
+
+usable || { echo "tinker-sdk-venv: $venv does not import tinker==$version after install" >&2; exit 1; }
+echo "$py"

@@ -1,0 +1,127 @@
+#include "server/http/futures.h"
+
+#include <algorithm>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+namespace tinkerd::http {
+
+Futures::Futures(FuturesConfig config,
+                 std::function<void(absl::Duration, std::function<void()>)> after)
+    : config_(config), after_(std::move(after)) {}
+
+size_t Futures::size() const {
+  absl::MutexLock lock(&mu_);
+  return entries_.size();
+}
+
+void Futures::SweepLocked() {
+  const absl::Time cutoff = absl::Now() - config_.keep;
+  std::vector<std::pair<absl::Time, std::map<std::string, Entry>::iterator>> finished;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.answer && it->second.finished < cutoff) {
+      it = entries_.erase(it);
+    } else {
+      if (it->second.answer) finished.emplace_back(it->second.finished, it);
+      ++it;
+    }
+  }
+  if (entries_.size() < config_.max_entries) return;
+  std::sort(finished.begin(), finished.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [t, it] : finished) {
+    if (entries_.size() < config_.max_entries) break;
+    entries_.erase(it);
+  }
+}
+
+bool Futures::Has(const std::string& tenant, const std::string& request_id) const {
+  absl::MutexLock lock(&mu_);
+  return entries_.count(Key(tenant, request_id)) > 0;
+}
+
+bool Futures::Open(const std::string& tenant, const std::string& request_id) {
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(tenant, request_id);
+  if (entries_.count(key)) return true;
+  if (closed_) return false;
+  if (entries_.size() >= config_.max_entries) SweepLocked();
+  if (entries_.size() >= config_.max_entries) return false;
+  entries_.emplace(key, Entry());
+  return true;
+}
+
+void Futures::Finish(const std::string& tenant, const std::string& request_id, Response answer) {
+  std::map<uint64_t, Respond> polls;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(Key(tenant, request_id));
+    if (it == entries_.end() || it->second.answer) return;
+    it->second.answer = answer;
+    it->second.finished = absl::Now();
+    polls.swap(it->second.polls);
+  }
+  for (auto& [id, respond] : polls) respond(answer);
+}
+
+void Futures::Poll(const std::string& tenant, const std::string& request_id, Respond respond) {
+  const std::string key = Key(tenant, request_id);
+  std::optional<Response> now;  // answered outside the lock
+  uint64_t poll_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    if (it != entries_.end() && it->second.answer) {
+      now = *it->second.answer;
+    } else if (it == entries_.end() || closed_) {
+      now = Response{404,
+                     "application/json",
+                     nlohmann::json{{"detail", "request_id: unknown or expired future"}}.dump(),
+                     {}};
+    } else {
+      poll_id = next_poll_++;
+      it->second.polls.emplace(poll_id, std::move(respond));
+    }
+  }
+  if (now) return respond(*std::move(now));
+  after_(config_.long_poll, [this, key, poll_id, request_id] { Expire(key, poll_id, request_id); });
+}
+
+void Futures::Expire(const std::string& key, uint64_t poll_id, std::string request_id) {
+  Respond respond;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return;
+    auto p = it->second.polls.find(poll_id);
+    if (p == it->second.polls.end()) return;  // answered meanwhile
+    respond = std::move(p->second);
+    it->second.polls.erase(p);
+  }
+  Response r;
+  r.body =
+      nlohmann::json{{"type", "try_again"}, {"request_id", request_id}, {"queue_state", "active"}}
+          .dump();
+  respond(std::move(r));
+}
+
+void Futures::Close() {
+  std::vector<Respond> polls;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    for (auto& [key, e] : entries_) {
+      for (auto& [id, respond] : e.polls) polls.push_back(std::move(respond));
+    }
+    entries_.clear();
+  }
+  for (auto& respond : polls) {
+    Response r;
+    r.status = 503;
+    r.body = nlohmann::json{{"detail", "server is shutting down"}}.dump();
+    respond(std::move(r));
+  }
+}
+
+}  // namespace tinkerd::http

@@ -1,0 +1,63 @@
+// The Tinker API's futures: an asynchronous call answers at once with a request_id, and its
+// result (or error) lands here when the scheduler finishes it; retrieve_future polls read it.
+// A poll of an unfinished future is parked (a callback and a timer, no thread) and answered when
+// the result lands, or with try_again after the long-poll time, well inside the SDK's 45 s
+// timeout. Futures are per tenant: another tenant's request_id is unknown (404), like a made-up
+// one. A finished result stays `keep` after it finished, so a poll retried after a lost answer
+// still finds it; then it is gone (404, like an id never issued).
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/http/http_server.h"
+#include "server/http/tinker_api_config.h"
+
+namespace tinkerd::http {
+
+class Futures {
+ public:
+  // `after` runs a function later on the HTTP server's threads (HttpServer::After).
+  Futures(FuturesConfig config, std::function<void(absl::Duration, std::function<void()>)> after);
+
+  // Registers a pending future, unless one exists already (a retry of the same call): then it is
+  // left as it is. False when there is no room (every entry pending).
+  bool Open(const std::string& tenant, const std::string& request_id);
+  // The future's answer: a result (status 200) or a {"error", "category"} body. Wakes its polls.
+  // A future finished already keeps its first answer.
+  void Finish(const std::string& tenant, const std::string& request_id, Response answer);
+  bool Has(const std::string& tenant, const std::string& request_id) const;
+  // Answers with the future's answer when it has one, else parks the poll.
+  void Poll(const std::string& tenant, const std::string& request_id, Respond respond);
+  // Answers every parked poll with 503 (the client polls again) and forgets everything.
+  void Close();
+
+  size_t size() const;
+
+ private:
+  struct Entry {
+    std::optional<Response> answer;
+    absl::Time finished;
+    std::map<uint64_t, Respond> polls;  // parked, by poll id
+  };
+  static std::string Key(const std::string& tenant, const std::string& request_id) {
+    return tenant + '\n' + request_id;  // tenants and ids never contain a newline
+  }
+  // Under mu_: drops finished entries past `keep`, and the oldest finished past max_entries.
+  void SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Expire(const std::string& key, uint64_t poll_id, std::string request_id);
+
+  const FuturesConfig config_;
+  const std::function<void(absl::Duration, std::function<void()>)> after_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_poll_ ABSL_GUARDED_BY(mu_) = 0;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace tinkerd::http

@@ -1,0 +1,283 @@
+#include "server/http/http_server.h"
+
+#include <atomic>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "runner/util/log.h"
+
+namespace tinkerd::http {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+constexpr size_t kMaxHeaderBytes = 16 << 10;
+
+std::string ErrorBody(const std::string& detail) {
+  // Only fixed texts and library messages reach here: no JSON escaping needed beyond quotes.
+  std::string d;
+  for (char c : detail) d += (c == '"' || c == '\\') ? ' ' : c;
+  return absl::StrCat("{\"detail\":\"", d, "\"}");
+}
+
+}  // namespace
+
+struct HttpServer::Impl {
+  HttpServerConfig config;
+  Handler handler;
+  // Before io: connections still queued in io when it is destroyed count themselves out here.
+  std::atomic<int> connections{0};
+  std::atomic<bool> stopped{false};
+  int port = 0;
+  asio::io_context io;
+  std::optional<asio::ssl::context> tls;  // set: every connection speaks TLS
+  tcp::acceptor acceptor{io};
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
+  std::vector<std::thread> threads;
+
+  void Accept();
+};
+
+namespace {
+
+// One client connection; Stream is a beast::tcp_stream, or an ssl_stream over one.
+template <typename Stream>
+class Connection : public std::enable_shared_from_this<Connection<Stream>> {
+ public:
+  template <typename... Args>
+  Connection(HttpServer::Impl* server, Args&&... args)
+      : stream_(std::forward<Args>(args)...), server_(server) {
+    server_->connections.fetch_add(1);
+  }
+  ~Connection() { server_->connections.fetch_sub(1); }
+
+  void Start() {
+    if constexpr (std::is_same_v<Stream, beast::tcp_stream>) {
+      Read();
+    } else {
+      Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
+      stream_.async_handshake(asio::ssl::stream_base::server,
+                              [self = this->shared_from_this()](beast::error_code ec) {
+                                if (ec) return self->Close();  // not TLS, or an untrusted client
+                                self->Read();
+                              });
+    }
+  }
+
+  void Read() {
+    parser_.emplace();
+    parser_->body_limit(static_cast<uint64_t>(server_->config.max_body_bytes));
+    parser_->header_limit(kMaxHeaderBytes);
+    Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
+    bhttp::async_read(stream_, buffer_, *parser_,
+                      beast::bind_front_handler(&Connection::OnRead, this->shared_from_this()));
+  }
+
+  // Writes `r` on this connection's strand; then reads the next request or closes.
+  void Answer(Response r) {
+    asio::post(stream_.get_executor(), [self = this->shared_from_this(),
+                                        r = std::move(r)]() mutable { self->Write(std::move(r)); });
+  }
+
+ private:
+  void OnRead(beast::error_code ec, size_t) {
+    if (ec == bhttp::error::end_of_stream || ec == beast::error::timeout ||
+        ec == asio::error::operation_aborted || ec == asio::error::connection_reset ||
+        ec == asio::error::eof) {
+      return Close();
+    }
+    keep_alive_ = false;  // after an error the stream position is unknown
+    if (ec == bhttp::error::body_limit) {
+      return Write({413,
+                    "application/json",
+                    ErrorBody(absl::StrCat("body: larger than the server's limit of ",
+                                           server_->config.max_body_bytes, " bytes")),
+                    {}});
+    }
+    if (ec == bhttp::error::header_limit) {
+      return Write({431, "application/json", ErrorBody("headers: larger than 16 KiB"), {}});
+    }
+    if (ec) {
+      return Write({400,
+                    "application/json",
+                    ErrorBody(absl::StrCat("malformed HTTP request: ", ec.message())),
+                    {}});
+    }
+    Lowest().expires_never();
+    auto& msg = parser_->get();
+    keep_alive_ = msg.keep_alive();
+    version_ = msg.version();
+    Request req;
+    req.method = std::string(msg.method_string());
+    const auto target = msg.target();
+    req.path = std::string(target.substr(0, target.find('?')));
+    const auto type = msg[bhttp::field::content_type];
+    const auto encoding = msg[bhttp::field::content_encoding];
+    absl::string_view type_view(type.data(), type.size());
+    type_view = type_view.substr(0, type_view.find(';'));
+    req.content_type = absl::AsciiStrToLower(absl::StripAsciiWhitespace(type_view));
+    req.content_encoding = absl::AsciiStrToLower(
+        absl::StripAsciiWhitespace(absl::string_view(encoding.data(), encoding.size())));
+    if (req.content_encoding == "identity") req.content_encoding.clear();
+    req.api_key = std::string(msg["X-API-Key"]);
+    req.body = std::move(msg.body());
+    auto once = std::make_shared<std::atomic<bool>>(false);
+    server_->handler(std::move(req), [self = this->shared_from_this(), once](Response r) {
+      if (once->exchange(true)) return;
+      self->Answer(std::move(r));
+    });
+  }
+
+  void Write(Response r) {
+    response_ = {};
+    response_.version(version_);
+    response_.result(static_cast<unsigned>(r.status));
+    response_.set(bhttp::field::server, "tinkerd");
+    response_.set(bhttp::field::content_type, r.content_type);
+    for (auto& [k, v] : r.headers) response_.set(k, v);
+    response_.body() = std::move(r.body);
+    response_.keep_alive(keep_alive_ && !server_->stopped.load());
+    response_.prepare_payload();
+    Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
+    bhttp::async_write(stream_, response_,
+                       beast::bind_front_handler(&Connection::OnWrite, this->shared_from_this()));
+  }
+
+  void OnWrite(beast::error_code ec, size_t) {
+    if (ec || !response_.keep_alive()) return Close();
+    Read();
+  }
+
+  // Without TLS's close_notify: every response carries its length, so a cut is detectable.
+  void Close() {
+    beast::error_code ignored;
+    Lowest().socket().shutdown(tcp::socket::shutdown_send, ignored);
+    Lowest().close();
+  }
+
+  beast::tcp_stream& Lowest() { return beast::get_lowest_layer(stream_); }
+
+  Stream stream_;
+  HttpServer::Impl* server_;
+  beast::flat_buffer buffer_;
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+  bhttp::response<bhttp::string_body> response_;
+  bool keep_alive_ = true;
+  unsigned version_ = 11;
+};
+
+}  // namespace
+
+void HttpServer::Impl::Accept() {
+  acceptor.async_accept(asio::make_strand(io), [this](beast::error_code ec, tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || stopped.load()) return;
+    if (!ec) {
+      beast::error_code ignored;
+      if (connections.load() >= config.max_connections) {
+        socket.close(ignored);  // the client sees a reset and retries later
+        return Accept();
+      }
+      // Small answers (a future's id, try_again) must not wait out Nagle's delay.
+      socket.set_option(tcp::no_delay(true), ignored);
+      if (tls) {
+        using TlsStream = beast::ssl_stream<beast::tcp_stream>;
+        std::make_shared<Connection<TlsStream>>(this, std::move(socket), *tls)->Start();
+      } else {
+        std::make_shared<Connection<beast::tcp_stream>>(this, std::move(socket))->Start();
+      }
+    }
+    Accept();
+  });
+}
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerConfig config,
+                                                              Handler handler) {
+  if (config.threads < 1) return absl::InvalidArgumentError("http: threads must be >= 1");
+  auto impl = std::make_unique<Impl>();
+  impl->config = std::move(config);
+  impl->handler = std::move(handler);
+  beast::error_code ec;
+  if (!impl->config.tls_cert_file.empty()) {
+    impl->tls.emplace(asio::ssl::context::tls_server);
+    impl->tls->set_options(asio::ssl::context::default_workarounds | asio::ssl::context::no_sslv2 |
+                           asio::ssl::context::no_sslv3 | asio::ssl::context::no_tlsv1 |
+                           asio::ssl::context::no_tlsv1_1);
+    impl->tls->use_certificate_chain_file(impl->config.tls_cert_file, ec);
+    if (!ec)
+      impl->tls->use_private_key_file(impl->config.tls_key_file, asio::ssl::context::pem, ec);
+    if (!ec && !impl->config.tls_client_ca_file.empty()) {
+      impl->tls->load_verify_file(impl->config.tls_client_ca_file, ec);
+      impl->tls->set_verify_mode(asio::ssl::verify_peer | asio::ssl::verify_fail_if_no_peer_cert);
+    }
+    if (ec) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("http: cannot use the TLS certificate, key or client CA: ", ec.message()));
+    }
+  }
+  const auto address = asio::ip::make_address(impl->config.host, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("http: '", impl->config.host, "' is not an IP address"));
+  }
+  const tcp::endpoint endpoint(address, static_cast<uint16_t>(impl->config.port));
+  impl->acceptor.open(endpoint.protocol(), ec);
+  if (!ec) impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+  if (!ec) impl->acceptor.bind(endpoint, ec);
+  if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return absl::UnavailableError(absl::StrCat("http: cannot listen on ", impl->config.host, ":",
+                                               impl->config.port, ": ", ec.message()));
+  }
+  impl->port = impl->acceptor.local_endpoint().port();
+  impl->work.emplace(impl->io.get_executor());
+  impl->Accept();
+  for (int i = 0; i < impl->config.threads; ++i) {
+    impl->threads.emplace_back([io = &impl->io] { io->run(); });
+  }
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+int HttpServer::port() const {
+  return impl_->port;
+}
+
+void HttpServer::After(absl::Duration delay, std::function<void()> fn) {
+  if (impl_->stopped.load()) return;
+  auto timer = std::make_shared<asio::steady_timer>(impl_->io, absl::ToChronoNanoseconds(delay));
+  timer->async_wait([timer, fn = std::move(fn)](beast::error_code ec) {
+    if (!ec) fn();
+  });
+}
+
+void HttpServer::Stop() {
+  if (impl_->stopped.exchange(true)) return;
+  asio::post(impl_->io, [impl = impl_.get()] {
+    beast::error_code ignored;
+    impl->acceptor.close(ignored);
+  });
+  impl_->work.reset();
+  impl_->io.stop();
+  for (auto& t : impl_->threads) t.join();
+  impl_->threads.clear();
+}
+
+HttpServer::~HttpServer() {
+  Stop();
+}
+
+}  // namespace tinkerd::http

@@ -1,0 +1,73 @@
+// An HTTP/1.1 server on Boost.Beast: keep-alive connections served asynchronously by a few
+// threads, so that thousands of parked long polls (Tinker's retrieve_future) cost a socket and a
+// timer each, never a thread. Requests are handed whole (body read, size-capped) to one handler,
+// which answers exactly once, from any thread, whenever it is ready.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tinkerd::http {
+
+struct Request {
+  std::string method;            // "GET", "POST", ...
+  std::string path;              // the target without its query string
+  std::string content_type;      // without parameters, lower case
+  std::string content_encoding;  // empty for identity
+  std::string api_key;           // X-API-Key
+  std::string body;
+};
+
+struct Response {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;
+};
+
+// Answers its request; the first call counts, later ones are ignored. Callable from any thread.
+using Respond = std::function<void(Response)>;
+using Handler = std::function<void(Request, Respond)>;
+
+struct HttpServerConfig {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0: any free port
+  int threads = 2;
+  int64_t max_body_bytes = 256 << 20;
+  int max_connections = 8192;
+  // How long a connection may sit between requests, or take to send one.
+  absl::Duration idle_timeout = absl::Seconds(120);
+  // PEM files: TLS when the certificate and key are set; clients must present a certificate
+  // from client_ca when that is set too (mutual TLS). TLS 1.2 and later; HTTP/1.1 only.
+  std::string tls_cert_file, tls_key_file, tls_client_ca_file;
+};
+
+class HttpServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(HttpServerConfig config,
+                                                           Handler handler);
+  ~HttpServer();  // Stop()s
+
+  int port() const;
+  // Runs `fn` on a server thread after `delay`, unless the server stopped first.
+  void After(absl::Duration delay, std::function<void()> fn);
+  // Stops accepting, drops every connection and joins the threads. Answers given later are
+  // discarded. The server's memory (and any connection a Respond still holds) lives until the
+  // destructor, so a Respond may outlive Stop but not the server.
+  void Stop();
+
+  struct Impl;  // public only so that the connections in the .cc can name it
+
+ private:
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tinkerd::http

@@ -1,0 +1,703 @@
+#include "server/http/tinker_api.h"
+
+#include <cmath>
+#include <optional>
+#include <random>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "runner/util/echo.h"
+#include "runner/util/log.h"
+#include "server/http/tinker_convert.h"
+#include "server/status_map.h"
+#include "tinker_public/tinker_public.pb.h"
+
+namespace tinkerd::http {
+
+using Json = TinkerApi::Json;
+
+namespace {
+
+constexpr char kApiPrefix[] = "/api/v1/";
+
+Response JsonResponse(const Json& j, int status = 200) {
+  return Response{
+      status, "application/json", j.dump(-1, ' ', false, Json::error_handler_t::replace), {}};
+}
+
+Response Error(int status, const std::string& detail) {
+  return JsonResponse(Json{{"detail", detail}}, status);
+}
+
+Response Error(const absl::Status& st) {
+  return Error(HttpStatus(st.code()), std::string(st.message()));
+}
+
+// A failed future: the SDK raises it as RequestFailedError without retrying.
+Response FutureError(const absl::Status& st) {
+  return JsonResponse(
+      Json{{"error", std::string(st.message())}, {"category", TinkerCategory(st.code())}});
+}
+
+// Reads a JSON object's fields, keeping the first error (which names the field).
+class Fields {
+ public:
+  explicit Fields(const Json& j) : j_(j) {}
+
+  std::string Str(const char* name) {
+    return Get<std::string>(name, "a string", true).value_or("");
+  }
+  std::optional<std::string> OptStr(const char* name) {
+    return Get<std::string>(name, "a string", false);
+  }
+  int64_t Int(const char* name) { return OptInt(name, true).value_or(0); }
+  std::optional<int64_t> OptInt(const char* name, bool required = false) {
+    const Json* v = Find(name, required);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_number_integer()) return Fail(name, "an integer");
+    return v->get<int64_t>();
+  }
+  std::optional<double> OptNum(const char* name) {
+    const Json* v = Find(name, false);
+    if (v == nullptr) return std::nullopt;
+    if (!v->is_number()) return Fail(name, "a number");
+    return v->get<double>();
+  }
+  std::optional<bool> OptBool(const char* name) { return Get<bool>(name, "a boolean", false); }
+  // An object field (absent or null: nullptr).
+  const Json* Obj(const char* name) {
+    const Json* v = Find(name, false);
+    if (v != nullptr && !v->is_object()) {
+      Fail(name, "an object");
+      return nullptr;
+    }
+    return v;
+  }
+
+  const absl::Status& status() const { return status_; }
+
+ private:
+  const Json* Find(const char* name, bool required) {
+    auto it = j_.find(name);
+    if (it == j_.end() || it->is_null()) {
+      if (required && status_.ok()) {
+        status_ = absl::InvalidArgumentError(absl::StrCat(name, ": required"));
+      }
+      return nullptr;
+    }
+    return &*it;
+  }
+  template <typename T>
+  std::optional<T> Get(const char* name, const char* what, bool required) {
+    const Json* v = Find(name, required);
+    if (v == nullptr) return std::nullopt;
+    if constexpr (std::is_same_v<T, std::string>) {
+      if (!v->is_string()) return Fail(name, what);
+    } else {
+      if (!v->is_boolean()) return Fail(name, what);
+    }
+    return v->get<T>();
+  }
+  std::nullopt_t Fail(const char* name, const char* what) {
+    if (status_.ok()) {
+      status_ = absl::InvalidArgumentError(absl::StrCat(name, ": must be ", what));
+    }
+    return std::nullopt;
+  }
+
+  const Json& j_;
+  absl::Status status_;
+};
+
+std::string RandomHex() {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  return absl::StrFormat("%016x", rng());
+}
+
+}  // namespace
+
+absl::Status TinkerApiConfig::Validate() const {
+  if (listen.empty()) return absl::OkStatus();
+  if (threads < 1) return absl::InvalidArgumentError("http: threads must be >= 1");
+  if (served_model_name.empty())
+    return absl::InvalidArgumentError("http: served model name is empty");
+  if (futures.long_poll <= absl::ZeroDuration() || futures.long_poll >= absl::Seconds(45)) {
+    // The SDK gives up on a poll after 45 s and backs off for up to 30 s.
+    return absl::InvalidArgumentError("http: long poll must be in (0, 45) s");
+  }
+  if (max_body_bytes < 1024) return absl::InvalidArgumentError("http: max body < 1 KiB");
+  return absl::OkStatus();
+}
+
+std::string TinkerApiConfig::DebugString() const {
+  if (listen.empty()) return "http=off";
+  return absl::StrFormat(
+      "http=%s http_threads=%d served_model_name=%s long_poll=%s keep=%s session_idle=%s", listen,
+      threads, served_model_name, absl::FormatDuration(futures.long_poll),
+      absl::FormatDuration(futures.keep),
+      session_idle > absl::ZeroDuration() ? absl::FormatDuration(session_idle) : "off");
+}
+
+TinkerApi::TinkerApi(Ops* ops, ApiKeys keys, TinkerApiConfig config,
+                     std::function<void(absl::Duration, std::function<void()>)> after)
+    : ops_(ops),
+      keys_(std::move(keys)),
+      config_(std::move(config)),
+      after_(std::move(after)),
+      futures_(config_.futures, after_) {}
+
+void TinkerApi::StartReaper() {
+  if (config_.session_idle <= absl::ZeroDuration()) return;
+  after_(std::max(config_.session_idle / 4, absl::Milliseconds(50)), [this] { Reap(); });
+}
+
+void TinkerApi::Reap() {
+  const absl::Time cutoff = absl::Now() - config_.session_idle;
+  std::vector<std::pair<std::string, Session>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      if (it->second.last_heartbeat < cutoff) {
+        for (auto a = aliases_.lower_bound(it->second.tenant + '\n' + it->first + ':');
+             a != aliases_.end() &&
+             absl::StartsWith(a->first, it->second.tenant + '\n' + it->first + ':');) {
+          a = aliases_.erase(a);
+        }
+        ended.emplace_back(it->first, std::move(it->second));
+        it = sessions_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& [id, session] : ended) {
+    TLOG_INFO("http: session {} sent no heartbeat for {}: ended, its {} model(s) deleted", id,
+              absl::FormatDuration(config_.session_idle), session.models.size());
+    for (const std::string& model : session.models) {
+      ops_->DeleteModel(session.tenant, model,
+                        [](const absl::StatusOr<v1::DeleteModelResponse>&) {});
+    }
+  }
+  StartReaper();
+}
+
+void TinkerApi::Handle(Request req, Respond respond) {
+  const size_t at = req.path.find(kApiPrefix);  // base_url may carry a path prefix
+  const std::string endpoint =
+      at == std::string::npos ? "" : req.path.substr(at + sizeof(kApiPrefix) - 1);
+  static const std::map<std::string, JsonHandler> kPost = {
+      {"client/config", &TinkerApi::ClientConfig},
+      {"client/dynamic_config", &TinkerApi::DynamicConfig},
+      {"create_session", &TinkerApi::CreateSession},
+      {"session_heartbeat", &TinkerApi::SessionHeartbeat},
+      {"telemetry", &TinkerApi::Telemetry},
+      {"create_model", &TinkerApi::CreateModel},
+      {"get_info", &TinkerApi::GetInfo},
+      {"unload_model", &TinkerApi::UnloadModel},
+      {"optim_step", &TinkerApi::OptimStep},
+      {"save_weights", &TinkerApi::SaveWeights},
+      {"load_weights", &TinkerApi::LoadWeights},
+      {"save_weights_for_sampler", &TinkerApi::SaveWeightsForSampler},
+      {"weights_info", &TinkerApi::WeightsInfo},
+      {"retrieve_future", &TinkerApi::RetrieveFuture},
+      {"asample", &TinkerApi::Sampling},
+      {"create_sampling_session", &TinkerApi::Sampling},
+  };
+  const bool finish_session =
+      absl::StartsWith(endpoint, "sessions/") && absl::EndsWith(endpoint, "/finish");
+  const bool known = kPost.count(endpoint) || endpoint == "forward_backward" ||
+                     endpoint == "healthz" || endpoint == "get_server_capabilities" ||
+                     finish_session || absl::StartsWith(endpoint, "samplers/");
+  // Counted by route: never a client's text (an unknown path, an id inside a path) as a label.
+  std::string route = known ? endpoint : "unknown";
+  if (finish_session) route = "sessions/finish";
+  if (absl::StartsWith(endpoint, "samplers/")) route = "samplers";
+  if (Metrics* metrics = ops_->metrics()) {
+    respond = [metrics, route, t0 = absl::Now(), respond = std::move(respond)](Response r) {
+      metrics->ObserveHttp(route, r.status, absl::ToDoubleSeconds(absl::Now() - t0));
+      respond(std::move(r));
+    };
+  }
+  if (!known) {
+    return respond(Error(404, absl::StrCat("no endpoint ", Echo(req.method), " ", Echo(req.path))));
+  }
+  if (endpoint == "healthz") return respond(JsonResponse(Json{{"status", "ok"}}));
+
+  auto tenant =
+      keys_.enabled() ? keys_.TenantOf(req.api_key) : absl::StatusOr<std::string>("default");
+  if (!tenant.ok()) {
+    return respond(Error(
+        401, req.api_key.empty() ? "X-API-Key: missing" : "X-API-Key: not a key of this server"));
+  }
+  if (!req.content_encoding.empty()) {
+    return respond(Error(415, absl::StrCat("Content-Encoding: '", Echo(req.content_encoding),
+                                           "' is not supported; send the body uncompressed")));
+  }
+
+  const bool get = endpoint == "get_server_capabilities" || absl::StartsWith(endpoint, "samplers/");
+  if (req.method != (get ? "GET" : "POST")) {
+    return respond(Error(405, absl::StrCat(endpoint, ": use ", get ? "GET" : "POST")));
+  }
+  if (endpoint == "get_server_capabilities") {
+    return respond(JsonResponse(
+        Json{{"supported_models",
+              Json::array({Json{{"model_name", config_.served_model_name},
+                                {"max_context_length", ops_->limits().max_context_length}}})}}));
+  }
+  if (absl::StartsWith(endpoint, "samplers/")) return Sampling(*tenant, Json::object(), respond);
+  if (endpoint == "forward_backward") {
+    if (req.content_type != "application/x-protobuf") {
+      return respond(Error(415,
+                           "Content-Type: forward_backward takes application/x-protobuf "
+                           "(a tinker_public.ForwardBackwardRequest)"));
+    }
+    return ForwardBackward(*tenant, req, std::move(respond));
+  }
+  if (req.content_type != "application/json" && !(req.content_type.empty() && req.body.empty())) {
+    return respond(
+        Error(415, absl::StrCat("Content-Type: ", endpoint, " takes application/json, not '",
+                                Echo(req.content_type), "'")));
+  }
+  Json body = req.body.empty() ? Json::object() : Json::parse(req.body, nullptr, false);
+  if (body.is_discarded() || !body.is_object()) {
+    return respond(Error(400, "body: not a JSON object"));
+  }
+  if (finish_session) return FinishSession(*tenant, body, std::move(respond));
+  (this->*kPost.at(endpoint))(*tenant, body, std::move(respond));
+}
+
+template <typename Resp>
+void TinkerApi::Submit(const std::string& tenant, const std::string& request_id,
+                       std::function<void(Done<Resp>)> start,
+                       std::function<Response(const Resp&)> encode, Respond respond) {
+  // The operation may answer before `start` returns (a refusal, or a retry's cached result):
+  // such an answer is held here and decided on below; a later one finishes the future.
+  struct Submission {
+    absl::Mutex mu;
+    bool started = false;
+    std::optional<absl::StatusOr<Resp>> immediate;
+  };
+  auto sub = std::make_shared<Submission>();
+  auto finish = [this, tenant, request_id, encode](const absl::StatusOr<Resp>& r) {
+    futures_.Finish(tenant, request_id, r.ok() ? encode(*r) : FutureError(r.status()));
+  };
+  start([sub, finish](absl::StatusOr<Resp> r) {
+    absl::MutexLock lock(&sub->mu);
+    if (!sub->started) {
+      sub->immediate = std::move(r);
+      return;
+    }
+    finish(r);
+  });
+  absl::MutexLock lock(&sub->mu);
+  sub->started = true;
+  if (sub->immediate && !sub->immediate->ok()) {
+    const absl::StatusCode code = sub->immediate->status().code();
+    if (code == absl::StatusCode::kAlreadyExists || code == absl::StatusCode::kResourceExhausted ||
+        code == absl::StatusCode::kUnavailable) {
+      return respond(Error(sub->immediate->status()));
+    }
+  }
+  if (!futures_.Open(tenant, request_id)) {
+    // The answer (if any) is dropped; a resend is a retry and gets the cached result.
+    return respond(Error(429, "too many unfinished futures; retry later"));
+  }
+  if (sub->immediate) finish(*sub->immediate);
+  Json out{{"request_id", request_id}};
+  respond(JsonResponse(out));
+}
+
+std::string TinkerApi::Resolve(const std::string& tenant, const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = aliases_.find(tenant + '\n' + model_id);
+  return it == aliases_.end() ? model_id : it->second;
+}
+
+void TinkerApi::Alias(const std::string& tenant, const std::string& session_id,
+                      int64_t model_seq_id, const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  aliases_[absl::StrCat(tenant, "\n", session_id, ":train:", model_seq_id)] = model_id;
+  if (auto it = sessions_.find(session_id); it != sessions_.end()) {
+    it->second.models.push_back(model_id);
+  }
+}
+
+absl::Status TinkerApi::CheckSession(const std::string& tenant, const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end() || it->second.tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("session_id: no session '", Echo(session_id), "'"));
+  }
+  return absl::OkStatus();
+}
+
+void TinkerApi::ClientConfig(const std::string&, const Json&, Respond respond) {
+  respond(JsonResponse(Json{
+      // pyqwest is an optional transport the SDK may not have installed; httpx always is.
+      {"use_pyqwest_transport", false},
+      {"pjwt_auth_enabled", false},
+      {"proto_compress_fwdbwd", false},  // Content-Encoding is refused (415)
+      {"parallel_fwdbwd_chunks", true},
+      {"create_model_via_load_weights", false},
+      // A chunk must fit the body limit with room for protobuf framing.
+      {"fwdbwd_max_chunk_bytes_count", std::min<int64_t>(5'000'000, config_.max_body_bytes / 2)},
+  }));
+}
+
+void TinkerApi::DynamicConfig(const std::string&, const Json&, Respond respond) {
+  respond(JsonResponse(Json{{"refresh_interval_sec", 300}}));
+}
+
+void TinkerApi::CreateSession(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  f.OptStr("sdk_version");
+  f.Obj("user_metadata");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  std::string id = "session-" + RandomHex();
+  {
+    absl::MutexLock lock(&mu_);
+    if (sessions_.size() >= config_.max_sessions) {
+      return respond(Error(429, "too many open sessions; retry later"));
+    }
+    sessions_[id] = Session{tenant, absl::Now()};
+  }
+  respond(JsonResponse(Json{{"type", "create_session"}, {"session_id", id}}));
+}
+
+void TinkerApi::SessionHeartbeat(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string id = f.Str("session_id");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end() || it->second.tenant != tenant) {
+      return respond(Error(404, absl::StrCat("session_id: no session '", Echo(id), "'")));
+    }
+    it->second.last_heartbeat = absl::Now();
+  }
+  respond(JsonResponse(Json{{"type", "session_heartbeat"}}));
+}
+
+void TinkerApi::FinishSession(const std::string&, const Json&, Respond respond) {
+  // The session's models stay until unloaded: their checkpoints and gradients are the user's.
+  respond(JsonResponse(Json::object()));
+}
+
+void TinkerApi::Telemetry(const std::string&, const Json&, Respond respond) {
+  // Accepted and dropped: anything else makes the SDK resend every second.
+  respond(JsonResponse(Json{{"status", "accepted"}}));
+}
+
+void TinkerApi::CreateModel(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string session_id = f.Str("session_id");
+  const int64_t model_seq_id = f.Int("model_seq_id");
+  const std::string base_model = f.Str("base_model");
+  const Json* lora = f.Obj("lora_config");
+  if (const Json* optimizer = f.Obj("optimizer_config")) {  // sent by newer SDKs
+    Fields o(*optimizer);
+    const std::string type = o.OptStr("type").value_or("adamw");
+    if (!o.status().ok()) {
+      return respond(Error(400, absl::StrCat("optimizer_config.", o.status().message())));
+    }
+    if (type != "adamw") {
+      return respond(Error(400, absl::StrCat("optimizer_config.type: this server trains with "
+                                             "AdamW only, not '",
+                                             Echo(type), "'")));
+    }
+  }
+  v1::CreateModelRequest req;
+  // Tinker's losses are sums over tokens: the optimizer divides by nothing.
+  req.set_loss_reduction("sum");
+  if (lora != nullptr) {
+    Fields l(*lora);
+    const int64_t rank = l.Int("rank");
+    req.set_seed(static_cast<uint64_t>(l.OptInt("seed").value_or(0)));
+    req.mutable_lora()->set_rank(rank);
+    req.mutable_lora()->set_train_attn(l.OptBool("train_attn").value_or(true));
+    req.mutable_lora()->set_train_mlp(l.OptBool("train_mlp").value_or(true));
+    req.mutable_lora()->set_train_unembed(l.OptBool("train_unembed").value_or(true));
+    if (!l.status().ok()) {
+      return respond(Error(400, absl::StrCat("lora_config.", l.status().message())));
+    }
+  }
+  if (!f.status().ok()) return respond(Error(f.status()));
+  if (base_model != config_.served_model_name) {
+    return respond(
+        Error(400, absl::StrCat("base_model: this server trains '", config_.served_model_name,
+                                "', not '", Echo(base_model), "'")));
+  }
+  if (auto st = CheckSession(tenant, session_id); !st.ok()) return respond(Error(st));
+  // A retry of a creation is answered with the first one's future: creations have no seq_id
+  // in the scheduler to catch them.
+  const std::string request_id = absl::StrCat("create:", session_id, ":", model_seq_id);
+  if (futures_.Has(tenant, request_id))
+    return respond(JsonResponse(Json{{"request_id", request_id}}));
+  Ops* ops = ops_;
+  Submit<v1::ModelInfo>(
+      tenant, request_id,
+      [ops, tenant, req](Done<v1::ModelInfo> done) {
+        ops->CreateModel(tenant, req, std::move(done));
+      },
+      [this, tenant, session_id, model_seq_id](const v1::ModelInfo& m) {
+        Alias(tenant, session_id, model_seq_id, m.model_id());
+        return JsonResponse(Json{{"type", "create_model"}, {"model_id", m.model_id()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::GetInfo(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string model_id = f.Str("model_id");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  auto info = ops_->GetInfo(tenant, Resolve(tenant, model_id));
+  if (!info.ok()) return respond(Error(info.status()));
+  Json out{{"type", "get_info"},
+           {"model_id", model_id},
+           {"model_data",
+            Json{{"arch", info->architecture()}, {"model_name", config_.served_model_name}}},
+           {"is_lora", info->is_lora()},
+           {"model_name", config_.served_model_name}};
+  if (info->is_lora()) out["lora_rank"] = info->lora().rank();
+  respond(JsonResponse(out));
+}
+
+void TinkerApi::UnloadModel(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string model_id = f.Str("model_id");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  const std::string request_id = absl::StrCat("unload:", model_id);
+  if (futures_.Has(tenant, request_id))
+    return respond(JsonResponse(Json{{"request_id", request_id}}));
+  Ops* ops = ops_;
+  Submit<v1::DeleteModelResponse>(
+      tenant, request_id,
+      [ops, tenant, id = Resolve(tenant, model_id)](Done<v1::DeleteModelResponse> done) {
+        ops->DeleteModel(tenant, id, std::move(done));
+      },
+      [model_id](const v1::DeleteModelResponse&) {
+        return JsonResponse(Json{{"type", "unload_model"}, {"model_id", model_id}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, Respond respond) {
+  tinker_public::ForwardBackwardRequest in;
+  if (!in.ParseFromString(req.body)) {
+    return respond(Error(400, "body: not a tinker_public.ForwardBackwardRequest"));
+  }
+  const std::string model_id = Resolve(tenant, in.model_id());
+  const int64_t seq_id = in.seq_id();
+  const std::string request_id = absl::StrCat(in.model_id(), ":", seq_id);
+  const bool forward_only = in.forward_only();
+  const std::string kind = forward_only ? "Forward" : "ForwardBackward";
+  auto converted = FwdBwdFromTinker(&in);
+  Ops* ops = ops_;
+  if (!converted.ok()) {
+    // The slot is taken with the error, so the client's later calls are not held up.
+    const uint64_t hash = Fnv64(req.body, kFnv64Basis);
+    return Submit<v1::RetrieveResultResponse>(
+        tenant, request_id,
+        [ops, tenant, model_id, seq_id, kind, hash,
+         st = converted.status()](Done<v1::RetrieveResultResponse> done) {
+          ops->Refuse(tenant, model_id, seq_id, kind, hash, st, std::move(done));
+        },
+        [](const v1::RetrieveResultResponse&) { return Response(); }, std::move(respond));
+  }
+  auto request = std::make_shared<v1::ForwardBackwardRequest>(std::move(converted->request));
+  request->set_model_id(model_id);
+  request->set_seq_id(seq_id);
+  const std::string loss_fn = request->loss_fn().name();
+  Submit<v1::ForwardBackwardOutput>(
+      tenant, request_id,
+      [ops, tenant, request, forward_only](Done<v1::ForwardBackwardOutput> done) {
+        ops->ForwardBackward(tenant, request.get(), !forward_only, std::move(done));
+      },
+      [loss_fn](const v1::ForwardBackwardOutput& r) {
+        tinker_public::ForwardBackwardOutput out;
+        FwdBwdOutputToTinker(r, loss_fn, &out);
+        return Response{200, "application/x-protobuf", out.SerializeAsString(), {}};
+      },
+      std::move(respond));
+}
+
+void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  v1::OptimStepRequest req;
+  req.set_model_id(f.Str("model_id"));
+  req.set_seq_id(f.Int("seq_id"));
+  if (const Json* adam = f.Obj("adam_params")) {
+    Fields a(*adam);
+    v1::AdamParams* p = req.mutable_adam_params();
+    if (auto v = a.OptNum("learning_rate")) p->set_learning_rate(*v);
+    if (auto v = a.OptNum("beta1")) p->set_beta1(*v);
+    if (auto v = a.OptNum("beta2")) p->set_beta2(*v);
+    if (auto v = a.OptNum("eps")) p->set_eps(*v);
+    if (auto v = a.OptNum("weight_decay")) p->set_weight_decay(*v);
+    if (auto v = a.OptNum("grad_clip_norm")) p->set_grad_clip_norm(*v);
+    if (!a.status().ok()) {
+      return respond(Error(400, absl::StrCat("adam_params.", a.status().message())));
+    }
+  }
+  if (!f.status().ok()) return respond(Error(f.status()));
+  const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
+  req.set_model_id(Resolve(tenant, req.model_id()));
+  Ops* ops = ops_;
+  Submit<v1::OptimStepResponse>(
+      tenant, request_id,
+      [ops, tenant, req](Done<v1::OptimStepResponse> done) {
+        ops->OptimStep(tenant, req, std::move(done));
+      },
+      [](const v1::OptimStepResponse& r) {
+        Json metrics = Json::object();
+        for (const auto& [k, v] : r.metrics()) metrics[k] = v;
+        return JsonResponse(Json{{"type", "optim_step"}, {"metrics", metrics}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  v1::SaveStateRequest req;
+  req.set_model_id(f.Str("model_id"));
+  req.set_seq_id(f.Int("seq_id"));
+  req.set_name(f.Str("path"));
+  req.set_overwrite(f.OptBool("overwrite").value_or(false));
+  f.OptInt("ttl_seconds");  // checkpoints live until deleted
+  // Tinker's save_state never refuses for pending gradients: they are saved with the weights.
+  req.set_include_accumulated(true);
+  if (!f.status().ok()) return respond(Error(f.status()));
+  const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
+  req.set_model_id(Resolve(tenant, req.model_id()));
+  Ops* ops = ops_;
+  Submit<v1::SaveStateResponse>(
+      tenant, request_id,
+      [ops, tenant, req](Done<v1::SaveStateResponse> done) {
+        ops->SaveState(tenant, req, std::move(done));
+      },
+      [](const v1::SaveStateResponse& r) {
+        return JsonResponse(Json{{"type", "save_weights"}, {"path", r.path()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string path = f.Str("path");
+  const bool optimizer = f.OptBool("optimizer").value_or(false);
+  const std::optional<std::string> model_id = f.OptStr("model_id");
+  Ops* ops = ops_;
+  if (!model_id) {
+    // The session form: a new model made from the checkpoint (create_training_client_from_state).
+    const std::string session_id = f.Str("session_id");
+    const int64_t model_seq_id = f.Int("model_seq_id");
+    if (!f.status().ok()) return respond(Error(f.status()));
+    if (auto st = CheckSession(tenant, session_id); !st.ok()) return respond(Error(st));
+    const std::string request_id = absl::StrCat("create:", session_id, ":", model_seq_id);
+    if (futures_.Has(tenant, request_id)) {
+      return respond(JsonResponse(Json{{"request_id", request_id}}));
+    }
+    v1::CreateModelFromStateRequest req;
+    req.set_path(path);
+    req.set_with_optimizer(optimizer);
+    return Submit<v1::ModelInfo>(
+        tenant, request_id,
+        [ops, tenant, req](Done<v1::ModelInfo> done) {
+          ops->CreateModelFromState(tenant, req, std::move(done));
+        },
+        [this, tenant, session_id, model_seq_id, path](const v1::ModelInfo& m) {
+          Alias(tenant, session_id, model_seq_id, m.model_id());
+          return JsonResponse(
+              Json{{"type", "load_weights"}, {"model_id", m.model_id()}, {"path", path}});
+        },
+        std::move(respond));
+  }
+  v1::LoadStateRequest req;
+  req.set_model_id(Resolve(tenant, *model_id));
+  req.set_seq_id(f.Int("seq_id"));
+  req.set_path(path);
+  req.set_with_optimizer(optimizer);
+  if (!f.status().ok()) return respond(Error(f.status()));
+  Submit<v1::LoadStateResponse>(
+      tenant, absl::StrCat(*model_id, ":", req.seq_id()),
+      [ops, tenant, req](Done<v1::LoadStateResponse> done) {
+        ops->LoadState(tenant, req, std::move(done));
+      },
+      [model_id = *model_id](const v1::LoadStateResponse& r) {
+        return JsonResponse(
+            Json{{"type", "load_weights"}, {"model_id", model_id}, {"path", r.path()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& body,
+                                      Respond respond) {
+  Fields f(body);
+  v1::SaveWeightsForSamplerRequest req;
+  req.set_model_id(f.Str("model_id"));
+  req.set_seq_id(f.Int("seq_id"));
+  const std::optional<std::string> name = f.OptStr("path");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
+  req.set_model_id(Resolve(tenant, req.model_id()));
+  Ops* ops = ops_;
+  if (!name) {
+    // The unnamed form hands the weights to a sampling session: no sampling here yet. The seq_id
+    // is taken with the error so that the client's later calls are not held up.
+    const uint64_t hash = Fnv64(body.dump(), kFnv64Basis);
+    return Submit<v1::RetrieveResultResponse>(
+        tenant, request_id,
+        [ops, tenant, req, hash](Done<v1::RetrieveResultResponse> done) {
+          ops->Refuse(tenant, req.model_id(), req.seq_id(), "SaveWeightsForSampler", hash,
+                      absl::UnimplementedError(
+                          "path: required; this server does not sample yet, so weights for a "
+                          "sampling session cannot be made (save them under a name instead)"),
+                      std::move(done));
+        },
+        [](const v1::RetrieveResultResponse&) { return Response(); }, std::move(respond));
+  }
+  req.set_name(*name);
+  Submit<v1::SaveWeightsForSamplerResponse>(
+      tenant, request_id,
+      [ops, tenant, req](Done<v1::SaveWeightsForSamplerResponse> done) {
+        ops->SaveWeightsForSampler(tenant, req, std::move(done));
+      },
+      [](const v1::SaveWeightsForSamplerResponse& r) {
+        return JsonResponse(Json{{"type", "save_weights_for_sampler"}, {"path", r.path()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::WeightsInfo(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string path = f.Str("tinker_path");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  auto info = ops_->CheckpointInfo(tenant, path);
+  if (!info.ok()) return respond(Error(info.status()));
+  Json out{{"base_model", config_.served_model_name}, {"is_lora", info->is_lora()}};
+  if (info->is_lora()) {
+    out["lora_rank"] = info->lora().rank();
+    out["train_attn"] = info->lora().train_attn();
+    out["train_mlp"] = info->lora().train_mlp();
+    out["train_unembed"] = info->lora().train_unembed();
+  }
+  respond(JsonResponse(out));
+}
+
+void TinkerApi::RetrieveFuture(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string request_id = f.Str("request_id");
+  f.OptBool("allow_metadata_only");  // results are always sent whole
+  if (!f.status().ok()) return respond(Error(f.status()));
+  futures_.Poll(tenant, request_id, std::move(respond));
+}
+
+void TinkerApi::Sampling(const std::string&, const Json&, Respond respond) {
+  respond(Error(400,
+                "sampling is not implemented by this server yet; train here, and sample "
+                "from the weights saved with save_weights_for_sampler elsewhere"));
+}
+
+}  // namespace tinkerd::http

@@ -1,0 +1,107 @@
+// The Tinker HTTP API (/api/v1/..., as the Tinker Python SDK speaks it) onto the shared
+// operations (server/ops.h): the same checks, queues, retry keys and runner as gRPC. This file
+// turns JSON and Tinker's protobuf into tinkerd's requests and the answers back; it holds no
+// training state of its own, only sessions (which tenant opened which) and futures.
+//
+// Ids: Tinker model ids are tinkerd's model ids. A call that returns a future answers
+// {"request_id"} at once; request_id is "<model_id>:<seq_id>" for a model's ordered calls (so a
+// retried call finds its first future), "create:<session_id>:<model_seq_id>" for create_model
+// and "unload:<model_id>" for unload_model.
+//
+// Errors: a request that cannot be read (body, content type, a field) is answered at once with
+// a 4xx and {"detail"} naming the field. A duplicate seq_id with another payload is 400 (the SDK
+// retries 409), a full queue 429, shutting down 503. Anything the operation itself refuses
+// becomes the future's {"error", "category"}, which the SDK raises without retrying.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/synchronization/mutex.h"
+#include "server/auth.h"
+#include "server/http/futures.h"
+#include "server/http/http_server.h"
+#include "server/http/tinker_api_config.h"
+#include "server/ops.h"
+
+namespace tinkerd::http {
+
+class TinkerApi {
+ public:
+  using Json = nlohmann::json;
+
+  // `after` runs a function later on the HTTP threads (for long polls).
+  TinkerApi(Ops* ops, ApiKeys keys, TinkerApiConfig config,
+            std::function<void(absl::Duration, std::function<void()>)> after);
+
+  // The HTTP server's handler.
+  void Handle(Request req, Respond respond);
+  // Starts ending idle sessions (when config.session_idle is set); once the server serves.
+  void StartReaper();
+  // Answers parked polls (503) and forgets every future; for shutdown, after the scheduler
+  // stopped (so no result lands any more) and before the HTTP server goes.
+  void Close() { futures_.Close(); }
+
+ private:
+  struct Session {
+    std::string tenant;
+    absl::Time last_heartbeat;
+    std::vector<std::string> models;  // made in this session
+  };
+  using JsonHandler = void (TinkerApi::*)(const std::string& tenant, const Json& body,
+                                          Respond respond);
+
+  // Endpoints taking JSON.
+  void ClientConfig(const std::string& tenant, const Json& body, Respond respond);
+  void DynamicConfig(const std::string& tenant, const Json& body, Respond respond);
+  void CreateSession(const std::string& tenant, const Json& body, Respond respond);
+  void SessionHeartbeat(const std::string& tenant, const Json& body, Respond respond);
+  void FinishSession(const std::string& tenant, const Json& body, Respond respond);
+  void Telemetry(const std::string& tenant, const Json& body, Respond respond);
+  void CreateModel(const std::string& tenant, const Json& body, Respond respond);
+  void GetInfo(const std::string& tenant, const Json& body, Respond respond);
+  void UnloadModel(const std::string& tenant, const Json& body, Respond respond);
+  void OptimStep(const std::string& tenant, const Json& body, Respond respond);
+  void SaveWeights(const std::string& tenant, const Json& body, Respond respond);
+  void LoadWeights(const std::string& tenant, const Json& body, Respond respond);
+  void SaveWeightsForSampler(const std::string& tenant, const Json& body, Respond respond);
+  void WeightsInfo(const std::string& tenant, const Json& body, Respond respond);
+  void RetrieveFuture(const std::string& tenant, const Json& body, Respond respond);
+  void Sampling(const std::string& tenant, const Json& body, Respond respond);
+  // Tinker's protobuf ForwardBackwardRequest (forward_only selects forward).
+  void ForwardBackward(const std::string& tenant, const Request& req, Respond respond);
+
+  // Starts an operation whose answer becomes future `request_id`, and answers the HTTP request:
+  // with {"request_id"} once the operation was accepted (or answered by the operation itself),
+  // or directly with the error when the scheduler refused it at once for a reason a resend can
+  // fix or that must not overwrite the first call's future (duplicate, full, shutting down).
+  // `encode` turns the operation's response into the future's result.
+  template <typename Resp>
+  void Submit(const std::string& tenant, const std::string& request_id,
+              std::function<void(Done<Resp>)> start, std::function<Response(const Resp&)> encode,
+              Respond respond);
+  // The model a client's id names: tinkerd's own ids name themselves; newer SDKs also address a
+  // model they made from a checkpoint as "<session_id>:train:<model_seq_id>".
+  std::string Resolve(const std::string& tenant, const std::string& model_id);
+  void Alias(const std::string& tenant, const std::string& session_id, int64_t model_seq_id,
+             const std::string& model_id);
+  // Ends the sessions idle past config.session_idle and deletes their models; then again later.
+  void Reap();
+  // NOT_FOUND unless `session_id` is a session of `tenant`.
+  absl::Status CheckSession(const std::string& tenant, const std::string& session_id);
+
+  Ops* ops_;
+  const ApiKeys keys_;
+  const TinkerApiConfig config_;
+  const std::function<void(absl::Duration, std::function<void()>)> after_;
+  Futures futures_;
+  absl::Mutex mu_;
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> aliases_ ABSL_GUARDED_BY(mu_);  // tenant \n alias -> id
+};
+
+}  // namespace tinkerd::http

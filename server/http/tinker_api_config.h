@@ -1,0 +1,35 @@
+// Typed configuration of the Tinker HTTP API; set from flags in tinkerd_main.cc, logged at start.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace tinkerd::http {
+
+struct FuturesConfig {
+  absl::Duration long_poll = absl::Seconds(30);
+  absl::Duration keep = absl::Minutes(10);
+  size_t max_entries = 100000;  // finished ones are dropped oldest first past this
+};
+
+struct TinkerApiConfig {
+  std::string listen;  // host:port; empty: the HTTP API is off
+  int threads = 2;
+  // The base model's name as clients give it (create_model's base_model) and see it
+  // (get_server_capabilities).
+  std::string served_model_name;
+  int64_t max_body_bytes = 256 << 20;
+  FuturesConfig futures;
+  size_t max_sessions = 100000;
+  // A session not heartbeating for this long ends, and its models are deleted (their
+  // unapplied gradients with them; checkpoints stay). Zero: sessions never expire.
+  absl::Duration session_idle = absl::ZeroDuration();
+
+  absl::Status Validate() const;
+  std::string DebugString() const;
+};
+
+}  // namespace tinkerd::http

@@ -1,0 +1,249 @@
+#include "server/http/tinker_convert.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace tinkerd::http {
+namespace {
+
+// Both wires are little-endian, and so is every platform this builds on, so FLOAT32/INT64 bytes
+// pass through untouched and widening reads elements with memcpy (checked at compile time).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "wire decoding assumes little-endian");
+
+// A shape's element count is compared with what the bytes hold, never multiplied by the element
+// size, so this bound only keeps the product itself from overflowing (2^40 elements is far beyond
+// any request that fits in a protobuf message).
+constexpr int64_t kMaxShapeElements = int64_t{1} << 40;
+
+absl::Status Invalid(const std::string& path, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", why));
+}
+
+const char* DTypeName(tinker_public::DType d) {
+  switch (d) {
+    case tinker_public::DTYPE_FLOAT32:
+      return "FLOAT32";
+    case tinker_public::DTYPE_INT64:
+      return "INT64";
+    case tinker_public::DTYPE_INT32:
+      return "INT32";
+    case tinker_public::DTYPE_BFLOAT16:
+      return "BFLOAT16";
+    default:
+      return "UNSPECIFIED";
+  }
+}
+
+absl::Status TokensFromTinker(const std::string& bytes, const std::string& path,
+                              v1::EncodedTextChunk* out) {
+  if (bytes.size() % sizeof(int32_t) != 0) {
+    return Invalid(
+        path, absl::StrCat(bytes.size(), " bytes of tokens is not a whole number of INT32 tokens"));
+  }
+  const size_t n = bytes.size() / sizeof(int32_t);
+  // RepeatedField sizes are int. A parsed message cannot exceed 2 GiB, so this never trips, but
+  // the bound is what makes the cast below safe.
+  if (n > static_cast<size_t>(INT_MAX)) return Invalid(path, "too many tokens");
+  if (n == 0) return absl::OkStatus();
+  google::protobuf::RepeatedField<int64_t>* tokens = out->mutable_tokens();
+  tokens->Resize(static_cast<int>(n), 0);
+  int64_t* dst = tokens->mutable_data();
+  for (size_t k = 0; k < n; ++k) {
+    int32_t t;  // memcpy: the bytes have no alignment guarantee
+    std::memcpy(&t, bytes.data() + k * sizeof(int32_t), sizeof(t));
+    dst[k] = t;
+  }
+  return absl::OkStatus();
+}
+
+// Moves t's dense bytes into out where they need no widening.
+absl::Status TensorFromTinker(tinker_public::Tensor* t, const std::string& path, v1::Tensor* out) {
+  if (t->has_sparse_csr()) {
+    return Invalid(path, "sparse (CSR) tensors are not supported by this server; send it dense");
+  }
+  // A Tensor with neither encoding set is read as empty dense data: proto3 writers always emit a
+  // set oneof member, even an empty one, so only a hand-made message lacks it, and the shape check
+  // below still refuses it unless the shape holds no elements.
+  size_t esize = 0;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  switch (t->dtype()) {
+    case tinker_public::DTYPE_FLOAT32:
+      esize = 4;
+      dtype = v1::FLOAT32;
+      break;
+    case tinker_public::DTYPE_INT64:
+      esize = 8;
+      dtype = v1::INT64;
+      break;
+    case tinker_public::DTYPE_INT32:
+      esize = 4;
+      dtype = v1::INT64;
+      break;
+    case tinker_public::DTYPE_BFLOAT16:
+      esize = 2;
+      dtype = v1::FLOAT32;
+      break;
+    case tinker_public::DTYPE_UNSPECIFIED:
+      return Invalid(path, "dtype is not set");
+    default:  // proto3 enums are open: an unknown number arrives as is
+      return Invalid(path, absl::StrCat("unknown dtype ", static_cast<int>(t->dtype())));
+  }
+  const std::string& bytes = t->dense();  // "" when no encoding is set
+  if (bytes.size() % esize != 0) {
+    return Invalid(path, absl::StrCat(bytes.size(), " bytes is not a whole number of ",
+                                      DTypeName(t->dtype()), " elements"));
+  }
+  const size_t n = bytes.size() / esize;
+  int64_t prod = 1;
+  for (int k = 0; k < t->shape_size(); ++k) {
+    const int64_t d = t->shape(k);
+    if (d < 0) return Invalid(path, absl::StrCat("shape[", k, "] is negative (", d, ")"));
+    if (d != 0 && prod > kMaxShapeElements / d) {
+      return Invalid(path, absl::StrCat("shape [", absl::StrJoin(t->shape(), ", "),
+                                        "] holds more than 2^40 elements"));
+    }
+    prod *= d;
+  }
+  // prod <= 2^40, so the comparison in uint64 is exact.
+  if (t->shape_size() > 0 && static_cast<uint64_t>(prod) != static_cast<uint64_t>(n)) {
+    return Invalid(path, absl::StrCat("shape [", absl::StrJoin(t->shape(), ", "), "] holds ", prod,
+                                      " elements but the data has ", n));
+  }
+
+  out->set_dtype(dtype);
+  out->mutable_shape()->CopyFrom(t->shape());
+  // An empty tensor has nothing to copy, and memcpy from or to null is undefined even for zero
+  // bytes, so stop here.
+  if (n == 0) return absl::OkStatus();
+  const char* src = bytes.data();
+  std::string* dst = out->mutable_data();
+  switch (t->dtype()) {
+    case tinker_public::DTYPE_INT32:
+      // n <= bytes.size() / 4, so n * 8 <= 2 * bytes.size(): no overflow.
+      dst->resize(n * sizeof(int64_t));
+      for (size_t k = 0; k < n; ++k) {
+        int32_t v;
+        std::memcpy(&v, src + k * sizeof(int32_t), sizeof(v));
+        const int64_t w = v;  // sign-extends
+        std::memcpy(&(*dst)[k * sizeof(int64_t)], &w, sizeof(w));
+      }
+      break;
+    case tinker_public::DTYPE_BFLOAT16:
+      // bfloat16 is the upper half of a binary32, so shifting it into place is exact for every
+      // value, NaN and infinities included (what the SDK itself does with bf16 results).
+      dst->resize(n * sizeof(float));
+      for (size_t k = 0; k < n; ++k) {
+        uint16_t h;
+        std::memcpy(&h, src + k * sizeof(uint16_t), sizeof(h));
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&(*dst)[k * sizeof(float)], &bits, sizeof(bits));
+      }
+      break;
+    default:  // FLOAT32, INT64: the same bytes; move them rather than copy a possibly large array
+      *dst = std::move(*t->mutable_dense());
+      break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DatumFromTinker(tinker_public::Datum* in, size_t i, v1::Datum* out) {
+  for (int j = 0; j < in->model_input_size(); ++j) {
+    const std::string path = absl::StrCat("data[", i, "].model_input[", j, "]");
+    const tinker_public::Chunk& c = in->model_input(j);
+    switch (c.chunk_case()) {
+      case tinker_public::Chunk::kEncodedText: {
+        // One v1 chunk per Tinker chunk, so indices in tinkerd's later errors still match.
+        v1::EncodedTextChunk* text =
+            out->mutable_model_input()->add_chunks()->mutable_encoded_text();
+        if (absl::Status s = TokensFromTinker(c.encoded_text().tokens(), path, text); !s.ok()) {
+          return s;
+        }
+        break;
+      }
+      case tinker_public::Chunk::kImage:
+        return Invalid(path, "image chunks are not supported by this server");
+      case tinker_public::Chunk::kDmel:
+        return Invalid(path, "audio (dmel) chunks are not supported by this server");
+      default:
+        return Invalid(path, "empty chunk (none of encoded_text, image, dmel is set)");
+    }
+  }
+  // Keys in sorted order: map iteration order is unspecified, and with several bad inputs the
+  // error should not depend on it.
+  auto* inputs = in->mutable_loss_fn_inputs();
+  std::vector<std::string> keys;
+  keys.reserve(inputs->size());
+  for (const auto& [key, unused] : *inputs) keys.push_back(key);
+  std::sort(keys.begin(), keys.end());
+  for (const std::string& key : keys) {
+    const std::string path = absl::StrCat("data[", i, "].loss_fn_inputs[\"", key, "\"]");
+    v1::Tensor& t = (*out->mutable_loss_fn_inputs())[key];
+    if (absl::Status s = TensorFromTinker(&inputs->at(key), path, &t); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequest* in) {
+  TinkerFwdBwd out;
+  out.forward_only = in->forward_only();
+  v1::LossFn* loss = out.request.mutable_loss_fn();
+  loss->set_name(std::move(*in->mutable_loss_fn()));
+  loss->mutable_config()->insert(in->loss_fn_config().begin(), in->loss_fn_config().end());
+  out.request.mutable_data()->Reserve(in->data_size());
+  for (int i = 0; i < in->data_size(); ++i) {
+    if (absl::Status s = DatumFromTinker(in->mutable_data(i), i, out.request.add_data()); !s.ok()) {
+      return s;
+    }
+  }
+  return out;
+}
+
+void FwdBwdOutputToTinker(const v1::ForwardBackwardOutput& in, const std::string& loss_fn,
+                          tinker_public::ForwardBackwardOutput* out) {
+  out->Clear();
+  // The SDK keeps loss_fn_output_type after its last ':' as ForwardBackwardOutput's
+  // loss_fn_output_type and never interprets it; "ArrayRecord" is what it assumes itself when
+  // there are no records, and names what the record is.
+  out->set_loss_fn_output_type("ArrayRecord");
+  tinker_public::ArrayRecord* rec = out->add_loss_fn_outputs();
+  rec->set_type_tag("ArrayRecord");  // not read by the SDK
+  // num_datums is what the SDK counts datums by (it falls back to a field's count only when 0).
+  rec->set_num_datums(in.outputs_size());
+
+  // Only "logprobs", the one output the SDK reads (forward() hands it to custom losses). Tinker
+  // also returns a per-token "elementwise_loss", which the SDK neither requires nor reads; tinkerd
+  // computes no per-token losses, so emitting one would mean making numbers up. A caller that
+  // indexes it gets a KeyError instead of wrong values.
+  tinker_public::BatchedTensor& lp = (*rec->mutable_fields())["logprobs"];
+  lp.set_dtype(tinker_public::DTYPE_FLOAT32);
+  // No trailing_shape: each datum's tensor is 1-D, [T] = its byte count / 4.
+  size_t total = 0;
+  for (const v1::DatumOutput& d : in.outputs()) total += d.logprobs().data().size();
+  std::string* data = lp.mutable_data();
+  data->reserve(total);
+  // offsets: int64 byte offsets into data, one per datum boundary (N + 1, starting at 0). The
+  // logprobs are tinkerd's own FLOAT32 tensors (Float32ToProto), whole elements by construction.
+  std::string* offsets = lp.mutable_offsets();
+  offsets->resize((static_cast<size_t>(in.outputs_size()) + 1) * sizeof(int64_t));
+  int64_t off = 0;
+  std::memcpy(offsets->data(), &off, sizeof(off));
+  for (int i = 0; i < in.outputs_size(); ++i) {
+    const std::string& bytes = in.outputs(i).logprobs().data();
+    data->append(bytes);
+    off += static_cast<int64_t>(bytes.size());
+    std::memcpy(offsets->data() + (static_cast<size_t>(i) + 1) * sizeof(int64_t), &off,
+                sizeof(off));
+  }
+  out->mutable_metrics()->insert(in.metrics().begin(), in.metrics().end());
+}
+
+}  // namespace tinkerd::http

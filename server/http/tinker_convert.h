@@ -1,0 +1,47 @@
+// Conversion between the Tinker HTTP API's protobuf bodies (proto/tinker_public, as the Tinker
+// Python SDK sends and parses them) and tinkerd's wire types (tinkerd.v1). Torch-free, like
+// server/convert.h, so the request fuzzer can drive it.
+//
+// Only the encoding changes here: token and tensor bytes are checked and widened to what tinkerd
+// accepts (INT64 tokens, FLOAT32/INT64 tensors). Semantic checks (loss names, vocab, lengths,
+// required inputs) stay with tinkerd's own decoding (server/convert.h), which runs afterwards on
+// the result.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "tinker_public/tinker_public.pb.h"
+#include "tinkerd/v1/tinkerd.pb.h"
+
+namespace tinkerd::http {
+
+// A Tinker forward_backward request as tinkerd's. request.model_id and request.seq_id are left
+// unset: the caller maps Tinker's model ids and operation numbers onto tinkerd's.
+struct TinkerFwdBwd {
+  v1::ForwardBackwardRequest request;
+  // Tinker's forward(): the caller runs tinkerd's Forward instead of ForwardBackward.
+  bool forward_only = false;
+};
+
+// Consumes *in: dense tensor bytes that need no widening are moved out, not copied, so a large
+// batch is not held twice. Errors are INVALID_ARGUMENT naming the field path and the reason, e.g.
+// `data[2].model_input[0]: image chunks are not supported by this server`.
+//
+//   EncodedTextChunk tokens (int32)      -> v1 EncodedTextChunk tokens (int64)
+//   Tensor dense FLOAT32 / INT64         -> the same bytes
+//   Tensor dense INT32                   -> INT64 (sign-extended)
+//   Tensor dense BFLOAT16                -> FLOAT32 (exact: bf16 is the top half of a binary32)
+//   image/audio chunks, sparse tensors, unset or unknown dtypes: refused
+//   loss_fn, loss_fn_config              -> v1 LossFn{name, config}
+absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequest* in);
+
+// tinkerd's forward/forward_backward result as the Tinker output: one ArrayRecord (type_tag
+// "ArrayRecord") holding every datum's "logprobs" as a FLOAT32 BatchedTensor with int64 byte
+// offsets, which the SDK slices back into one 1-D TensorData per datum; metrics copied (their keys
+// are already "name:reduction"). loss_fn is the request's loss name; every tinkerd loss returns
+// the same record, so it does not change the encoding.
+void FwdBwdOutputToTinker(const v1::ForwardBackwardOutput& in, const std::string& loss_fn,
+                          tinker_public::ForwardBackwardOutput* out);
+
+}  // namespace tinkerd::http

@@ -1,0 +1,380 @@
+#include "server/ops.h"
+
+#include <chrono>
+#include <filesystem>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "runner/checkpoint/manifest.h"
+#include "runner/checkpoint/store.h"
+#include "runner/model/safetensors.h"
+#include "runner/util/echo.h"
+#include "runner/util/hash.h"
+#include "server/checkpoint_paths.h"
+#include "server/convert.h"
+
+namespace tinkerd {
+
+uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream out(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.SetSerializationDeterministic(true);  // map order must not change the hash
+    m.SerializeToCodedStream(&coded);
+  }
+  return Fnv64(bytes, h);
+}
+
+namespace {
+
+// Errors of checkpoint storage name files under the server's root, and clients know checkpoints
+// by their tinker:// paths only: <tenant_root>/<model>/<kind>/<name>... becomes
+// tinker://<model>/<kind>/<name>..., and any other mention of the root is masked.
+absl::Status HidePaths(const absl::Status& st, const std::string& tenant_root,
+                       const std::string& root) {
+  if (st.ok()) return st;
+  std::string m = absl::StrReplaceAll(st.message(), {{tenant_root + "/", "tinker://"}});
+  m = absl::StrReplaceAll(m, {{root, "<checkpoint_root>"}});
+  return absl::Status(st.code(), m);
+}
+
+// A training checkpoint to load: a tinker:// path of kind "weights".
+absl::StatusOr<CheckpointPath> TrainingCheckpoint(const std::string& uri) {
+  auto path = ParseCheckpointPath(uri);
+  if (path.ok() && path->kind != "weights") {
+    return absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
+  }
+  return path;
+}
+
+}  // namespace
+
+Ops::Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
+         std::string checkpoint_root, Metrics* metrics)
+    : runner_(runner),
+      scheduler_(scheduler),
+      limits_(limits),
+      checkpoint_root_(std::move(checkpoint_root)),
+      metrics_(metrics) {}
+
+absl::Status Ops::CheckOwner(const std::string& model_id, const std::string& tenant) const {
+  const std::optional<std::string> owner = scheduler_->Owner(model_id);
+  if (owner.has_value() && *owner != tenant) {
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
+  }
+  return absl::OkStatus();
+}
+
+void Ops::CreateRegistered(const std::string& tenant,
+                           std::function<absl::StatusOr<std::string>()> create,
+                           Done<v1::ModelInfo> done) {
+  ModelRunner* local = runner_->local();
+  scheduler_->CreateModel(tenant, std::move(create),
+                          [local, done = std::move(done)](const absl::StatusOr<std::string>& id) {
+                            if (!id.ok()) return done(id.status());
+                            auto info = local->GetInfo(*id);
+                            if (!info.ok()) return done(info.status());
+                            v1::ModelInfo out;
+                            InfoToProto(*info, &out);
+                            out.set_next_seq_id(1);
+                            done(std::move(out));
+                          });
+}
+
+void Ops::CreateModel(const std::string& tenant, v1::CreateModelRequest req,
+                      Done<v1::ModelInfo> done) {
+  // Checked here so that a bad request is never queued nor broadcast.
+  if (auto opts = CreateOptionsFromProto(req); !opts.ok()) return done(opts.status());
+  auto request = std::make_shared<v1::CreateModelRequest>(std::move(req));
+  ReplicatedRunner* runner = runner_;
+  CreateRegistered(
+      tenant, [runner, request] { return runner->CreateModel(*request); }, std::move(done));
+}
+
+void Ops::CreateModelFromState(const std::string& tenant, v1::CreateModelFromStateRequest req,
+                               Done<v1::ModelInfo> done) {
+  auto path = TrainingCheckpoint(req.path());
+  if (!path.ok()) return done(path.status());
+  ReplicatedRunner* runner = runner_;
+  const std::string fs = path->Fs(TenantRoot(tenant)), tenant_root = TenantRoot(tenant),
+                    root = checkpoint_root_;
+  const bool with_optimizer = req.with_optimizer();
+  CreateRegistered(
+      tenant,
+      [runner, fs, with_optimizer, tenant_root, root]() -> absl::StatusOr<std::string> {
+        auto id = runner->CreateModelFromState(fs, with_optimizer);
+        if (!id.ok()) return HidePaths(id.status(), tenant_root, root);
+        return id;
+      },
+      std::move(done));
+}
+
+void Ops::DeleteModel(const std::string& tenant, const std::string& model_id,
+                      Done<v1::DeleteModelResponse> done) {
+  if (auto st = CheckOwner(model_id, tenant); !st.ok()) return done(st);
+  ReplicatedRunner* runner = runner_;
+  scheduler_->DeleteModel(
+      model_id, [runner, model_id] { return runner->DeleteModel(model_id); },
+      [done = std::move(done)](const absl::Status& st) {
+        if (!st.ok()) return done(st);
+        done(v1::DeleteModelResponse());
+      });
+}
+
+absl::StatusOr<v1::ModelInfo> Ops::GetInfo(const std::string& tenant, const std::string& model_id) {
+  if (auto st = CheckOwner(model_id, tenant); !st.ok()) return st;
+  auto next = scheduler_->NextSeqId(model_id);
+  if (!next.ok()) return next.status();
+  auto info = runner_->local()->GetInfo(model_id);
+  if (!info.ok()) return info.status();
+  v1::ModelInfo out;
+  InfoToProto(*info, &out);
+  out.set_next_seq_id(*next);
+  return out;
+}
+
+v1::ListModelsResponse Ops::ListModels(const std::string& tenant) {
+  v1::ListModelsResponse out;
+  for (const std::string& id : scheduler_->Models(tenant)) {  // others' models are invisible
+    auto info = runner_->local()->GetInfo(id);
+    auto next = scheduler_->NextSeqId(id);
+    if (!info.ok() || !next.ok()) continue;  // deleted meanwhile
+    v1::ModelInfo* m = out.add_models();
+    InfoToProto(*info, m);
+    m->set_next_seq_id(*next);
+  }
+  return out;
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> Ops::ListCheckpoints(const std::string& tenant,
+                                                                 const std::string& model_id) {
+  if (auto st = CheckOwner(model_id, tenant); !st.ok()) return st;
+  if (auto st = ValidateCheckpointName(model_id, "model_id"); !st.ok()) return st;
+  // A model this tenant has now, or had checkpoints of; anything else, another tenant's model
+  // included, is NOT_FOUND alike, so that no tenant can probe which ids exist.
+  std::error_code ec;
+  if (!scheduler_->HasModel(model_id) &&
+      !std::filesystem::is_directory(TenantRoot(tenant) + "/" + model_id, ec)) {
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
+  }
+  v1::ListCheckpointsResponse out;
+  for (const char* kind : {"weights", "sampler_weights"}) {
+    for (const std::string& name :
+         tinkerd::ListCheckpoints(absl::StrCat(TenantRoot(tenant), "/", model_id, "/", kind))) {
+      v1::CheckpointInfo* c = out.add_checkpoints();
+      c->set_path(CheckpointPath{model_id, kind, name}.Uri());
+      c->set_kind(std::string(kind) == "weights" ? "training" : "sampler");
+    }
+  }
+  return out;
+}
+
+absl::Status Ops::DeleteCheckpoint(const std::string& tenant, const std::string& uri) {
+  auto path = ParseCheckpointPath(uri);
+  if (!path.ok()) return path.status();
+  return HidePaths(tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(tenant))), TenantRoot(tenant),
+                   checkpoint_root_);
+}
+
+absl::StatusOr<v1::RetrieveResultResponse> Ops::RetrieveResult(const std::string& tenant,
+                                                               const std::string& model_id,
+                                                               int64_t seq_id) {
+  if (auto st = CheckOwner(model_id, tenant); !st.ok()) return st;
+  return scheduler_->Retrieve(model_id, seq_id);
+}
+
+absl::StatusOr<v1::ModelInfo> Ops::CheckpointInfo(const std::string& tenant,
+                                                  const std::string& uri) {
+  auto path = TrainingCheckpoint(uri);
+  if (!path.ok()) return path.status();
+  const std::string tenant_root = TenantRoot(tenant);
+  auto dir = ResolveCheckpoint(path->Fs(tenant_root));
+  if (!dir.ok()) return HidePaths(dir.status(), tenant_root, checkpoint_root_);
+  auto text = ReadFileToString(*dir + "/manifest.json");
+  if (!text.ok()) return HidePaths(text.status(), tenant_root, checkpoint_root_);
+  auto manifest = ParseTrainingManifest(*text);
+  if (!manifest.ok()) return HidePaths(manifest.status(), tenant_root, checkpoint_root_);
+  ModelInfo info;
+  info.model_id = manifest->model_id;
+  info.base_model = manifest->base_model;
+  info.is_lora = manifest->options.lora.has_value();
+  if (info.is_lora) info.lora = *manifest->options.lora;
+  info.loss_reduction = manifest->options.loss_reduction;
+  info.step = manifest->step;
+  v1::ModelInfo out;
+  InfoToProto(info, &out);
+  return out;
+}
+
+void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest* req, bool backward,
+                          Done<v1::ForwardBackwardOutput> done) {
+  if (auto st = CheckOwner(req->model_id(), tenant); !st.ok()) return done(st);
+  // Decoded and checked once, here, before queueing; the runner and the other ranks take the
+  // result as it is.
+  JobSpec job;
+  job.kind = backward ? "ForwardBackward" : "Forward";
+  job.payload_hash = PayloadHash(*req);
+  const std::string model_id = req->model_id();
+  const int64_t seq_id = req->seq_id();
+  absl::StatusOr<Batch> batch = BatchFromProto(req->data(), req->loss_fn(), limits_);
+  // The job runs once; shared only because std::function must be copyable.
+  struct Pending {
+    v1::ForwardBackwardRequest request;
+    absl::StatusOr<Batch> batch;
+  };
+  auto pending = std::make_shared<Pending>();
+  pending->request.Swap(req);
+  pending->batch = std::move(batch);
+  ReplicatedRunner* runner = runner_;
+  Metrics* metrics = metrics_;
+  job.run = [runner, pending, backward, metrics]() -> JobStep {
+    if (!pending->batch.ok()) return {true, pending->batch.status()};
+    auto r =
+        runner->ForwardBackward(std::move(pending->request), *std::move(pending->batch), backward);
+    if (!r.ok()) return {true, r.status()};
+    if (backward) metrics->AddTokens(static_cast<int64_t>(r->metrics.at("num_tokens:sum")));
+    v1::RetrieveResultResponse out;
+    ResultToProto(*r, out.mutable_forward_backward());
+    return {true, out};
+  };
+  scheduler_->Submit(model_id, seq_id, std::move(job),
+                     [done = std::move(done)](const JobResult& r) {
+                       if (!r.ok()) return done(r.status());
+                       done(r->forward_backward());
+                     });
+}
+
+template <typename Resp>
+void Ops::SubmitOrdered(const std::string& model_id, int64_t seq_id, std::string kind,
+                        uint64_t hash,
+                        std::function<absl::StatusOr<v1::RetrieveResultResponse>()> run,
+                        const Resp& (v1::RetrieveResultResponse::*field)() const, Done<Resp> done) {
+  JobSpec job;
+  job.kind = std::move(kind);
+  job.payload_hash = hash;
+  job.run = [run = std::move(run)]() -> JobStep { return {true, run()}; };
+  scheduler_->Submit(model_id, seq_id, std::move(job),
+                     [field, done = std::move(done)](const JobResult& r) {
+                       if (!r.ok()) return done(r.status());
+                       done(((*r).*field)());
+                     });
+}
+
+void Ops::Refuse(const std::string& tenant, const std::string& model_id, int64_t seq_id,
+                 std::string kind, uint64_t payload_hash, absl::Status error,
+                 Done<v1::RetrieveResultResponse> done) {
+  if (auto st = CheckOwner(model_id, tenant); !st.ok()) return done(st);
+  JobSpec job;
+  job.kind = std::move(kind);
+  job.payload_hash = payload_hash;
+  job.run = [error]() -> JobStep { return {true, error}; };
+  scheduler_->Submit(model_id, seq_id, std::move(job),
+                     [done = std::move(done)](const JobResult& r) { done(r); });
+}
+
+void Ops::OptimStep(const std::string& tenant, v1::OptimStepRequest req,
+                    Done<v1::OptimStepResponse> done) {
+  if (auto st = CheckOwner(req.model_id(), tenant); !st.ok()) return done(st);
+  // Checked before the request is queued, hashed and broadcast.
+  const absl::Status invalid = ValidateAdamParams(AdamFromProto(req.adam_params()));
+  auto request = std::make_shared<v1::OptimStepRequest>(std::move(req));
+  ReplicatedRunner* runner = runner_;
+  Metrics* metrics = metrics_;
+  SubmitOrdered<v1::OptimStepResponse>(
+      request->model_id(), request->seq_id(), "OptimStep", PayloadHash(*request),
+      [runner, request, invalid, metrics]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+        if (!invalid.ok()) return invalid;
+        auto r = runner->OptimStep(*request);
+        if (!r.ok()) return r.status();
+        metrics->AddOptimStep(r->skipped);
+        v1::RetrieveResultResponse out;
+        OptimStepToProto(*r, out.mutable_optim_step());
+        return out;
+      },
+      &v1::RetrieveResultResponse::optim_step, std::move(done));
+}
+
+void Ops::SaveState(const std::string& tenant, v1::SaveStateRequest req,
+                    Done<v1::SaveStateResponse> done) {
+  if (auto st = CheckOwner(req.model_id(), tenant); !st.ok()) return done(st);
+  const absl::Status invalid = ValidateCheckpointName(req.name());
+  const CheckpointPath path{req.model_id(), "weights", req.name()};
+  const std::string fs = path.Fs(TenantRoot(tenant));
+  const std::string tenant_root = TenantRoot(tenant), root = checkpoint_root_;
+  ReplicatedRunner* runner = runner_;
+  auto request = std::make_shared<v1::SaveStateRequest>(std::move(req));
+  SubmitOrdered<v1::SaveStateResponse>(
+      request->model_id(), request->seq_id(), "SaveState", PayloadHash(*request),
+      [invalid, runner, request, fs, path, tenant_root, root,
+       metrics = metrics_]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+        if (!invalid.ok()) return invalid;
+        SaveStateOptions o;
+        o.overwrite = request->overwrite();
+        o.include_accumulated = request->include_accumulated();
+        o.last_seq_id = request->seq_id();
+        const auto t0 = std::chrono::steady_clock::now();
+        if (auto st = runner->SaveState(request->model_id(), fs, o); !st.ok())
+          return HidePaths(st, tenant_root, root);
+        metrics->ObserveCheckpoint(
+            "save", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        v1::RetrieveResultResponse out;
+        out.mutable_save_state()->set_path(path.Uri());
+        return out;
+      },
+      &v1::RetrieveResultResponse::save_state, std::move(done));
+}
+
+void Ops::LoadState(const std::string& tenant, v1::LoadStateRequest req,
+                    Done<v1::LoadStateResponse> done) {
+  if (auto st = CheckOwner(req.model_id(), tenant); !st.ok()) return done(st);
+  auto path = TrainingCheckpoint(req.path());
+  const absl::Status invalid = path.status();
+  const std::string fs = invalid.ok() ? path->Fs(TenantRoot(tenant)) : "";
+  const std::string tenant_root = TenantRoot(tenant), root = checkpoint_root_;
+  ReplicatedRunner* runner = runner_;
+  auto request = std::make_shared<v1::LoadStateRequest>(std::move(req));
+  SubmitOrdered<v1::LoadStateResponse>(
+      request->model_id(), request->seq_id(), "LoadState", PayloadHash(*request),
+      [invalid, runner, request, fs, tenant_root,
+       root]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+        if (!invalid.ok()) return invalid;
+        if (auto st = runner->LoadState(request->model_id(), fs, request->with_optimizer());
+            !st.ok())
+          return HidePaths(st, tenant_root, root);
+        v1::RetrieveResultResponse out;
+        out.mutable_load_state()->set_path(request->path());
+        return out;
+      },
+      &v1::RetrieveResultResponse::load_state, std::move(done));
+}
+
+void Ops::SaveWeightsForSampler(const std::string& tenant, v1::SaveWeightsForSamplerRequest req,
+                                Done<v1::SaveWeightsForSamplerResponse> done) {
+  if (auto st = CheckOwner(req.model_id(), tenant); !st.ok()) return done(st);
+  const absl::Status invalid = ValidateCheckpointName(req.name());
+  const CheckpointPath path{req.model_id(), "sampler_weights", req.name()};
+  const std::string fs = path.Fs(TenantRoot(tenant));
+  const std::string tenant_root = TenantRoot(tenant), root = checkpoint_root_;
+  ModelRunner* local = runner_->local();
+  auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(std::move(req));
+  SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
+      request->model_id(), request->seq_id(), "SaveWeightsForSampler", PayloadHash(*request),
+      [invalid, local, request, fs, path, tenant_root,
+       root]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+        if (!invalid.ok()) return invalid;
+        if (auto st = local->SaveWeightsForSampler(request->model_id(), fs, request->merged(),
+                                                   request->overwrite());
+            !st.ok())
+          return HidePaths(st, tenant_root, root);
+        v1::RetrieveResultResponse out;
+        out.mutable_save_weights_for_sampler()->set_path(path.Uri());
+        return out;
+      },
+      &v1::RetrieveResultResponse::save_weights_for_sampler, std::move(done));
+}
+
+}  // namespace tinkerd

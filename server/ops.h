@@ -1,0 +1,106 @@
+// The operations every front end shares (gRPC, the Tinker HTTP API): each checks what the client
+// sent, builds the scheduler job or registry change, and answers `done` exactly once with the
+// typed response or the reason. Front ends only authenticate, parse their wire format, and turn
+// the answer back into it; so a request means the same thing, and is applied at most once by
+// (model_id, seq_id, kind, payload), whichever edge it came through.
+//
+// Every op that names a model checks that the tenant owns it: another tenant's model is NOT_FOUND,
+// exactly like a model that does not exist. `done` runs on the scheduler thread or, for an
+// immediate answer, on the caller's thread before the op returns; it must not block.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "runner/util/hash.h"
+#include "runner/validate.h"
+#include "server/metrics.h"
+#include "server/replicated_runner.h"
+#include "server/scheduler.h"
+#include "tinkerd/v1/tinkerd.pb.h"
+
+namespace tinkerd {
+
+template <typename T>
+using Done = std::function<void(absl::StatusOr<T>)>;
+
+class Ops {
+ public:
+  Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
+      std::string checkpoint_root, Metrics* metrics);
+
+  // Registry changes, on the scheduler thread between jobs.
+  void CreateModel(const std::string& tenant, v1::CreateModelRequest req, Done<v1::ModelInfo> done);
+  void CreateModelFromState(const std::string& tenant, v1::CreateModelFromStateRequest req,
+                            Done<v1::ModelInfo> done);
+  void DeleteModel(const std::string& tenant, const std::string& model_id,
+                   Done<v1::DeleteModelResponse> done);
+
+  // Reads, answered at once.
+  absl::StatusOr<v1::ModelInfo> GetInfo(const std::string& tenant, const std::string& model_id);
+  v1::ListModelsResponse ListModels(const std::string& tenant);
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& tenant,
+                                                              const std::string& model_id);
+  absl::Status DeleteCheckpoint(const std::string& tenant, const std::string& path);
+  absl::StatusOr<v1::RetrieveResultResponse> RetrieveResult(const std::string& tenant,
+                                                            const std::string& model_id,
+                                                            int64_t seq_id);
+  // The training manifest of a checkpoint `path` (tinker://...) the tenant owns.
+  absl::StatusOr<v1::ModelInfo> CheckpointInfo(const std::string& tenant, const std::string& path);
+
+  // Ordered by (model_id, seq_id). An invalid request still takes its seq_id slot, answered with
+  // the error, so the model's later requests are not held up behind it. ForwardBackward consumes
+  // `req` (its datums move into the job).
+  void ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest* req, bool backward,
+                       Done<v1::ForwardBackwardOutput> done);
+  void OptimStep(const std::string& tenant, v1::OptimStepRequest req,
+                 Done<v1::OptimStepResponse> done);
+  void SaveState(const std::string& tenant, v1::SaveStateRequest req,
+                 Done<v1::SaveStateResponse> done);
+  void LoadState(const std::string& tenant, v1::LoadStateRequest req,
+                 Done<v1::LoadStateResponse> done);
+  void SaveWeightsForSampler(const std::string& tenant, v1::SaveWeightsForSamplerRequest req,
+                             Done<v1::SaveWeightsForSamplerResponse> done);
+
+  // Takes (model_id, seq_id) for a request its front end could not decode and answers it with
+  // `error`: the slot is used up like any invalid request's, so later ones are not held up.
+  void Refuse(const std::string& tenant, const std::string& model_id, int64_t seq_id,
+              std::string kind, uint64_t payload_hash, absl::Status error,
+              Done<v1::RetrieveResultResponse> done);
+
+  // NOT_FOUND when the model belongs to another tenant (indistinguishable from a missing model).
+  absl::Status CheckOwner(const std::string& model_id, const std::string& tenant) const;
+
+  ReplicatedRunner* runner() const { return runner_; }
+  Scheduler* scheduler() const { return scheduler_; }
+  const ModelLimits& limits() const { return limits_; }
+  Metrics* metrics() const { return metrics_; }
+
+ private:
+  // Creates a model on the scheduler thread, registered to `tenant`; `create` makes it in the
+  // runner. Answers with its description.
+  void CreateRegistered(const std::string& tenant,
+                        std::function<absl::StatusOr<std::string>()> create,
+                        Done<v1::ModelInfo> done);
+  // Submits an ordered job whose result is one field of RetrieveResultResponse.
+  template <typename Resp>
+  void SubmitOrdered(const std::string& model_id, int64_t seq_id, std::string kind, uint64_t hash,
+                     std::function<absl::StatusOr<v1::RetrieveResultResponse>()> run,
+                     const Resp& (v1::RetrieveResultResponse::*field)() const, Done<Resp> done);
+  std::string TenantRoot(const std::string& tenant) const {
+    return checkpoint_root_ + "/" + tenant;
+  }
+
+  ReplicatedRunner* runner_;
+  Scheduler* scheduler_;
+  ModelLimits limits_;
+  std::string checkpoint_root_;
+  Metrics* metrics_;
+};
+
+// FNV-1a over the deterministic serialization: the idempotency check of (model_id, seq_id).
+// `h` continues an earlier hash (a stream's digest covers its header and every datum in order).
+uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h = kFnv64Basis);
+
+}  // namespace tinkerd

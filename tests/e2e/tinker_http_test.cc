@@ -1,0 +1,476 @@
+// The Tinker HTTP API on a real server on loopback, spoken to as the Tinker SDK does (JSON,
+// Tinker's protobuf, futures with long polls). The SDK itself drives it in tests/sdk.
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <thread>
+
+#include "tests/e2e/e2e_util.h"
+#include "tinker_public/tinker_public.pb.h"
+
+namespace tinkerd::testing {
+namespace {
+
+using Json = nlohmann::json;
+
+struct Reply {
+  int status = 0;
+  std::string content_type;
+  std::string body;
+  Json json() const { return Json::parse(body, nullptr, false); }
+};
+
+constexpr char kAlice[] = "tml-alice-0000000000";
+constexpr char kBob[] = "tml-bob-00000000000000";
+
+class TinkerHttp : public ::testing::Test {
+ protected:
+  void SetUp() override { Start(absl::Seconds(30)); }
+
+  // With API keys (alice and bob) by default; without, gRPC calls of LiveServer work too.
+  void Start(absl::Duration long_poll, bool keys = true,
+             absl::Duration session_idle = absl::ZeroDuration()) {
+    ServerConfig sc;
+    sc.tinker_http.session_idle = session_idle;
+    sc.metrics_port = 0;
+    if (keys) {
+      const std::string file = keys_dir_.Sub("keys");
+      std::ofstream(file) << "alice " << kAlice << "\nbob " << kBob << "\n";
+      sc.api_keys = *ApiKeys::LoadFile(file);
+    }
+    sc.tinker_http.listen = "127.0.0.1:0";
+    sc.tinker_http.served_model_name = "tiny-llama";
+    sc.tinker_http.futures.long_poll = long_poll;
+    live_ = std::make_unique<LiveServer>(sc);
+    port_ = live_->server->tinker_http_port();
+    ASSERT_GT(port_, 0);
+  }
+
+  Reply Send(const std::string& method, const std::string& path, const std::string& body,
+             const std::string& type = "application/json", const std::string& key = kAlice,
+             httplib::Headers extra = {}) {
+    httplib::Client cli("127.0.0.1", port_);
+    cli.set_read_timeout(60, 0);
+    httplib::Headers h = std::move(extra);
+    if (!key.empty()) h.emplace("X-API-Key", key);
+    httplib::Result r = method == "GET" ? cli.Get(path, h) : cli.Post(path, h, body, type);
+    EXPECT_TRUE(r) << method << " " << path << ": no answer";
+    if (!r) return {};
+    return {r->status, r->get_header_value("Content-Type"), r->body};
+  }
+  Reply Post(const std::string& endpoint, const Json& body, const std::string& key = kAlice) {
+    return Send("POST", "/api/v1/" + endpoint, body.dump(), "application/json", key);
+  }
+
+  // Polls a future until it has an answer (the server long-polls; no sleeping here).
+  Reply Await(const std::string& request_id, const std::string& key = kAlice) {
+    for (int i = 0; i < 100; ++i) {
+      Reply r =
+          Post("retrieve_future", {{"request_id", request_id}, {"allow_metadata_only", true}}, key);
+      if (r.status != 200 || r.content_type != "application/json" ||
+          r.json().value("type", "") != "try_again") {
+        return r;
+      }
+    }
+    ADD_FAILURE() << "future " << request_id << " never finished";
+    return {};
+  }
+  // Submits a call that answers with a future and waits for its result.
+  Reply Call(const std::string& endpoint, const Json& body) {
+    Reply r = Post(endpoint, body);
+    EXPECT_EQ(r.status, 200) << endpoint << ": " << r.body;
+    return Await(r.json().value("request_id", ""));
+  }
+
+  std::string Session(const std::string& key = kAlice) {
+    Reply r = Post("create_session", {{"tags", Json::array()}, {"sdk_version", "0.25.0"}}, key);
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json().value("session_id", "");
+  }
+  std::string CreateModel(uint64_t seed = 5, std::string session = "") {
+    if (session.empty()) session = Session();
+    Reply r = Call("create_model", {{"session_id", session},
+                                    {"model_seq_id", 0},
+                                    {"base_model", "tiny-llama"},
+                                    {"lora_config", {{"rank", 4}, {"seed", seed}}}});
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json().value("model_id", "");
+  }
+
+  // The same batch as Tinker's protobuf.
+  static std::string TinkerBatch(const std::string& model, int64_t seq,
+                                 const std::vector<Datum>& data, bool forward_only = false) {
+    tinker_public::ForwardBackwardRequest req;
+    req.set_model_id(model);
+    req.set_seq_id(static_cast<int32_t>(seq));
+    req.set_loss_fn("cross_entropy");
+    req.set_forward_only(forward_only);
+    for (const Datum& d : data) {
+      tinker_public::Datum* out = req.add_data();
+      std::vector<int32_t> tokens(d.tokens.begin(), d.tokens.end());
+      out->add_model_input()->mutable_encoded_text()->set_tokens(
+          std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 4));
+      for (const auto& [key, t] : d.loss_fn_inputs) {
+        tinker_public::Tensor& pt = (*out->mutable_loss_fn_inputs())[key];
+        if (t.dtype == TensorData::DType::kInt64) {
+          pt.set_dtype(tinker_public::DTYPE_INT64);
+          pt.set_dense(std::string(reinterpret_cast<const char*>(t.int64_data.data()),
+                                   t.int64_data.size() * 8));
+        } else {
+          pt.set_dtype(tinker_public::DTYPE_FLOAT32);
+          pt.set_dense(std::string(reinterpret_cast<const char*>(t.float32_data.data()),
+                                   t.float32_data.size() * 4));
+        }
+        pt.add_shape(static_cast<int64_t>(d.tokens.size()));
+      }
+    }
+    return req.SerializeAsString();
+  }
+  Reply SubmitBatch(const std::string& bytes, const std::string& key = kAlice) {
+    return Send("POST", "/api/v1/forward_backward", bytes, "application/x-protobuf", key);
+  }
+
+  std::vector<Datum> Batch(uint64_t seed, std::vector<int> lengths = {5, 9, 3}) {
+    SplitMix64 g(seed);
+    return RandomData(g, lengths, "cross_entropy", live_->server->runner()->limits().vocab_size);
+  }
+
+  int64_t NextSeqId(const std::string& model) {
+    return *live_->server->scheduler()->NextSeqId(model);
+  }
+  int64_t AccumulatedTokens(const std::string& model) {
+    return live_->server->runner()->GetInfo(model)->accumulated_tokens;
+  }
+
+  TempDir keys_dir_;
+  std::unique_ptr<LiveServer> live_;
+  int port_ = 0;
+};
+
+TEST_F(TinkerHttp, BadRequestsGetAStatusAndABodyNamingTheReasonAndChangeNothing) {
+  const std::string model = CreateModel();
+  const auto before = live_->StateChecksum(model);
+  const int64_t next = NextSeqId(model);
+  const std::string batch = TinkerBatch(model, next, Batch(1));
+  struct Case {
+    const char* what;
+    Reply reply;
+    int status;
+    const char* detail;
+  };
+  const std::vector<Case> cases = {
+      {"unknown endpoint", Post("no_such_thing", Json::object()), 404, "no endpoint"},
+      {"no key", Post("get_info", {{"model_id", model}}, ""), 401, "X-API-Key: missing"},
+      {"unknown key", Post("get_info", {{"model_id", model}}, "tml-nobody"), 401, "X-API-Key"},
+      {"malformed JSON", Send("POST", "/api/v1/optim_step", "{\"model_id\": "), 400, "body"},
+      {"wrong content type", Send("POST", "/api/v1/optim_step", "x", "text/plain"), 415,
+       "Content-Type"},
+      {"wrong method", Send("GET", "/api/v1/optim_step", ""), 405, "POST"},
+      {"JSON forward_backward", Send("POST", "/api/v1/forward_backward", "{}"), 415,
+       "application/x-protobuf"},
+      {"malformed protobuf", SubmitBatch(std::string("\xff\xff\xff", 3)), 400, "body"},
+      {"compressed",
+       Send("POST", "/api/v1/forward_backward", batch, "application/x-protobuf", kAlice,
+            {{"Content-Encoding", "zstd"}}),
+       415, "Content-Encoding"},
+      {"missing field", Post("optim_step", {{"model_id", model}}), 400, "seq_id: required"},
+      {"mistyped field",
+       Post("optim_step", {{"model_id", model}, {"seq_id", next}, {"adam_params", {{"eps", "x"}}}}),
+       400, "adam_params.eps: must be a number"},
+      {"unknown future", Post("retrieve_future", {{"request_id", model + ":999"}}), 404,
+       "request_id"},
+      {"another model",
+       Post("create_model",
+            {{"session_id", Session()}, {"model_seq_id", 1}, {"base_model", "gpt-9"}}),
+       400, "base_model"},
+      {"unknown session",
+       Post("create_model",
+            {{"session_id", "session-0"}, {"model_seq_id", 1}, {"base_model", "tiny-llama"}}),
+       404, "session_id"},
+      {"another optimizer",
+       Post("create_model", {{"session_id", Session()},
+                             {"model_seq_id", 1},
+                             {"base_model", "tiny-llama"},
+                             {"optimizer_config", {{"type", "dimuon"}}}}),
+       400, "optimizer_config.type"},
+      {"foreign model", Post("get_info", {{"model_id", model}}, kBob), 404, "model_id"},
+      {"sampling", Post("asample", Json::object()), 400, "sampling"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.reply.status, c.status) << c.what << ": " << c.reply.body;
+    EXPECT_EQ(c.reply.content_type, "application/json") << c.what;
+    const Json j = c.reply.json();
+    ASSERT_TRUE(j.is_object() && j.contains("detail")) << c.what << ": " << c.reply.body;
+    EXPECT_NE(j["detail"].get<std::string>().find(c.detail), std::string::npos)
+        << c.what << ": " << c.reply.body;
+  }
+  // Another tenant's future is unknown to bob, though it exists for alice.
+  Reply submitted = SubmitBatch(batch);
+  ASSERT_EQ(submitted.status, 200) << submitted.body;
+  const std::string rid = submitted.json()["request_id"];
+  EXPECT_EQ(Post("retrieve_future", {{"request_id", rid}}, kBob).status, 404);
+  EXPECT_EQ(Await(rid).content_type, "application/x-protobuf");
+  // Only that last, valid batch changed the model (the control that the checksum sees a change).
+  EXPECT_NE(live_->StateChecksum(model), before);
+  EXPECT_EQ(NextSeqId(model), next + 1);
+}
+
+TEST_F(TinkerHttp, TheSameStepsThroughHttpAndGrpcGiveBitwiseIdenticalResultsAndWeights) {
+  Start(absl::Seconds(30), /*keys=*/false);
+  const std::string via_http = CreateModel(/*seed=*/11);
+  // The gRPC twin with what create_model asks for: rank 4, default alpha, all modules, sums.
+  auto grpc_model = [&](uint64_t seed) {
+    grpc::ClientContext ctx;
+    v1::CreateModelRequest req;
+    req.set_loss_reduction("sum");
+    req.set_seed(seed);
+    req.mutable_lora()->set_rank(4);
+    req.mutable_lora()->set_train_attn(true);
+    req.mutable_lora()->set_train_mlp(true);
+    req.mutable_lora()->set_train_unembed(true);
+    v1::ModelInfo info;
+    EXPECT_TRUE(live_->stub->CreateModel(&ctx, req, &info).ok());
+    return info.model_id();
+  };
+  const std::string via_grpc = grpc_model(11);
+  const std::string control = grpc_model(11);
+  ASSERT_EQ(live_->StateChecksum(via_http), live_->StateChecksum(via_grpc));
+
+  for (int step = 0; step < 2; ++step) {
+    const std::vector<Datum> data = Batch(100 + step);
+    const int64_t seq = 1 + 2 * step;
+    Reply r = SubmitBatch(TinkerBatch(via_http, seq, data));
+    ASSERT_EQ(r.status, 200) << r.body;
+    Reply result = Await(r.json()["request_id"]);
+    ASSERT_EQ(result.content_type, "application/x-protobuf") << result.body;
+    tinker_public::ForwardBackwardOutput http_out;
+    ASSERT_TRUE(http_out.ParseFromString(result.body));
+
+    v1::ForwardBackwardOutput grpc_out;
+    ASSERT_TRUE(live_->FwdBwd(MakeRequest(via_grpc, seq, data), &grpc_out).ok());
+    std::vector<Datum> perturbed = data;  // the broken control: one weight differs
+    perturbed[0].loss_fn_inputs["weights"].float32_data.back() += 0.5f;
+    v1::ForwardBackwardOutput control_out;
+    ASSERT_TRUE(live_->FwdBwd(MakeRequest(control, seq, perturbed), &control_out).ok());
+
+    EXPECT_EQ(http_out.metrics().at("loss:sum"), grpc_out.metrics().at("loss:sum"));
+    EXPECT_NE(control_out.metrics().at("loss:sum"), grpc_out.metrics().at("loss:sum"));
+    std::string grpc_logprobs;
+    for (const auto& o : grpc_out.outputs()) grpc_logprobs += o.logprobs().data();
+    std::string http_logprobs;
+    int64_t datums = 0;
+    for (const auto& rec : http_out.loss_fn_outputs()) {
+      http_logprobs += rec.fields().at("logprobs").data();
+      datums += rec.num_datums();
+    }
+    EXPECT_EQ(datums, static_cast<int64_t>(data.size()));
+    EXPECT_EQ(http_logprobs, grpc_logprobs);
+
+    Reply step_reply = Call(
+        "optim_step",
+        {{"model_id", via_http}, {"seq_id", seq + 1}, {"adam_params", {{"learning_rate", 1e-2}}}});
+    ASSERT_EQ(step_reply.status, 200) << step_reply.body;
+    EXPECT_GT(step_reply.json()["metrics"].value("grad_norm:mean", -1.0), 0.0) << step_reply.body;
+    v1::OptimStepResponse grpc_step;
+    ASSERT_TRUE(live_->Optim(via_grpc, seq + 1, &grpc_step, 1e-2).ok());
+    ASSERT_TRUE(live_->Optim(control, seq + 1, &grpc_step, 1e-2).ok());
+  }
+  EXPECT_EQ(live_->StateChecksum(via_http), live_->StateChecksum(via_grpc));
+  EXPECT_NE(live_->StateChecksum(control), live_->StateChecksum(via_grpc));
+}
+
+TEST_F(TinkerHttp, RetriesGetTheFirstResultAndAnotherPayloadForTheSameSeqIdIsRefused) {
+  const std::string model = CreateModel();
+  const std::vector<Datum> data = Batch(7);
+  const std::string bytes = TinkerBatch(model, 1, data);
+  Reply first = SubmitBatch(bytes);
+  ASSERT_EQ(first.status, 200) << first.body;
+  const Reply result = Await(first.json()["request_id"]);
+  Reply retry = SubmitBatch(bytes);
+  ASSERT_EQ(retry.status, 200) << retry.body;
+  EXPECT_EQ(retry.json()["request_id"], first.json()["request_id"]);
+  EXPECT_EQ(Await(retry.json()["request_id"]).body, result.body);
+  int64_t tokens = 0;
+  for (const Datum& d : data) {
+    for (float w : d.loss_fn_inputs.at("weights").float32_data) tokens += w != 0.0f;
+  }
+  EXPECT_EQ(AccumulatedTokens(model), tokens) << "a retry was applied twice";
+
+  Reply other = SubmitBatch(TinkerBatch(model, 1, Batch(8)));
+  EXPECT_EQ(other.status, 400) << other.body;
+  EXPECT_NE(other.json().value("detail", "").find("already used"), std::string::npos) << other.body;
+  EXPECT_EQ(Await(first.json()["request_id"]).body, result.body) << "the first future changed";
+  // Creating is deduplicated by (session, model_seq_id) too.
+  const std::string session = Session();
+  const Json create = {{"session_id", session}, {"model_seq_id", 3}, {"base_model", "tiny-llama"}};
+  Reply a = Post("create_model", create), b = Post("create_model", create);
+  ASSERT_EQ(a.status, 200);
+  EXPECT_EQ(a.json()["request_id"], b.json()["request_id"]);
+  EXPECT_EQ(Await(a.json()["request_id"]).json()["model_id"],
+            Await(b.json()["request_id"]).json()["model_id"]);
+}
+
+TEST_F(TinkerHttp, FailuresBecomeTheFutureErrorAndDoNotHoldUpLaterCalls) {
+  const std::string model = CreateModel();
+  std::vector<Datum> bad = Batch(3);
+  bad[1].tokens[0] = 1 << 30;  // outside the vocabulary
+  Reply r = SubmitBatch(TinkerBatch(model, 1, bad));
+  ASSERT_EQ(r.status, 200) << r.body;
+  Json error = Await(r.json()["request_id"]).json();
+  EXPECT_EQ(error.value("category", ""), "user") << error;
+  EXPECT_NE(error.value("error", "").find("data[1]"), std::string::npos) << error;
+
+  tinker_public::ForwardBackwardRequest image;  // decodes in no front end: refused, slot taken
+  image.set_model_id(model);
+  image.set_seq_id(2);
+  image.set_loss_fn("cross_entropy");
+  image.add_data()->add_model_input()->mutable_image()->set_data("png");
+  r = SubmitBatch(image.SerializeAsString());
+  ASSERT_EQ(r.status, 200) << r.body;
+  error = Await(r.json()["request_id"]).json();
+  EXPECT_EQ(error.value("category", ""), "user") << error;
+  EXPECT_NE(error.value("error", "").find("image"), std::string::npos) << error;
+
+  r = SubmitBatch(TinkerBatch(model, 3, Batch(4)));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Await(r.json()["request_id"]).content_type, "application/x-protobuf");
+}
+
+TEST_F(TinkerHttp, ALongPollAnswersTryAgainThenTheResultOnceTheEarlierSeqIdArrives) {
+  Start(absl::Milliseconds(200));
+  const std::string model = CreateModel();
+  Reply second = SubmitBatch(TinkerBatch(model, 2, Batch(2)));  // waits for seq_id 1
+  ASSERT_EQ(second.status, 200) << second.body;
+  const std::string rid = second.json()["request_id"];
+  Reply poll = Post("retrieve_future", {{"request_id", rid}});
+  ASSERT_EQ(poll.status, 200) << poll.body;
+  EXPECT_EQ(poll.json().value("type", ""), "try_again") << poll.body;
+  EXPECT_EQ(poll.json().value("request_id", ""), rid);
+  Reply first = SubmitBatch(TinkerBatch(model, 1, Batch(1)));
+  ASSERT_EQ(first.status, 200) << first.body;
+  EXPECT_EQ(Await(rid).content_type, "application/x-protobuf");
+  EXPECT_EQ(Await(first.json()["request_id"]).content_type, "application/x-protobuf");
+}
+
+TEST_F(TinkerHttp, CheckpointsSaveLoadAndDescribeThemselves) {
+  const std::string model = CreateModel();
+  ASSERT_EQ(Await(SubmitBatch(TinkerBatch(model, 1, Batch(1))).json()["request_id"]).status, 200);
+  Reply saved = Call("save_weights", {{"model_id", model}, {"seq_id", 2}, {"path", "ck"}});
+  ASSERT_EQ(saved.status, 200) << saved.body;
+  const std::string path = saved.json().value("path", "");
+  EXPECT_EQ(path, "tinker://" + model + "/weights/ck");
+  const auto at_save = live_->StateChecksum(model);
+  Call("optim_step", {{"model_id", model}, {"seq_id", 3}, {"adam_params", Json::object()}});
+  ASSERT_NE(live_->StateChecksum(model), at_save);
+  Reply loaded = Call("load_weights",
+                      {{"model_id", model}, {"seq_id", 4}, {"path", path}, {"optimizer", true}});
+  ASSERT_EQ(loaded.status, 200) << loaded.body;
+  EXPECT_EQ(loaded.json().value("path", ""), path);
+  EXPECT_EQ(live_->StateChecksum(model), at_save);
+
+  Reply info = Post("weights_info", {{"tinker_path", path}});
+  ASSERT_EQ(info.status, 200) << info.body;
+  EXPECT_EQ(info.json().value("base_model", ""), "tiny-llama");
+  EXPECT_EQ(info.json().value("lora_rank", 0), 4);
+  EXPECT_EQ(Post("weights_info", {{"tinker_path", path}}, kBob).status, 404);
+
+  Reply sampler =
+      Call("save_weights_for_sampler", {{"model_id", model}, {"seq_id", 5}, {"path", "s1"}});
+  EXPECT_EQ(sampler.json().value("path", ""), "tinker://" + model + "/sampler_weights/s1");
+
+  Reply restored =
+      Call("load_weights",
+           {{"session_id", Session()}, {"model_seq_id", 0}, {"path", path}, {"optimizer", true}});
+  ASSERT_EQ(restored.status, 200) << restored.body;
+  const std::string copy = restored.json().value("model_id", "");
+  ASSERT_FALSE(copy.empty()) << restored.body;
+  EXPECT_EQ(live_->StateChecksum(copy), at_save);
+
+  Reply unloaded = Call("unload_model", {{"model_id", copy}});
+  EXPECT_EQ(unloaded.json().value("model_id", ""), copy) << unloaded.body;
+  EXPECT_FALSE(live_->server->scheduler()->HasModel(copy));
+}
+
+TEST_F(TinkerHttp, ASessionWithoutHeartbeatsEndsAndItsModelsGoButItsCheckpointsStay) {
+  Start(absl::Seconds(30), /*keys=*/true, /*session_idle=*/absl::Milliseconds(400));
+  const std::string quiet = Session(), alive = Session();
+  const std::string gone = CreateModel(5, quiet), kept = CreateModel(5, alive);
+  Reply saved = Call("save_weights", {{"model_id", gone}, {"seq_id", 1}, {"path", "ck"}});
+  ASSERT_EQ(saved.status, 200) << saved.body;
+  // Wait for the condition, heartbeating `alive` meanwhile (its model is the control).
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (live_->server->scheduler()->HasModel(gone) && absl::Now() < deadline) {
+    ASSERT_EQ(Post("session_heartbeat", {{"session_id", alive}}).status, 200);
+    absl::SleepFor(absl::Milliseconds(20));  // paces the heartbeats; the loop waits on HasModel
+  }
+  EXPECT_FALSE(live_->server->scheduler()->HasModel(gone)) << "the idle session's model stayed";
+  EXPECT_TRUE(live_->server->scheduler()->HasModel(kept))
+      << "a heartbeating session lost its model";
+  EXPECT_EQ(Post("session_heartbeat", {{"session_id", quiet}}).status, 404);
+  // The checkpoint outlives the session: a live session makes a model from it.
+  Reply restored = Call("load_weights", {{"session_id", alive},
+                                         {"model_seq_id", 1},
+                                         {"path", saved.json()["path"]},
+                                         {"optimizer", false}});
+  EXPECT_FALSE(restored.json().value("model_id", "").empty()) << restored.body;
+}
+
+TEST_F(TinkerHttp, ManyClientsLongPollingWithRetriesLoseNothingAndApplyNothingTwice) {
+  Start(absl::Milliseconds(300));  // short polls: many try_agains and re-polls
+  constexpr int kClients = 24, kCalls = 4;
+  std::vector<std::string> models(kClients);
+  std::vector<int64_t> want_tokens(kClients, 0);
+  std::vector<std::vector<std::string>> answers(kClients, std::vector<std::string>(kCalls));
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      models[c] = CreateModel(/*seed=*/c);
+      std::vector<std::string> ids(kCalls);
+      // Sent last to first, as the SDK sends a split batch's chunks, and each sent twice (a retry).
+      for (int k = kCalls - 1; k >= 0; --k) {
+        const std::vector<Datum> data = Batch(1000 * c + k, {3 + k, 2});
+        for (const Datum& d : data) {
+          for (float w : d.loss_fn_inputs.at("weights").float32_data) want_tokens[c] += w != 0.0f;
+        }
+        const std::string bytes = TinkerBatch(models[c], k + 1, data);
+        for (int attempt = 0; attempt < 2; ++attempt) {
+          Reply r = SubmitBatch(bytes);
+          ASSERT_EQ(r.status, 200) << r.body;
+          ids[k] = r.json()["request_id"];
+        }
+      }
+      std::vector<std::thread> polls;  // every future polled at once
+      for (int k = 0; k < kCalls; ++k) {
+        polls.emplace_back([&, c, k] { answers[c][k] = Await(ids[k]).content_type; });
+      }
+      for (auto& t : polls) t.join();
+    });
+  }
+  for (auto& t : clients) t.join();
+  for (int c = 0; c < kClients; ++c) {
+    for (int k = 0; k < kCalls; ++k) {
+      EXPECT_EQ(answers[c][k], "application/x-protobuf") << "client " << c << " call " << k;
+    }
+    EXPECT_EQ(AccumulatedTokens(models[c]), want_tokens[c]) << "client " << c;
+    EXPECT_EQ(NextSeqId(models[c]), kCalls + 1) << "client " << c;
+  }
+}
+
+TEST_F(TinkerHttp, RequestsAreCountedByRouteAndStatus) {
+  const std::string model = CreateModel();
+  Post("get_info", {{"model_id", model}});
+  Post("no/such/route", Json::object());
+  httplib::Client cli("127.0.0.1", live_->server->metrics_port());
+  auto r = cli.Get("/metrics");
+  ASSERT_TRUE(r);
+  EXPECT_NE(r->body.find("tinkerd_http_requests_total{endpoint=\"get_info\",status=\"200\"} 1"),
+            std::string::npos)
+      << r->body;
+  EXPECT_NE(r->body.find("tinkerd_http_requests_total{endpoint=\"unknown\",status=\"404\"} 1"),
+            std::string::npos);
+  EXPECT_EQ(r->body.find("no/such/route"), std::string::npos) << "a client's path became a label";
+}
+
+}  // namespace
+}  // namespace tinkerd::testing

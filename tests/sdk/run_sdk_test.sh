@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# ctest wrapper: drives a real tinkerd through its Tinker HTTP API with the official Tinker Python SDK.
+# Usage: tests/sdk/run_sdk_test.sh TINKERD_BINARY SDK_VERSION
+#   1. gets a venv with tinker==SDK_VERSION (scripts/tinker-sdk-venv.sh; exit 77 = SKIP when PyPI
+#      cannot be reached);
+#   2. starts TINKERD_BINARY on free ports (127.0.0.1:0) with the embedded default model, a fresh
+#      checkpoint root and an API-key file with two tenants;
+#   3. runs tests/sdk/tinker_flow.py against it. The exit code is the flow's.
+# The server is stopped on every exit path; its log is printed when the flow fails.
+# Environment: TINKERD_SDK_KEEP_TMP=1 keeps the temporary directory (keys, checkpoints, logs);
+# TINKERD_SDK_START_TIMEOUT (seconds, default 120); TINKER_FLOW_* are passed to the flow.
+set -uo pipefail
+
+if (($# != 2)); then
+  echo "usage: $0 TINKERD_BINARY SDK_VERSION" >&2
+  exit 2
+fi
+binary=$1
+version=$2
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+start_timeout=${TINKERD_SDK_START_TIMEOUT:-120}
+
+if [[ ! -x $binary ]]; then
+  echo "run_sdk_test: $binary is not an executable tinkerd" >&2
+  exit 1
+fi
+
+# 1. The SDK's venv (outside the source tree). 77 passes through as SKIP.
+venv_out=$(bash "$repo/scripts/tinker-sdk-venv.sh" "$version")
+rc=$?
+if ((rc == 77)); then
+  echo "run_sdk_test: SKIP: no venv for tinker==$version (see above)" >&2
+  exit 77
+elif ((rc != 0)); then
+  echo "run_sdk_test: scripts/tinker-sdk-venv.sh $version failed (rc $rc)" >&2
+  exit "$rc"
+fi
+py=${venv_out##*$'\n'}
+if [[ ! -x $py ]]; then
+  echo "run_sdk_test: scripts/tinker-sdk-venv.sh printed no python path (got '$py')" >&2
+  exit 1
+fi
+
+# 2. Keys, checkpoint root, server.
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/tinkerd-sdk-$version.XXXXXX")
+log=$tmp/tinkerd.log
+server_pid=
+flow_rc=1
+
+stop_server() {
+  [[ -n $server_pid ]] || return 0
+  if kill -0 "$server_pid" 2>/dev/null; then
+    kill -TERM "$server_pid" 2>/dev/null
+    # Wait for it to exit (polling the process, bounded), then force it.
+    local deadline=$((SECONDS + 15))
+    while kill -0 "$server_pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+    if kill -0 "$server_pid" 2>/dev/null; then
+      echo "run_sdk_test: tinkerd did not exit 15 s after SIGTERM; SIGKILL" >&2
+      kill -KILL "$server_pid" 2>/dev/null
+    fi
+  fi
+  wait "$server_pid" 2>/dev/null
+  server_pid=
+}
+
+print_log() {
+  echo "----- tinkerd log ($log) -----" >&2
+  cat "$log" >&2 2>/dev/null
+  echo "----- end of tinkerd log -----" >&2
+}
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  stop_server
+  if ((rc != 0 && rc != 77)); then print_log; fi
+  if [[ ${TINKERD_SDK_KEEP_TMP:-0} == 1 ]]; then
+    echo "run_sdk_test: kept $tmp" >&2
+  else
+    rm -rf "$tmp"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+rand() { od -An -N12 -tx1 /dev/urandom | tr -d ' \n'; }
+alice_key="tml-alice-$(rand)"
+bob_key="tml-bob-$(rand)"
+printf 'alice %s\nbob %s\n' "$alice_key" "$bob_key" >"$tmp/api_keys"
+chmod 600 "$tmp/api_keys"
+mkdir -p "$tmp/checkpoints"
+
+"$binary" --base_model=embedded:default --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 \
+  --checkpoint_root="$tmp/checkpoints" --api_keys_file="$tmp/api_keys" >"$log" 2>&1 &
+server_pid=$!
+
+# Wait for the port line: poll the log (and that the server is still alive), bounded.
+port=
+deadline=$((SECONDS + start_timeout))
+while :; do
+  port=$(sed -n 's/^tinkerd http listening on port \([0-9][0-9]*\)$/\1/p' "$log" | head -n1)
+  [[ -n $port ]] && break
+  if ! kill -0 "$server_pid" 2>/dev/null; then
+    wait "$server_pid"
+    echo "run_sdk_test: tinkerd exited (rc $?) before listening for HTTP" >&2
+    exit 1
+  fi
+  if ((SECONDS >= deadline)); then
+    echo "run_sdk_test: no 'tinkerd http listening on port N' line within ${start_timeout} s" >&2
+    exit 1
+  fi
+  sleep 0.1
+done
+echo "run_sdk_test: tinkerd pid $server_pid, http port $port, tinker SDK $version ($py)"
+
+# 3. The flow. Only our variables reach the SDK: no project, credential command or proxy from the
+# caller's environment.
+env -u TINKER_PROJECT_ID -u TINKER_CREDENTIAL_CMD -u TINKER_TAGS \
+  -u CLOUDFLARE_ACCESS_CLIENT_ID -u CLOUDFLARE_ACCESS_CLIENT_SECRET \
+  -u HTTP_PROXY -u HTTPS_PROXY -u ALL_PROXY -u http_proxy -u https_proxy -u all_proxy \
+  TINKER_BASE_URL="http://127.0.0.1:$port" \
+  TINKER_API_KEY="$alice_key" \
+  TINKERD_OTHER_API_KEY="$bob_key" \
+  TINKER_TELEMETRY=0 \
+  NO_PROXY="127.0.0.1,localhost" no_proxy="127.0.0.1,localhost" \
+  HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 PYTHONUNBUFFERED=1 \
+  "$py" "$here/tinker_flow.py"
+flow_rc=$?
+
+if ! kill -0 "$server_pid" 2>/dev/null; then
+  echo "run_sdk_test: tinkerd died during the flow" >&2
+  ((flow_rc == 0)) && flow_rc=1
+fi
+exit "$flow_rc"

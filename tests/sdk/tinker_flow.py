@@ -1,0 +1,773 @@
+#!/usr/bin/env python3
+"""End-to-end check of tinkerd's Tinker HTTP API with the unmodified, public Tinker Python SDK.
+
+Runs against a live server (tests/sdk/run_sdk_test.sh starts one). Environment:
+  TINKER_BASE_URL        http://127.0.0.1:PORT of `tinkerd --http_listen`
+  TINKER_API_KEY         a key of tenant A ("alice")
+  TINKERD_OTHER_API_KEY  a key of another tenant B ("bob"), for the isolation checks
+  TINKER_TELEMETRY=0     recommended (the SDK's telemetry is not under test here)
+Optional:
+  TINKER_FLOW_ONLY=a,b,h run only these checks (and what they depend on is then missing: they skip)
+  TINKER_FLOW_VOCAB=N    token ids used are < N (default 256; the embedded default model has 512)
+  TINKER_FLOW_LR=x       learning rate of the SFT check (default 1e-2)
+  TINKER_FLOW_TIMEOUT=s  per-check timeout in seconds (default 300)
+
+Only public SDK calls are used (`tinker.ServiceClient`, training/sampling clients, `tinker.types`),
+plus raw HTTP through httpx (a dependency of the SDK) for the wire-level checks. Written to run with
+SDK 0.25.0 and 0.38.0: where their APIs differ (0.38 returns futures of clients), `_client()` below
+accepts both. Exit status 0 when every check passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from typing import Any, Callable
+
+import httpx
+import numpy as np
+
+import tinker
+from tinker import types
+
+# Newer SDKs deprecate some calls used here (load_state, get_server_capabilities on ServiceClient);
+# they still work, and the deprecation is not what is under test.
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+SDK_VERSION = importlib.metadata.version("tinker")
+BASE_URL = os.environ.get("TINKER_BASE_URL", "").rstrip("/")
+API_KEY = os.environ.get("TINKER_API_KEY", "")
+OTHER_API_KEY = os.environ.get("TINKERD_OTHER_API_KEY", "")
+VOCAB = int(os.environ.get("TINKER_FLOW_VOCAB", "256"))
+LR = float(os.environ.get("TINKER_FLOW_LR", "1e-2"))
+CHECK_TIMEOUT = float(os.environ.get("TINKER_FLOW_TIMEOUT", "300"))
+RESULT_TIMEOUT = 240.0  # one SDK future; below CHECK_TIMEOUT so a hang names the call
+
+# Tolerances. Same weights and the same code path should be bit-identical; 1e-5 on float32
+# log-probabilities of magnitude ~6 allows a few ulps from a different kernel or packing.
+LP_TOL = 1e-5
+# Logprobs of one datum computed in a different batch (other packing / micro-batches).
+LP_TOL_XBATCH = 1e-4
+LOSS_REL_TOL = 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny check framework: one line per assertion, a per-check timeout, dependencies between checks.
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+class Skipped(Exception):
+    pass
+
+
+def ok(cond: Any, msg: str) -> None:
+    """Asserts `cond`, printing `ok: msg` or raising with `msg`."""
+    if not cond:
+        raise CheckFailed(msg)
+    print(f"    ok: {msg}", flush=True)
+
+
+def note(msg: str) -> None:
+    print(f"    .. {msg}", flush=True)
+
+
+class State:
+    """What checks hand to later checks."""
+
+    def __init__(self) -> None:
+        self.model_name: str | None = None
+        self.svc: Any = None  # alice's ServiceClient
+        self.tc: Any = None  # alice's TrainingClient
+        self.model_id: str | None = None
+        self.batch: list[types.Datum] | None = None
+        self.ck1: str | None = None
+
+
+S = State()
+RESULTS: list[tuple[str, str, str]] = []  # (name, PASS|FAIL|SKIP, detail)
+
+
+def run_check(name: str, title: str, fn: Callable[[], None], needs: tuple[str, ...] = (),
+              timeout: float = CHECK_TIMEOUT) -> None:
+    only = [x.strip() for x in os.environ.get("TINKER_FLOW_ONLY", "").split(",") if x.strip()]
+    if only and name not in only:
+        return
+    failed_deps = [d for d in needs if not any(n == d and r == "PASS" for n, r, _ in RESULTS)]
+    print(f"\n== [{name}] {title}", flush=True)
+    if failed_deps:
+        RESULTS.append((name, "SKIP", f"needs {','.join(failed_deps)}"))
+        print(f"SKIP [{name}] needs check(s) {', '.join(failed_deps)} to pass first", flush=True)
+        return
+    outcome: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            fn()
+            outcome["r"] = ("PASS", "")
+        except Skipped as e:
+            outcome["r"] = ("SKIP", str(e))
+        except BaseException as e:  # noqa: BLE001 - report everything, including SDK errors
+            outcome["r"] = ("FAIL", f"{type(e).__name__}: {e}")
+            outcome["tb"] = traceback.format_exc()
+
+    start = time.monotonic()
+    t = threading.Thread(target=body, name=f"check-{name}", daemon=True)
+    t.start()
+    t.join(timeout)
+    took = time.monotonic() - start
+    if t.is_alive():
+        RESULTS.append((name, "FAIL", f"timed out after {timeout:.0f} s"))
+        print(f"FAIL [{name}] timed out after {timeout:.0f} s; stack of the stuck check:", flush=True)
+        frame = sys._current_frames().get(t.ident or -1)
+        if frame is not None:
+            print("".join(traceback.format_stack(frame)), flush=True)
+        # The stuck thread still holds SDK clients other checks would share: stop here.
+        finish(aborted=True)
+    status, detail = outcome["r"]
+    RESULTS.append((name, status, detail))
+    if status == "FAIL":
+        print(outcome.get("tb", ""), flush=True)
+    print(f"{status} [{name}] ({took:.1f} s){' ' + detail if detail else ''}", flush=True)
+
+
+def finish(aborted: bool = False) -> None:
+    print("\n== summary (tinker SDK %s, %s)" % (SDK_VERSION, BASE_URL), flush=True)
+    for name, status, detail in RESULTS:
+        print(f"  {status:4} {name}{'  ' + detail if detail else ''}", flush=True)
+    failed = [n for n, s, _ in RESULTS if s == "FAIL"]
+    if aborted:
+        print("  aborted: a check timed out", flush=True)
+    print("RESULT: %s" % ("FAIL" if failed or aborted else "PASS"), flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The SDK keeps background threads (heartbeats, an event loop); do not wait for them.
+    os._exit(1 if failed or aborted else 0)
+
+
+# --------------------------------------------------------------------------------------------
+# SDK helpers that work with 0.25 (methods return clients) and 0.38 (they return futures).
+
+
+def _client(x: Any) -> Any:
+    """A TrainingClient/SamplingClient from what create_* returned (the client or its future)."""
+    res = getattr(x, "result", None)
+    return res(timeout=RESULT_TIMEOUT) if callable(res) else x
+
+
+def _res(fut: Any, timeout: float = RESULT_TIMEOUT) -> Any:
+    return fut.result(timeout=timeout)
+
+
+def service_client(api_key: str) -> Any:
+    return tinker.ServiceClient(base_url=BASE_URL, api_key=api_key)
+
+
+def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    """Next-token datum over `tokens`: input tokens[:-1], targets tokens[1:]."""
+    inp, tgt = tokens[:-1], tokens[1:]
+    w = weights if weights is not None else [1.0] * len(tgt)
+    assert len(w) == len(tgt)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(inp),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tgt, dtype="int64", shape=[len(tgt)]),
+            "weights": types.TensorData(data=w, dtype="float32", shape=[len(w)]),
+        },
+    )
+
+
+def sft_batch() -> list[types.Datum]:
+    """8 datums cycling through one fixed 5-token pattern (learnable), with non-trivial weights."""
+    pattern = [11, 47, 3, 29, 101]
+    out = []
+    for i in range(8):
+        toks = [pattern[(i + j) % len(pattern)] for j in range(17)]
+        w = [1.0] * 16
+        w[0] = 0.0  # weights must be applied: this target counts nothing...
+        w[1] = 0.5  # ...and this one half
+        out.append(datum(toks, w))
+    return out
+
+
+def sft_batch2() -> list[types.Datum]:
+    """Another learnable batch, whose gradient points elsewhere than sft_batch's: a step on it from
+    restored Adam moments (dominated by sft_batch's history) and one from reset moments differ."""
+    pattern = [200, 13, 77, 150, 5, 99, 42]
+    return [datum([pattern[(3 * i + j) % len(pattern)] for j in range(13)]) for i in range(6)]
+
+
+def logprobs(out: Any) -> list[np.ndarray]:
+    """Per-datum logprobs (float64) of a ForwardBackwardOutput."""
+    res = []
+    for i, rec in enumerate(out.loss_fn_outputs):
+        ok_ = "logprobs" in rec
+        if not ok_:
+            raise CheckFailed(f"loss_fn_outputs[{i}] has no 'logprobs' (keys {sorted(rec)})")
+        res.append(np.asarray(rec["logprobs"].tolist(), dtype=np.float64).reshape(-1))
+    return res
+
+
+def weights_of(batch: list[types.Datum]) -> list[np.ndarray]:
+    return [np.asarray(d.loss_fn_inputs["weights"].tolist(), dtype=np.float64) for d in batch]
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(float(np.max(np.abs(x - y))) if len(x) else 0.0 for x, y in zip(a, b))
+
+
+def expected_loss(batch: list[types.Datum], lps: list[np.ndarray]) -> float:
+    """Tinker cross_entropy: loss = -sum(weights * logprobs) over tokens and datums, unnormalized."""
+    return float(-sum(float(np.dot(w, lp)) for w, lp in zip(weights_of(batch), lps)))
+
+
+def check_output_shape(batch: list[types.Datum], out: Any, what: str) -> list[np.ndarray]:
+    ok(len(out.loss_fn_outputs) == len(batch),
+       f"{what}: {len(out.loss_fn_outputs)} loss_fn_outputs for {len(batch)} datums")
+    lps = logprobs(out)
+    bad = [i for i, (d, lp) in enumerate(zip(batch, lps)) if len(lp) != d.model_input.length]
+    ok(not bad, f"{what}: every datum's logprobs has len == its number of input tokens"
+       + (f" (wrong at {bad[:5]}: {[len(lps[i]) for i in bad[:5]]} vs "
+          f"{[batch[i].model_input.length for i in bad[:5]]})" if bad else ""))
+    ok(all(np.all(np.isfinite(lp)) and np.all(lp <= 1e-6) for lp in lps),
+       f"{what}: logprobs are finite and <= 0")
+    return lps
+
+
+def check_loss_sum(batch: list[types.Datum], out: Any, lps: list[np.ndarray], what: str) -> float:
+    ok("loss:sum" in out.metrics, f"{what}: metrics has 'loss:sum' (metrics {sorted(out.metrics)})")
+    got, want = float(out.metrics["loss:sum"]), expected_loss(batch, lps)
+    ok(math.isfinite(got) and abs(got - want) <= LOSS_REL_TOL * max(1.0, abs(want)),
+       f"{what}: loss:sum {got:.6f} == -sum(weights*logprobs) {want:.6f} (rel tol {LOSS_REL_TOL})")
+    return got
+
+
+def adam(lr: float) -> types.AdamParams:
+    return types.AdamParams(learning_rate=lr)
+
+
+def train_step(tc: Any, batch: list[types.Datum], lr: float) -> tuple[Any, Any]:
+    """forward_backward + optim_step submitted back to back (pipelined), then both results."""
+    fb = tc.forward_backward(batch, "cross_entropy")
+    op = tc.optim_step(adam(lr))
+    return _res(fb), _res(op)
+
+
+def forward_lps(tc: Any, batch: list[types.Datum], what: str) -> list[np.ndarray]:
+    out = _res(tc.forward(batch, "cross_entropy"))
+    return check_output_shape(batch, out, what)
+
+
+# --------------------------------------------------------------------------------------------
+# Raw HTTP.
+
+
+def http(method: str, path: str, *, key: str | None = API_KEY, json_body: Any = None,
+         content: bytes | None = None, headers: dict[str, str] | None = None,
+         timeout: float = 60.0) -> httpx.Response:
+    h = {"Content-Type": "application/json"} if (json_body is not None or content is not None) else {}
+    if key is not None:
+        h["X-API-Key"] = key
+    h.update(headers or {})
+    with httpx.Client(timeout=timeout) as c:
+        return c.request(method, BASE_URL + path, json=json_body, content=content, headers=h)
+
+
+def json_of(r: httpx.Response, what: str) -> Any:
+    ok(r.content, f"{what}: HTTP {r.status_code} has a body")
+    try:
+        body = r.json()
+    except ValueError:
+        raise CheckFailed(f"{what}: body is not JSON: {r.text[:300]!r}") from None
+    ctype = r.headers.get("content-type", "")
+    ok(ctype.startswith("application/json"), f"{what}: Content-Type is application/json ({ctype!r})")
+    return body
+
+
+def expect_error(r: httpx.Response, status: int | tuple[int, ...], what: str,
+                 need_detail: bool = False) -> Any:
+    statuses = (status,) if isinstance(status, int) else status
+    ok(r.status_code in statuses, f"{what}: HTTP {r.status_code} in {statuses} (body {r.text[:200]!r})")
+    body = json_of(r, what)
+    ok(isinstance(body, dict), f"{what}: the JSON body is an object")
+    if need_detail:
+        ok("detail" in body, f"{what}: the body has 'detail' ({body})")
+    elif "detail" not in body:
+        note(f"{what}: body has no 'detail' key: {body}")
+    return body
+
+
+def poll_future(request_id: str, what: str, key: str = API_KEY, deadline_s: float = 120) -> Any:
+    """Raw retrieve_future loop as the SDK does it: try_again re-polls at once (the server long-polls),
+    complete_metadata re-polls with allow_metadata_only=false. Returns the final JSON result."""
+    deadline = time.monotonic() + deadline_s
+    allow_meta = True
+    polls = 0
+    while time.monotonic() < deadline:
+        polls += 1
+        t0 = time.monotonic()
+        r = http("POST", "/api/v1/retrieve_future", key=key,
+                 json_body={"request_id": request_id, "allow_metadata_only": allow_meta},
+                 timeout=45)
+        if r.status_code == 408 or r.status_code >= 500:
+            continue
+        ok(r.status_code == 200, f"{what}: retrieve_future HTTP 200 (got {r.status_code} {r.text[:200]!r})")
+        body = r.json()
+        if isinstance(body, dict) and body.get("type") == "try_again":
+            if time.monotonic() - t0 < 0.05 and polls > 200:
+                raise CheckFailed(f"{what}: retrieve_future answers try_again without long-polling "
+                                  f"({polls} polls): the SDK re-polls immediately, so it would spin")
+            continue
+        if isinstance(body, dict) and body.get("status") == "complete_metadata":
+            allow_meta = False
+            continue
+        ok(not (isinstance(body, dict) and "error" in body),
+           f"{what}: the future succeeded (body {str(body)[:200]})")
+        return body
+    raise CheckFailed(f"{what}: future {request_id} not done after {deadline_s:.0f} s")
+
+
+# --------------------------------------------------------------------------------------------
+# The checks.
+
+
+def check_a() -> None:
+    S.svc = service_client(API_KEY)
+    caps = S.svc.get_server_capabilities()
+    names = [m.model_name for m in caps.supported_models]
+    ok(len(names) >= 1 and all(isinstance(n, str) and n for n in names),
+       f"get_server_capabilities lists model(s) {names}")
+    S.model_name = names[0]
+    for m in caps.supported_models:
+        if m.max_context_length is not None:
+            ok(m.max_context_length >= 64, f"{m.model_name}: max_context_length {m.max_context_length}")
+    S.tc = _client(S.svc.create_lora_training_client(base_model=S.model_name, rank=8, seed=1234))
+    info = S.tc.get_info()
+    S.model_id = str(info.model_id)
+    ok(S.model_id and S.model_id == str(S.tc.model_id),
+       f"get_info.model_id {S.model_id!r} == the training client's model_id")
+    ok(info.lora_rank == 8, f"get_info.lora_rank == 8 (got {info.lora_rank})")
+    ok(info.is_lora in (True, None), f"get_info.is_lora is true or absent (got {info.is_lora})")
+    ok(info.model_data.model_name == S.model_name,
+       f"get_info.model_data.model_name == {S.model_name!r} (got {info.model_data.model_name!r})")
+
+
+def check_b() -> None:
+    tc, S.batch = S.tc, sft_batch()
+    losses = []
+    for step in range(3):
+        fb, op = train_step(tc, S.batch, LR)
+        lps = check_output_shape(S.batch, fb, f"step {step + 1} forward_backward")
+        losses.append(check_loss_sum(S.batch, fb, lps, f"step {step + 1}"))
+        ok(isinstance(op.metrics, (dict, type(None))), f"step {step + 1} optim_step answered (metrics {op.metrics})")
+    after = expected_loss(S.batch, forward_lps(tc, S.batch, "forward after 3 steps"))
+    losses.append(after)
+    note(f"loss:sum over the steps (lr {LR}): {[round(x, 4) for x in losses]}")
+    ok(all(b < a for a, b in zip(losses, losses[1:])),
+       f"the loss strictly decreases step over step: {[round(x, 4) for x in losses]}")
+    ok(losses[-1] < losses[0] * 0.999, "the loss fell by more than 0.1% over 3 steps")
+
+
+def check_c() -> None:
+    tc, batch = S.tc, S.batch
+    f1 = forward_lps(tc, batch, "forward #1")
+    fb_out = _res(tc.forward_backward(batch, "cross_entropy"))
+    fb = check_output_shape(batch, fb_out, "forward_backward")
+    fwd_out = _res(tc.forward(batch, "cross_entropy"))
+    f2 = check_output_shape(batch, fwd_out, "forward #2")
+    d1 = max_diff(f1, fb)
+    ok(d1 <= LP_TOL, f"forward == forward_backward logprobs (same weights): max |diff| {d1:.3g} <= {LP_TOL}")
+    d2 = max_diff(f1, f2)
+    ok(d2 <= LP_TOL, f"forward leaves the model unchanged (and so does forward_backward without "
+       f"optim_step): max |diff| {d2:.3g}")
+    check_loss_sum(batch, fwd_out, f2, "forward")
+    # The forward_backward above left gradients accumulated; check d adds more, then steps.
+
+
+def big_batch(n: int) -> list[types.Datum]:
+    """n distinct short datums of lengths 3..8 input tokens, so misordered chunks are visible."""
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(n):
+        length = 4 + i % 6
+        toks = [int(x) for x in rng.integers(1, VOCAB, size=length)]
+        out.append(datum(toks))
+    return out
+
+
+def check_d() -> None:
+    tc = S.tc
+    cfg = http("POST", "/api/v1/client/config", json_body={"sdk_version": SDK_VERSION}).json()
+    chunk_len = int(cfg.get("fwdbwd_max_chunk_len", 1024))
+    n = max(1100, min(chunk_len, 4000) + 77)
+    batch = big_batch(n)
+    note(f"{n} datums, fwdbwd_max_chunk_len {chunk_len}: the SDK sends "
+         f"{math.ceil(n / chunk_len)} chunks at once, the first one last")
+    t0 = time.monotonic()
+    out = _res(tc.forward_backward(batch, "cross_entropy"))
+    note(f"forward_backward of {n} datums took {time.monotonic() - t0:.1f} s")
+    lps = check_output_shape(batch, out, f"chunked forward_backward")
+    big_loss = check_loss_sum(batch, out, lps, "chunked forward_backward")
+    # The same datums through separate, smaller forward calls (not aligned with the SDK's chunks):
+    # each datum's logprobs must match the big call's, in order, and the losses must add up.
+    sub_losses, sub_lps = [], []
+    for lo in range(0, n, 400):
+        part = batch[lo:lo + 400]
+        o = _res(tc.forward(part, "cross_entropy"))
+        p = check_output_shape(part, o, f"forward datums {lo}..{lo + len(part) - 1}")
+        sub_losses.append(float(o.metrics["loss:sum"]))
+        sub_lps.extend(p)
+    d = max_diff(lps, sub_lps)
+    ok(d <= LP_TOL_XBATCH, f"per-datum logprobs of the chunked call == separate forward calls, in "
+       f"order: max |diff| {d:.3g} <= {LP_TOL_XBATCH}")
+    total = sum(sub_losses)
+    ok(abs(big_loss - total) <= LOSS_REL_TOL * max(1.0, abs(total)),
+       f"loss:sum {big_loss:.4f} == sum of the separate forward calls' loss:sum {total:.4f}")
+    # Apply the accumulated gradients (checks c and d): save/load need none pending.
+    op = _res(tc.optim_step(adam(1e-3)))
+    note(f"optim_step after the chunked call: metrics {op.metrics}")
+
+
+def check_e() -> None:
+    tc, batch = S.tc, S.batch
+    saved = _res(tc.save_state("ck1"))
+    S.ck1 = saved.path
+    ok(isinstance(saved.path, str) and saved.path.startswith("tinker://"),
+       f"save_state('ck1') -> {saved.path!r} is a tinker:// path")
+    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(saved.path)
+    ok(parsed.checkpoint_type == "training" and parsed.checkpoint_id == "weights/ck1",
+       f"the path has the form tinker://<run>/weights/ck1 (run {parsed.training_run_id!r})")
+    ok(parsed.training_run_id == S.model_id,
+       f"the run id in the path is the model id {S.model_id!r}")
+    at_save = forward_lps(tc, batch, "forward right after save")
+
+    # One more step (on another batch, so that the Adam moments matter): the weights change;
+    # remember where that step leads.
+    batch2 = sft_batch2()
+    train_step(tc, batch2, LR)
+    stepped_a = forward_lps(tc, batch, "forward after one more step")
+    d = max_diff(at_save, stepped_a)
+    ok(d > 100 * LP_TOL, f"that step changed the weights (max |diff| {d:.3g})")
+
+    # load_state: weights only.
+    r = _res(tc.load_state(S.ck1))
+    note(f"load_state -> {r}")
+    restored = forward_lps(tc, batch, "forward after load_state")
+    d = max_diff(at_save, restored)
+    ok(d <= LP_TOL, f"load_state restores the saved weights: max |diff| {d:.3g} <= {LP_TOL}")
+    train_step(tc, batch2, LR)
+    stepped_c = forward_lps(tc, batch, "forward after a step from reset moments")
+
+    # load_state_with_optimizer: weights and Adam state, so the same step lands on the same weights.
+    if not hasattr(tc, "load_state_with_optimizer"):
+        note(f"SDK {SDK_VERSION} has no load_state_with_optimizer: not checked")
+        return
+    _res(tc.load_state_with_optimizer(S.ck1))
+    restored2 = forward_lps(tc, batch, "forward after load_state_with_optimizer")
+    d = max_diff(at_save, restored2)
+    ok(d <= LP_TOL, f"load_state_with_optimizer restores the saved weights: max |diff| {d:.3g}")
+    train_step(tc, batch2, LR)
+    stepped_b = forward_lps(tc, batch, "forward after the step from restored moments")
+    d = max_diff(stepped_a, stepped_b)
+    ok(d <= LP_TOL_XBATCH, f"with the optimizer restored, the same step reproduces the same weights: "
+       f"max |diff| {d:.3g} <= {LP_TOL_XBATCH}")
+    # Reference for "Adam state starts from zero": a new client from the same checkpoint, weights
+    # only, taking the same step.
+    fresh = _client(S.svc.create_training_client_from_state(S.ck1))
+    train_step(fresh, batch2, LR)
+    stepped_fresh = forward_lps(fresh, batch, "new client from ck1 (weights only), after the step")
+    d = max_diff(stepped_fresh, stepped_c)
+    ok(d <= LP_TOL_XBATCH, f"load_state (weights only) starts Adam from zero, like a new client from "
+       f"the checkpoint: the same step lands on the same weights (max |diff| {d:.3g})")
+    d = max_diff(stepped_a, stepped_fresh)
+    ok(d > 10 * LP_TOL_XBATCH, f"(the optimizer state matters for that step: restored vs reset moments "
+       f"differ by max |diff| {d:.3g})")
+
+
+def check_f() -> None:
+    r = _res(S.tc.save_weights_for_sampler("sampler-1"))
+    ok(isinstance(r.path, str) and r.path.startswith("tinker://") and "sampler_weights" in r.path,
+       f"save_weights_for_sampler('sampler-1') -> {r.path!r} (tinker://, 'sampler_weights')")
+    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(r.path)
+    ok(parsed.checkpoint_type == "sampler" and parsed.checkpoint_id == "sampler_weights/sampler-1",
+       f"the path has the form tinker://<run>/sampler_weights/sampler-1")
+    S.sampler_path = r.path  # type: ignore[attr-defined]
+
+
+def check_f_sampling_fails() -> None:
+    """EXPECTED FAILURE: sampling is not implemented in this landing. The SDK must raise, promptly."""
+    outcome: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+    path = getattr(S, "sampler_path")
+
+    def attempt() -> None:
+        try:
+            sc = _client(S.svc.create_sampling_client(model_path=path))
+            res = sc.sample(prompt=types.ModelInput.from_ints([11, 47, 3]), num_samples=1,
+                            sampling_params=types.SamplingParams(max_tokens=2))
+            outcome.put(("returned", _res(res, 90)))
+        except BaseException as e:  # noqa: BLE001
+            outcome.put(("raised", e))
+
+    threading.Thread(target=attempt, daemon=True).start()
+    try:
+        kind, val = outcome.get(timeout=100)
+    except queue.Empty:
+        raise CheckFailed(
+            "create_sampling_client/sample neither failed nor succeeded within 100 s: answer "
+            "create_sampling_session/asample with a non-retryable error (a 4xx other than 408/409/"
+            "429 with a JSON body, or a future whose result is {\"error\",\"category\"}); 5xx, 408, "
+            "409 and 429 are retried by the SDK for minutes") from None
+    if kind == "returned":
+        raise CheckFailed(f"sampling unexpectedly worked ({str(val)[:200]}): sampling is implemented "
+                          "now, replace this check with a real sampling check")
+    ok(kind == "raised", f"sampling raises cleanly: {type(val).__name__}: {str(val)[:200]}")
+
+
+def check_g() -> None:
+    if not OTHER_API_KEY:
+        raise Skipped("TINKERD_OTHER_API_KEY not set")
+    # Raw: bob cannot see alice's model; alice can (positive control).
+    body = {"model_id": S.model_id, "type": "get_info"}
+    r = http("POST", "/api/v1/get_info", key=API_KEY, json_body=body)
+    ok(r.status_code == 200 and r.json().get("model_id") == S.model_id,
+       f"alice's get_info on her model: 200, model_id matches (HTTP {r.status_code})")
+    expect_error(http("POST", "/api/v1/get_info", key=OTHER_API_KEY, json_body=body), 404,
+                 "bob's get_info on alice's model")
+    r = http("POST", "/api/v1/weights_info", key=API_KEY, json_body={"tinker_path": S.ck1})
+    ok(r.status_code == 200, f"alice's weights_info on her checkpoint: HTTP 200 ({r.text[:200]!r})")
+    wi = r.json()
+    ok(wi.get("base_model") == S.model_name and wi.get("is_lora") is True and wi.get("lora_rank") == 8,
+       f"weights_info: base_model {wi.get('base_model')!r}, is_lora {wi.get('is_lora')}, "
+       f"lora_rank {wi.get('lora_rank')}")
+    expect_error(http("POST", "/api/v1/weights_info", key=OTHER_API_KEY, json_body={"tinker_path": S.ck1}),
+                 (403, 404), "bob's weights_info on alice's checkpoint")
+
+    # SDK: bob's own training client cannot load alice's checkpoint, nor start from it.
+    bob = service_client(OTHER_API_KEY)
+    bob_tc = _client(bob.create_lora_training_client(base_model=S.model_name, rank=8, seed=5))
+    ok(bob_tc.get_info().model_id != S.model_id, "bob got a model of his own")
+    try:
+        r = _res(bob_tc.load_state(S.ck1), 120)
+        raise CheckFailed(f"bob's load_state of alice's checkpoint succeeded: {r}")
+    except CheckFailed:
+        raise
+    except Exception as e:  # noqa: BLE001
+        ok(True, f"bob's load_state of alice's checkpoint raises {type(e).__name__}: {str(e)[:160]}")
+    try:
+        c = _client(bob.create_training_client_from_state(S.ck1))
+        raise CheckFailed(f"bob's create_training_client_from_state(alice's path) worked: {c.model_id}")
+    except CheckFailed:
+        raise
+    except Exception as e:  # noqa: BLE001
+        ok(True, f"bob's create_training_client_from_state(alice's path) raises "
+           f"{type(e).__name__}: {str(e)[:160]}")
+    # Alice's model is untouched by bob's attempts.
+    ok(http("POST", "/api/v1/get_info", key=API_KEY, json_body=body).status_code == 200,
+       "alice's model is still there")
+
+
+def check_h() -> None:
+    # Client config and capabilities, as the SDK reads them.
+    r = http("POST", "/api/v1/client/config", json_body={"sdk_version": SDK_VERSION})
+    ok(r.status_code == 200, f"client/config: HTTP 200 ({r.status_code})")
+    cfg = json_of(r, "client/config")
+    ok(cfg.get("use_pyqwest_transport") is False,
+       f"client/config says use_pyqwest_transport: false ({cfg})")
+    r = http("POST", "/api/v1/client/dynamic_config", json_body={"sdk_version": SDK_VERSION})
+    ok(r.status_code == 200 and isinstance(json_of(r, "client/dynamic_config"), dict),
+       f"client/dynamic_config: HTTP 200, a JSON object ({r.text[:200]})")
+    r = http("GET", "/api/v1/get_server_capabilities")
+    ok(r.status_code == 200, f"get_server_capabilities: HTTP 200 ({r.status_code})")
+    models = [m.get("model_name") for m in json_of(r, "capabilities").get("supported_models", [])]
+    ok(S.model_name is None or S.model_name in models, f"capabilities list {models}")
+    model_name = S.model_name or models[0]
+
+    # Errors: JSON bodies, the right codes.
+    expect_error(http("POST", "/api/v1/definitely_not_an_endpoint", json_body={}), 404,
+                 "unknown endpoint", need_detail=True)
+    expect_error(http("GET", "/api/v1/definitely_not_an_endpoint"), 404, "unknown endpoint (GET)",
+                 need_detail=True)
+    expect_error(http("POST", "/api/v1/create_session", content=b'{"tags": [,,,'), 400,
+                 "malformed JSON to create_session")
+    good_session = {"tags": [], "user_metadata": {}, "sdk_version": SDK_VERSION, "type": "create_session"}
+    expect_error(http("POST", "/api/v1/create_session", key=None, json_body=good_session), 401,
+                 "create_session without X-API-Key")
+    expect_error(http("POST", "/api/v1/create_session", key="tml-not-a-valid-key-0000",
+                      json_body=good_session), 401, "create_session with an unknown key")
+    expect_error(http("POST", "/api/v1/retrieve_future",
+                      json_body={"request_id": "no-such-request-" + uuid.uuid4().hex,
+                                 "allow_metadata_only": True}), 404,
+                 "retrieve_future of an unknown request_id")
+
+    # A whole model lifecycle in raw JSON: the response shapes the SDK validates.
+    r = http("POST", "/api/v1/create_session", json_body=good_session)
+    ok(r.status_code == 200, f"create_session: HTTP 200 ({r.text[:200]!r})")
+    sid = json_of(r, "create_session").get("session_id")
+    ok(isinstance(sid, str) and sid, f"create_session -> session_id {sid!r}")
+    r = http("POST", "/api/v1/session_heartbeat", json_body={"session_id": sid, "type": "session_heartbeat"})
+    ok(r.status_code == 200 and r.json().get("type", "session_heartbeat") == "session_heartbeat",
+       f"session_heartbeat: HTTP 200 ({r.text[:100]!r})")
+    tel = {"events": [{"event": "GENERIC_EVENT", "event_id": uuid.uuid4().hex, "event_name": "flow.test",
+                       "event_session_index": 0, "severity": "INFO",
+                       "timestamp": "2026-01-01T00:00:00Z", "event_data": {}}],
+           "platform": sys.platform, "sdk_version": SDK_VERSION, "session_id": sid,
+           "process_uuid": str(uuid.uuid4())}
+    r = http("POST", "/api/v1/telemetry", json_body=tel)
+    ok(r.status_code == 200 and r.json() == {"status": "accepted"},
+       f"telemetry: exactly {{'status': 'accepted'}} ({r.status_code} {r.text[:100]!r})")
+    create = {"session_id": sid, "model_seq_id": 0, "base_model": model_name,
+              "lora_config": {"rank": 4, "seed": 3, "train_unembed": False, "train_mlp": True,
+                              "train_attn": True},
+              "type": "create_model"}
+    r = http("POST", "/api/v1/create_model", json_body=create)
+    ok(r.status_code == 200, f"create_model: HTTP 200 ({r.text[:200]!r})")
+    fut = json_of(r, "create_model")
+    ok(isinstance(fut.get("request_id"), str), f"create_model returns a future {fut}")
+    res = poll_future(fut["request_id"], "create_model")
+    mid = res.get("model_id")
+    ok(isinstance(mid, str) and mid, f"create_model future -> model_id {mid!r}")
+    again = poll_future(fut["request_id"], "create_model (second retrieval)")
+    ok(again.get("model_id") == mid, "a finished future can be retrieved again, same result")
+    r = http("POST", "/api/v1/create_model", json_body=create)
+    if r.status_code == 200:
+        dup = poll_future(r.json()["request_id"], "create_model resent")
+        ok(dup.get("model_id") == mid, f"create_model resent with the same (session_id, model_seq_id) "
+           f"is deduplicated: same model_id ({dup.get('model_id')!r})")
+    else:
+        ok(False, f"create_model resent (an SDK retry) must not fail: HTTP {r.status_code} {r.text[:200]!r}")
+    r = http("POST", "/api/v1/get_info", json_body={"model_id": mid, "type": "get_info"})
+    ok(r.status_code == 200, f"get_info: HTTP 200 ({r.text[:200]!r})")
+    info = json_of(r, "get_info")
+    ok(info.get("model_id") == mid and info.get("lora_rank") == 4
+       and (info.get("model_data") or {}).get("model_name") == model_name,
+       f"get_info: model_id, lora_rank 4, model_data.model_name ({info})")
+    r = http("POST", "/api/v1/unload_model", json_body={"model_id": mid, "type": "unload_model"})
+    ok(r.status_code == 200, f"unload_model: HTTP 200 ({r.text[:200]!r})")
+    res = poll_future(json_of(r, "unload_model")["request_id"], "unload_model")
+    ok(res.get("model_id") == mid, f"unload_model future -> {{'model_id': {mid!r}}} ({res})")
+    expect_error(http("POST", "/api/v1/get_info", json_body={"model_id": mid, "type": "get_info"}), 404,
+                 "get_info after unload_model")
+
+
+CHILD_ARG = "--child-killed-client"
+
+
+def child_main() -> None:
+    """The client that gets SIGKILLed: trains a step, saves, reports, submits work, waits forever."""
+    svc = service_client(API_KEY)
+    model_name = svc.get_server_capabilities().supported_models[0].model_name
+    tc = _client(svc.create_lora_training_client(base_model=model_name, rank=8, seed=77))
+    batch = sft_batch()
+    train_step(tc, batch, LR)
+    path = _res(tc.save_state("before-kill")).path
+    lps = logprobs(_res(tc.forward(batch, "cross_entropy")))
+    print(json.dumps({"path": path, "model_id": str(tc.model_id), "model_name": model_name,
+                      "logprobs": [lp.tolist() for lp in lps]}), flush=True)
+    tc.forward_backward(batch, "cross_entropy")  # in flight when the parent kills us
+    tc.optim_step(adam(LR))
+    print("SUBMITTED", flush=True)
+    threading.Event().wait()
+
+
+def check_i() -> None:
+    env = dict(os.environ)
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), CHILD_ARG], env=env,
+                            stdout=subprocess.PIPE, stderr=None, text=True)
+    lines: "queue.Queue[str | None]" = queue.Queue()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=reader, daemon=True).start()
+    info: dict[str, Any] | None = None
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CheckFailed("the child client did not report within 240 s")
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise CheckFailed(f"the child client exited early (rc {proc.wait()})")
+            if line.startswith("{"):
+                info = json.loads(line)
+                note(f"child: model {info['model_id']}, saved {info['path']}")
+            elif line == "SUBMITTED":
+                break
+        proc.send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=30)
+        ok(rc == -signal.SIGKILL, f"the child client was SIGKILLed mid-run (rc {rc})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert info is not None
+    svc = S.svc or service_client(API_KEY)
+    tc = _client(svc.create_training_client_from_state(info["path"]))
+    gi = tc.get_info()
+    ok(str(gi.model_id) != info["model_id"] and gi.lora_rank == 8,
+       f"create_training_client_from_state -> new model {gi.model_id!r}, lora_rank {gi.lora_rank}")
+    batch = sft_batch()
+    child_lps = [np.asarray(x, dtype=np.float64) for x in info["logprobs"]]
+    got = forward_lps(tc, batch, "forward of the restored client")
+    d = max_diff(child_lps, got)
+    ok(d <= LP_TOL, f"it has the weights the killed client saved: max |diff| {d:.3g} <= {LP_TOL}")
+    fb, _ = train_step(tc, batch, LR)
+    lps = check_output_shape(batch, fb, "restored client's forward_backward")
+    check_loss_sum(batch, fb, lps, "restored client's forward_backward")
+    after = forward_lps(tc, batch, "forward after the restored client's step")
+    ok(expected_loss(batch, after) < expected_loss(batch, got),
+       "the restored client trains: its loss went down after one step")
+    if hasattr(svc, "create_training_client_from_state_with_optimizer"):
+        tc2 = _client(svc.create_training_client_from_state_with_optimizer(info["path"]))
+        d = max_diff(child_lps, forward_lps(tc2, batch, "forward of the client restored with optimizer"))
+        ok(d <= LP_TOL, f"create_training_client_from_state_with_optimizer: same weights "
+           f"(max |diff| {d:.3g})")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == CHILD_ARG:
+        child_main()
+        return
+    if not BASE_URL or not API_KEY:
+        print("tinker_flow.py: set TINKER_BASE_URL and TINKER_API_KEY", file=sys.stderr)
+        sys.exit(2)
+    print(f"tinker SDK {SDK_VERSION} ({os.path.dirname(tinker.__file__)}), python "
+          f"{sys.version.split()[0]}, server {BASE_URL}", flush=True)
+    run_check("a", "capabilities, create_lora_training_client(rank=8), get_info", check_a)
+    run_check("b", f"SFT: 3 pipelined forward_backward+optim_step steps, lr {LR}", check_b, needs=("a",))
+    run_check("c", "forward == forward_backward logprobs; forward changes nothing", check_c, needs=("b",))
+    run_check("d", "1,100+ datums: chunked forward_backward, out-of-order chunks", check_d, needs=("c",))
+    run_check("e", "save_state / load_state / load_state_with_optimizer", check_e, needs=("d",))
+    run_check("f", "save_weights_for_sampler (named)", check_f, needs=("e",))
+    run_check("f.sampling_fails", "EXPECTED FAILURE: sampling is not implemented, the SDK must raise",
+              check_f_sampling_fails, needs=("f",))
+    run_check("g", "isolation between tenants", check_g, needs=("e",))
+    run_check("h", "raw HTTP: config, errors, JSON shapes, a raw model lifecycle", check_h)
+    run_check("i", "a SIGKILLed client; create_training_client_from_state trains on", check_i)
+    finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+#include "server/http/tinker_convert.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+
+namespace tinkerd::http {
+namespace {
+
+template <typename T>
+std::string Bytes(const std::vector<T>& v) {
+  std::string s(v.size() * sizeof(T), '\0');
+  if (!v.empty()) std::memcpy(s.data(), v.data(), s.size());
+  return s;
+}
+
+template <typename T>
+std::vector<T> Elements(const std::string& s) {
+  std::vector<T> v(s.size() / sizeof(T));
+  if (!v.empty()) std::memcpy(v.data(), s.data(), v.size() * sizeof(T));
+  return v;
+}
+
+tinker_public::Tensor Dense(tinker_public::DType dtype, std::string bytes,
+                            std::vector<int64_t> shape = {}) {
+  tinker_public::Tensor t;
+  t.set_dtype(dtype);
+  t.set_dense(std::move(bytes));
+  for (int64_t d : shape) t.add_shape(d);
+  return t;
+}
+
+// A well-formed two-datum cross_entropy request: tokens [10, 11, 12] then [13, 14].
+tinker_public::ForwardBackwardRequest GoodRequest() {
+  tinker_public::ForwardBackwardRequest r;
+  r.set_model_id("s:train:0");
+  r.set_seq_id(1);
+  r.set_loss_fn("cross_entropy");
+  for (int i = 0; i < 2; ++i) {
+    tinker_public::Datum* d = r.add_data();
+    std::vector<int32_t> toks =
+        i == 0 ? std::vector<int32_t>{10, 11, 12} : std::vector<int32_t>{13, 14};
+    d->add_model_input()->mutable_encoded_text()->set_tokens(Bytes(toks));
+    std::vector<int64_t> targets(toks.begin(), toks.end());
+    for (int64_t& t : targets) ++t;
+    (*d->mutable_loss_fn_inputs())["target_tokens"] =
+        Dense(tinker_public::DTYPE_INT64, Bytes(targets), {static_cast<int64_t>(targets.size())});
+    (*d->mutable_loss_fn_inputs())["weights"] =
+        Dense(tinker_public::DTYPE_FLOAT32, Bytes(std::vector<float>(toks.size(), 1.0f)));
+  }
+  return r;
+}
+
+TEST(TinkerConvert, TokensWidenFromInt32ToInt64) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  const std::vector<int32_t> toks = {0, 1, 70000, std::numeric_limits<int32_t>::max(), -1};
+  r.mutable_data(0)->mutable_model_input(0)->mutable_encoded_text()->set_tokens(Bytes(toks));
+  // A second chunk stays a second chunk.
+  r.mutable_data(0)->add_model_input()->mutable_encoded_text()->set_tokens(
+      Bytes(std::vector<int32_t>{42}));
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const v1::ModelInput& mi = out->request.data(0).model_input();
+  ASSERT_EQ(mi.chunks_size(), 2);
+  EXPECT_EQ(std::vector<int64_t>(mi.chunks(0).encoded_text().tokens().begin(),
+                                 mi.chunks(0).encoded_text().tokens().end()),
+            (std::vector<int64_t>{0, 1, 70000, 2147483647, -1}));
+  EXPECT_EQ(std::vector<int64_t>(mi.chunks(1).encoded_text().tokens().begin(),
+                                 mi.chunks(1).encoded_text().tokens().end()),
+            (std::vector<int64_t>{42}));
+  EXPECT_EQ(out->request.data(1).model_input().chunks(0).encoded_text().tokens_size(), 2);
+  // model_id and seq_id are the caller's to set.
+  EXPECT_EQ(out->request.model_id(), "");
+  EXPECT_EQ(out->request.seq_id(), 0);
+}
+
+TEST(TinkerConvert, DenseFloat32AndInt64PassThrough) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const v1::Tensor& targets = out->request.data(0).loss_fn_inputs().at("target_tokens");
+  EXPECT_EQ(targets.dtype(), v1::INT64);
+  EXPECT_EQ(Elements<int64_t>(targets.data()), (std::vector<int64_t>{11, 12, 13}));
+  EXPECT_EQ(std::vector<int64_t>(targets.shape().begin(), targets.shape().end()),
+            (std::vector<int64_t>{3}));
+  const v1::Tensor& weights = out->request.data(1).loss_fn_inputs().at("weights");
+  EXPECT_EQ(weights.dtype(), v1::FLOAT32);
+  EXPECT_EQ(Elements<float>(weights.data()), (std::vector<float>{1.0f, 1.0f}));
+  EXPECT_EQ(weights.shape_size(), 0);  // no shape given: stays 1-D implied
+}
+
+TEST(TinkerConvert, Int32WidensToInt64) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  const std::vector<int32_t> v = {std::numeric_limits<int32_t>::min(), -1, 0,
+                                  std::numeric_limits<int32_t>::max()};
+  (*r.mutable_data(0)->mutable_loss_fn_inputs())["target_tokens"] =
+      Dense(tinker_public::DTYPE_INT32, Bytes(v), {2, 2});
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const v1::Tensor& t = out->request.data(0).loss_fn_inputs().at("target_tokens");
+  EXPECT_EQ(t.dtype(), v1::INT64);
+  EXPECT_EQ(Elements<int64_t>(t.data()),
+            (std::vector<int64_t>{-2147483648LL, -1, 0, 2147483647LL}));
+  EXPECT_EQ(std::vector<int64_t>(t.shape().begin(), t.shape().end()), (std::vector<int64_t>{2, 2}));
+}
+
+TEST(TinkerConvert, Bfloat16WidensToFloat32Exactly) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  // bf16 bit patterns: 1.0, -2.0, 0.375, -0.0, +inf, 2^-133 (the smallest subnormal).
+  const std::vector<uint16_t> bf16 = {0x3F80, 0xC000, 0x3EC0, 0x8000, 0x7F80, 0x0001};
+  (*r.mutable_data(0)->mutable_loss_fn_inputs())["weights"] =
+      Dense(tinker_public::DTYPE_BFLOAT16, Bytes(bf16), {6});
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const v1::Tensor& t = out->request.data(0).loss_fn_inputs().at("weights");
+  EXPECT_EQ(t.dtype(), v1::FLOAT32);
+  const std::vector<float> f = Elements<float>(t.data());
+  ASSERT_EQ(f.size(), 6u);
+  EXPECT_EQ(f[0], 1.0f);
+  EXPECT_EQ(f[1], -2.0f);
+  EXPECT_EQ(f[2], 0.375f);
+  EXPECT_EQ(f[3], 0.0f);
+  EXPECT_TRUE(std::signbit(f[3]));
+  EXPECT_EQ(f[4], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(f[5], std::ldexp(1.0f, -133));
+}
+
+TEST(TinkerConvert, LossConfigAndForwardOnly) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  r.set_loss_fn("ppo");
+  (*r.mutable_loss_fn_config())["clip_low_threshold"] = 0.8;
+  (*r.mutable_loss_fn_config())["clip_high_threshold"] = 1.2;
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_FALSE(out->forward_only);
+  EXPECT_EQ(out->request.loss_fn().name(), "ppo");
+  EXPECT_EQ(out->request.loss_fn().config().size(), 2u);
+  EXPECT_EQ(out->request.loss_fn().config().at("clip_low_threshold"), 0.8);
+  EXPECT_EQ(out->request.loss_fn().config().at("clip_high_threshold"), 1.2);
+
+  tinker_public::ForwardBackwardRequest fwd = GoodRequest();
+  fwd.set_forward_only(true);
+  auto out2 = FwdBwdFromTinker(&fwd);
+  ASSERT_TRUE(out2.ok()) << out2.status();
+  EXPECT_TRUE(out2->forward_only);
+}
+
+TEST(TinkerConvert, EmptyTensorsAreAcceptedWithoutData) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  (*r.mutable_data(0)->mutable_loss_fn_inputs())["a"] = Dense(tinker_public::DTYPE_INT32, "", {0});
+  (*r.mutable_data(0)->mutable_loss_fn_inputs())["b"] = Dense(tinker_public::DTYPE_BFLOAT16, "");
+  tinker_public::Tensor no_encoding;  // neither dense nor sparse_csr set
+  no_encoding.set_dtype(tinker_public::DTYPE_FLOAT32);
+  (*r.mutable_data(0)->mutable_loss_fn_inputs())["c"] = no_encoding;
+  r.mutable_data(1)->mutable_model_input(0)->mutable_encoded_text()->clear_tokens();
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (const char* key : {"a", "b", "c"}) {
+    EXPECT_EQ(out->request.data(0).loss_fn_inputs().at(key).data(), "") << key;
+  }
+  EXPECT_EQ(out->request.data(0).loss_fn_inputs().at("a").dtype(), v1::INT64);
+  EXPECT_EQ(out->request.data(1).model_input().chunks(0).encoded_text().tokens_size(), 0);
+}
+
+TEST(TinkerConvert, EachRefusalNamesFieldAndReason) {
+  using Req = tinker_public::ForwardBackwardRequest;
+  auto input = [](Req& r, int i, const char* key) -> tinker_public::Tensor& {
+    return (*r.mutable_data(i)->mutable_loss_fn_inputs())[key];
+  };
+  struct Case {
+    std::string expect;  // the whole message
+    std::function<void(Req&)> mutate;
+  };
+  const std::vector<Case> cases = {
+      {"data[1].model_input[1]: image chunks are not supported by this server",
+       [](Req& r) { r.mutable_data(1)->add_model_input()->mutable_image()->set_format("png"); }},
+      {"data[0].model_input[0]: audio (dmel) chunks are not supported by this server",
+       [](Req& r) { r.mutable_data(0)->mutable_model_input(0)->mutable_dmel()->set_dmel("x"); }},
+      {"data[0].model_input[1]: empty chunk (none of encoded_text, image, dmel is set)",
+       [](Req& r) { r.mutable_data(0)->add_model_input(); }},
+      {"data[1].model_input[0]: 7 bytes of tokens is not a whole number of INT32 tokens",
+       [](Req& r) {
+         r.mutable_data(1)->mutable_model_input(0)->mutable_encoded_text()->set_tokens("1234567");
+       }},
+      {"data[0].loss_fn_inputs[\"weights\"]: 7 bytes is not a whole number of FLOAT32 elements",
+       [&](Req& r) { input(r, 0, "weights").set_dense("1234567"); }},
+      {"data[1].loss_fn_inputs[\"target_tokens\"]: 12 bytes is not a whole number of INT64 "
+       "elements",
+       [&](Req& r) { input(r, 1, "target_tokens").set_dense(std::string(12, '\0')); }},
+      {"data[0].loss_fn_inputs[\"w\"]: 3 bytes is not a whole number of BFLOAT16 elements",
+       [&](Req& r) { input(r, 0, "w") = Dense(tinker_public::DTYPE_BFLOAT16, "abc"); }},
+      {"data[0].loss_fn_inputs[\"w\"]: 6 bytes is not a whole number of INT32 elements",
+       [&](Req& r) { input(r, 0, "w") = Dense(tinker_public::DTYPE_INT32, "abcdef"); }},
+      {"data[0].loss_fn_inputs[\"weights\"]: dtype is not set",
+       [&](Req& r) { input(r, 0, "weights").set_dtype(tinker_public::DTYPE_UNSPECIFIED); }},
+      {"data[0].loss_fn_inputs[\"weights\"]: unknown dtype 9",
+       [&](Req& r) { input(r, 0, "weights").set_dtype(static_cast<tinker_public::DType>(9)); }},
+      {"data[1].loss_fn_inputs[\"weights\"]: sparse (CSR) tensors are not supported by this "
+       "server; send it dense",
+       [&](Req& r) { input(r, 1, "weights").mutable_sparse_csr()->set_values("abcd"); }},
+      {"data[0].loss_fn_inputs[\"target_tokens\"]: shape [2] holds 2 elements but the data has 3",
+       [&](Req& r) { input(r, 0, "target_tokens").set_shape(0, 2); }},
+      {"data[0].loss_fn_inputs[\"target_tokens\"]: shape[1] is negative (-3)",
+       [&](Req& r) { input(r, 0, "target_tokens").add_shape(-3); }},
+      {"data[0].loss_fn_inputs[\"w\"]: shape [4294967296, 4294967296, 4294967296] holds more "
+       "than 2^40 elements",
+       [&](Req& r) {
+         input(r, 0, "w") = Dense(tinker_public::DTYPE_FLOAT32, "",
+                                  {int64_t{1} << 32, int64_t{1} << 32, int64_t{1} << 32});
+       }},
+      // The product would wrap to 0 in 64 bits (2^32 * 2^32) and match the empty data.
+      {"data[0].loss_fn_inputs[\"w\"]: shape [4294967296, 4294967296] holds more than 2^40 "
+       "elements",
+       [&](Req& r) {
+         input(r, 0, "w") =
+             Dense(tinker_public::DTYPE_FLOAT32, "", {int64_t{1} << 32, int64_t{1} << 32});
+       }},
+      {"data[0].loss_fn_inputs[\"c\"]: shape [1] holds 1 elements but the data has 0",
+       [&](Req& r) {
+         tinker_public::Tensor& t = input(r, 0, "c");
+         t.set_dtype(tinker_public::DTYPE_FLOAT32);
+         t.add_shape(1);
+       }},
+  };
+  for (const Case& c : cases) {
+    Req r = GoodRequest();
+    c.mutate(r);
+    auto out = FwdBwdFromTinker(&r);
+    ASSERT_FALSE(out.ok()) << c.expect;
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << c.expect;
+    EXPECT_EQ(out.status().message(), c.expect);
+  }
+}
+
+TEST(TinkerConvert, SeveralBadInputsReportTheFirstKeyInSortedOrder) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  (*r.mutable_data(0)->mutable_loss_fn_inputs())["zz"] = Dense(tinker_public::DTYPE_FLOAT32, "x");
+  (*r.mutable_data(0)->mutable_loss_fn_inputs())["aa"] = Dense(tinker_public::DTYPE_FLOAT32, "x");
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().message(),
+            "data[0].loss_fn_inputs[\"aa\"]: 1 bytes is not a whole number of FLOAT32 elements");
+}
+
+// Bytes the real Tinker SDK 0.25.0 put on the wire, produced by (in a venv with
+// `pip install tinker==0.25.0`):
+//   d0 = types.Datum(model_input=types.ModelInput.from_ints([1, 70000, 3]),
+//       loss_fn_inputs={"target_tokens": [70000, 3, 4], "logprobs": [-1.5, -0.25, -2.0],
+//                       "advantages": [1.0, 0.0, -0.5]})
+//   d1 = types.Datum(model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]),
+//                                                     types.EncodedTextChunk(tokens=[6, 7])]),
+//       loss_fn_inputs={"target_tokens": [6, 7, 8], "logprobs": [-0.5] * 3,
+//                       "advantages": [2.0] * 3})
+//   req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+//       data=[d0, d1], loss_fn="ppo",
+//       loss_fn_config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+//       model_id="s1:train:0", seq_id=3)
+//   msg = tinker.proto.request_conv.forward_backward_request_to_proto(req)
+//   msg.forward_only = True  # as tinker/resources/training.py does for forward()
+//   print(msg.SerializeToString().hex())
+TEST(TinkerConvert, DecodesBytesFromTheRealSdk) {
+  const std::string wire = absl::HexStringToBytes(
+      "0a0a73313a747261696e3a3010031a88010a100a0e0a0c01000000701101000300000012210a0a616476616e"
+      "746167657312130a0c0000803f00000000000000bf1801220103121f0a086c6f6770726f627312130a0c0000"
+      "c0bf000080be000000c0180122010312300a0d7461726765745f746f6b656e73121f0a187011010000000000"
+      "0300000000000000040000000000000018022201031a8e010a080a060a04050000000a0c0a0a0a0806000000"
+      "0700000012210a0a616476616e746167657312130a0c0000004000000040000000401801220103121f0a086c"
+      "6f6770726f627312130a0c000000bf000000bf000000bf180122010312300a0d7461726765745f746f6b656e"
+      "73121f0a180600000000000000070000000000000008000000000000001802220103220370706f2a1e0a1363"
+      "6c69705f686967685f7468726573686f6c6411333333333333f33f2a1d0a12636c69705f6c6f775f74687265"
+      "73686f6c64119a9999999999e93f3001");
+  tinker_public::ForwardBackwardRequest r;
+  ASSERT_TRUE(r.ParseFromString(wire));
+  EXPECT_EQ(r.model_id(), "s1:train:0");
+  EXPECT_EQ(r.seq_id(), 3);
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->forward_only);
+  EXPECT_EQ(out->request.loss_fn().name(), "ppo");
+  EXPECT_EQ(out->request.loss_fn().config().at("clip_low_threshold"), 0.8);
+  EXPECT_EQ(out->request.loss_fn().config().at("clip_high_threshold"), 1.2);
+  ASSERT_EQ(out->request.data_size(), 2);
+
+  auto tokens = [](const v1::Datum& d) {
+    std::vector<std::vector<int64_t>> chunks;
+    for (const v1::ModelInputChunk& c : d.model_input().chunks()) {
+      chunks.emplace_back(c.encoded_text().tokens().begin(), c.encoded_text().tokens().end());
+    }
+    return chunks;
+  };
+  const v1::Datum& d0 = out->request.data(0);
+  const v1::Datum& d1 = out->request.data(1);
+  EXPECT_EQ(tokens(d0), (std::vector<std::vector<int64_t>>{{1, 70000, 3}}));
+  EXPECT_EQ(tokens(d1), (std::vector<std::vector<int64_t>>{{5}, {6, 7}}));
+
+  const v1::Tensor& targets = d0.loss_fn_inputs().at("target_tokens");
+  EXPECT_EQ(targets.dtype(), v1::INT64);
+  EXPECT_EQ(Elements<int64_t>(targets.data()), (std::vector<int64_t>{70000, 3, 4}));
+  EXPECT_EQ(std::vector<int64_t>(targets.shape().begin(), targets.shape().end()),
+            (std::vector<int64_t>{3}));
+  const v1::Tensor& logprobs = d0.loss_fn_inputs().at("logprobs");
+  EXPECT_EQ(logprobs.dtype(), v1::FLOAT32);
+  EXPECT_EQ(Elements<float>(logprobs.data()), (std::vector<float>{-1.5f, -0.25f, -2.0f}));
+  EXPECT_EQ(Elements<float>(d0.loss_fn_inputs().at("advantages").data()),
+            (std::vector<float>{1.0f, 0.0f, -0.5f}));
+  EXPECT_EQ(Elements<int64_t>(d1.loss_fn_inputs().at("target_tokens").data()),
+            (std::vector<int64_t>{6, 7, 8}));
+  EXPECT_EQ(Elements<float>(d1.loss_fn_inputs().at("advantages").data()),
+            (std::vector<float>{2.0f, 2.0f, 2.0f}));
+}
+
+v1::ForwardBackwardOutput OutputOfLengths(const std::vector<int>& lengths) {
+  v1::ForwardBackwardOutput in;
+  float next = -0.5f;
+  for (int n : lengths) {
+    std::vector<float> lp;
+    for (int k = 0; k < n; ++k, next -= 0.5f) lp.push_back(next);
+    v1::Tensor* t = in.add_outputs()->mutable_logprobs();
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(n);
+    t->set_data(Bytes(lp));
+  }
+  return in;
+}
+
+TEST(TinkerConvert, OutputBatchesLogprobsWithByteOffsets) {
+  v1::ForwardBackwardOutput in = OutputOfLengths({0, 2, 5});
+  (*in.mutable_metrics())["loss:sum"] = 12.5;
+  (*in.mutable_metrics())["num_tokens:sum"] = 7;
+  tinker_public::ForwardBackwardOutput out;
+  out.set_loss_fn_output_type("stale");  // overwritten, not merged
+  FwdBwdOutputToTinker(in, "cross_entropy", &out);
+
+  EXPECT_EQ(out.loss_fn_output_type(), "ArrayRecord");
+  ASSERT_EQ(out.loss_fn_outputs_size(), 1);
+  const tinker_public::ArrayRecord& rec = out.loss_fn_outputs(0);
+  EXPECT_EQ(rec.type_tag(), "ArrayRecord");
+  EXPECT_EQ(rec.num_datums(), 3);
+  ASSERT_EQ(rec.fields().size(), 1u);
+  const tinker_public::BatchedTensor& lp = rec.fields().at("logprobs");
+  EXPECT_EQ(lp.dtype(), tinker_public::DTYPE_FLOAT32);
+  EXPECT_EQ(lp.trailing_shape_size(), 0);
+  EXPECT_EQ(Elements<int64_t>(lp.offsets()), (std::vector<int64_t>{0, 0, 8, 28}));
+  EXPECT_EQ(Elements<float>(lp.data()),
+            (std::vector<float>{-0.5f, -1.0f, -1.5f, -2.0f, -2.5f, -3.0f, -3.5f}));
+  ASSERT_EQ(out.metrics().size(), 2u);
+  EXPECT_EQ(out.metrics().at("loss:sum"), 12.5);
+  EXPECT_EQ(out.metrics().at("num_tokens:sum"), 7.0);
+}
+
+TEST(TinkerConvert, OutputOfNoDatums) {
+  tinker_public::ForwardBackwardOutput out;
+  FwdBwdOutputToTinker(v1::ForwardBackwardOutput(), "ppo", &out);
+  ASSERT_EQ(out.loss_fn_outputs_size(), 1);
+  EXPECT_EQ(out.loss_fn_outputs(0).num_datums(), 0);
+  EXPECT_EQ(Elements<int64_t>(out.loss_fn_outputs(0).fields().at("logprobs").offsets()),
+            (std::vector<int64_t>{0}));
+  EXPECT_EQ(out.loss_fn_outputs(0).fields().at("logprobs").data(), "");
+}
+
+}  // namespace
+}  // namespace tinkerd::http
