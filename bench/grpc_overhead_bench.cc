@@ -10,10 +10,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "bench/overhead_util.h"
 #include "client/client.h"
 #include "runner/model_runner.h"
 #include "runner/util/log.h"
-#include "runner/util/rng.h"
 #include "server/server.h"
 
 ABSL_FLAG(int, steps, 10, "timed steps (after one warm-up step)");
@@ -24,35 +24,9 @@ ABSL_FLAG(int, threads, 0, "LibTorch intra-op threads (0: LibTorch default)");
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::vector<tinkerd::Datum> MakeBatch(int seqs, int len, int64_t vocab) {
-  tinkerd::SplitMix64 g(7);
-  std::vector<tinkerd::Datum> out;
-  for (int i = 0; i < seqs; ++i) {
-    tinkerd::Datum d;
-    std::vector<int64_t> targets;
-    for (int t = 0; t < len; ++t) {
-      d.tokens.push_back(static_cast<int64_t>(g.Next() % vocab));
-      targets.push_back(static_cast<int64_t>(g.Next() % vocab));
-    }
-    d.loss_fn_inputs["target_tokens"] = tinkerd::TensorData::Int64(targets);
-    d.loss_fn_inputs["weights"] = tinkerd::TensorData::Float32(std::vector<float>(len, 1.0f));
-    out.push_back(std::move(d));
-  }
-  return out;
-}
-
-std::unique_ptr<tinkerd::ModelRunner> NewRunner() {
-  tinkerd::RunnerConfig rc;
-  rc.base_model_path = tinkerd::kEmbeddedDefaultModel;
-  rc.num_threads = absl::GetFlag(FLAGS_threads);
-  return std::move(*tinkerd::ModelRunner::Create(rc));
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using tinkerd::bench::EmbeddedRunner;
+using tinkerd::bench::MakeBatch;
+using tinkerd::bench::Median;
 
 }  // namespace
 
@@ -65,11 +39,11 @@ int main(int argc, char** argv) {
 
   // Both sides live for the whole run and their steps alternate, so machine drift (this VM's
   // speed varies by tens of percent over minutes) affects them alike.
-  auto local_runner = NewRunner();
+  auto local_runner = EmbeddedRunner(absl::GetFlag(FLAGS_threads));
   const std::string local_id = *local_runner->CreateModel(tinkerd::CreateModelOptions{});
   tinkerd::ServerConfig sc;
   sc.listen_address = "127.0.0.1:0";
-  auto server = tinkerd::TinkerdServer::Start(sc, NewRunner());
+  auto server = tinkerd::TinkerdServer::Start(sc, EmbeddedRunner(absl::GetFlag(FLAGS_threads)));
   if (!server.ok()) return 1;
   tinkerd::client::ClientOptions co;
   co.target = "127.0.0.1:" + std::to_string((*server)->port());

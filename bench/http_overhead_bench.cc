@@ -16,9 +16,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "bench/overhead_util.h"
 #include "runner/model_runner.h"
 #include "runner/util/log.h"
-#include "runner/util/rng.h"
 #include "server/server.h"
 #include "tinker_public/tinker_public.pb.h"
 
@@ -31,24 +31,10 @@ ABSL_FLAG(int, threads, 0, "LibTorch intra-op threads (0: LibTorch default)");
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using tinkerd::bench::EmbeddedRunner;
+using tinkerd::bench::MakeBatch;
+using tinkerd::bench::Median;
 using Json = nlohmann::json;
-
-std::vector<tinkerd::Datum> MakeBatch(int seqs, int len, int64_t vocab) {
-  tinkerd::SplitMix64 g(7);
-  std::vector<tinkerd::Datum> out;
-  for (int i = 0; i < seqs; ++i) {
-    tinkerd::Datum d;
-    std::vector<int64_t> targets;
-    for (int t = 0; t < len; ++t) {
-      d.tokens.push_back(static_cast<int64_t>(g.Next() % vocab));
-      targets.push_back(static_cast<int64_t>(g.Next() % vocab));
-    }
-    d.loss_fn_inputs["target_tokens"] = tinkerd::TensorData::Int64(targets);
-    d.loss_fn_inputs["weights"] = tinkerd::TensorData::Float32(std::vector<float>(len, 1.0f));
-    out.push_back(std::move(d));
-  }
-  return out;
-}
 
 // The batch as the Tinker SDK encodes it.
 std::string TinkerBatch(const std::string& model, int seq, const std::vector<tinkerd::Datum>& data,
@@ -117,18 +103,6 @@ class Http {
   httplib::Client cli_;
 };
 
-std::unique_ptr<tinkerd::ModelRunner> NewRunner() {
-  tinkerd::RunnerConfig rc;
-  rc.base_model_path = tinkerd::kEmbeddedDefaultModel;
-  rc.num_threads = absl::GetFlag(FLAGS_threads);
-  return std::move(*tinkerd::ModelRunner::Create(rc));
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 double Seconds(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -145,13 +119,13 @@ int main(int argc, char** argv) {
   // The same model on both sides: LoRA rank 32 on every module, sums (what create_model makes).
   tinkerd::CreateModelOptions options;
   options.loss_reduction = tinkerd::LossReduction::kSum;
-  auto local_runner = NewRunner();
+  auto local_runner = EmbeddedRunner(absl::GetFlag(FLAGS_threads));
   const std::string local_id = *local_runner->CreateModel(options);
   tinkerd::ServerConfig sc;
   sc.listen_address = "127.0.0.1:0";
   sc.tinker_http.listen = "127.0.0.1:0";
   sc.tinker_http.served_model_name = "bench";
-  auto server = tinkerd::TinkerdServer::Start(sc, NewRunner());
+  auto server = tinkerd::TinkerdServer::Start(sc, EmbeddedRunner(absl::GetFlag(FLAGS_threads)));
   if (!server.ok()) {
     std::fprintf(stderr, "%s\n", std::string(server.status().message()).c_str());
     return 1;

@@ -150,8 +150,8 @@ v1::ListModelsResponse Ops::ListModels(const std::string& tenant) {
   return out;
 }
 
-absl::StatusOr<v1::ListCheckpointsResponse> Ops::ListCheckpoints(const std::string& tenant,
-                                                                 const std::string& model_id) {
+absl::StatusOr<std::vector<CheckpointEntry>> Ops::Checkpoints(const std::string& tenant,
+                                                              const std::string& model_id) {
   if (auto st = CheckOwner(model_id, tenant); !st.ok()) return st;
   if (auto st = ValidateCheckpointName(model_id, "model_id"); !st.ok()) return st;
   // A model this tenant has now, or had checkpoints of; anything else, another tenant's model
@@ -161,14 +161,41 @@ absl::StatusOr<v1::ListCheckpointsResponse> Ops::ListCheckpoints(const std::stri
       !std::filesystem::is_directory(TenantRoot(tenant) + "/" + model_id, ec)) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
-  v1::ListCheckpointsResponse out;
+  std::vector<CheckpointEntry> out;
   for (const char* kind : {"weights", "sampler_weights"}) {
-    for (const std::string& name :
-         tinkerd::ListCheckpoints(absl::StrCat(TenantRoot(tenant), "/", model_id, "/", kind))) {
-      v1::CheckpointInfo* c = out.add_checkpoints();
-      c->set_path(CheckpointPath{model_id, kind, name}.Uri());
-      c->set_kind(std::string(kind) == "weights" ? "training" : "sampler");
+    const std::string folder = absl::StrCat(TenantRoot(tenant), "/", model_id, "/", kind);
+    for (const std::string& name : tinkerd::ListCheckpoints(folder)) {
+      CheckpointEntry e;
+      e.path = CheckpointPath{model_id, kind, name}.Uri();
+      e.kind = std::string(kind) == "weights" ? "training" : "sampler";
+      auto dir = ResolveCheckpoint(folder + "/" + name);
+      if (!dir.ok()) continue;  // deleted meanwhile
+      namespace fs = std::filesystem;
+      const auto written = fs::last_write_time(*dir, ec);
+      if (!ec) {
+        e.time = absl::FromChrono(std::chrono::time_point_cast<std::chrono::system_clock::duration>(
+            std::chrono::file_clock::to_sys(written)));
+      }
+      for (const auto& f : fs::directory_iterator(*dir, ec)) {
+        std::error_code size_ec;
+        const auto size = f.file_size(size_ec);
+        if (!size_ec) e.size_bytes += static_cast<int64_t>(size);
+      }
+      out.push_back(std::move(e));
     }
+  }
+  return out;
+}
+
+absl::StatusOr<v1::ListCheckpointsResponse> Ops::ListCheckpoints(const std::string& tenant,
+                                                                 const std::string& model_id) {
+  auto entries = Checkpoints(tenant, model_id);
+  if (!entries.ok()) return entries.status();
+  v1::ListCheckpointsResponse out;
+  for (const CheckpointEntry& e : *entries) {
+    v1::CheckpointInfo* c = out.add_checkpoints();
+    c->set_path(e.path);
+    c->set_kind(e.kind);
   }
   return out;
 }

@@ -11,8 +11,10 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "runner/util/hash.h"
 #include "runner/validate.h"
 #include "server/metrics.h"
@@ -24,6 +26,14 @@ namespace tinkerd {
 
 template <typename T>
 using Done = std::function<void(absl::StatusOr<T>)>;
+
+// A checkpoint as listings show it.
+struct CheckpointEntry {
+  std::string path;  // tinker://<model_id>/<kind folder>/<name>
+  std::string kind;  // "training" or "sampler"
+  absl::Time time;   // when it was committed
+  int64_t size_bytes = 0;
+};
 
 class Ops {
  public:
@@ -42,6 +52,9 @@ class Ops {
   v1::ListModelsResponse ListModels(const std::string& tenant);
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& tenant,
                                                               const std::string& model_id);
+  // The same, with times and sizes: training checkpoints, then sampler ones, each by name.
+  absl::StatusOr<std::vector<CheckpointEntry>> Checkpoints(const std::string& tenant,
+                                                           const std::string& model_id);
   absl::Status DeleteCheckpoint(const std::string& tenant, const std::string& path);
   absl::StatusOr<v1::RetrieveResultResponse> RetrieveResult(const std::string& tenant,
                                                             const std::string& model_id,

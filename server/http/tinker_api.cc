@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "runner/util/echo.h"
 #include "runner/util/log.h"
 #include "server/http/tinker_convert.h"
@@ -206,13 +207,19 @@ void TinkerApi::Handle(Request req, Respond respond) {
   };
   const bool finish_session =
       absl::StartsWith(endpoint, "sessions/") && absl::EndsWith(endpoint, "/finish");
-  const bool known = kPost.count(endpoint) || endpoint == "forward_backward" ||
+  const bool runs = endpoint == "training_runs" || absl::StartsWith(endpoint, "training_runs/");
+  const bool known = kPost.count(endpoint) || endpoint == "forward_backward" || runs ||
                      endpoint == "healthz" || endpoint == "get_server_capabilities" ||
                      finish_session || absl::StartsWith(endpoint, "samplers/");
   // Counted by route: never a client's text (an unknown path, an id inside a path) as a label.
   std::string route = known ? endpoint : "unknown";
   if (finish_session) route = "sessions/finish";
   if (absl::StartsWith(endpoint, "samplers/")) route = "samplers";
+  if (runs) {
+    route = absl::StrContains(endpoint, "/checkpoints") ? "training_runs/checkpoints"
+            : endpoint == "training_runs"               ? "training_runs"
+                                                        : "training_runs/run";
+  }
   if (Metrics* metrics = ops_->metrics()) {
     respond = [metrics, route, t0 = absl::Now(), respond = std::move(respond)](Response r) {
       metrics->ObserveHttp(route, r.status, absl::ToDoubleSeconds(absl::Now() - t0));
@@ -235,6 +242,7 @@ void TinkerApi::Handle(Request req, Respond respond) {
                                            "' is not supported; send the body uncompressed")));
   }
 
+  if (runs) return TrainingRuns(*tenant, req.method, endpoint, std::move(respond));
   const bool get = endpoint == "get_server_capabilities" || absl::StartsWith(endpoint, "samplers/");
   if (req.method != (get ? "GET" : "POST")) {
     return respond(Error(405, absl::StrCat(endpoint, ": use ", get ? "GET" : "POST")));
@@ -360,7 +368,7 @@ void TinkerApi::CreateSession(const std::string& tenant, const Json& body, Respo
     if (sessions_.size() >= config_.max_sessions) {
       return respond(Error(429, "too many open sessions; retry later"));
     }
-    sessions_[id] = Session{tenant, absl::Now()};
+    sessions_[id] = Session{tenant, absl::Now(), {}};
   }
   respond(JsonResponse(Json{{"type", "create_session"}, {"session_id", id}}));
 }
@@ -684,6 +692,84 @@ void TinkerApi::WeightsInfo(const std::string& tenant, const Json& body, Respond
     out["train_unembed"] = info->lora().train_unembed();
   }
   respond(JsonResponse(out));
+}
+
+namespace {
+
+std::string IsoTime(absl::Time t) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", t, absl::UTCTimeZone());
+}
+
+Json CheckpointJson(const CheckpointEntry& c) {
+  // checkpoint_id is what follows the model id in the path: "weights/<name>".
+  const std::string id = c.path.substr(c.path.find('/', sizeof("tinker://") - 1) + 1);
+  return Json{{"checkpoint_id", id},   {"checkpoint_type", c.kind},  {"time", IsoTime(c.time)},
+              {"tinker_path", c.path}, {"size_bytes", c.size_bytes}, {"public", false}};
+}
+
+}  // namespace
+
+absl::StatusOr<Json> TinkerApi::TrainingRun(const std::string& tenant,
+                                            const std::string& model_id) {
+  auto info = ops_->GetInfo(tenant, model_id);
+  if (!info.ok()) return info.status();
+  auto checkpoints = ops_->Checkpoints(tenant, model_id);
+  if (!checkpoints.ok()) return checkpoints.status();
+  Json run{{"training_run_id", model_id},
+           {"base_model", config_.served_model_name},
+           {"model_owner", tenant},
+           {"is_lora", info->is_lora()},
+           {"corrupted", false},
+           // Request times are not recorded: the run is live now, which is when this answers.
+           {"last_request_time", IsoTime(absl::Now())}};
+  if (info->is_lora()) run["lora_rank"] = info->lora().rank();
+  for (const char* kind : {"training", "sampler"}) {
+    const CheckpointEntry* last = nullptr;
+    for (const CheckpointEntry& c : *checkpoints) {
+      if (c.kind == kind && (last == nullptr || c.time >= last->time)) last = &c;
+    }
+    if (last != nullptr) {
+      run[std::string(kind) == "training" ? "last_checkpoint" : "last_sampler_checkpoint"] =
+          CheckpointJson(*last);
+    }
+  }
+  return run;
+}
+
+void TinkerApi::TrainingRuns(const std::string& tenant, const std::string& method,
+                             const std::string& endpoint, Respond respond) {
+  const std::vector<std::string> parts = absl::StrSplit(endpoint, '/');
+  // parts: training_runs [id [checkpoints [kind name]]]
+  const bool del = parts.size() == 5 && parts[2] == "checkpoints";
+  const bool get = parts.size() <= 3 && (parts.size() < 3 || parts[2] == "checkpoints");
+  if (!del && !get) return respond(Error(404, absl::StrCat("no endpoint ", Echo(endpoint))));
+  if (method != (del ? "DELETE" : "GET")) {
+    return respond(Error(405, absl::StrCat(endpoint, ": use ", del ? "DELETE" : "GET")));
+  }
+  if (parts.size() == 1) {
+    Json runs = Json::array();
+    for (const v1::ModelInfo& m : ops_->ListModels(tenant).models()) {
+      if (auto run = TrainingRun(tenant, m.model_id()); run.ok()) runs.push_back(*run);
+    }
+    const int64_t n = static_cast<int64_t>(runs.size());
+    return respond(JsonResponse(Json{
+        {"training_runs", runs}, {"cursor", {{"offset", 0}, {"limit", n}, {"total_count", n}}}}));
+  }
+  const std::string model_id = Resolve(tenant, parts[1]);
+  if (parts.size() == 2) {
+    auto run = TrainingRun(tenant, model_id);
+    return respond(run.ok() ? JsonResponse(*run) : Error(run.status()));
+  }
+  if (get) {
+    auto checkpoints = ops_->Checkpoints(tenant, model_id);
+    if (!checkpoints.ok()) return respond(Error(checkpoints.status()));
+    Json list = Json::array();
+    for (const CheckpointEntry& c : *checkpoints) list.push_back(CheckpointJson(c));
+    return respond(JsonResponse(Json{{"checkpoints", list}}));
+  }
+  const absl::Status st = ops_->DeleteCheckpoint(
+      tenant, absl::StrCat("tinker://", model_id, "/", parts[3], "/", parts[4]));
+  respond(st.ok() ? JsonResponse(Json::object()) : Error(st));
 }
 
 void TinkerApi::RetrieveFuture(const std::string& tenant, const Json& body, Respond respond) {

@@ -72,6 +72,13 @@ class TinkerApi {
   void WeightsInfo(const std::string& tenant, const Json& body, Respond respond);
   void RetrieveFuture(const std::string& tenant, const Json& body, Respond respond);
   void Sampling(const std::string& tenant, const Json& body, Respond respond);
+  // The RestClient's views of models ("training runs") and their checkpoints:
+  // GET training_runs, GET training_runs/{id}, GET training_runs/{id}/checkpoints,
+  // DELETE training_runs/{id}/checkpoints/{weights|sampler_weights}/{name}.
+  void TrainingRuns(const std::string& tenant, const std::string& method,
+                    const std::string& endpoint, Respond respond);
+  // A training run's JSON, or NOT_FOUND.
+  absl::StatusOr<Json> TrainingRun(const std::string& tenant, const std::string& model_id);
   // Tinker's protobuf ForwardBackwardRequest (forward_only selects forward).
   void ForwardBackward(const std::string& tenant, const Request& req, Respond respond);
 

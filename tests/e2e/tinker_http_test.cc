@@ -54,7 +54,9 @@ class TinkerHttp : public ::testing::Test {
     cli.set_read_timeout(60, 0);
     httplib::Headers h = std::move(extra);
     if (!key.empty()) h.emplace("X-API-Key", key);
-    httplib::Result r = method == "GET" ? cli.Get(path, h) : cli.Post(path, h, body, type);
+    httplib::Result r = method == "GET"      ? cli.Get(path, h)
+                        : method == "DELETE" ? cli.Delete(path, h)
+                                             : cli.Post(path, h, body, type);
     EXPECT_TRUE(r) << method << " " << path << ": no answer";
     if (!r) return {};
     return {r->status, r->get_header_value("Content-Type"), r->body};
@@ -236,6 +238,19 @@ TEST_F(TinkerHttp, TheSameStepsThroughHttpAndGrpcGiveBitwiseIdenticalResultsAndW
   const std::string via_grpc = grpc_model(11);
   const std::string control = grpc_model(11);
   ASSERT_EQ(live_->StateChecksum(via_http), live_->StateChecksum(via_grpc));
+  // And in process, on a runner of the same model and precision, no server in between.
+  auto local = MakeRunner(live_->model_dir, ComputeDType::kFloat64);
+  CreateModelOptions options;
+  options.lora = LoraConfig{};
+  options.lora->rank = 4;
+  options.loss_reduction = LossReduction::kSum;
+  options.seed = 11;
+  const std::string in_process = *local->CreateModel(options);
+  auto local_params = [&] { return Flat(Snap(*local, in_process, StateKind::kParams)); };
+  auto server_params = [&](const std::string& m) {
+    return Flat(Snap(*live_->server->runner(), m, StateKind::kParams));
+  };
+  ASSERT_EQ(local_params(), server_params(via_http));
 
   for (int step = 0; step < 2; ++step) {
     const std::vector<Datum> data = Batch(100 + step);
@@ -254,7 +269,10 @@ TEST_F(TinkerHttp, TheSameStepsThroughHttpAndGrpcGiveBitwiseIdenticalResultsAndW
     v1::ForwardBackwardOutput control_out;
     ASSERT_TRUE(live_->FwdBwd(MakeRequest(control, seq, perturbed), &control_out).ok());
 
+    auto local_out = local->ForwardBackward(in_process, data, "cross_entropy", {});
+    ASSERT_TRUE(local_out.ok()) << local_out.status().message();
     EXPECT_EQ(http_out.metrics().at("loss:sum"), grpc_out.metrics().at("loss:sum"));
+    EXPECT_EQ(http_out.metrics().at("loss:sum"), local_out->metrics.at("loss:sum"));
     EXPECT_NE(control_out.metrics().at("loss:sum"), grpc_out.metrics().at("loss:sum"));
     std::string grpc_logprobs;
     for (const auto& o : grpc_out.outputs()) grpc_logprobs += o.logprobs().data();
@@ -266,6 +284,12 @@ TEST_F(TinkerHttp, TheSameStepsThroughHttpAndGrpcGiveBitwiseIdenticalResultsAndW
     }
     EXPECT_EQ(datums, static_cast<int64_t>(data.size()));
     EXPECT_EQ(http_logprobs, grpc_logprobs);
+    std::string local_logprobs;
+    for (const DatumOutput& o : local_out->outputs) {
+      local_logprobs.append(reinterpret_cast<const char*>(o.logprobs.data()),
+                            o.logprobs.size() * sizeof(float));
+    }
+    EXPECT_EQ(http_logprobs, local_logprobs);
 
     Reply step_reply = Call(
         "optim_step",
@@ -275,8 +299,12 @@ TEST_F(TinkerHttp, TheSameStepsThroughHttpAndGrpcGiveBitwiseIdenticalResultsAndW
     v1::OptimStepResponse grpc_step;
     ASSERT_TRUE(live_->Optim(via_grpc, seq + 1, &grpc_step, 1e-2).ok());
     ASSERT_TRUE(live_->Optim(control, seq + 1, &grpc_step, 1e-2).ok());
+    AdamParams adam;
+    adam.learning_rate = 1e-2;
+    ASSERT_TRUE(local->OptimStep(in_process, adam).ok());
   }
   EXPECT_EQ(live_->StateChecksum(via_http), live_->StateChecksum(via_grpc));
+  EXPECT_EQ(server_params(via_http), local_params());
   EXPECT_NE(live_->StateChecksum(control), live_->StateChecksum(via_grpc));
 }
 
@@ -386,6 +414,29 @@ TEST_F(TinkerHttp, CheckpointsSaveLoadAndDescribeThemselves) {
   const std::string copy = restored.json().value("model_id", "");
   ASSERT_FALSE(copy.empty()) << restored.body;
   EXPECT_EQ(live_->StateChecksum(copy), at_save);
+
+  // The RestClient's views: the run, its checkpoints, deleting one; none of it for bob.
+  Reply run = Send("GET", "/api/v1/training_runs/" + model, "");
+  ASSERT_EQ(run.status, 200) << run.body;
+  EXPECT_EQ(run.json()["last_checkpoint"].value("tinker_path", ""), path) << run.body;
+  EXPECT_EQ(run.json().value("lora_rank", 0), 4);
+  Reply list = Send("GET", "/api/v1/training_runs/" + model + "/checkpoints", "");
+  ASSERT_EQ(list.status, 200) << list.body;
+  ASSERT_EQ(list.json()["checkpoints"].size(), 2u) << list.body;
+  EXPECT_EQ(list.json()["checkpoints"][0].value("checkpoint_id", ""), "weights/ck");
+  EXPECT_EQ(list.json()["checkpoints"][1].value("checkpoint_type", ""), "sampler");
+  EXPECT_GT(list.json()["checkpoints"][0].value("size_bytes", 0), 0);
+  Reply runs = Send("GET", "/api/v1/training_runs", "");
+  EXPECT_EQ(runs.json()["cursor"].value("total_count", 0), 2) << runs.body;  // model and copy
+  EXPECT_EQ(Send("GET", "/api/v1/training_runs/" + model, "", "", kBob).status, 404);
+  EXPECT_EQ(Send("GET", "/api/v1/training_runs", "", "", kBob).json()["training_runs"].size(), 0u);
+  EXPECT_EQ(
+      Send("DELETE", "/api/v1/training_runs/" + model + "/checkpoints/weights/ck", "", "", kBob)
+          .status,
+      404);
+  Reply deleted = Send("DELETE", "/api/v1/training_runs/" + model + "/checkpoints/weights/ck", "");
+  EXPECT_EQ(deleted.status, 200) << deleted.body;
+  EXPECT_EQ(Post("weights_info", {{"tinker_path", path}}).status, 404);
 
   Reply unloaded = Call("unload_model", {{"model_id", copy}});
   EXPECT_EQ(unloaded.json().value("model_id", ""), copy) << unloaded.body;
