@@ -748,7 +748,8 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const std::string& metho
   }
   if (parts.size() == 1) {
     Json runs = Json::array();
-    for (const v1::ModelInfo& m : ops_->ListModels(tenant).models()) {
+    const v1::ListModelsResponse models = ops_->ListModels(tenant);
+    for (const v1::ModelInfo& m : models.models()) {
       if (auto run = TrainingRun(tenant, m.model_id()); run.ok()) runs.push_back(*run);
     }
     const int64_t n = static_cast<int64_t>(runs.size());

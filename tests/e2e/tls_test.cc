@@ -144,7 +144,8 @@ TEST(Tls, TheTinkerHttpApiUsesTheSameCertificateAndClientCa) {
     const std::string ca = "--cacert " + pki.Path("ca.pem");
     const std::string cert =
         " --cert " + pki.Path("client.pem") + " --key " + pki.Path("client.key");
-    const std::string rogue = " --cert " + pki.Path("rogue.pem") + " --key " + pki.Path("rogue.key");
+    const std::string rogue =
+        " --cert " + pki.Path("rogue.pem") + " --key " + pki.Path("rogue.key");
     auto [code, body] = Curl("https://" + host + "/api/v1/healthz", ca + cert);
     EXPECT_EQ(code, 0) << body;
     EXPECT_EQ(body, "{\"status\":\"ok\"}") << "mutual=" << mutual;
