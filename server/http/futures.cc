@@ -1,6 +1,5 @@
 #include "server/http/futures.h"
 
-#include <algorithm>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -16,23 +15,16 @@ size_t Futures::size() const {
   return entries_.size();
 }
 
-void Futures::SweepLocked() {
+void Futures::ExpireLocked() {
   const absl::Time cutoff = absl::Now() - config_.keep;
-  std::vector<std::pair<absl::Time, std::map<std::string, Entry>::iterator>> finished;
-  for (auto it = entries_.begin(); it != entries_.end();) {
-    if (it->second.answer && it->second.finished < cutoff) {
-      it = entries_.erase(it);
-    } else {
-      if (it->second.answer) finished.emplace_back(it->second.finished, it);
-      ++it;
+  while (!finished_.empty() &&
+         (finished_.front().first < cutoff || entries_.size() >= config_.max_entries)) {
+    auto it = entries_.find(finished_.front().second);
+    if (it != entries_.end() && it->second.answer &&
+        it->second.finished == finished_.front().first) {
+      entries_.erase(it);
     }
-  }
-  if (entries_.size() < config_.max_entries) return;
-  std::sort(finished.begin(), finished.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  for (auto& [t, it] : finished) {
-    if (entries_.size() < config_.max_entries) break;
-    entries_.erase(it);
+    finished_.pop_front();
   }
 }
 
@@ -46,7 +38,7 @@ bool Futures::Open(const std::string& tenant, const std::string& request_id) {
   const std::string key = Key(tenant, request_id);
   if (entries_.count(key)) return true;
   if (closed_) return false;
-  if (entries_.size() >= config_.max_entries) SweepLocked();
+  ExpireLocked();
   if (entries_.size() >= config_.max_entries) return false;
   entries_.emplace(key, Entry());
   return true;
@@ -60,7 +52,9 @@ void Futures::Finish(const std::string& tenant, const std::string& request_id, R
     if (it == entries_.end() || it->second.answer) return;
     it->second.answer = answer;
     it->second.finished = absl::Now();
+    finished_.emplace_back(it->second.finished, it->first);
     polls.swap(it->second.polls);
+    ExpireLocked();
   }
   for (auto& [id, respond] : polls) respond(answer);
 }
@@ -115,6 +109,7 @@ void Futures::Close() {
       for (auto& [id, respond] : e.polls) polls.push_back(std::move(respond));
     }
     entries_.clear();
+    finished_.clear();
   }
   for (auto& respond : polls) {
     Response r;

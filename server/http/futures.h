@@ -7,6 +7,7 @@
 // still finds it; then it is gone (404, like an id never issued).
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <optional>
@@ -48,14 +49,18 @@ class Futures {
   static std::string Key(const std::string& tenant, const std::string& request_id) {
     return tenant + '\n' + request_id;  // tenants and ids never contain a newline
   }
-  // Under mu_: drops finished entries past `keep`, and the oldest finished past max_entries.
-  void SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_: drops finished entries past `keep`, then the oldest finished while at
+  // max_entries. Amortized O(1): finished_ is in finishing order.
+  void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Expire(const std::string& key, uint64_t poll_id, std::string request_id);
 
   const FuturesConfig config_;
   const std::function<void(absl::Duration, std::function<void()>)> after_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // (finished, key) of each answer, oldest first; a key answered again after it expired and was
+  // reopened appears twice, and only the entry with the matching time is dropped.
+  std::deque<std::pair<absl::Time, std::string>> finished_ ABSL_GUARDED_BY(mu_);
   uint64_t next_poll_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };

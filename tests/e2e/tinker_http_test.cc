@@ -42,6 +42,7 @@ class TinkerHttp : public ::testing::Test {
     sc.tinker_http.listen = "127.0.0.1:0";
     sc.tinker_http.served_model_name = "tiny-llama";
     sc.tinker_http.futures.long_poll = long_poll;
+    sc.tinker_http.futures.keep = keep_;
     live_ = std::make_unique<LiveServer>(sc);
     port_ = live_->server->tinker_http_port();
     ASSERT_GT(port_, 0);
@@ -145,6 +146,7 @@ class TinkerHttp : public ::testing::Test {
     return live_->server->runner()->GetInfo(model)->accumulated_tokens;
   }
 
+  absl::Duration keep_ = absl::Minutes(10);
   TempDir keys_dir_;
   std::unique_ptr<LiveServer> live_;
   int port_ = 0;
@@ -506,6 +508,21 @@ TEST_F(TinkerHttp, ManyClientsLongPollingWithRetriesLoseNothingAndApplyNothingTw
     EXPECT_EQ(AccumulatedTokens(models[c]), want_tokens[c]) << "client " << c;
     EXPECT_EQ(NextSeqId(models[c]), kCalls + 1) << "client " << c;
   }
+}
+
+TEST_F(TinkerHttp, AFinishedResultStaysForItsKeepTimeThenItsIdIsUnknown) {
+  keep_ = absl::Milliseconds(300);
+  Start(absl::Seconds(30));
+  const std::string model = CreateModel();
+  Reply first = SubmitBatch(TinkerBatch(model, 1, Batch(1)));
+  const std::string rid = first.json()["request_id"];
+  EXPECT_EQ(Await(rid).content_type, "application/x-protobuf");
+  EXPECT_EQ(Await(rid).content_type, "application/x-protobuf") << "a second poll lost the result";
+  absl::SleepFor(absl::Milliseconds(400));  // the keep time is what is under test
+  // Results expire as later calls come in.
+  Reply second = SubmitBatch(TinkerBatch(model, 2, Batch(2)));
+  EXPECT_EQ(Await(second.json()["request_id"]).content_type, "application/x-protobuf");
+  EXPECT_EQ(Post("retrieve_future", {{"request_id", rid}}).status, 404);
 }
 
 TEST_F(TinkerHttp, RequestsAreCountedByRouteAndStatus) {
