@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 namespace tinkerd::kernels {
 namespace {
@@ -169,6 +170,26 @@ LogprobHeadOutput TokenLogprobs(const LogprobHeadParams& p) {
                                                  p.lora_A_rD.defined() ? p.lora_A_rD : none,
                                                  p.lora_B_Vr.defined() ? p.lora_B_Vr : none, &p);
   return {out[0], out[1]};
+}
+
+at::Tensor HeadLogits(const LogprobHeadParams& p) {
+  TORCH_CHECK(p.hidden_TD.dim() == 2 && p.weight_VD.dim() == 2 &&
+                  p.hidden_TD.size(1) == p.weight_VD.size(1),
+              "logprob head: hidden [T, D] and weight [V, D] do not match");
+  TORCH_CHECK(p.chunk_vocab > 0, "logprob head: chunks must be positive");
+  at::NoGradGuard no_grad;
+  const at::Tensor none = at::empty({0}, p.hidden_TD.options());
+  const Head hd = LogprobHeadFunction::MakeHead(p.hidden_TD, p.weight_VD,
+                                                p.lora_A_rD.defined() ? p.lora_A_rD : none,
+                                                p.lora_B_Vr.defined() ? p.lora_B_Vr : none, p);
+  const at::ScalarType acc = AccumulateType(hd.h_TD.scalar_type());
+  const at::Tensor u = hd.lora() ? at::mm(hd.h_TD, hd.A_rD.t()).mul_(hd.s) : at::Tensor();
+  const int64_t V = hd.W_VD.size(0);
+  std::vector<at::Tensor> chunks;
+  for (int64_t v0 = 0; v0 < V; v0 += hd.chunk_v) {
+    chunks.push_back(ChunkLogits(hd, hd.h_TD, u, v0, std::min(hd.chunk_v, V - v0), acc));
+  }
+  return at::cat(chunks, 1);
 }
 
 }  // namespace tinkerd::kernels

@@ -37,4 +37,9 @@ struct LogprobHeadOutput {
 
 LogprobHeadOutput TokenLogprobs(const LogprobHeadParams& p);
 
+// The logits z_TV themselves (accumulate type), each chunk formed as TokenLogprobs forms it, for
+// the few rows a sampler draws from (one per sequence per decode step). targets_T is not read;
+// no graph is kept.
+at::Tensor HeadLogits(const LogprobHeadParams& p);
+
 }  // namespace tinkerd::kernels

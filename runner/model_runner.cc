@@ -24,6 +24,7 @@
 #include "runner/model/safetensors.h"
 #include "runner/model/tiny_model.h"
 #include "runner/model/weights.h"
+#include "runner/sample/policy.h"
 #include "runner/train_step.h"
 #include "runner/util/echo.h"
 #include "runner/util/exception_status.h"
@@ -92,7 +93,7 @@ struct ModelRunner::Impl {
   at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
   uint64_t base_fingerprint = 0;
-  std::unique_ptr<RopeCache> rope;  // cos/sin rows shared by every model of this base
+  std::shared_ptr<RopeCache> rope;  // cos/sin rows shared by every model and policy
   mutable absl::Mutex mu;
   std::map<std::string, ModelState> models ABSL_GUARDED_BY(mu);
 
@@ -234,7 +235,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     for (auto& [name, t] : tensors) t = t.to(impl->device);
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
-    impl->rope = std::make_unique<RopeCache>(
+    impl->rope = std::make_shared<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
     TLOG_INFO("runner: {} | {} | memory budget for models {}", config.DebugString(),
               impl->model_config.DebugString(), Bytes(impl->memory_budget));
@@ -593,6 +594,62 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
       return merged ? WriteMergedModel(*t, impl_->model_config, impl_->base, dir)
                     : WritePeftAdapter(*t, impl_->config.base_model_path, dir);
     });
+  });
+}
+
+namespace {
+
+// Every tensor copied (no graph); a tied head stays the embedding's alias.
+BaseWeights FrozenWeights(const BaseWeights& w, bool tied, int64_t* bytes) {
+  auto copy = [bytes](const at::Tensor& t) {
+    if (!t.defined()) return t;
+    *bytes += static_cast<int64_t>(t.numel() * t.element_size());
+    return t.detach().clone();
+  };
+  BaseWeights out;
+  out.embed_VD = copy(w.embed_VD);
+  out.final_norm_D = copy(w.final_norm_D);
+  out.lm_head_VD = tied ? out.embed_VD : copy(w.lm_head_VD);
+  for (const LayerWeights& L : w.layers) {
+    out.layers.push_back({copy(L.input_norm_D), copy(L.post_norm_D), copy(L.q_proj), copy(L.k_proj),
+                          copy(L.v_proj), copy(L.o_proj), copy(L.q_bias), copy(L.k_bias),
+                          copy(L.v_bias), copy(L.q_norm_d), copy(L.k_norm_d), copy(L.gate_proj),
+                          copy(L.up_proj), copy(L.down_proj)});
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
+    const std::string& model_id) const {
+  absl::MutexLock lock(&impl_->mu);
+  auto policy = std::make_shared<Policy>();
+  policy->config = impl_->model_config;
+  policy->compute_dtype = impl_->dtype;
+  policy->device = impl_->device;
+  policy->rope = impl_->rope;
+  policy->model_id = model_id;
+  if (model_id.empty()) {
+    policy->weights = impl_->base;
+    return std::shared_ptr<const Policy>(std::move(policy));
+  }
+  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  return Guarded("freezing a policy", [&]() -> absl::StatusOr<std::shared_ptr<const Policy>> {
+    policy->step = t->step;
+    if (t->full) {
+      policy->weights =
+          FrozenWeights(*t->full, impl_->model_config.tie_word_embeddings, &policy->bytes);
+    } else {
+      policy->weights = impl_->base;
+    }
+    if (t->lora) {
+      policy->lora = t->lora->Frozen();
+      for (const auto& [name, p] : policy->lora->Parameters()) {
+        policy->bytes += static_cast<int64_t>(p.numel() * p.element_size());
+      }
+    }
+    return std::shared_ptr<const Policy>(std::move(policy));
   });
 }
 

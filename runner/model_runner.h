@@ -25,6 +25,8 @@
 
 namespace tinkerd {
 
+struct Policy;
+
 // base_model_path naming the small default model generated deterministically in memory.
 inline constexpr char kEmbeddedDefaultModel[] = "embedded:default";
 
@@ -97,6 +99,10 @@ class ModelRunner {
   // ModelRunner::Create loads as a base model.
   absl::Status SaveWeightsForSampler(const std::string& model_id, const std::string& path,
                                      bool merged, bool overwrite);
+
+  // The weights a sampler reads (runner/sample/policy.h): the model's as they are now, copied so
+  // that later training does not change them; `model_id` empty: the base model.
+  absl::StatusOr<std::shared_ptr<const Policy>> FreezePolicy(const std::string& model_id) const;
 
   // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.
   absl::StatusOr<std::vector<NamedValues>> Snapshot(const std::string& model_id,

@@ -29,6 +29,16 @@ void Scheduler::Stop(absl::Duration grace) {
   if (thread_.joinable()) thread_.join();
 }
 
+void Scheduler::SetBackground(std::function<bool()> step) {
+  background_ = std::move(step);
+}
+
+void Scheduler::KickBackground() {
+  absl::MutexLock lock(&mu_);
+  if (!background_) return;
+  background_ready_ = wake_ = true;
+}
+
 bool Scheduler::RunBetweenJobs(std::function<void()> op) {
   absl::MutexLock lock(&mu_);
   if (!accepting_) return false;
@@ -265,6 +275,16 @@ void Scheduler::Loop() {
     std::string model;
     auto [q, job] = PickLocked(&model);
     const bool past_deadline = stopping_ && absl::Now() >= stop_deadline_;
+    if (background_ready_ && !stopping_ && (job == nullptr || background_turn_)) {
+      background_ready_ = background_turn_ = false;
+      mu_.Unlock();
+      for (auto& [cb, r] : calls) cb(r);
+      calls.clear();
+      const bool more = background_();
+      mu_.Lock();
+      background_ready_ = background_ready_ || more;
+      continue;
+    }
     if (job == nullptr || past_deadline) {
       if (stopping_ && (past_deadline || [&] {
             for (auto& [id, qq] : queues_) {
@@ -295,6 +315,7 @@ void Scheduler::Loop() {
     JobStep step = run();
     mu_.Lock();
     last_served_ = model;
+    background_turn_ = true;
     job->running = false;
     if (!step.done) continue;
     // Finished: cache the result, advance the model, answer every waiter (retries included).

@@ -102,6 +102,17 @@ class Scheduler {
   void Submit(const std::string& model_id, int64_t seq_id, JobSpec job, JobCallback done);
   // Wakes the thread to re-check `ready` predicates (a stream received data).
   void Wake();
+  // Runs `op` on the scheduler thread before the next job; false (and `op` dropped) once stopping.
+  bool RunBetweenJobs(std::function<void()> op);
+
+  // Work that is no model's request: the sampler's steps. `step` runs on the scheduler thread and
+  // returns whether it has more to do; while it has, the thread alternates, at most one step
+  // between two jobs and steps back to back when no job can run. So a queued job waits at most
+  // one step, and steps go on while jobs are queued. KickBackground() says there is work again
+  // (from any thread). Set before Start(); no step runs once stopping.
+  void SetBackground(std::function<bool()> step);
+  void KickBackground();
+
   // Requests queued or running, over all models (a gauge for /metrics).
   int64_t QueueDepth() const;
   // A finished result again, from the cache.
@@ -133,8 +144,6 @@ class Scheduler {
   };
 
   void Loop();
-  // Runs `op` on the scheduler thread before the next job; false once stopping.
-  bool RunBetweenJobs(std::function<void()> op);
   // Under mu_: removes the model's queue, failing its requests with NOT_FOUND.
   void RemoveLocked(const std::string& model_id,
                     std::vector<std::pair<JobCallback, JobResult>>* calls)
@@ -154,6 +163,9 @@ class Scheduler {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<bool()> background_;
+  bool background_ready_ ABSL_GUARDED_BY(mu_) = false;
+  bool background_turn_ ABSL_GUARDED_BY(mu_) = false;  // a job ran since the last step
   std::thread thread_;
 };
 

@@ -27,19 +27,25 @@ absl::Status ServerConfig::Validate() const {
   if (scheduler.order_timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("server: order_timeout <= 0");
   if (auto st = tinker_http.Validate(); !st.ok()) return st;
+  if (sampling.engine.max_sequences < 1 || sampling.engine.kv_cache_bytes < 1)
+    return absl::InvalidArgumentError("server: sample_max_sequences and sample_kv_cache_mb >= 1");
+  if (sampling.sampler_idle <= absl::ZeroDuration())
+    return absl::InvalidArgumentError("server: sampler_idle_s <= 0");
   return absl::OkStatus();
 }
 
 std::string ServerConfig::DebugString() const {
   return absl::StrFormat(
       "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
-      "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s auth=%s tls=%s %s",
+      "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s auth=%s tls=%s %s "
+      "sample_max_sequences=%d sample_kv_cache_bytes=%d sampler_idle=%s",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       scheduler.max_pending_per_model, scheduler.result_cache_per_model,
       absl::FormatDuration(scheduler.order_timeout), checkpoint_root,
       api_keys.enabled() ? "api_keys" : "off",
       tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"),
-      tinker_http.DebugString());
+      tinker_http.DebugString(), sampling.engine.max_sequences, sampling.engine.kv_cache_bytes,
+      absl::FormatDuration(sampling.sampler_idle));
 }
 
 absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
@@ -56,7 +62,9 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   s->metrics_ = std::make_unique<Metrics>();
   s->ops_ = std::make_unique<Ops>(s->replicated_.get(), s->scheduler_.get(), s->runner_->limits(),
                                   config.checkpoint_root, s->metrics_.get());
-  s->service_ = std::make_unique<TinkerdService>(s->ops_.get(), config.api_keys);
+  s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), config.sampling);
+  s->service_ =
+      std::make_unique<TinkerdService>(s->ops_.get(), s->sampling_.get(), config.api_keys);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -180,7 +188,11 @@ void TinkerdServer::Shutdown() {
   server_->GetHealthCheckService()->SetServingStatus(false);
   // Order matters: the RPCs in flight wait on the scheduler, so it keeps running while gRPC
   // stops accepting and waits for them; then the scheduler is stopped.
-  std::thread drain([this] { scheduler_->Stop(config_.shutdown_grace); });
+  // Samples still running then fail UNAVAILABLE (the scheduler no longer steps them).
+  std::thread drain([this] {
+    scheduler_->Stop(config_.shutdown_grace);
+    sampling_->Stop();
+  });
   server_->Shutdown(std::chrono::system_clock::now() +
                     absl::ToChronoSeconds(config_.shutdown_grace));
   drain.join();

@@ -52,6 +52,7 @@ class TinkerdServer {
   absl::Mutex heartbeat_mu_;
   bool heartbeat_stop_ ABSL_GUARDED_BY(heartbeat_mu_) = false;
   std::unique_ptr<Ops> ops_;
+  std::unique_ptr<Sampling> sampling_;
   std::unique_ptr<TinkerdService> service_;
   // The HTTP server before the API: the API (holding its parked polls' connections) goes first.
   std::unique_ptr<http::HttpServer> tinker_http_;

@@ -7,6 +7,7 @@
 #include "absl/time/time.h"
 #include "server/auth.h"
 #include "server/http/tinker_api_config.h"
+#include "server/sampling.h"
 #include "server/scheduler.h"
 
 namespace tinkerd {
@@ -29,6 +30,8 @@ struct ServerConfig {
   std::string tls_cert_file, tls_key_file, tls_client_ca_file;
   // The Tinker HTTP API beside gRPC (off unless tinker_http.listen is set).
   http::TinkerApiConfig tinker_http;
+  // Sampling: the engine's bounds and the samplers' lifetime.
+  SamplingConfig sampling;
 
   absl::Status Validate() const;
   std::string DebugString() const;

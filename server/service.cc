@@ -6,7 +6,8 @@
 
 namespace tinkerd {
 
-TinkerdService::TinkerdService(Ops* ops, ApiKeys keys) : ops_(ops), keys_(std::move(keys)) {}
+TinkerdService::TinkerdService(Ops* ops, Sampling* sampling, ApiKeys keys)
+    : ops_(ops), sampling_(sampling), keys_(std::move(keys)) {}
 
 std::optional<std::string> TinkerdService::Admit(grpc::CallbackServerContext* ctx,
                                                  UnaryCall* reactor) {
@@ -142,6 +143,30 @@ grpc::ServerUnaryReactor* TinkerdService::RetrieveResult(grpc::CallbackServerCon
   return Unary(ctx, req, resp, &TinkerdService::DoRetrieveResult);
 }
 
+grpc::ServerUnaryReactor* TinkerdService::CreateSampler(grpc::CallbackServerContext* ctx,
+                                                        const grpc::ByteBuffer* req,
+                                                        grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoCreateSampler);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::DeleteSampler(grpc::CallbackServerContext* ctx,
+                                                        const grpc::ByteBuffer* req,
+                                                        grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoDeleteSampler);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::Sample(grpc::CallbackServerContext* ctx,
+                                                 const grpc::ByteBuffer* req,
+                                                 grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoSample);
+}
+
+grpc::ServerUnaryReactor* TinkerdService::ComputeLogprobs(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* req,
+                                                          grpc::ByteBuffer* resp) {
+  return Unary(ctx, req, resp, &TinkerdService::DoComputeLogprobs);
+}
+
 namespace {
 
 // The op's answer into the call: the response when OK, then the status.
@@ -255,6 +280,34 @@ void TinkerdService::DoRetrieveResult(grpc::CallbackServerContext* ctx,
 grpc::ServerReadReactor<grpc::ByteBuffer>* TinkerdService::StreamForwardBackward(
     grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp) {
   return NewStreamReactor(this, ctx, resp, keys_.Authenticate(ctx));
+}
+
+void TinkerdService::DoCreateSampler(grpc::CallbackServerContext* ctx,
+                                     v1::CreateSamplerRequest* req, v1::SamplerInfo* resp,
+                                     UnaryCall* reactor) {
+  if (auto tenant = Admit(ctx, reactor))
+    sampling_->CreateSampler(*tenant, req->model_id(), Into(resp, reactor));
+}
+
+void TinkerdService::DoDeleteSampler(grpc::CallbackServerContext* ctx, v1::SamplerRef* req,
+                                     v1::DeleteSamplerResponse* resp, UnaryCall* reactor) {
+  if (auto tenant = Admit(ctx, reactor)) {
+    absl::Status st = sampling_->DeleteSampler(*tenant, req->sampler_id());
+    Into(resp, reactor)(
+        st.ok() ? absl::StatusOr<v1::DeleteSamplerResponse>(v1::DeleteSamplerResponse()) : st);
+  }
+}
+
+void TinkerdService::DoSample(grpc::CallbackServerContext* ctx, v1::SampleRequest* req,
+                              v1::SampleResponse* resp, UnaryCall* reactor) {
+  if (auto tenant = Admit(ctx, reactor)) sampling_->Sample(*tenant, *req, Into(resp, reactor));
+}
+
+void TinkerdService::DoComputeLogprobs(grpc::CallbackServerContext* ctx,
+                                       v1::ComputeLogprobsRequest* req,
+                                       v1::ComputeLogprobsResponse* resp, UnaryCall* reactor) {
+  if (auto tenant = Admit(ctx, reactor))
+    sampling_->ComputeLogprobs(*tenant, *req, Into(resp, reactor));
 }
 
 }  // namespace tinkerd

@@ -10,6 +10,7 @@
 
 #include "server/auth.h"
 #include "server/ops.h"
+#include "server/sampling.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 
 namespace tinkerd {
@@ -31,6 +32,9 @@ class UnaryCall : public grpc::ServerUnaryReactor {
 // handlers answer a request that does not parse (say, a string field that is not UTF-8) with
 // UNIMPLEMENTED and no message, where the client must get INVALID_ARGUMENT and the reason; and a
 // stream must tell a message that does not parse from its end.
+using RawSamplingMethods = v1::Tinkerd::WithRawCallbackMethod_CreateSampler<
+    v1::Tinkerd::WithRawCallbackMethod_DeleteSampler<v1::Tinkerd::WithRawCallbackMethod_Sample<
+        v1::Tinkerd::WithRawCallbackMethod_ComputeLogprobs<v1::Tinkerd::Service>>>>;
 using RawTinkerdService = v1::Tinkerd::WithRawCallbackMethod_CreateModel<
     v1::Tinkerd::WithRawCallbackMethod_GetInfo<v1::Tinkerd::WithRawCallbackMethod_ListModels<
         v1::Tinkerd::WithRawCallbackMethod_DeleteModel<v1::Tinkerd::WithRawCallbackMethod_Forward<
@@ -44,11 +48,11 @@ using RawTinkerdService = v1::Tinkerd::WithRawCallbackMethod_CreateModel<
                                         v1::Tinkerd::WithRawCallbackMethod_ListCheckpoints<
                                             v1::Tinkerd::WithRawCallbackMethod_DeleteCheckpoint<
                                                 v1::Tinkerd::WithRawCallbackMethod_RetrieveResult<
-                                                    v1::Tinkerd::Service>>>>>>>>>>>>>>>;
+                                                    RawSamplingMethods>>>>>>>>>>>>>>>;
 
 class TinkerdService final : public RawTinkerdService {
  public:
-  TinkerdService(Ops* ops, ApiKeys keys);
+  TinkerdService(Ops* ops, Sampling* sampling, ApiKeys keys);
 
   // The RPCs as registered, bytes in and bytes out: each parses its request (see Unary) and
   // calls its handler below. The stream requests StreamForwardBackwardMessage and responds
@@ -90,6 +94,17 @@ class TinkerdService final : public RawTinkerdService {
   grpc::ServerUnaryReactor* RetrieveResult(grpc::CallbackServerContext* ctx,
                                            const grpc::ByteBuffer* req,
                                            grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* CreateSampler(grpc::CallbackServerContext* ctx,
+                                          const grpc::ByteBuffer* req,
+                                          grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* DeleteSampler(grpc::CallbackServerContext* ctx,
+                                          const grpc::ByteBuffer* req,
+                                          grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Sample(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                   grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* ComputeLogprobs(grpc::CallbackServerContext* ctx,
+                                            const grpc::ByteBuffer* req,
+                                            grpc::ByteBuffer* resp) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* StreamForwardBackward(grpc::CallbackServerContext* ctx,
                                                                    grpc::ByteBuffer* resp) override;
 
@@ -140,10 +155,19 @@ class TinkerdService final : public RawTinkerdService {
                           v1::DeleteCheckpointResponse* resp, UnaryCall* reactor);
   void DoRetrieveResult(grpc::CallbackServerContext* ctx, v1::RetrieveResultRequest* req,
                         v1::RetrieveResultResponse* resp, UnaryCall* reactor);
+  void DoCreateSampler(grpc::CallbackServerContext* ctx, v1::CreateSamplerRequest* req,
+                       v1::SamplerInfo* resp, UnaryCall* reactor);
+  void DoDeleteSampler(grpc::CallbackServerContext* ctx, v1::SamplerRef* req,
+                       v1::DeleteSamplerResponse* resp, UnaryCall* reactor);
+  void DoSample(grpc::CallbackServerContext* ctx, v1::SampleRequest* req, v1::SampleResponse* resp,
+                UnaryCall* reactor);
+  void DoComputeLogprobs(grpc::CallbackServerContext* ctx, v1::ComputeLogprobsRequest* req,
+                         v1::ComputeLogprobsResponse* resp, UnaryCall* reactor);
   // The caller's tenant; otherwise finishes `reactor` with UNAUTHENTICATED and returns nullopt.
   std::optional<std::string> Admit(grpc::CallbackServerContext* ctx, UnaryCall* reactor);
 
   Ops* ops_;
+  Sampling* sampling_;
   ApiKeys keys_;
 };
 

@@ -66,6 +66,12 @@ ABSL_FLAG(int, http_future_keep_s, 600, "how long a finished future's result sta
 ABSL_FLAG(int, http_session_idle_s, 0,
           "a Tinker session without a heartbeat for this long ends and its models are deleted "
           "(checkpoints stay); 0: never (the SDK heartbeats every 10 s)");
+ABSL_FLAG(int, sample_max_sequences, 256,
+          "samples decoding at once, over all requests; past it Sample answers RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, sample_kv_cache_mb, 2048,
+          "KV-cache memory reserved for running samples (prompt + num_samples * max_tokens per "
+          "request); past it Sample answers RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, sampler_idle_s, 3600, "a sampler unused for this long is deleted");
 ABSL_FLAG(int, nproc, 1,
           "data-parallel ranks to spawn on this machine (ignored when WORLD_SIZE is set, e.g. by "
           "torchrun, Slurm or Kubernetes)");
@@ -193,6 +199,9 @@ int main(int argc, char** argv) {
   sc.tinker_http.futures.long_poll = absl::Seconds(absl::GetFlag(FLAGS_http_long_poll_s));
   sc.tinker_http.futures.keep = absl::Seconds(absl::GetFlag(FLAGS_http_future_keep_s));
   sc.tinker_http.session_idle = absl::Seconds(absl::GetFlag(FLAGS_http_session_idle_s));
+  sc.sampling.engine.max_sequences = absl::GetFlag(FLAGS_sample_max_sequences);
+  sc.sampling.engine.kv_cache_bytes = int64_t{absl::GetFlag(FLAGS_sample_kv_cache_mb)} << 20;
+  sc.sampling.sampler_idle = absl::Seconds(absl::GetFlag(FLAGS_sampler_idle_s));
   if (!absl::GetFlag(FLAGS_api_keys_file).empty()) {
     auto keys = tinkerd::ApiKeys::LoadFile(absl::GetFlag(FLAGS_api_keys_file));
     if (!keys.ok()) {

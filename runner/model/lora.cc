@@ -79,6 +79,15 @@ const LoraPair* LoraAdapter::Find(const std::string& module) const {
   return it == pairs_.end() ? nullptr : &it->second;
 }
 
+LoraAdapter LoraAdapter::Frozen() const {
+  LoraAdapter copy = *this;
+  for (auto& [module, pair] : copy.pairs_) {
+    pair.A_rI = pair.A_rI.detach().clone();
+    pair.B_Or = pair.B_Or.detach().clone();
+  }
+  return copy;
+}
+
 std::map<std::string, at::Tensor> LoraAdapter::Parameters() const {
   std::map<std::string, at::Tensor> out;
   for (const auto& [module, pair] : pairs_) {

@@ -36,6 +36,9 @@ class LoraAdapter {
   const LoraPair* Find(const std::string& module) const;
   double scale() const { return scale_; }
 
+  // A copy holding its own tensors (no graph), which training no longer changes: for sampling.
+  LoraAdapter Frozen() const;
+
   // Trainable tensors by name: "<module>.lora_A" and "<module>.lora_B".
   std::map<std::string, at::Tensor> Parameters() const;
 

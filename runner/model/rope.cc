@@ -74,7 +74,7 @@ double RopeAttentionFactor(const ModelConfig& c) {
 }
 
 RopeTables BuildRopeTables(const ModelConfig& c, const std::vector<int64_t>& cu_seqlens,
-                           const at::TensorOptions& to) {
+                           const at::TensorOptions& to, const std::vector<int64_t>& past) {
   const int64_t T = cu_seqlens.back();
   const int64_t d = c.head_dim;
   const int64_t R = d / 2;
@@ -88,15 +88,16 @@ RopeTables BuildRopeTables(const ModelConfig& c, const std::vector<int64_t>& cu_
   int64_t inv_len = -1;
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
     const int64_t len = cu_seqlens[s + 1] - cu_seqlens[s];
-    const int64_t key = c.rope_scaling.type == RopeScaling::Type::kDynamic ? len : 0;
+    const int64_t start = past.empty() ? 0 : past[s];
+    const int64_t key = c.rope_scaling.type == RopeScaling::Type::kDynamic ? start + len : 0;
     if (key != inv_len) {
-      inv = RopeInvFreq(c, len);
+      inv = RopeInvFreq(c, start + len);
       inv_len = key;
     }
     for (int64_t p = 0; p < len; ++p) {
       const int64_t row = (cu_seqlens[s] + p) * d;
       for (int64_t j = 0; j < R; ++j) {
-        const double angle = static_cast<double>(p) * inv[j];
+        const double angle = static_cast<double>(start + p) * inv[j];
         pc[row + j] = pc[row + j + R] = std::cos(angle) * scale;
         ps[row + j] = ps[row + j + R] = std::sin(angle) * scale;
       }
@@ -105,17 +106,19 @@ RopeTables BuildRopeTables(const ModelConfig& c, const std::vector<int64_t>& cu_
   return {cos_Td.to(to), sin_Td.to(to)};
 }
 
-RopeTables RopeCache::Tables(const std::vector<int64_t>& cu_seqlens) {
+RopeTables RopeCache::Tables(const std::vector<int64_t>& cu_seqlens,
+                             const std::vector<int64_t>& past) {
   if (config_.rope_scaling.type == RopeScaling::Type::kDynamic) {
-    return BuildRopeTables(config_, cu_seqlens, to_);
+    return BuildRopeTables(config_, cu_seqlens, to_, past);
   }
   int64_t longest = 0;
   std::vector<int64_t> positions;
   positions.reserve(cu_seqlens.back());
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
     const int64_t len = cu_seqlens[s + 1] - cu_seqlens[s];
-    longest = std::max(longest, len);
-    for (int64_t p = 0; p < len; ++p) positions.push_back(p);
+    const int64_t start = past.empty() ? 0 : past[s];
+    longest = std::max(longest, start + len);
+    for (int64_t p = start; p < start + len; ++p) positions.push_back(p);
   }
   RopeTables rows;
   {

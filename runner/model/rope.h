@@ -26,11 +26,13 @@ struct RopeTables {
 std::vector<double> RopeInvFreq(const ModelConfig& config, int64_t seq_len);
 double RopeAttentionFactor(const ModelConfig& config);
 
-// cos/sin for a packed micro-batch: positions restart at 0 in every sequence. Each sequence uses
-// the frequencies it would use if run alone (matters only for "dynamic").
-// `to` gives the tables' dtype and device (the weights'); they are computed on the host in double.
+// cos/sin for a packed micro-batch: sequence s's tokens sit at positions past[s], past[s] + 1, ...
+// (past empty: every sequence starts at 0; a decode step continuing a KV cache passes the cached
+// lengths). Each sequence uses the frequencies it would use if run alone at its full length
+// (matters only for "dynamic"). `to` gives the tables' dtype and device (the weights'); they are
+// computed on the host in double.
 RopeTables BuildRopeTables(const ModelConfig& config, const std::vector<int64_t>& cu_seqlens,
-                           const at::TensorOptions& to);
+                           const at::TensorOptions& to, const std::vector<int64_t>& past = {});
 
 // cos/sin rows by position, computed once on the host in double and kept in the compute dtype on
 // the weights' device; a micro-batch gathers its rows (the same values BuildRopeTables gives)
@@ -39,7 +41,7 @@ RopeTables BuildRopeTables(const ModelConfig& config, const std::vector<int64_t>
 class RopeCache {
  public:
   RopeCache(const ModelConfig& config, const at::TensorOptions& to) : config_(config), to_(to) {}
-  RopeTables Tables(const std::vector<int64_t>& cu_seqlens);
+  RopeTables Tables(const std::vector<int64_t>& cu_seqlens, const std::vector<int64_t>& past = {});
 
  private:
   std::mutex mu_;

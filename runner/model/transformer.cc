@@ -34,9 +34,11 @@ at::Tensor Norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 // One decoder layer on the residual stream h_TD: h + attn(norm(h)), then + mlp(norm(·)).
+// With `kv`, layer `layer`'s attention also reads the cached keys and values (KvStep).
 at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const LoraAdapter* lora,
                         const std::string& p, const RopeTables& rope,
-                        const std::vector<int64_t>& cu_seqlens, const at::Tensor& h_TD) {
+                        const std::vector<int64_t>& cu_seqlens, const KvStep* kv, int64_t layer,
+                        const at::Tensor& h_TD) {
   using kernels::Linear;
   const int64_t T = h_TD.size(0), H = c.num_attention_heads, K = c.num_key_value_heads;
   const int64_t d = c.head_dim;
@@ -55,9 +57,17 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const LoraA
   }
   kernels::AttentionParams attn;
   attn.q_THd = ApplyRope(q_THd, rope);
-  attn.k_UKd = ApplyRope(k_TKd, rope);
-  attn.v_UKd = v_TKd;
-  attn.cu_seqlens_q = attn.cu_seqlens_k = cu_seqlens;
+  attn.cu_seqlens_q = cu_seqlens;
+  if (kv != nullptr) {
+    KvPacked all = kv->extend(layer, ApplyRope(k_TKd, rope), v_TKd);
+    attn.k_UKd = std::move(all.k_UKd);
+    attn.v_UKd = std::move(all.v_UKd);
+    attn.cu_seqlens_k = std::move(all.cu_seqlens_k);
+  } else {
+    attn.k_UKd = ApplyRope(k_TKd, rope);
+    attn.v_UKd = v_TKd;
+    attn.cu_seqlens_k = cu_seqlens;
+  }
   attn.window = c.sliding_window;
   const at::Tensor attn_TD = kernels::Attention(attn).reshape({T, H * d});
   at::Tensor out_TD = h_TD + Linear(Proj(attn_TD, L.o_proj, none, lora, p + "self_attn.o_proj"));
@@ -198,18 +208,23 @@ const LoraPair* HeadAdapter(const LoraAdapter* lora) {
 at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const LoraAdapter* lora,
                          const PackedBatch& batch, const ForwardOptions& options) {
   const at::ScalarType dt = options.compute_dtype.value_or(w.embed_VD.scalar_type());
-  const RopeTables rope = options.rope != nullptr ? options.rope->Tables(batch.cu_seqlens)
-                                                  : BuildRopeTables(c, batch.cu_seqlens,
-                                                                    w.embed_VD.options().dtype(dt));
+  const std::vector<int64_t> no_past;
+  const std::vector<int64_t>& past = options.kv != nullptr ? options.kv->past : no_past;
+  const RopeTables rope =
+      options.rope != nullptr
+          ? options.rope->Tables(batch.cu_seqlens, past)
+          : BuildRopeTables(c, batch.cu_seqlens, w.embed_VD.options().dtype(dt), past);
   at::Tensor h_TD = at::embedding(w.embed_VD, batch.tokens_T).to(dt);
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    auto layer = [&c, &L, lora, p, rope, cu = batch.cu_seqlens](const at::Tensor& h) {
-      return DecoderLayer(c, L, lora, p, rope, cu, h);
+    auto layer = [&c, &L, lora, p, rope, cu = batch.cu_seqlens, kv = options.kv,
+                  index = static_cast<int64_t>(l)](const at::Tensor& h) {
+      return DecoderLayer(c, L, lora, p, rope, cu, kv, index, h);
     };
-    h_TD = options.recompute_layers ? kernels::Recompute(layer, h_TD, LayerParams(L, lora, p))
-                                    : layer(h_TD);
+    h_TD = options.recompute_layers && options.kv == nullptr
+               ? kernels::Recompute(layer, h_TD, LayerParams(L, lora, p))
+               : layer(h_TD);
   }
   return Norm(h_TD, w.final_norm_D, c.rms_norm_eps);
 }

@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,6 +49,22 @@ struct PackedBatch {
   std::vector<int64_t> cu_seqlens;  // [S+1], cu_seqlens[0] = 0, cu_seqlens[S] = T
 };
 
+// Keys and values of one layer for every sequence of a batch, packed: cu_seqlens_k [S+1].
+struct KvPacked {
+  at::Tensor k_UKd, v_UKd;
+  std::vector<int64_t> cu_seqlens_k;
+};
+
+// A forward that continues sequences whose earlier tokens' keys and values are cached (sampling:
+// a prompt's prefill, then one token per decode step). Sequence s of the batch holds the tokens
+// after its past[s] cached ones, so its positions start at past[s]. Before each layer's attention,
+// `extend(layer, k_TKd, v_TKd)` stores the new tokens' keys (RoPE applied) and values and returns
+// every sequence's keys and values, cached then new. Inference only: no graph is kept.
+struct KvStep {
+  std::vector<int64_t> past;
+  std::function<KvPacked(int64_t layer, const at::Tensor& k_TKd, const at::Tensor& v_TKd)> extend;
+};
+
 struct ForwardOptions {
   // Activation checkpointing per decoder layer (kernels/recompute.h): backward reruns each layer,
   // so activation memory is the residual stream plus one layer's intermediates.
@@ -58,6 +75,8 @@ struct ForwardOptions {
   // The model's RoPE rows (in the compute dtype, on the weights' device); null builds the
   // micro-batch's tables on the host.
   RopeCache* rope = nullptr;
+  // Set: attend to cached keys as well (see KvStep); recompute_layers is then ignored.
+  const KvStep* kv = nullptr;
 };
 
 // Hidden states [T, D] of the packed batch after the final norm: the input of the logprob head

@@ -1,0 +1,31 @@
+// Drawing one token from a row of logits z_V, in double on the host.
+//
+//   temperature 0:  argmax_v z_v (the first index on ties)
+//   otherwise:      p_v ∝ exp(z_v / temperature) over the kept set, where top_k keeps the k
+//                   largest logits and top_p then keeps the smallest most-likely-first prefix whose
+//                   mass reaches top_p (at least one token); a uniform u from the sequence's own
+//                   generator picks by inverse CDF, in a fixed order (most likely first, then by
+//                   index), so a seed gives the same token on every machine.
+// The logprob reported beside the token is the model's own, log softmax(z)_v (temperature 1, no
+// truncation): what the trainer's Forward computes for that token.
+#pragma once
+
+#include <cstdint>
+
+#include "runner/sample/sample_types.h"
+#include "runner/util/rng.h"
+
+namespace tinkerd {
+
+struct Choice {
+  int64_t token = 0;
+  double logprob = 0;
+};
+
+Choice ChooseToken(const double* logits_V, int64_t V, const SamplingParams& params,
+                   SplitMix64& rng);
+
+// log Σ_v exp(z_v), stable.
+double LogSumExp(const double* logits_V, int64_t V);
+
+}  // namespace tinkerd

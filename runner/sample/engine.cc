@@ -1,0 +1,346 @@
+#include "runner/sample/engine.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/logprob_head.h"
+#include "runner/sample/choose.h"
+#include "runner/util/exception_status.h"
+#include "runner/util/rng.h"
+
+namespace tinkerd {
+
+struct SampleEngine::Sample {
+  SampledSequence out;
+  SplitMix64 rng{0};
+  std::vector<at::Tensor> k_LNKd, v_LNKd;  // per layer: keys and values of the fed-back tokens
+  int64_t cached = 0;                      // of out.tokens, those in the cache (all but the last)
+  bool finished = false;
+};
+
+struct SampleEngine::Job {
+  std::shared_ptr<const Policy> policy;
+  SampleRequest request;
+  Done done;
+  int64_t bytes = 0;
+  std::vector<at::Tensor> k_LPKd, v_LPKd;  // per layer: the prompt's, shared by the samples
+  std::vector<Sample> samples;
+  SampleResult result;
+  bool failed = false;
+
+  int64_t prompt_length() const { return static_cast<int64_t>(request.prompt.size()); }
+  bool finished() const {
+    return failed ||
+           std::all_of(samples.begin(), samples.end(), [](const Sample& s) { return s.finished; });
+  }
+};
+
+namespace {
+
+template <class F>
+absl::Status Guard(const char* what, F&& f) {
+  try {
+    f();
+    return absl::OkStatus();
+  } catch (...) {
+    return ExceptionStatus(what, std::current_exception());
+  }
+}
+
+const LoraAdapter* LoraOf(const Policy& p) {
+  return p.lora ? &*p.lora : nullptr;
+}
+
+kernels::LogprobHeadParams Head(const Policy& p, const at::Tensor& hidden_TD) {
+  kernels::LogprobHeadParams head;
+  head.hidden_TD = hidden_TD;
+  head.weight_VD = p.weights.lm_head_VD;
+  if (const LoraPair* pair = HeadAdapter(LoraOf(p))) {
+    head.lora_A_rD = pair->A_rI;
+    head.lora_B_Vr = pair->B_Or;
+    head.lora_scale = p.lora->scale();
+  }
+  return head;
+}
+
+ForwardOptions Options(const Policy& p, const KvStep* kv) {
+  return ForwardOptions{
+      .recompute_layers = false, .compute_dtype = p.compute_dtype, .rope = p.rope.get(), .kv = kv};
+}
+
+at::Tensor Tokens(const std::vector<int64_t>& ids, at::Device device) {
+  return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).to(device);
+}
+
+// Appends the chosen token and ends the sample on a stop sequence or at max_tokens.
+void Take(const SamplingParams& params, const Choice& c, SampledSequence& out, bool& finished) {
+  out.tokens.push_back(c.token);
+  out.logprobs.push_back(c.logprob);
+  for (const std::vector<int64_t>& stop : params.stop) {
+    if (stop.size() <= out.tokens.size() &&
+        std::equal(stop.rbegin(), stop.rend(), out.tokens.rbegin())) {
+      out.stop_reason = StopReason::kStop;
+      finished = true;
+      return;
+    }
+  }
+  if (static_cast<int64_t>(out.tokens.size()) >= params.max_tokens) {
+    out.stop_reason = StopReason::kLength;
+    finished = true;
+  }
+}
+
+}  // namespace
+
+SampleEngine::SampleEngine(EngineLimits limits) : limits_(limits) {
+  std::random_device rd;
+  unseeded_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+SampleEngine::~SampleEngine() {
+  FailAll(absl::UnavailableError("the sampler is shutting down"));
+}
+
+int64_t SampleEngine::KvBytes(const Policy& policy, const SampleRequest& r) {
+  const ModelConfig& c = policy.config;
+  const int64_t per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim *
+                            static_cast<int64_t>(at::elementSize(policy.compute_dtype));
+  const int64_t tokens =
+      static_cast<int64_t>(r.prompt.size()) + r.num_samples * r.params.max_tokens;
+  return per_token * tokens;
+}
+
+absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleRequest request,
+                                 Done done) {
+  auto job = std::make_unique<Job>();
+  job->bytes = KvBytes(*policy, request);
+  if (request.num_samples > limits_.max_sequences || job->bytes > limits_.kv_cache_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request needs ", request.num_samples, " sequences and ", job->bytes,
+        " bytes of KV cache; the server holds at most ", limits_.max_sequences, " and ",
+        limits_.kv_cache_bytes, " (--sample_max_sequences, --sample_kv_cache_mb)"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (sequences_ + request.num_samples > limits_.max_sequences ||
+      bytes_ + job->bytes > limits_.kv_cache_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("sampler is full: ", sequences_,
+                                                     " sequences running, ", bytes_,
+                                                     " bytes of KV cache reserved; retry later"));
+  }
+  const uint64_t seed = request.params.seed ? *request.params.seed : unseeded_++;
+  for (int64_t i = 0; i < request.num_samples; ++i) {
+    Sample s;
+    // Each sample its own stream: its tokens do not depend on what else is sampled.
+    s.rng = SplitMix64(
+        SplitMix64(seed ^ (0xD1B54A32D192ED03ull * static_cast<uint64_t>(i + 1))).Next());
+    job->samples.push_back(std::move(s));
+  }
+  sequences_ += request.num_samples;
+  bytes_ += job->bytes;
+  job->policy = std::move(policy);
+  job->request = std::move(request);
+  job->done = std::move(done);
+  admitted_.push_back(std::move(job));
+  return absl::OkStatus();
+}
+
+void SampleEngine::Release(const Job& job) {
+  absl::MutexLock lock(&mu_);
+  sequences_ -= job.request.num_samples;
+  bytes_ -= job.bytes;
+}
+
+void SampleEngine::Prefill(Job& job) {
+  const Policy& pol = *job.policy;
+  const SampleRequest& r = job.request;
+  const int64_t P = job.prompt_length();
+  const int64_t layers = pol.config.num_hidden_layers;
+  job.k_LPKd.resize(layers);
+  job.v_LPKd.resize(layers);
+  KvStep kv;
+  kv.past = {0};
+  kv.extend = [&job, P](int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+    job.k_LPKd[layer] = k;
+    job.v_LPKd[layer] = v;
+    return KvPacked{k, v, {0, P}};
+  };
+  const ForwardOptions options = Options(pol, &kv);
+  const PackedBatch batch{Tokens(r.prompt, pol.device), {0, P}};
+  const at::Tensor hidden_PD = ForwardHidden(pol.config, pol.weights, LoraOf(pol), batch, options);
+
+  if (r.prompt_logprobs) {
+    job.result.prompt_logprobs.assign(1, std::numeric_limits<double>::quiet_NaN());
+    if (P > 1) {
+      kernels::LogprobHeadParams head = Head(pol, hidden_PD.narrow(0, 0, P - 1));
+      head.targets_T = Tokens({r.prompt.begin() + 1, r.prompt.end()}, pol.device);
+      const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.to(at::kDouble).cpu();
+      const double* p = logp.data_ptr<double>();
+      job.result.prompt_logprobs.insert(job.result.prompt_logprobs.end(), p, p + P - 1);
+    }
+  }
+  if (r.topk_prompt_logprobs > 0) {
+    job.result.topk_prompt_logprobs.assign(P, {});
+    constexpr int64_t kRows = 256;  // bounds the [rows, V] logits held at once
+    for (int64_t t0 = 0; t0 + 1 < P; t0 += kRows) {
+      const int64_t rows = std::min(kRows, P - 1 - t0);
+      const at::Tensor z = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows)));
+      auto [values, indices] =
+          at::log_softmax(z.to(at::kDouble), 1).topk(r.topk_prompt_logprobs, 1);
+      values = values.cpu().contiguous();
+      indices = indices.cpu().contiguous();
+      for (int64_t i = 0; i < rows; ++i) {
+        auto& entries = job.result.topk_prompt_logprobs[t0 + i + 1];
+        for (int64_t j = 0; j < r.topk_prompt_logprobs; ++j) {
+          entries.emplace_back(indices[i][j].item<int64_t>(), values[i][j].item<double>());
+        }
+      }
+    }
+  }
+
+  const at::Tensor z_V = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, P - 1, 1)))
+                             .to(at::kDouble)
+                             .cpu()
+                             .contiguous();
+  const int64_t V = z_V.size(1);
+  const at::TensorOptions cache =
+      at::TensorOptions().dtype(job.k_LPKd[0].scalar_type()).device(pol.device);
+  const int64_t K = pol.config.num_key_value_heads, d = pol.config.head_dim;
+  for (Sample& s : job.samples) {
+    Take(r.params, ChooseToken(z_V.data_ptr<double>(), V, r.params, s.rng), s.out, s.finished);
+    if (s.finished) continue;
+    // The last token is never fed back: max_tokens - 1 rows suffice.
+    for (int64_t l = 0; l < layers; ++l) {
+      s.k_LNKd.push_back(at::empty({r.params.max_tokens - 1, K, d}, cache));
+      s.v_LNKd.push_back(at::empty({r.params.max_tokens - 1, K, d}, cache));
+    }
+  }
+}
+
+void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
+  const Policy& pol = *batch.front().first->policy;
+  const int64_t S = static_cast<int64_t>(batch.size());
+  std::vector<int64_t> tokens, cu_q{0};
+  KvStep kv;
+  for (const auto& [job, s] : batch) {
+    tokens.push_back(s->out.tokens.back());
+    cu_q.push_back(cu_q.back() + 1);
+    kv.past.push_back(job->prompt_length() + s->cached);
+  }
+  kv.extend = [&batch, S](int64_t layer, const at::Tensor& k_SKd, const at::Tensor& v_SKd) {
+    std::vector<at::Tensor> keys, values;
+    std::vector<int64_t> cu_k{0};
+    for (int64_t i = 0; i < S; ++i) {
+      const auto& [job, s] = batch[i];
+      s->k_LNKd[layer][s->cached].copy_(k_SKd[i]);
+      s->v_LNKd[layer][s->cached].copy_(v_SKd[i]);
+      keys.push_back(job->k_LPKd[layer]);
+      keys.push_back(s->k_LNKd[layer].narrow(0, 0, s->cached + 1));
+      values.push_back(job->v_LPKd[layer]);
+      values.push_back(s->v_LNKd[layer].narrow(0, 0, s->cached + 1));
+      cu_k.push_back(cu_k.back() + job->prompt_length() + s->cached + 1);
+    }
+    return KvPacked{at::cat(keys), at::cat(values), std::move(cu_k)};
+  };
+  const ForwardOptions options = Options(pol, &kv);
+  const PackedBatch packed{Tokens(tokens, pol.device), cu_q};
+  const at::Tensor hidden_SD = ForwardHidden(pol.config, pol.weights, LoraOf(pol), packed, options);
+  const at::Tensor z_SV =
+      kernels::HeadLogits(Head(pol, hidden_SD)).to(at::kDouble).cpu().contiguous();
+  const int64_t V = z_SV.size(1);
+  for (int64_t i = 0; i < S; ++i) {
+    const auto& [job, s] = batch[i];
+    ++s->cached;
+    const SamplingParams& params = job->request.params;
+    Take(params, ChooseToken(z_SV.data_ptr<double>() + i * V, V, params, s->rng), s->out,
+         s->finished);
+  }
+}
+
+bool SampleEngine::Step() {
+  at::NoGradGuard no_grad;
+  {
+    absl::MutexLock lock(&mu_);
+    while (!admitted_.empty()) {
+      running_.push_back(std::move(admitted_.front()));
+      admitted_.pop_front();
+    }
+  }
+  auto fail = [](Job& job, const absl::Status& st) {
+    job.failed = true;
+    job.result = {};
+    job.done(st);
+    job.done = nullptr;
+  };
+  for (auto& job : running_) {
+    if (!job->k_LPKd.empty() || job->failed) continue;
+    absl::Status st = Guard("sample prefill", [&] { Prefill(*job); });
+    if (!st.ok()) fail(*job, st);
+  }
+  // One decode step per policy over its running samples.
+  std::map<const Policy*, std::vector<std::pair<Job*, Sample*>>> groups;
+  for (auto& job : running_) {
+    if (job->failed) continue;
+    for (Sample& s : job->samples) {
+      if (!s.finished) groups[job->policy.get()].emplace_back(job.get(), &s);
+    }
+  }
+  for (auto& [policy, batch] : groups) {
+    absl::Status st = Guard("sample decode", [&] { Decode(batch); });
+    if (!st.ok()) {
+      for (auto& [job, s] : batch) {
+        if (!job->failed) fail(*job, st);
+      }
+    }
+  }
+  // Answer and release what finished.
+  std::vector<std::unique_ptr<Job>> still;
+  for (auto& job : running_) {
+    if (!job->finished()) {
+      still.push_back(std::move(job));
+      continue;
+    }
+    if (!job->failed) {
+      for (Sample& s : job->samples) job->result.sequences.push_back(std::move(s.out));
+      job->done(std::move(job->result));
+    }
+    Release(*job);
+  }
+  running_ = std::move(still);
+  absl::MutexLock lock(&mu_);
+  return !running_.empty() || !admitted_.empty();
+}
+
+void SampleEngine::FailAll(const absl::Status& status) {
+  std::deque<std::unique_ptr<Job>> admitted;
+  {
+    absl::MutexLock lock(&mu_);
+    admitted.swap(admitted_);
+  }
+  for (auto& job : admitted) {
+    job->done(status);
+    Release(*job);
+  }
+  for (auto& job : running_) {
+    if (!job->failed) job->done(status);
+    Release(*job);
+  }
+  running_.clear();
+}
+
+int64_t SampleEngine::running_sequences() const {
+  absl::MutexLock lock(&mu_);
+  return sequences_;
+}
+
+int64_t SampleEngine::reserved_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
+}  // namespace tinkerd

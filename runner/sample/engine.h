@@ -1,0 +1,70 @@
+// The sampling engine: continuous batching over frozen policies with a KV cache per sample.
+//
+// A request is admitted (bounded by running samples and reserved KV-cache bytes), prefilled in the
+// next Step (one forward over its prompt, whose keys and values all its samples share), and then
+// decoded one token per Step together with every other running sample; requests join and leave
+// the running batch between steps. Samples of different policies decode in one forward per policy.
+// The decoder is the trainer's own (runner/model/transformer.h with a KvStep, kernels/attention.h
+// with queries against cached keys, the logprob head's logits), so the logprobs a sample reports
+// are those Forward computes for the same tokens, to rounding.
+//
+// Shape suffixes: S samples in a decode step, P prompt tokens, K kv heads, d head_dim, V vocab,
+// D hidden, N a sample's token capacity.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "runner/sample/policy.h"
+#include "runner/sample/sample_types.h"
+
+namespace tinkerd {
+
+class SampleEngine {
+ public:
+  using Done = std::function<void(const absl::StatusOr<SampleResult>&)>;
+
+  explicit SampleEngine(EngineLimits limits);
+  ~SampleEngine();  // fails what is still admitted with UNAVAILABLE
+
+  // Queues a request already checked by ValidateSampleRequest; `done` is called exactly once,
+  // from Step (or FailAll). RESOURCE_EXHAUSTED (retry later) while its samples or KV cache do not
+  // fit beside those admitted; INVALID_ARGUMENT when they never could.
+  absl::Status Admit(std::shared_ptr<const Policy> policy, SampleRequest request, Done done);
+
+  // On one thread at a time: prefills the requests admitted since the last step, then decodes one
+  // token for every running sample, and answers the requests whose samples all finished. Returns
+  // whether work remains (another Step would do something).
+  bool Step();
+  // Fails every admitted request (shutdown). On the stepping thread, or once it has stopped.
+  void FailAll(const absl::Status& status);
+
+  // KV-cache bytes a request reserves: every layer's keys and values for its prompt once and for
+  // each sample's own tokens.
+  static int64_t KvBytes(const Policy& policy, const SampleRequest& request);
+
+  int64_t running_sequences() const;
+  int64_t reserved_bytes() const;
+
+ private:
+  struct Job;
+  struct Sample;
+  void Prefill(Job& job);
+  void Decode(const std::vector<std::pair<Job*, Sample*>>& batch);
+  void Release(const Job& job);
+
+  const EngineLimits limits_;
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<Job>> admitted_ ABSL_GUARDED_BY(mu_);
+  int64_t sequences_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t unseeded_ ABSL_GUARDED_BY(mu_);     // seeds requests that name none
+  std::vector<std::unique_ptr<Job>> running_;  // the stepping thread's
+};
+
+}  // namespace tinkerd

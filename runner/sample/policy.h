@@ -1,0 +1,32 @@
+// A policy: the weights a sampler reads, frozen when it was made, so training may go on changing
+// the model while its previous policy is sampled (asynchronous RL). A LoRA policy holds a copy of
+// the adapter and shares the base's tensors; a full fine-tune's policy holds a copy of every
+// weight.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "runner/model/config.h"
+#include "runner/model/lora.h"
+#include "runner/model/rope.h"
+#include "runner/model/transformer.h"
+
+namespace tinkerd {
+
+struct Policy {
+  ModelConfig config;
+  BaseWeights weights;
+  std::optional<LoraAdapter> lora;
+  at::ScalarType compute_dtype = at::kFloat;
+  at::Device device = at::kCPU;
+  std::shared_ptr<RopeCache> rope;
+  std::string model_id;  // empty: the base model
+  int64_t step = 0;      // the model's optimizer steps when it was frozen
+  int64_t bytes = 0;     // memory the policy holds beyond the base's
+};
+
+}  // namespace tinkerd

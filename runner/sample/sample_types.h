@@ -1,0 +1,71 @@
+// Sampling's public types (Tinker's SamplingParams, SampleRequest and SampleResponse) and their
+// validation. Torch-free: the server checks a request with these before anything is queued.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "runner/validate.h"
+
+namespace tinkerd {
+
+struct SamplingParams {
+  int64_t max_tokens = 16;
+  double temperature = 1.0;  // 0: greedy (argmax, first index on ties)
+  int64_t top_k = 0;         // <= 0: every token
+  double top_p = 1.0;        // in (0, 1]; 1: every token
+  // Set: the same tokens for the same request on every run, whatever else is sampled beside it.
+  std::optional<uint64_t> seed;
+  // A sample ends after emitting any of these token sequences (a single stop token is a sequence
+  // of one); the stop tokens are part of the sample.
+  std::vector<std::vector<int64_t>> stop;
+};
+
+struct SampleRequest {
+  std::vector<int64_t> prompt;
+  int64_t num_samples = 1;  // samples of one prompt share its prefill and KV cache
+  SamplingParams params;
+  bool prompt_logprobs = false;      // logp(prompt[t] | prompt[<t]) for t >= 1
+  int64_t topk_prompt_logprobs = 0;  // the k most likely tokens at every prompt position
+};
+
+enum class StopReason { kLength, kStop };
+
+struct SampledSequence {
+  std::vector<int64_t> tokens;
+  // logp(tokens[i] | prompt, tokens[<i]) under the model itself: temperature 1, before top-k and
+  // top-p. This is what the trainer's Forward computes for the same tokens.
+  std::vector<double> logprobs;
+  StopReason stop_reason = StopReason::kLength;
+};
+
+struct SampleResult {
+  std::vector<SampledSequence> sequences;  // num_samples of them, in order
+  // When asked: [P] with NaN at position 0 (no context predicts the first token).
+  std::vector<double> prompt_logprobs;
+  // When asked: [P][k] (token, logprob) pairs, most likely first; position 0 is empty.
+  std::vector<std::vector<std::pair<int64_t, double>>> topk_prompt_logprobs;
+};
+
+struct SampleLimits {
+  int64_t max_num_samples = 64;
+  int64_t max_topk_prompt_logprobs = 20;
+};
+
+// What the sampling engine holds at once (runner/sample/engine.h).
+struct EngineLimits {
+  int64_t max_sequences = 256;                // samples admitted and not finished
+  int64_t kv_cache_bytes = int64_t{2} << 30;  // reserved for their keys and values
+};
+
+// INVALID_ARGUMENT naming the field: an empty prompt or one with ids outside [0, vocab);
+// max_tokens <= 0; prompt + max_tokens beyond the context; temperature negative or not finite;
+// top_p outside (0, 1]; num_samples outside [1, max]; topk_prompt_logprobs outside [0, max];
+// an empty stop sequence or one with ids outside the vocabulary.
+absl::Status ValidateSampleRequest(const SampleRequest& request, const ModelLimits& model,
+                                   const SampleLimits& limits);
+
+}  // namespace tinkerd

@@ -1,0 +1,225 @@
+#include "server/sampling.h"
+
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "runner/model_runner.h"
+#include "runner/sample/engine.h"
+#include "runner/util/echo.h"
+#include "runner/util/status_macros.h"
+
+namespace tinkerd {
+namespace {
+
+std::vector<int64_t> Tokens(const v1::ModelInput& input) {
+  std::vector<int64_t> out;
+  for (const v1::ModelInputChunk& c : input.chunks()) {
+    out.insert(out.end(), c.encoded_text().tokens().begin(), c.encoded_text().tokens().end());
+  }
+  return out;
+}
+
+absl::Status CheckChunks(const v1::ModelInput& input) {
+  for (int i = 0; i < input.chunks_size(); ++i) {
+    if (!input.chunks(i).has_encoded_text()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt.chunks[", i, "]: only encoded_text chunks are supported"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+v1::SampleResponse ToProto(const SampleResult& r) {
+  v1::SampleResponse out;
+  for (const SampledSequence& s : r.sequences) {
+    v1::SampledSequence* seq = out.add_sequences();
+    seq->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
+    seq->mutable_logprobs()->Add(s.logprobs.begin(), s.logprobs.end());
+    seq->set_stop_reason(s.stop_reason == StopReason::kStop ? v1::STOP_REASON_STOP
+                                                            : v1::STOP_REASON_LENGTH);
+  }
+  out.mutable_prompt_logprobs()->Add(r.prompt_logprobs.begin(), r.prompt_logprobs.end());
+  for (const auto& row : r.topk_prompt_logprobs) {
+    v1::TopkLogprobs* t = out.add_topk_prompt_logprobs();
+    for (const auto& [token, logprob] : row) {
+      t->add_tokens(token);
+      t->add_logprobs(logprob);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Sampling::Sampling(Ops* ops, SamplingConfig config)
+    : ops_(ops), config_(config), engine_(std::make_unique<SampleEngine>(config.engine)) {
+  auto base = ops_->runner()->local()->FreezePolicy("");
+  base_ = base.ok() ? *base : nullptr;  // the base's policy shares its tensors: it cannot fail
+  ops_->scheduler()->SetBackground([this] { return engine_->Step(); });
+}
+
+Sampling::~Sampling() = default;
+
+void Sampling::Stop() {
+  engine_->FailAll(absl::UnavailableError("server is shutting down"));
+}
+
+absl::StatusOr<SampleRequest> Sampling::Decode(const v1::SampleRequest& req) {
+  RETURN_IF_ERROR(CheckChunks(req.prompt()));
+  SampleRequest r;
+  r.prompt = Tokens(req.prompt());
+  r.num_samples = req.num_samples() == 0 ? 1 : req.num_samples();
+  r.prompt_logprobs = req.prompt_logprobs();
+  r.topk_prompt_logprobs = req.topk_prompt_logprobs();
+  const v1::SamplingParams& p = req.sampling_params();
+  r.params.max_tokens = p.max_tokens();
+  r.params.temperature = p.has_temperature() ? p.temperature() : 1.0;
+  r.params.top_k = p.top_k();
+  r.params.top_p = p.has_top_p() ? p.top_p() : 1.0;
+  if (p.has_seed()) r.params.seed = p.seed();
+  for (const v1::EncodedTextChunk& stop : p.stop()) {
+    r.params.stop.emplace_back(stop.tokens().begin(), stop.tokens().end());
+  }
+  return r;
+}
+
+void Sampling::ExpireLocked() {
+  const absl::Time now = absl::Now();
+  for (auto it = samplers_.begin(); it != samplers_.end();) {
+    it = now - it->second.used > config_.sampler_idle ? samplers_.erase(it) : std::next(it);
+  }
+}
+
+void Sampling::CreateSampler(const std::string& tenant, const std::string& model_id,
+                             Done<v1::SamplerInfo> done) {
+  if (!model_id.empty()) {
+    if (absl::Status st = ops_->CheckOwner(model_id, tenant); !st.ok()) return done(st);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked();
+    int held = 0;
+    for (const auto& [id, s] : samplers_) held += s.owner == tenant;
+    if (held >= config_.max_samplers_per_tenant) {
+      return done(absl::ResourceExhaustedError(
+          absl::StrCat("this tenant holds ", held, " samplers, the most allowed; delete one")));
+    }
+  }
+  auto freeze = [this, tenant, model_id, done] {
+    absl::StatusOr<std::shared_ptr<const Policy>> policy =
+        ops_->runner()->local()->FreezePolicy(model_id);
+    if (!policy.ok()) return done(policy.status());
+    absl::StatusOr<std::string> id = ModelRunner::NewModelId();
+    if (!id.ok()) return done(id.status());
+    v1::SamplerInfo info;
+    info.set_sampler_id(absl::StrReplaceAll(*id, {{"model-", "sampler-"}}));
+    info.set_model_id(model_id);
+    info.set_step((*policy)->step);
+    {
+      absl::MutexLock lock(&mu_);
+      samplers_[info.sampler_id()] = {tenant, *std::move(policy), absl::Now()};
+    }
+    done(info);
+  };
+  if (!ops_->scheduler()->RunBetweenJobs(freeze)) {
+    done(absl::UnavailableError("server is shutting down"));
+  }
+}
+
+absl::Status Sampling::DeleteSampler(const std::string& tenant, const std::string& sampler_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = samplers_.find(sampler_id);
+  if (it == samplers_.end() || it->second.owner != tenant) {
+    return absl::NotFoundError(absl::StrCat("sampler_id: no sampler '", Echo(sampler_id), "'"));
+  }
+  samplers_.erase(it);  // requests already admitted keep their policy until they finish
+  return absl::OkStatus();
+}
+
+void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
+                       const std::string& model_id,
+                       std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then) {
+  if (!sampler_id.empty()) {
+    std::shared_ptr<const Policy> policy;
+    {
+      absl::MutexLock lock(&mu_);
+      ExpireLocked();
+      auto it = samplers_.find(sampler_id);
+      if (it != samplers_.end() && it->second.owner == tenant) {
+        it->second.used = absl::Now();
+        policy = it->second.policy;
+      }
+    }
+    if (policy == nullptr) {
+      return then(
+          absl::NotFoundError(absl::StrCat("sampler_id: no sampler '", Echo(sampler_id), "'")));
+    }
+    return then(policy);
+  }
+  if (model_id.empty()) {
+    if (base_ == nullptr) return then(absl::InternalError("the base model's policy is missing"));
+    return then(base_);
+  }
+  if (absl::Status st = ops_->CheckOwner(model_id, tenant); !st.ok()) return then(st);
+  auto freeze = [this, model_id, then] { then(ops_->runner()->local()->FreezePolicy(model_id)); };
+  if (!ops_->scheduler()->RunBetweenJobs(freeze)) {
+    then(absl::UnavailableError("server is shutting down"));
+  }
+}
+
+void Sampling::Run(std::shared_ptr<const Policy> policy, SampleRequest request,
+                   std::function<void(const absl::StatusOr<SampleResult>&)> done) {
+  absl::Status admitted = engine_->Admit(std::move(policy), std::move(request), done);
+  if (!admitted.ok()) return done(admitted);
+  ops_->scheduler()->KickBackground();
+}
+
+void Sampling::Sample(const std::string& tenant, const v1::SampleRequest& req,
+                      Done<v1::SampleResponse> done) {
+  absl::StatusOr<SampleRequest> request = Decode(req);
+  if (request.ok()) {
+    absl::Status st = ValidateSampleRequest(*request, ops_->limits(), config_.request);
+    if (!st.ok()) request = st;
+  }
+  if (!request.ok()) return done(request.status());
+  Resolve(tenant, req.sampler_id(), req.model_id(),
+          [this, request = *std::move(request), done](auto policy) mutable {
+            if (!policy.ok()) return done(policy.status());
+            Run(*std::move(policy), std::move(request),
+                [done](const absl::StatusOr<SampleResult>& r) {
+                  if (!r.ok()) return done(r.status());
+                  done(ToProto(*r));
+                });
+          });
+}
+
+void Sampling::ComputeLogprobs(const std::string& tenant, const v1::ComputeLogprobsRequest& req,
+                               Done<v1::ComputeLogprobsResponse> done) {
+  if (absl::Status st = CheckChunks(req.prompt()); !st.ok()) return done(st);
+  SampleRequest request;
+  request.prompt = Tokens(req.prompt());
+  request.prompt_logprobs = true;
+  // One greedy token: the prefill computes the prompt's logprobs; the token itself is dropped.
+  request.params.max_tokens = 1;
+  request.params.temperature = 0;
+  ModelLimits limits = ops_->limits();
+  if (limits.max_context_length > 0) ++limits.max_context_length;  // the dropped token's room
+  if (absl::Status st = ValidateSampleRequest(request, limits, config_.request); !st.ok()) {
+    return done(st);
+  }
+  Resolve(tenant, req.sampler_id(), req.model_id(),
+          [this, request = std::move(request), done](auto policy) mutable {
+            if (!policy.ok()) return done(policy.status());
+            Run(*std::move(policy), std::move(request),
+                [done](const absl::StatusOr<SampleResult>& r) {
+                  if (!r.ok()) return done(r.status());
+                  v1::ComputeLogprobsResponse out;
+                  out.mutable_logprobs()->Add(r->prompt_logprobs.begin(), r->prompt_logprobs.end());
+                  done(out);
+                });
+          });
+}
+
+}  // namespace tinkerd

@@ -1,0 +1,75 @@
+// Sampling's operations, for every front end: samplers (frozen policies owned by a tenant), Sample
+// and ComputeLogprobs. Requests are checked in full here, then admitted to the engine
+// (runner/sample/engine.h), whose steps the scheduler interleaves with training jobs: a queued
+// training call waits at most one decode step, and sampling goes on while training is queued.
+// Under data parallelism rank 0 samples alone: the weights are the same on every rank and a
+// decode step needs no collective, so the followers stay free of per-token commands.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "runner/sample/sample_types.h"
+#include "server/ops.h"
+#include "tinkerd/v1/tinkerd.pb.h"
+
+namespace tinkerd {
+
+class SampleEngine;
+struct Policy;
+
+struct SamplingConfig {
+  EngineLimits engine;
+  SampleLimits request;
+  int max_samplers_per_tenant = 32;
+  absl::Duration sampler_idle = absl::Hours(1);  // unused this long: deleted
+};
+
+class Sampling {
+ public:
+  // Registers the engine's steps with the scheduler (before it starts).
+  Sampling(Ops* ops, SamplingConfig config);
+  ~Sampling();
+  // Fails what is admitted: call once the scheduler has stopped.
+  void Stop();
+
+  // Freezes the model's current weights on the scheduler thread, between its jobs.
+  void CreateSampler(const std::string& tenant, const std::string& model_id,
+                     Done<v1::SamplerInfo> done);
+  absl::Status DeleteSampler(const std::string& tenant, const std::string& sampler_id);
+  void Sample(const std::string& tenant, const v1::SampleRequest& req,
+              Done<v1::SampleResponse> done);
+  void ComputeLogprobs(const std::string& tenant, const v1::ComputeLogprobsRequest& req,
+                       Done<v1::ComputeLogprobsResponse> done);
+
+  // The request as the engine takes it: INVALID_ARGUMENT naming the field.
+  static absl::StatusOr<SampleRequest> Decode(const v1::SampleRequest& req);
+
+ private:
+  struct Sampler {
+    std::string owner;
+    std::shared_ptr<const Policy> policy;
+    absl::Time used;
+  };
+  // The policy `sampler_id` / `model_id` names for `tenant`, then `then` with it (on the
+  // scheduler thread when a model is frozen for the request).
+  void Resolve(const std::string& tenant, const std::string& sampler_id,
+               const std::string& model_id,
+               std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then);
+  void Run(std::shared_ptr<const Policy> policy, SampleRequest request,
+           std::function<void(const absl::StatusOr<SampleResult>&)> done);
+  void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Ops* ops_;
+  const SamplingConfig config_;
+  std::unique_ptr<SampleEngine> engine_;
+  std::shared_ptr<const Policy> base_;
+  absl::Mutex mu_;
+  std::map<std::string, Sampler> samplers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tinkerd

@@ -1,0 +1,180 @@
+// Sampling through the real server on loopback: the Sample and ComputeLogprobs RPCs against the
+// Forward RPC, samplers frozen while training goes on, and the errors a client can cause.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "server/status_map.h"
+#include "tests/e2e/e2e_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+const std::vector<int64_t> kPrompt = {4, 40, 9, 100, 27};
+
+v1::SampleRequest SampleReq(const std::string& model, uint64_t seed, int max_tokens = 8) {
+  v1::SampleRequest req;
+  req.set_model_id(model);
+  for (int64_t t : kPrompt)
+    req.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(t);
+  req.set_num_samples(2);
+  req.mutable_sampling_params()->set_max_tokens(max_tokens);
+  req.mutable_sampling_params()->set_seed(seed);
+  return req;
+}
+
+grpc::Status Sample(LiveServer& live, const v1::SampleRequest& req, v1::SampleResponse* out) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  return live.stub->Sample(&ctx, req, out);
+}
+
+// Forward's logprobs of `continuation` after kPrompt.
+std::vector<float> ForwardLogprobs(LiveServer& live, const std::string& model, int64_t seq,
+                                   const std::vector<int64_t>& continuation) {
+  std::vector<int64_t> all = kPrompt;
+  all.insert(all.end(), continuation.begin(), continuation.end());
+  Datum d;
+  d.tokens.assign(all.begin(), all.end() - 1);
+  d.loss_fn_inputs["target_tokens"] = TensorData::Int64({all.begin() + 1, all.end()});
+  d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
+  grpc::ClientContext ctx;
+  v1::ForwardBackwardOutput out;
+  const grpc::Status st = live.stub->Forward(&ctx, MakeRequest(model, seq, {d}), &out);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  std::vector<float> logp;
+  if (out.outputs_size() == 1) {
+    const std::string& bytes = out.outputs(0).logprobs().data();
+    logp.resize(bytes.size() / 4);
+    std::memcpy(logp.data(), bytes.data(), bytes.size());
+  }
+  return logp;
+}
+
+TEST(SamplingE2e, SampleAndComputeLogprobsAgreeWithForward) {
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  v1::SampleResponse resp;
+  grpc::Status st = Sample(live, SampleReq(model, 5), &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(resp.sequences_size(), 2);
+  const v1::SampledSequence& s = resp.sequences(0);
+  ASSERT_EQ(s.tokens_size(), 8);
+  EXPECT_EQ(s.stop_reason(), v1::STOP_REASON_LENGTH);
+  const std::vector<float> fwd =
+      ForwardLogprobs(live, model, 1, {s.tokens().begin(), s.tokens().end()});
+  ASSERT_EQ(fwd.size(), kPrompt.size() + 7);
+  for (int t = 0; t < 8; ++t) {
+    // float64 model, float32 on the Forward wire: within float32 rounding.
+    EXPECT_NEAR(s.logprobs(t), fwd[kPrompt.size() - 1 + t],
+                1e-6 * std::max(1.0, std::abs(s.logprobs(t))));
+  }
+  v1::ComputeLogprobsRequest lp;
+  lp.set_model_id(model);
+  *lp.mutable_prompt() = SampleReq(model, 0).prompt();
+  v1::ComputeLogprobsResponse lp_out;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(live.stub->ComputeLogprobs(&ctx, lp, &lp_out).ok());
+  ASSERT_EQ(lp_out.logprobs_size(), static_cast<int>(kPrompt.size()));
+  EXPECT_TRUE(std::isnan(lp_out.logprobs(0)));
+  for (size_t t = 1; t < kPrompt.size(); ++t) {
+    EXPECT_NEAR(lp_out.logprobs(t), fwd[t - 1], 1e-6 * std::max(1.0, std::abs(double{fwd[t - 1]})));
+  }
+  // The same seed again: the same tokens.
+  v1::SampleResponse again;
+  ASSERT_TRUE(Sample(live, SampleReq(model, 5), &again).ok());
+  EXPECT_EQ(again.sequences(1).tokens_size(), resp.sequences(1).tokens_size());
+  for (int t = 0; t < resp.sequences(1).tokens_size(); ++t) {
+    EXPECT_EQ(again.sequences(1).tokens(t), resp.sequences(1).tokens(t));
+  }
+}
+
+TEST(SamplingE2e, ASamplerKeepsItsPolicyWhileTheModelTrains) {
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  grpc::ClientContext c1;
+  v1::CreateSamplerRequest create;
+  create.set_model_id(model);
+  v1::SamplerInfo sampler;
+  ASSERT_TRUE(live.stub->CreateSampler(&c1, create, &sampler).ok());
+  EXPECT_EQ(sampler.step(), 0);
+  v1::SampleRequest by_sampler = SampleReq("", 9);
+  by_sampler.set_sampler_id(sampler.sampler_id());
+  v1::SampleResponse before;
+  ASSERT_TRUE(Sample(live, by_sampler, &before).ok());
+
+  SplitMix64 g(4);
+  v1::ForwardBackwardOutput fb;
+  ASSERT_TRUE(
+      live.FwdBwd(MakeRequest(model, 1, RandomData(g, {12, 9}, "cross_entropy", 128)), &fb).ok());
+  v1::OptimStepResponse step;
+  ASSERT_TRUE(live.Optim(model, 2, &step, 0.1).ok());
+
+  v1::SampleResponse frozen, current;
+  ASSERT_TRUE(Sample(live, by_sampler, &frozen).ok());
+  ASSERT_TRUE(Sample(live, SampleReq(model, 9), &current).ok());
+  // The sampler still samples the step-0 policy: the same tokens and logprobs, bitwise.
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(frozen.sequences(i).logprobs_size(), before.sequences(i).logprobs_size());
+    for (int t = 0; t < frozen.sequences(i).logprobs_size(); ++t) {
+      EXPECT_EQ(frozen.sequences(i).tokens(t), before.sequences(i).tokens(t));
+      EXPECT_EQ(frozen.sequences(i).logprobs(t), before.sequences(i).logprobs(t));
+    }
+  }
+  // The model itself moved on (control: its logprobs differ from the frozen ones).
+  EXPECT_NE(current.sequences(0).logprobs(0), before.sequences(0).logprobs(0));
+
+  grpc::ClientContext c2;
+  v1::SamplerRef ref;
+  ref.set_sampler_id(sampler.sampler_id());
+  v1::DeleteSamplerResponse deleted;
+  ASSERT_TRUE(live.stub->DeleteSampler(&c2, ref, &deleted).ok());
+  v1::SampleResponse gone;
+  EXPECT_EQ(Sample(live, by_sampler, &gone).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST(SamplingE2e, BadRequestsAreNamedAndChangeNothing) {
+  ServerConfig sc;
+  sc.sampling.engine.max_sequences = 4;
+  LiveServer live(sc);
+  const std::string model = live.CreateModel();
+  const std::vector<double> state = live.StateChecksum(model);
+  struct Bad {
+    std::function<void(v1::SampleRequest&)> edit;
+    grpc::StatusCode code;
+    std::string field;
+  };
+  const std::vector<Bad> cases = {
+      {[](v1::SampleRequest& r) { r.mutable_sampling_params()->set_top_p(0); },
+       grpc::StatusCode::INVALID_ARGUMENT, "top_p"},
+      {[](v1::SampleRequest& r) { r.mutable_sampling_params()->set_temperature(-1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "temperature"},
+      {[](v1::SampleRequest& r) { r.mutable_sampling_params()->set_max_tokens(0); },
+       grpc::StatusCode::INVALID_ARGUMENT, "max_tokens"},
+      {[](v1::SampleRequest& r) { r.mutable_sampling_params()->set_max_tokens(1000); },
+       grpc::StatusCode::INVALID_ARGUMENT, "context"},
+      {[](v1::SampleRequest& r) { r.mutable_prompt()->clear_chunks(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "prompt"},
+      {[](v1::SampleRequest& r) { r.set_num_samples(5); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "sample_max_sequences"},
+      {[](v1::SampleRequest& r) { r.set_sampler_id("sampler-nope"); }, grpc::StatusCode::NOT_FOUND,
+       "sampler_id"},
+      {[](v1::SampleRequest& r) { r.set_model_id("model-nope"); }, grpc::StatusCode::NOT_FOUND,
+       "model_id"},
+  };
+  for (const Bad& bad : cases) {
+    v1::SampleRequest req = SampleReq(model, 1);
+    bad.edit(req);
+    v1::SampleResponse out;
+    const grpc::Status st = Sample(live, req, &out);
+    EXPECT_EQ(st.error_code(), bad.code) << bad.field << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(bad.field), std::string::npos) << st.error_message();
+  }
+  EXPECT_EQ(live.StateChecksum(model), state);
+  // And the server still samples.
+  v1::SampleResponse out;
+  EXPECT_TRUE(Sample(live, SampleReq(model, 1), &out).ok());
+}
+
+}  // namespace
+}  // namespace tinkerd::testing

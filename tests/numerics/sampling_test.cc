@@ -1,0 +1,364 @@
+// Sampling's promises against the trainer's own computation (runner/sample/engine.h): logprob
+// identity, greedy = argmax, determinism under batching, and the sampled distribution. Each has a
+// broken control that the same check must reject.
+//
+// Shape suffixes: T tokens, D hidden, V vocab.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <numeric>
+
+#include "kernels/logprob_head.h"
+#include "runner/sample/engine.h"
+#include "runner/sample/policy.h"
+#include "tests/test_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+class SamplingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::make_unique<TempDir>();
+    runner_ = MakeRunner(WriteModel(*dir_, TinyConfig("llama"), 5));
+    ASSERT_NE(runner_, nullptr);
+    CreateModelOptions options;
+    options.lora = LoraConfig{4, 8, true, true, true};
+    options.loss_reduction = LossReduction::kSum;
+    options.seed = 9;
+    auto id = runner_->CreateModel(options);
+    ASSERT_TRUE(id.ok()) << id.status().message();
+    model_ = *id;
+    // One large step, so the adapter (B starts at zero) changes the function being sampled.
+    SplitMix64 g(3);
+    auto fb = runner_->ForwardBackward(model_, RandomData(g, {9, 14}, "cross_entropy", 128),
+                                       "cross_entropy", {});
+    ASSERT_TRUE(fb.ok()) << fb.status().message();
+    AdamParams adam;
+    adam.learning_rate = 0.05;
+    ASSERT_TRUE(runner_->OptimStep(model_, adam).ok());
+    auto policy = runner_->FreezePolicy(model_);
+    ASSERT_TRUE(policy.ok()) << policy.status().message();
+    policy_ = *policy;
+  }
+
+  // Runs requests through one engine, all admitted before the first step, to completion.
+  std::vector<SampleResult> Run(const std::vector<SampleRequest>& requests,
+                                EngineLimits limits = {}) {
+    SampleEngine engine(limits);
+    std::vector<SampleResult> out(requests.size());
+    int answered = 0;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      absl::Status st = engine.Admit(policy_, requests[i],
+                                     [&out, &answered, i](const absl::StatusOr<SampleResult>& r) {
+                                       EXPECT_TRUE(r.ok()) << r.status().message();
+                                       if (r.ok()) out[i] = *r;
+                                       ++answered;
+                                     });
+      EXPECT_TRUE(st.ok()) << st.message();
+    }
+    while (engine.Step()) {
+    }
+    EXPECT_EQ(answered, static_cast<int>(requests.size()));
+    return out;
+  }
+
+  // The trainer's hidden states of a whole sequence: one packed forward, no cache.
+  at::Tensor TrainerHidden(const std::vector<int64_t>& tokens, const KvStep* kv = nullptr) const {
+    at::NoGradGuard no_grad;
+    const int64_t T = static_cast<int64_t>(tokens.size());
+    PackedBatch batch{at::tensor(at::ArrayRef<int64_t>(tokens), at::kLong), {0, T}};
+    ForwardOptions options;
+    options.compute_dtype = policy_->compute_dtype;
+    options.kv = kv;
+    return ForwardHidden(policy_->config, policy_->weights, &*policy_->lora, batch, options);
+  }
+
+  kernels::LogprobHeadParams Head(const at::Tensor& hidden_TD) const {
+    kernels::LogprobHeadParams head;
+    head.hidden_TD = hidden_TD;
+    head.weight_VD = policy_->weights.lm_head_VD;
+    const LoraPair* pair = HeadAdapter(&*policy_->lora);
+    head.lora_A_rD = pair->A_rI;
+    head.lora_B_Vr = pair->B_Or;
+    head.lora_scale = policy_->lora->scale();
+    return head;
+  }
+
+  // The trainer's logprob of each token of `sequence` after position `from` (Forward's head).
+  std::vector<double> TrainerLogprobs(const std::vector<int64_t>& sequence, size_t from) const {
+    at::NoGradGuard no_grad;
+    const std::vector<int64_t> inputs(sequence.begin(), sequence.end() - 1);
+    const std::vector<int64_t> targets(sequence.begin() + 1, sequence.end());
+    kernels::LogprobHeadParams head = Head(TrainerHidden(inputs));
+    head.targets_T = at::tensor(at::ArrayRef<int64_t>(targets), at::kLong);
+    const at::Tensor logp = kernels::TokenLogprobs(head).logp_T;
+    std::vector<double> out;
+    for (size_t t = from - 1; t < targets.size(); ++t) out.push_back(logp[t].item<double>());
+    return out;
+  }
+
+  // log softmax over the vocabulary after `context`, by the trainer's head with every token as
+  // a target.
+  std::vector<double> TrainerDistribution(const std::vector<int64_t>& context) const {
+    at::NoGradGuard no_grad;
+    const at::Tensor h = TrainerHidden(context);
+    const int64_t V = policy_->config.vocab_size;
+    kernels::LogprobHeadParams head = Head(h.narrow(0, h.size(0) - 1, 1).expand({V, -1}));
+    head.targets_T = at::arange(V, at::kLong);
+    const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.contiguous();
+    return {logp.data_ptr<double>(), logp.data_ptr<double>() + V};
+  }
+
+  std::unique_ptr<TempDir> dir_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::string model_;
+  std::shared_ptr<const Policy> policy_;
+};
+
+const std::vector<int64_t> kPrompt = {5, 17, 99, 3, 64, 12, 7};
+
+SampleRequest Request(uint64_t seed, int64_t max_tokens, int64_t n = 1) {
+  SampleRequest r;
+  r.prompt = kPrompt;
+  r.num_samples = n;
+  r.params.max_tokens = max_tokens;
+  r.params.seed = seed;
+  return r;
+}
+
+std::vector<int64_t> Concat(std::vector<int64_t> a, const std::vector<int64_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// float64: the KV-cache decode and the packed forward differ only in summation order, ~1e-16
+// relative per op over a few dozen ops; 1e-12 leaves four orders of margin.
+constexpr double kFloat64Tol = 1e-12;
+
+TEST_F(SamplingTest, SampledLogprobsEqualTheTrainersForward) {
+  SampleRequest r = Request(7, 12, 3);
+  r.prompt_logprobs = true;
+  const SampleResult result = Run({r})[0];
+  ASSERT_EQ(result.sequences.size(), 3u);
+  for (const SampledSequence& s : result.sequences) {
+    ASSERT_EQ(s.tokens.size(), 12u);
+    const std::vector<double> want = TrainerLogprobs(Concat(kPrompt, s.tokens), kPrompt.size());
+    ASSERT_EQ(want.size(), s.logprobs.size());
+    for (size_t t = 0; t < want.size(); ++t) {
+      EXPECT_NEAR(s.logprobs[t], want[t], kFloat64Tol * std::abs(want[t])) << "token " << t;
+    }
+  }
+  // compute_logprobs' path: the prompt's own logprobs.
+  const std::vector<double> prompt = TrainerLogprobs(kPrompt, 1);
+  ASSERT_EQ(result.prompt_logprobs.size(), kPrompt.size());
+  EXPECT_TRUE(std::isnan(result.prompt_logprobs[0]));
+  for (size_t t = 1; t < kPrompt.size(); ++t) {
+    EXPECT_NEAR(result.prompt_logprobs[t], prompt[t - 1], kFloat64Tol * std::abs(prompt[t - 1]));
+  }
+  // And the public Forward (float32 logprobs: within float32 rounding).
+  const SampledSequence& s = result.sequences[0];
+  Datum d;
+  const std::vector<int64_t> all = Concat(kPrompt, s.tokens);
+  d.tokens.assign(all.begin(), all.end() - 1);
+  d.loss_fn_inputs["target_tokens"] = TensorData::Int64({all.begin() + 1, all.end()});
+  d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
+  auto fwd = runner_->Forward(model_, {d}, "cross_entropy", {});
+  ASSERT_TRUE(fwd.ok()) << fwd.status().message();
+  for (size_t t = 0; t < s.tokens.size(); ++t) {
+    const double f = fwd->outputs[0].logprobs[kPrompt.size() - 1 + t];
+    EXPECT_NEAR(s.logprobs[t], f, 1e-6 * std::max(1.0, std::abs(f)));
+  }
+}
+
+// The control: a decoder that forgets the cached length in its positions (RoPE from 0 for the new
+// token) gives logprobs the same comparison rejects.
+TEST_F(SamplingTest, BrokenControlDecodeAtWrongPositionIsCaught) {
+  const std::vector<int64_t> next = {42, 8};
+  const int64_t P = static_cast<int64_t>(kPrompt.size());
+  std::vector<at::Tensor> k_L, v_L;
+  KvStep prefill;
+  prefill.past = {0};
+  prefill.extend = [&](int64_t, const at::Tensor& k, const at::Tensor& v) {
+    k_L.push_back(k);
+    v_L.push_back(v);
+    return KvPacked{k, v, {0, P}};
+  };
+  TrainerHidden(kPrompt, &prefill);
+  auto decode = [&](int64_t past) {
+    KvStep step;
+    step.past = {past};
+    step.extend = [&](int64_t l, const at::Tensor& k, const at::Tensor& v) {
+      return KvPacked{at::cat({k_L[l], k}), at::cat({v_L[l], v}), {0, P + 1}};
+    };
+    at::NoGradGuard no_grad;
+    kernels::LogprobHeadParams head = Head(TrainerHidden({next[0]}, &step));
+    head.targets_T = at::tensor(at::ArrayRef<int64_t>({next[1]}), at::kLong);
+    return kernels::TokenLogprobs(head).logp_T[0].item<double>();
+  };
+  const double want = TrainerLogprobs(Concat(kPrompt, next), P)[1];
+  EXPECT_NEAR(decode(P), want, kFloat64Tol * std::abs(want));
+  EXPECT_GT(std::abs(decode(0) - want), 1e-6) << "a position bug must be visible";
+}
+
+TEST_F(SamplingTest, GreedyIsTheArgmaxOfTheTrainerAtEveryStep) {
+  SampleRequest r = Request(1, 10);
+  r.params.temperature = 0;
+  const SampledSequence greedy = Run({r})[0].sequences[0];
+  SampleRequest hot = Request(1, 10);  // control: sampled at temperature 1
+  hot.params.temperature = 1.5;
+  const SampledSequence sampled = Run({hot})[0].sequences[0];
+  auto argmax_steps = [&](const SampledSequence& s) {
+    int agree = 0;
+    std::vector<int64_t> context = kPrompt;
+    for (int64_t token : s.tokens) {
+      const std::vector<double> logp = TrainerDistribution(context);
+      agree += std::max_element(logp.begin(), logp.end()) - logp.begin() == token;
+      context.push_back(token);
+    }
+    return agree;
+  };
+  EXPECT_EQ(argmax_steps(greedy), 10);
+  EXPECT_LT(argmax_steps(sampled), 10) << "the control must leave the argmax somewhere";
+}
+
+TEST_F(SamplingTest, SameSeedSameTokensWhateverElseIsInTheBatch) {
+  SampleRequest a = Request(11, 16, 2);
+  a.params.temperature = 0.9;
+  a.params.top_k = 20;
+  a.params.top_p = 0.9;
+  const SampleResult alone = Run({a})[0];
+
+  SampleRequest b = Request(5, 7, 3);
+  b.prompt = {1, 2, 3};
+  SampleRequest c = Request(6, 30);
+  c.prompt = std::vector<int64_t>(40, 77);
+  c.params.temperature = 0;
+  const std::vector<SampleResult> mixed = Run({b, a, c});
+  ASSERT_EQ(mixed[1].sequences.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(mixed[1].sequences[i].tokens, alone.sequences[i].tokens) << "sample " << i;
+    EXPECT_EQ(mixed[1].sequences[i].logprobs.size(), alone.sequences[i].logprobs.size());
+  }
+  EXPECT_NE(alone.sequences[0].tokens, alone.sequences[1].tokens) << "samples draw apart";
+  SampleRequest other = a;  // control: another seed, other tokens
+  other.params.seed = 12;
+  EXPECT_NE(Run({other})[0].sequences[0].tokens, alone.sequences[0].tokens);
+}
+
+// Pearson's chi-square over bins with an expected count of at least 5 (the rest pooled), against
+// the critical value at p = 1e-3 (Wilson–Hilferty: df·(1 − 2/(9df) + z·sqrt(2/(9df)))³,
+// z = 3.09). The seed is fixed, so the outcome is too.
+double ChiSquare(const std::vector<int64_t>& counts, const std::vector<double>& p, int64_t n,
+                 double* critical) {
+  double chi = 0, pooled_obs = 0, pooled_exp = 0;
+  int bins = 0;
+  for (size_t v = 0; v < p.size(); ++v) {
+    const double e = p[v] * n;
+    if (e < 5) {
+      pooled_obs += counts[v];
+      pooled_exp += e;
+      continue;
+    }
+    chi += (counts[v] - e) * (counts[v] - e) / e;
+    ++bins;
+  }
+  if (pooled_exp > 0) {
+    chi += (pooled_obs - pooled_exp) * (pooled_obs - pooled_exp) / pooled_exp;
+    ++bins;
+  }
+  const double df = bins - 1;
+  const double a = 2.0 / (9.0 * df);
+  *critical = df * std::pow(1 - a + 3.09 * std::sqrt(a), 3);
+  return chi;
+}
+
+TEST_F(SamplingTest, FrequenciesMatchTheSoftmax) {
+  constexpr int64_t kN = 20000;
+  SampleRequest r = Request(2024, 1, kN);
+  const SampleResult result = Run({r}, EngineLimits{kN, int64_t{1} << 30})[0];
+  std::vector<int64_t> counts(policy_->config.vocab_size, 0);
+  for (const SampledSequence& s : result.sequences) ++counts.at(s.tokens[0]);
+  const std::vector<double> logp = TrainerDistribution(kPrompt);
+  std::vector<double> p(logp.size()), p_cold(logp.size());
+  double cold_total = 0;
+  for (size_t v = 0; v < logp.size(); ++v) {
+    p[v] = std::exp(logp[v]);
+    cold_total += p_cold[v] = std::exp(2 * logp[v]);
+  }
+  for (double& q : p_cold) q /= cold_total;
+  double critical = 0;
+  const double chi = ChiSquare(counts, p, kN, &critical);
+  EXPECT_LT(chi, critical) << "counts do not follow softmax(z)";
+  // Control: the same counts against the temperature-0.5 distribution must fail.
+  double critical_cold = 0;
+  EXPECT_GT(ChiSquare(counts, p_cold, kN, &critical_cold), critical_cold);
+}
+
+TEST_F(SamplingTest, TopKAndTopPKeepOnlyTheMostLikely) {
+  SampleRequest r = Request(3, 1, 2000);
+  r.params.top_k = 5;
+  const std::vector<double> logp = TrainerDistribution(kPrompt);
+  std::vector<int64_t> order(logp.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logp[a] > logp[b]; });
+  std::map<int64_t, int> seen;
+  const SampleResult top_k = Run({r}, EngineLimits{2000, int64_t{1} << 30})[0];
+  for (const SampledSequence& s : top_k.sequences) ++seen[s.tokens[0]];
+  EXPECT_EQ(seen.size(), 5u);
+  for (const auto& [token, count] : seen) {
+    EXPECT_NE(std::find(order.begin(), order.begin() + 5, token), order.begin() + 5) << token;
+  }
+  r.params.top_k = 0;
+  r.params.top_p = 1e-6;  // the nucleus is the single most likely token
+  const SampleResult top_p = Run({r}, EngineLimits{2000, int64_t{1} << 30})[0];
+  for (const SampledSequence& s : top_p.sequences) ASSERT_EQ(s.tokens[0], order[0]);
+}
+
+TEST_F(SamplingTest, StopSequenceEndsTheSampleAndIsKept) {
+  SampleRequest r = Request(1, 10);
+  r.params.temperature = 0;
+  const SampledSequence full = Run({r})[0].sequences[0];
+  EXPECT_EQ(full.stop_reason, StopReason::kLength);
+  r.params.stop = {{full.tokens[3], full.tokens[4]}, {128 - 1, 0}};
+  const SampledSequence stopped = Run({r})[0].sequences[0];
+  // Greedy may meet the pair earlier than position 3; it ends at the first occurrence.
+  size_t end = 1;
+  while (!(full.tokens[end - 1] == full.tokens[3] && full.tokens[end] == full.tokens[4])) ++end;
+  EXPECT_EQ(stopped.stop_reason, StopReason::kStop);
+  EXPECT_EQ(stopped.tokens,
+            std::vector<int64_t>(full.tokens.begin(), full.tokens.begin() + end + 1));
+}
+
+TEST(SampleValidation, EachBadFieldIsNamed) {
+  const ModelLimits model{128, 64};
+  const SampleLimits limits;
+  SampleRequest ok;
+  ok.prompt = {1, 2, 3};
+  ok.params.max_tokens = 4;
+  EXPECT_TRUE(ValidateSampleRequest(ok, model, limits).ok());
+  auto expect = [&](std::function<void(SampleRequest&)> edit, const std::string& field) {
+    SampleRequest r = ok;
+    edit(r);
+    const absl::Status st = ValidateSampleRequest(r, model, limits);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(std::string(st.message()).find(field), std::string::npos) << st.message();
+  };
+  expect([](SampleRequest& r) { r.prompt.clear(); }, "prompt");
+  expect([](SampleRequest& r) { r.prompt[1] = 128; }, "prompt[1]");
+  expect([](SampleRequest& r) { r.params.max_tokens = 0; }, "max_tokens");
+  expect([](SampleRequest& r) { r.params.max_tokens = 62; }, "context");
+  expect([](SampleRequest& r) { r.params.temperature = -0.5; }, "temperature");
+  expect([](SampleRequest& r) { r.params.temperature = NAN; }, "temperature");
+  expect([](SampleRequest& r) { r.params.top_p = 0; }, "top_p");
+  expect([](SampleRequest& r) { r.params.top_p = 1.5; }, "top_p");
+  expect([](SampleRequest& r) { r.num_samples = 0; }, "num_samples");
+  expect([](SampleRequest& r) { r.num_samples = 65; }, "num_samples");
+  expect([](SampleRequest& r) { r.topk_prompt_logprobs = 21; }, "topk_prompt_logprobs");
+  expect([](SampleRequest& r) { r.params.stop = {{}}; }, "stop[0]");
+  expect([](SampleRequest& r) { r.params.stop = {{5, -1}}; }, "stop[0][1]");
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
