@@ -592,7 +592,8 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
   return Guarded("save_weights_for_sampler", [&] {
     return CommitCheckpoint(path, overwrite, [&](const std::string& dir) {
       return merged ? WriteMergedModel(*t, impl_->model_config, impl_->base, dir)
-                    : WritePeftAdapter(*t, impl_->config.base_model_path, dir);
+                    : WritePeftAdapter(*t, impl_->config.base_model_path, impl_->base_fingerprint,
+                                       dir);
     });
   });
 }
@@ -648,6 +649,37 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
       for (const auto& [name, p] : policy->lora->Parameters()) {
         policy->bytes += static_cast<int64_t>(p.numel() * p.element_size());
       }
+    }
+    return std::shared_ptr<const Policy>(std::move(policy));
+  });
+}
+
+absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
+    const std::string& path) const {
+  ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
+  absl::MutexLock lock(&impl_->mu);
+  return Guarded("loading a policy", [&]() -> absl::StatusOr<std::shared_ptr<const Policy>> {
+    ASSIGN_OR_RETURN(SamplerWeights w,
+                     ReadSamplerWeights(dir, impl_->model_config, impl_->base_fingerprint,
+                                        impl_->dtype, impl_->device));
+    auto policy = std::make_shared<Policy>();
+    policy->config = w.config;
+    policy->compute_dtype = impl_->dtype;
+    policy->device = impl_->device;
+    policy->rope = impl_->rope;  // the architecture matches the base's, so do its tables
+    policy->step = w.step;
+    auto count = [&](const std::map<std::string, at::Tensor>& m) {
+      for (const auto& [name, t] : m) policy->bytes += static_cast<int64_t>(t.nbytes());
+    };
+    if (w.weights) {
+      policy->weights = *std::move(w.weights);
+      count(policy->weights.Named(policy->config.tie_word_embeddings));
+    } else {
+      policy->weights = impl_->base;
+    }
+    if (w.lora) {
+      count(w.lora->Parameters());
+      policy->lora = std::move(w.lora);
     }
     return std::shared_ptr<const Policy>(std::move(policy));
   });

@@ -103,6 +103,8 @@ class ModelRunner {
   // The weights a sampler reads (runner/sample/policy.h): the model's as they are now, copied so
   // that later training does not change them; `model_id` empty: the base model.
   absl::StatusOr<std::shared_ptr<const Policy>> FreezePolicy(const std::string& model_id) const;
+  // The weights of a SaveWeightsForSampler export at `path` (either layout), to sample from.
+  absl::StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path) const;
 
   // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.
   absl::StatusOr<std::vector<NamedValues>> Snapshot(const std::string& model_id,

@@ -291,6 +291,10 @@ void Ops::SubmitOrdered(const std::string& model_id, int64_t seq_id, std::string
                      });
 }
 
+absl::Status Ops::HideCheckpointPaths(const std::string& tenant, const absl::Status& st) const {
+  return HidePaths(st, TenantRoot(tenant), checkpoint_root_);
+}
+
 void Ops::Refuse(const std::string& tenant, const std::string& model_id, int64_t seq_id,
                  std::string kind, uint64_t payload_hash, absl::Status error,
                  Done<v1::RetrieveResultResponse> done) {

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "runner/util/hash.h"
 #include "runner/validate.h"
+#include "server/checkpoint_paths.h"
 #include "server/metrics.h"
 #include "server/replicated_runner.h"
 #include "server/scheduler.h"
@@ -81,6 +82,13 @@ class Ops {
   void Refuse(const std::string& tenant, const std::string& model_id, int64_t seq_id,
               std::string kind, uint64_t payload_hash, absl::Status error,
               Done<v1::RetrieveResultResponse> done);
+
+  // Where checkpoint `path` of `tenant` lies on disk, and a storage error as the client may see
+  // it (paths under the root become tinker:// paths; the root itself is masked).
+  std::string CheckpointDir(const std::string& tenant, const CheckpointPath& path) const {
+    return path.Fs(TenantRoot(tenant));
+  }
+  absl::Status HideCheckpointPaths(const std::string& tenant, const absl::Status& st) const;
 
   // NOT_FOUND when the model belongs to another tenant (indistinguishable from a missing model).
   absl::Status CheckOwner(const std::string& model_id, const std::string& tenant) const;

@@ -8,6 +8,7 @@
 #include "runner/model_runner.h"
 #include "runner/sample/engine.h"
 #include "runner/util/echo.h"
+#include "runner/util/log.h"
 #include "runner/util/status_macros.h"
 
 namespace tinkerd {
@@ -92,40 +93,94 @@ void Sampling::ExpireLocked() {
   }
 }
 
-void Sampling::CreateSampler(const std::string& tenant, const std::string& model_id,
+absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
+                                               const v1::CreateSamplerRequest& req,
+                                               const std::string& checkpoint_dir) {
+  ModelRunner* runner = ops_->runner()->local();
+  absl::StatusOr<std::shared_ptr<const Policy>> policy = checkpoint_dir.empty()
+                                                             ? runner->FreezePolicy(req.model_id())
+                                                             : runner->LoadPolicy(checkpoint_dir);
+  if (!policy.ok()) return ops_->HideCheckpointPaths(tenant, policy.status());
+  ASSIGN_OR_RETURN(std::string id, ModelRunner::NewModelId());
+  v1::SamplerInfo info;
+  info.set_sampler_id(absl::StrReplaceAll(id, {{"model-", "sampler-"}}));
+  info.set_model_id(req.model_id());
+  info.set_path(req.path());
+  info.set_step((*policy)->step);
+  absl::MutexLock lock(&mu_);
+  ExpireLocked();
+  // An RL loop makes a sampler every step and never deletes one: past the limit, the tenant's
+  // least recently used sampler goes (requests admitted from it still finish on its policy).
+  int held = 0;
+  auto lru = samplers_.end();
+  for (auto it = samplers_.begin(); it != samplers_.end(); ++it) {
+    if (it->second.owner != tenant) continue;
+    ++held;
+    if (lru == samplers_.end() || it->second.used < lru->second.used) lru = it;
+  }
+  if (held >= config_.max_samplers_per_tenant) {
+    TLOG_INFO("sampling: {} is the least recently used of {} samplers of its tenant: deleted",
+              lru->first, held);
+    samplers_.erase(lru);
+  }
+  samplers_[info.sampler_id()] = {tenant, *std::move(policy), info, absl::Now()};
+  return info;
+}
+
+void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerRequest& req,
                              Done<v1::SamplerInfo> done) {
-  if (!model_id.empty()) {
-    if (absl::Status st = ops_->CheckOwner(model_id, tenant); !st.ok()) return done(st);
+  if (!req.path().empty() && !req.model_id().empty()) {
+    return done(absl::InvalidArgumentError("path: give model_id or path, not both"));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    ExpireLocked();
-    int held = 0;
-    for (const auto& [id, s] : samplers_) held += s.owner == tenant;
-    if (held >= config_.max_samplers_per_tenant) {
-      return done(absl::ResourceExhaustedError(
-          absl::StrCat("this tenant holds ", held, " samplers, the most allowed; delete one")));
-    }
+  if (req.seq_id() < 0 || (req.seq_id() > 0 && req.model_id().empty())) {
+    return done(absl::InvalidArgumentError(
+        "seq_id: orders the freeze among a model's requests; it must be >= 0 and needs model_id"));
   }
-  auto freeze = [this, tenant, model_id, done] {
-    absl::StatusOr<std::shared_ptr<const Policy>> policy =
-        ops_->runner()->local()->FreezePolicy(model_id);
-    if (!policy.ok()) return done(policy.status());
-    absl::StatusOr<std::string> id = ModelRunner::NewModelId();
-    if (!id.ok()) return done(id.status());
-    v1::SamplerInfo info;
-    info.set_sampler_id(absl::StrReplaceAll(*id, {{"model-", "sampler-"}}));
-    info.set_model_id(model_id);
-    info.set_step((*policy)->step);
-    {
-      absl::MutexLock lock(&mu_);
-      samplers_[info.sampler_id()] = {tenant, *std::move(policy), absl::Now()};
+  if (!req.model_id().empty()) {
+    if (absl::Status st = ops_->CheckOwner(req.model_id(), tenant); !st.ok()) return done(st);
+  }
+  std::string dir;
+  if (!req.path().empty()) {
+    absl::StatusOr<CheckpointPath> path = ParseCheckpointPath(req.path());
+    if (path.ok() && path->kind != "sampler_weights") {
+      path = absl::InvalidArgumentError(
+          "path: a training checkpoint (weights/); sample from a sampler_weights export");
     }
-    done(info);
-  };
-  if (!ops_->scheduler()->RunBetweenJobs(freeze)) {
+    if (!path.ok()) return done(path.status());
+    dir = ops_->CheckpointDir(tenant, *path);
+  }
+  if (req.seq_id() > 0) {
+    JobSpec job;
+    job.kind = "CreateSampler";
+    job.payload_hash = PayloadHash(req);
+    job.run = [this, tenant, req]() -> JobStep {
+      absl::StatusOr<v1::SamplerInfo> info = Make(tenant, req, "");
+      if (!info.ok()) return {true, info.status()};
+      v1::RetrieveResultResponse out;
+      *out.mutable_create_sampler() = *std::move(info);
+      return {true, std::move(out)};
+    };
+    return ops_->scheduler()->Submit(req.model_id(), req.seq_id(), std::move(job),
+                                     [done](const JobResult& r) {
+                                       if (!r.ok()) return done(r.status());
+                                       done(r->create_sampler());
+                                     });
+  }
+  if (!ops_->scheduler()->RunBetweenJobs(
+          [this, tenant, req, dir, done] { done(Make(tenant, req, dir)); })) {
     done(absl::UnavailableError("server is shutting down"));
   }
+}
+
+absl::StatusOr<v1::SamplerInfo> Sampling::GetSampler(const std::string& tenant,
+                                                     const std::string& sampler_id) {
+  absl::MutexLock lock(&mu_);
+  ExpireLocked();
+  auto it = samplers_.find(sampler_id);
+  if (it == samplers_.end() || it->second.owner != tenant) {
+    return absl::NotFoundError(absl::StrCat("sampler_id: no sampler '", Echo(sampler_id), "'"));
+  }
+  return it->second.info;
 }
 
 absl::Status Sampling::DeleteSampler(const std::string& tenant, const std::string& sampler_id) {

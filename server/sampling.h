@@ -37,14 +37,19 @@ class Sampling {
   // Fails what is admitted: call once the scheduler has stopped.
   void Stop();
 
-  // Freezes the model's current weights on the scheduler thread, between its jobs.
-  void CreateSampler(const std::string& tenant, const std::string& model_id,
+  // Freezes the model's weights on the scheduler thread: between two jobs, or in the model's
+  // order at req.seq_id (a retry gets the same sampler); or loads req.path's sampler export.
+  void CreateSampler(const std::string& tenant, const v1::CreateSamplerRequest& req,
                      Done<v1::SamplerInfo> done);
+  absl::StatusOr<v1::SamplerInfo> GetSampler(const std::string& tenant,
+                                             const std::string& sampler_id);
   absl::Status DeleteSampler(const std::string& tenant, const std::string& sampler_id);
   void Sample(const std::string& tenant, const v1::SampleRequest& req,
               Done<v1::SampleResponse> done);
   void ComputeLogprobs(const std::string& tenant, const v1::ComputeLogprobsRequest& req,
                        Done<v1::ComputeLogprobsResponse> done);
+
+  const SampleLimits& request_limits() const { return config_.request; }
 
   // The request as the engine takes it: INVALID_ARGUMENT naming the field.
   static absl::StatusOr<SampleRequest> Decode(const v1::SampleRequest& req);
@@ -53,8 +58,13 @@ class Sampling {
   struct Sampler {
     std::string owner;
     std::shared_ptr<const Policy> policy;
+    v1::SamplerInfo info;
     absl::Time used;
   };
+  // Makes the policy and registers it (on the scheduler thread).
+  absl::StatusOr<v1::SamplerInfo> Make(const std::string& tenant,
+                                       const v1::CreateSamplerRequest& req,
+                                       const std::string& checkpoint_dir);
   // The policy `sampler_id` / `model_id` names for `tenant`, then `then` with it (on the
   // scheduler thread when a model is frozen for the request).
   void Resolve(const std::string& tenant, const std::string& sampler_id,

@@ -136,11 +136,11 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     std::string host = listen.substr(0, colon);
     if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
     if (host == "localhost") host = "127.0.0.1";
-    s->tinker_api_ =
-        std::make_unique<http::TinkerApi>(s->ops_.get(), config.api_keys, config.tinker_http,
-                                          [raw](absl::Duration delay, std::function<void()> fn) {
-                                            raw->tinker_http_->After(delay, std::move(fn));
-                                          });
+    s->tinker_api_ = std::make_unique<http::TinkerApi>(
+        s->ops_.get(), s->sampling_.get(), config.api_keys, config.tinker_http,
+        [raw](absl::Duration delay, std::function<void()> fn) {
+          raw->tinker_http_->After(delay, std::move(fn));
+        });
     http::HttpServerConfig hc;
     hc.host = host;
     hc.port = port;

@@ -286,7 +286,7 @@ void TinkerdService::DoCreateSampler(grpc::CallbackServerContext* ctx,
                                      v1::CreateSamplerRequest* req, v1::SamplerInfo* resp,
                                      UnaryCall* reactor) {
   if (auto tenant = Admit(ctx, reactor))
-    sampling_->CreateSampler(*tenant, req->model_id(), Into(resp, reactor));
+    sampling_->CreateSampler(*tenant, *req, Into(resp, reactor));
 }
 
 void TinkerdService::DoDeleteSampler(grpc::CallbackServerContext* ctx, v1::SamplerRef* req,

@@ -156,7 +156,7 @@ absl::Status CheckCompatible(const ModelState& t, const LoadedState& s) {
 }
 
 absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model,
-                              const std::string& dir) {
+                              uint64_t base_fingerprint, const std::string& dir) {
   if (!t.options.lora) {
     return absl::FailedPreconditionError(
         "a full fine-tune has no adapter; export it merged instead");
@@ -188,6 +188,7 @@ absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model
             {"kind", "sampler"},
             {"model_id", t.id},
             {"step", t.step},
+            {"base_fingerprint", std::to_string(base_fingerprint)},
             {"layout", "peft"}};
   return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));
 }
@@ -226,6 +227,126 @@ absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
             {"step", t.step},
             {"layout", "hf_merged"}};
   return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));
+}
+
+namespace {
+
+// PEFT's module names for each group LoraConfig switches on.
+bool Targets(const std::set<std::string>& targets, std::initializer_list<const char*> group,
+             bool* on) {
+  int found = 0;
+  for (const char* m : group) found += targets.count(m);
+  *on = found > 0;
+  return found == 0 || found == static_cast<int>(group.size());
+}
+
+absl::StatusOr<LoraAdapter> ReadPeftAdapter(const std::string& dir, const ModelConfig& config,
+                                            at::ScalarType dtype, at::Device device) {
+  auto text = ReadFileToString(Join(dir, "adapter_config.json"));
+  if (!text.ok()) return DataLoss(dir, "adapter_config.json is missing");
+  const json c = json::parse(*text, nullptr, false);
+  if (!c.is_object() || !c.value("r", json()).is_number_integer() ||
+      !c.value("lora_alpha", json()).is_number() || !c.value("target_modules", json()).is_array()) {
+    return DataLoss(dir, "adapter_config.json lacks r, lora_alpha or target_modules");
+  }
+  std::set<std::string> targets;
+  for (const json& m : c["target_modules"]) {
+    if (!m.is_string()) return DataLoss(dir, "adapter_config.json: target_modules not strings");
+    targets.insert(m.get<std::string>());
+  }
+  LoraConfig lora;
+  lora.rank = c["r"].get<int64_t>();
+  lora.alpha = c["lora_alpha"].get<double>();
+  // tinkerd adapts whole groups; an adapter of part of one was not made here.
+  if (!Targets(targets, {"q_proj", "k_proj", "v_proj", "o_proj"}, &lora.train_attn) ||
+      !Targets(targets, {"gate_proj", "up_proj", "down_proj"}, &lora.train_mlp) ||
+      !Targets(targets, {"lm_head"}, &lora.train_unembed) ||
+      targets.size() != 4u * lora.train_attn + 3u * lora.train_mlp + lora.train_unembed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", dir, ": its adapter targets modules this server does not adapt"));
+  }
+  if (absl::Status st = LoraAdapter::Validate(lora); !st.ok()) {
+    return DataLoss(dir, absl::StrCat("adapter_config.json: ", st.message()));
+  }
+  ASSIGN_OR_RETURN(TensorMap tensors,
+                   LoadSafetensorsFile(Join(dir, "adapter_model.safetensors"), dtype));
+  ASSIGN_OR_RETURN(LoraAdapter adapter, LoraAdapter::Create(config, lora, 0, dtype, device));
+  at::NoGradGuard no_grad;
+  const std::map<std::string, at::Tensor> params = adapter.Parameters();
+  for (const auto& [name, p] : params) {
+    const size_t dot = name.rfind('.');
+    const std::string peft = absl::StrCat("base_model.model.", name.substr(0, dot), ".",
+                                          name.substr(dot + 1), ".weight");
+    auto it = tensors.find(peft);
+    if (it == tensors.end() || it->second.sizes() != p.sizes()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint ", dir, ": ", peft,
+                       " is missing or its shape differs from this base model's"));
+    }
+    at::Tensor(p).copy_(it->second);
+  }
+  if (tensors.size() != params.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", dir, ": the adapter holds tensors this base model has no place for"));
+  }
+  return adapter.Frozen();
+}
+
+}  // namespace
+
+absl::StatusOr<SamplerWeights> ReadSamplerWeights(const std::string& dir,
+                                                  const ModelConfig& base_config,
+                                                  uint64_t base_fingerprint, at::ScalarType dtype,
+                                                  at::Device device) {
+  auto text = ReadFileToString(Join(dir, "manifest.json"));
+  if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
+  const json m = json::parse(*text, nullptr, false);
+  if (!m.is_object() || m.value("format", "") != "tinkerd-checkpoint") {
+    return DataLoss(dir, "manifest.json is not a tinkerd checkpoint's");
+  }
+  if (m.value("kind", "") != "sampler") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint ", dir, " is training state, not weights for a sampler"));
+  }
+  SamplerWeights out;
+  out.model_id = m.value("model_id", "");
+  out.step = m.value("step", int64_t{0});
+  out.config = base_config;
+  const std::string layout = m.value("layout", "");
+  if (layout == "peft") {
+    // Exports made before the fingerprint was recorded are checked by their shapes alone.
+    if (m.contains("base_fingerprint") &&
+        m["base_fingerprint"] != json(std::to_string(base_fingerprint))) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint ", dir, " is an adapter of another base model"));
+    }
+    ASSIGN_OR_RETURN(out.lora, ReadPeftAdapter(dir, base_config, dtype, device));
+    return out;
+  }
+  if (layout != "hf_merged") return DataLoss(dir, absl::StrCat("unknown layout '", layout, "'"));
+  auto config_text = ReadFileToString(Join(dir, "config.json"));
+  if (!config_text.ok()) return DataLoss(dir, "config.json is missing");
+  auto config = ParseModelConfig(*config_text);
+  if (!config.ok()) return DataLoss(dir, absl::StrCat("config.json: ", config.status().message()));
+  // The decoder (and its RoPE tables) is the base model's: only tying and the stored dtype may
+  // differ.
+  ModelConfig same = *config;
+  same.tie_word_embeddings = base_config.tie_word_embeddings;
+  same.torch_dtype = base_config.torch_dtype;
+  if (ModelConfigToJson(same) != ModelConfigToJson(base_config)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint ", dir, " has another architecture than the base model"));
+  }
+  out.config = *config;
+  ASSIGN_OR_RETURN(TensorMap tensors, LoadSafetensorsDir(dir, dtype));
+  for (auto& [name, t] : tensors) t = t.to(device);
+  auto weights = BaseWeightsFromTensors(out.config, std::move(tensors));
+  if (!weights.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint ", dir, ": ", weights.status().message()));
+  }
+  out.weights = *std::move(weights);
+  return out;
 }
 
 }  // namespace tinkerd

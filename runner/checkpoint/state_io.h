@@ -45,12 +45,31 @@ absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t b
 // Checks that `s` fits `t` (same adapter layout and shapes): FAILED_PRECONDITION otherwise.
 absl::Status CheckCompatible(const ModelState& t, const LoadedState& s);
 
-// PEFT adapter (adapter_config.json + adapter_model.safetensors, PEFT/vLLM tensor names).
+// PEFT adapter (adapter_config.json + adapter_model.safetensors, PEFT/vLLM tensor names); the
+// manifest records the base model's fingerprint, which the adapter only makes sense on.
 absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model,
-                              const std::string& dir);
+                              uint64_t base_fingerprint, const std::string& dir);
 // Full weights in Hugging Face layout with the adapter merged in; loadable as a base model.
 absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
                               const BaseWeights& base, const std::string& dir);
+
+// A sampler export read back, to sample from: a PEFT adapter on the base model, or merged full
+// weights (with their own config: tying may differ from the base's).
+struct SamplerWeights {
+  std::string model_id;  // the model it was exported from
+  int64_t step = 0;
+  ModelConfig config;
+  std::optional<BaseWeights> weights;  // merged layout
+  std::optional<LoraAdapter> lora;     // PEFT layout, without gradients
+};
+
+// FAILED_PRECONDITION when the export belongs to another base model (another fingerprint, or an
+// architecture or tensor shapes that differ from `base_config`); INVALID_ARGUMENT for a training
+// checkpoint; DATA_LOSS when its files are missing or malformed.
+absl::StatusOr<SamplerWeights> ReadSamplerWeights(const std::string& dir,
+                                                  const ModelConfig& base_config,
+                                                  uint64_t base_fingerprint, at::ScalarType dtype,
+                                                  at::Device device);
 
 // A cheap identity of the base model: its config and a sample of its weights.
 uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base);

@@ -11,6 +11,7 @@
 #include "runner/util/echo.h"
 #include "runner/util/log.h"
 #include "server/http/tinker_convert.h"
+#include "server/http/tinker_json.h"
 #include "server/status_map.h"
 #include "tinker_public/tinker_public.pb.h"
 
@@ -21,100 +22,6 @@ using Json = TinkerApi::Json;
 namespace {
 
 constexpr char kApiPrefix[] = "/api/v1/";
-
-Response JsonResponse(const Json& j, int status = 200) {
-  return Response{
-      status, "application/json", j.dump(-1, ' ', false, Json::error_handler_t::replace), {}};
-}
-
-Response Error(int status, const std::string& detail) {
-  return JsonResponse(Json{{"detail", detail}}, status);
-}
-
-Response Error(const absl::Status& st) {
-  return Error(HttpStatus(st.code()), std::string(st.message()));
-}
-
-// A failed future: the SDK raises it as RequestFailedError without retrying.
-Response FutureError(const absl::Status& st) {
-  return JsonResponse(
-      Json{{"error", std::string(st.message())}, {"category", TinkerCategory(st.code())}});
-}
-
-// Reads a JSON object's fields, keeping the first error (which names the field).
-class Fields {
- public:
-  explicit Fields(const Json& j) : j_(j) {}
-
-  std::string Str(const char* name) {
-    return Get<std::string>(name, "a string", true).value_or("");
-  }
-  std::optional<std::string> OptStr(const char* name) {
-    return Get<std::string>(name, "a string", false);
-  }
-  int64_t Int(const char* name) { return OptInt(name, true).value_or(0); }
-  std::optional<int64_t> OptInt(const char* name, bool required = false) {
-    const Json* v = Find(name, required);
-    if (v == nullptr) return std::nullopt;
-    if (!v->is_number_integer()) return Fail(name, "an integer");
-    return v->get<int64_t>();
-  }
-  std::optional<double> OptNum(const char* name) {
-    const Json* v = Find(name, false);
-    if (v == nullptr) return std::nullopt;
-    if (!v->is_number()) return Fail(name, "a number");
-    return v->get<double>();
-  }
-  std::optional<bool> OptBool(const char* name) { return Get<bool>(name, "a boolean", false); }
-  // An object field (absent or null: nullptr).
-  const Json* Obj(const char* name) {
-    const Json* v = Find(name, false);
-    if (v != nullptr && !v->is_object()) {
-      Fail(name, "an object");
-      return nullptr;
-    }
-    return v;
-  }
-
-  const absl::Status& status() const { return status_; }
-
- private:
-  const Json* Find(const char* name, bool required) {
-    auto it = j_.find(name);
-    if (it == j_.end() || it->is_null()) {
-      if (required && status_.ok()) {
-        status_ = absl::InvalidArgumentError(absl::StrCat(name, ": required"));
-      }
-      return nullptr;
-    }
-    return &*it;
-  }
-  template <typename T>
-  std::optional<T> Get(const char* name, const char* what, bool required) {
-    const Json* v = Find(name, required);
-    if (v == nullptr) return std::nullopt;
-    if constexpr (std::is_same_v<T, std::string>) {
-      if (!v->is_string()) return Fail(name, what);
-    } else {
-      if (!v->is_boolean()) return Fail(name, what);
-    }
-    return v->get<T>();
-  }
-  std::nullopt_t Fail(const char* name, const char* what) {
-    if (status_.ok()) {
-      status_ = absl::InvalidArgumentError(absl::StrCat(name, ": must be ", what));
-    }
-    return std::nullopt;
-  }
-
-  const Json& j_;
-  absl::Status status_;
-};
-
-std::string RandomHex() {
-  static thread_local std::mt19937_64 rng{std::random_device{}()};
-  return absl::StrFormat("%016x", rng());
-}
 
 }  // namespace
 
@@ -140,9 +47,10 @@ std::string TinkerApiConfig::DebugString() const {
       session_idle > absl::ZeroDuration() ? absl::FormatDuration(session_idle) : "off");
 }
 
-TinkerApi::TinkerApi(Ops* ops, ApiKeys keys, TinkerApiConfig config,
+TinkerApi::TinkerApi(Ops* ops, Sampling* sampling, ApiKeys keys, TinkerApiConfig config,
                      std::function<void(absl::Duration, std::function<void()>)> after)
     : ops_(ops),
+      sampling_(sampling),
       keys_(std::move(keys)),
       config_(std::move(config)),
       after_(std::move(after)),
@@ -164,6 +72,11 @@ void TinkerApi::Reap() {
              a != aliases_.end() &&
              absl::StartsWith(a->first, it->second.tenant + '\n' + it->first + ':');) {
           a = aliases_.erase(a);
+        }
+        const std::string prefix = it->second.tenant + '\n' + it->first + ':';
+        for (auto a = sampling_sessions_.lower_bound(prefix);
+             a != sampling_sessions_.end() && absl::StartsWith(a->first, prefix);) {
+          a = sampling_sessions_.erase(a);
         }
         ended.emplace_back(it->first, std::move(it->second));
         it = sessions_.erase(it);
@@ -202,8 +115,8 @@ void TinkerApi::Handle(Request req, Respond respond) {
       {"save_weights_for_sampler", &TinkerApi::SaveWeightsForSampler},
       {"weights_info", &TinkerApi::WeightsInfo},
       {"retrieve_future", &TinkerApi::RetrieveFuture},
-      {"asample", &TinkerApi::Sampling},
-      {"create_sampling_session", &TinkerApi::Sampling},
+      {"asample", &TinkerApi::ASample},
+      {"create_sampling_session", &TinkerApi::CreateSamplingSession},
   };
   const bool finish_session =
       absl::StartsWith(endpoint, "sessions/") && absl::EndsWith(endpoint, "/finish");
@@ -253,7 +166,9 @@ void TinkerApi::Handle(Request req, Respond respond) {
               Json::array({Json{{"model_name", config_.served_model_name},
                                 {"max_context_length", ops_->limits().max_context_length}}})}}));
   }
-  if (absl::StartsWith(endpoint, "samplers/")) return Sampling(*tenant, Json::object(), respond);
+  if (absl::StartsWith(endpoint, "samplers/")) {
+    return GetSampler(*tenant, endpoint.substr(sizeof("samplers/") - 1), std::move(respond));
+  }
   if (endpoint == "forward_backward") {
     if (req.content_type != "application/x-protobuf") {
       return respond(Error(415,
@@ -278,7 +193,8 @@ void TinkerApi::Handle(Request req, Respond respond) {
 template <typename Resp>
 void TinkerApi::Submit(const std::string& tenant, const std::string& request_id,
                        std::function<void(Done<Resp>)> start,
-                       std::function<Response(const Resp&)> encode, Respond respond) {
+                       std::function<Response(const Resp&)> encode, Respond respond,
+                       Json accepted) {
   // The operation may answer before `start` returns (a refusal, or a retry's cached result):
   // such an answer is held here and decided on below; a later one finishes the future.
   struct Submission {
@@ -312,9 +228,18 @@ void TinkerApi::Submit(const std::string& tenant, const std::string& request_id,
     return respond(Error(429, "too many unfinished futures; retry later"));
   }
   if (sub->immediate) finish(*sub->immediate);
-  Json out{{"request_id", request_id}};
-  respond(JsonResponse(out));
+  accepted["request_id"] = request_id;
+  respond(JsonResponse(accepted));
 }
+
+// The instances tinker_sampling.cc uses.
+template void TinkerApi::Submit<v1::SamplerInfo>(const std::string&, const std::string&,
+                                                 std::function<void(Done<v1::SamplerInfo>)>,
+                                                 std::function<Response(const v1::SamplerInfo&)>,
+                                                 Respond, Json);
+template void TinkerApi::Submit<v1::SampleResponse>(
+    const std::string&, const std::string&, std::function<void(Done<v1::SampleResponse>)>,
+    std::function<Response(const v1::SampleResponse&)>, Respond, Json);
 
 std::string TinkerApi::Resolve(const std::string& tenant, const std::string& model_id) {
   absl::MutexLock lock(&mu_);
@@ -652,19 +577,8 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   req.set_model_id(Resolve(tenant, req.model_id()));
   Ops* ops = ops_;
   if (!name) {
-    // The unnamed form hands the weights to a sampling session: no sampling here yet. The seq_id
-    // is taken with the error so that the client's later calls are not held up.
-    const uint64_t hash = Fnv64(body.dump(), kFnv64Basis);
-    return Submit<v1::RetrieveResultResponse>(
-        tenant, request_id,
-        [ops, tenant, req, hash](Done<v1::RetrieveResultResponse> done) {
-          ops->Refuse(tenant, req.model_id(), req.seq_id(), "SaveWeightsForSampler", hash,
-                      absl::UnimplementedError(
-                          "path: required; this server does not sample yet, so weights for a "
-                          "sampling session cannot be made (save them under a name instead)"),
-                      std::move(done));
-        },
-        [](const v1::RetrieveResultResponse&) { return Response(); }, std::move(respond));
+    return SaveWeightsForSession(tenant, request_id, req.model_id(), req.seq_id(),
+                                 std::move(respond));
   }
   req.set_name(*name);
   Submit<v1::SaveWeightsForSamplerResponse>(
@@ -779,12 +693,6 @@ void TinkerApi::RetrieveFuture(const std::string& tenant, const Json& body, Resp
   f.OptBool("allow_metadata_only");  // results are always sent whole
   if (!f.status().ok()) return respond(Error(f.status()));
   futures_.Poll(tenant, request_id, std::move(respond));
-}
-
-void TinkerApi::Sampling(const std::string&, const Json&, Respond respond) {
-  respond(Error(400,
-                "sampling is not implemented by this server yet; train here, and sample "
-                "from the weights saved with save_weights_for_sampler elsewhere"));
 }
 
 }  // namespace tinkerd::http

@@ -27,6 +27,7 @@
 #include "server/http/http_server.h"
 #include "server/http/tinker_api_config.h"
 #include "server/ops.h"
+#include "server/sampling.h"
 
 namespace tinkerd::http {
 
@@ -35,7 +36,7 @@ class TinkerApi {
   using Json = nlohmann::json;
 
   // `after` runs a function later on the HTTP threads (for long polls).
-  TinkerApi(Ops* ops, ApiKeys keys, TinkerApiConfig config,
+  TinkerApi(Ops* ops, Sampling* sampling, ApiKeys keys, TinkerApiConfig config,
             std::function<void(absl::Duration, std::function<void()>)> after);
 
   // The HTTP server's handler.
@@ -71,7 +72,13 @@ class TinkerApi {
   void SaveWeightsForSampler(const std::string& tenant, const Json& body, Respond respond);
   void WeightsInfo(const std::string& tenant, const Json& body, Respond respond);
   void RetrieveFuture(const std::string& tenant, const Json& body, Respond respond);
-  void Sampling(const std::string& tenant, const Json& body, Respond respond);
+  // Sampling (tinker_sampling.cc). A Tinker sampling session is a tinkerd sampler.
+  void CreateSamplingSession(const std::string& tenant, const Json& body, Respond respond);
+  void ASample(const std::string& tenant, const Json& body, Respond respond);
+  void GetSampler(const std::string& tenant, const std::string& sampler_id, Respond respond);
+  // save_weights_for_sampler without a name: the model frozen at seq_id into a new sampler.
+  void SaveWeightsForSession(const std::string& tenant, const std::string& request_id,
+                             const std::string& model_id, int64_t seq_id, Respond respond);
   // The RestClient's views of models ("training runs") and their checkpoints:
   // GET training_runs, GET training_runs/{id}, GET training_runs/{id}/checkpoints,
   // DELETE training_runs/{id}/checkpoints/{weights|sampler_weights}/{name}.
@@ -86,11 +93,12 @@ class TinkerApi {
   // with {"request_id"} once the operation was accepted (or answered by the operation itself),
   // or directly with the error when the scheduler refused it at once for a reason a resend can
   // fix or that must not overwrite the first call's future (duplicate, full, shutting down).
-  // `encode` turns the operation's response into the future's result.
+  // `encode` turns the operation's response into the future's result; `accepted` holds fields
+  // added to the {"request_id"} answer.
   template <typename Resp>
   void Submit(const std::string& tenant, const std::string& request_id,
               std::function<void(Done<Resp>)> start, std::function<Response(const Resp&)> encode,
-              Respond respond);
+              Respond respond, Json accepted = Json::object());
   // The model a client's id names: tinkerd's own ids name themselves; newer SDKs also address a
   // model they made from a checkpoint as "<session_id>:train:<model_seq_id>".
   std::string Resolve(const std::string& tenant, const std::string& model_id);
@@ -102,6 +110,7 @@ class TinkerApi {
   absl::Status CheckSession(const std::string& tenant, const std::string& session_id);
 
   Ops* ops_;
+  Sampling* sampling_;
   const ApiKeys keys_;
   const TinkerApiConfig config_;
   const std::function<void(absl::Duration, std::function<void()>)> after_;
@@ -109,6 +118,8 @@ class TinkerApi {
   absl::Mutex mu_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> aliases_ ABSL_GUARDED_BY(mu_);  // tenant \n alias -> id
+  // tenant \n session_id:sampling_session_seq_id -> sampler id, so a retried creation finds it.
+  std::map<std::string, std::string> sampling_sessions_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tinkerd::http

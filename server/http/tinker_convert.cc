@@ -246,4 +246,51 @@ void FwdBwdOutputToTinker(const v1::ForwardBackwardOutput& in, const std::string
   out->mutable_metrics()->insert(in.metrics().begin(), in.metrics().end());
 }
 
+namespace {
+
+template <typename T, typename Range>
+std::string Packed(const Range& values) {
+  std::string out(values.size() * sizeof(T), '\0');
+  size_t i = 0;
+  for (const auto v : values) {
+    const T x = static_cast<T>(v);
+    std::memcpy(out.data() + sizeof(T) * i++, &x, sizeof(T));
+  }
+  return out;
+}
+
+}  // namespace
+
+void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
+                            int64_t topk_prompt_logprobs, tinker_public::SampleResponse* out) {
+  for (const v1::SampledSequence& s : in.sequences()) {
+    tinker_public::SampledSequence* seq = out->add_sequences();
+    seq->set_stop_reason(s.stop_reason() == v1::STOP_REASON_STOP
+                             ? tinker_public::STOP_REASON_STOP
+                             : tinker_public::STOP_REASON_LENGTH);
+    seq->set_tokens(Packed<int32_t>(s.tokens()));
+    seq->set_logprobs(Packed<float>(s.logprobs()));
+  }
+  if (prompt_logprobs) out->set_prompt_logprobs(Packed<float>(in.prompt_logprobs()));
+  const int64_t k = topk_prompt_logprobs;
+  if (k > 0) {
+    constexpr float kMissing = -99999.0f;  // the SDK's MASK_LOGPROB
+    const int64_t n = in.topk_prompt_logprobs_size();
+    std::vector<int32_t> tokens(n * k, 0);
+    std::vector<float> logprobs(n * k, kMissing);
+    for (int64_t i = 0; i < n; ++i) {
+      const v1::TopkLogprobs& row = in.topk_prompt_logprobs(i);
+      for (int64_t j = 0; j < std::min<int64_t>(k, row.tokens_size()); ++j) {
+        tokens[i * k + j] = static_cast<int32_t>(row.tokens(j));
+        logprobs[i * k + j] = static_cast<float>(row.logprobs(j));
+      }
+    }
+    tinker_public::TopkPromptLogprobs* t = out->mutable_topk_prompt_logprobs();
+    t->set_token_ids(Packed<int32_t>(tokens));
+    t->set_logprobs(Packed<float>(logprobs));
+    t->set_k(static_cast<uint32_t>(k));
+    t->set_prompt_length(static_cast<uint32_t>(n));
+  }
+}
+
 }  // namespace tinkerd::http

@@ -44,4 +44,11 @@ absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequ
 void FwdBwdOutputToTinker(const v1::ForwardBackwardOutput& in, const std::string& loss_fn,
                           tinker_public::ForwardBackwardOutput* out);
 
+// tinkerd's sample result as Tinker's: tokens as int32 and logprobs as float32 bytes;
+// prompt_logprobs (when asked) with NaN at position 0, which the SDK reads as None; top-k rows
+// (when k > 0) padded to k with the SDK's sentinel (token 0, logprob -99999), so position 0, which
+// has no context, reads as None.
+void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
+                            int64_t topk_prompt_logprobs, tinker_public::SampleResponse* out);
+
 }  // namespace tinkerd::http

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <thread>
 
 #include "server/status_map.h"
 #include "tests/e2e/e2e_util.h"
@@ -131,6 +132,101 @@ TEST(SamplingE2e, ASamplerKeepsItsPolicyWhileTheModelTrains) {
   ASSERT_TRUE(live.stub->DeleteSampler(&c2, ref, &deleted).ok());
   v1::SampleResponse gone;
   EXPECT_EQ(Sample(live, by_sampler, &gone).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+grpc::Status CreateSampler(LiveServer& live, const v1::CreateSamplerRequest& req,
+                           v1::SamplerInfo* out) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  return live.stub->CreateSampler(&ctx, req, out);
+}
+
+TEST(SamplingE2e, AnOrderedSamplerFreezesAtItsSeqIdAndExportsSampleTheSame) {
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  // Sent before the step it must wait for: frozen in order, it sees the weights after seq 2.
+  v1::CreateSamplerRequest ordered;
+  ordered.set_model_id(model);
+  ordered.set_seq_id(3);
+  v1::SamplerInfo sampler;
+  grpc::Status created;
+  std::thread waiting([&] { created = CreateSampler(live, ordered, &sampler); });
+  SplitMix64 g(7);
+  v1::ForwardBackwardOutput fb;
+  ASSERT_TRUE(
+      live.FwdBwd(MakeRequest(model, 1, RandomData(g, {12, 9}, "cross_entropy", 128)), &fb).ok());
+  v1::OptimStepResponse step;
+  ASSERT_TRUE(live.Optim(model, 2, &step, 0.1).ok());
+  waiting.join();
+  ASSERT_TRUE(created.ok()) << created.error_message();
+  EXPECT_EQ(sampler.step(), 1);  // frozen at once it would be 0
+  v1::SamplerInfo retried;
+  ASSERT_TRUE(CreateSampler(live, ordered, &retried).ok());
+  EXPECT_EQ(retried.sampler_id(), sampler.sampler_id());  // a retry, not a second sampler
+
+  // Both export layouts, loaded back as samplers, sample what the ordered sampler samples.
+  std::vector<std::string> paths;
+  for (bool merged : {false, true}) {
+    v1::SaveWeightsForSamplerRequest save;
+    save.set_model_id(model);
+    save.set_seq_id(merged ? 5 : 4);
+    save.set_name(merged ? "merged" : "peft");
+    save.set_merged(merged);
+    v1::SaveWeightsForSamplerResponse saved;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(live.stub->SaveWeightsForSampler(&ctx, save, &saved).ok());
+    paths.push_back(saved.path());
+  }
+  auto greedy = [&](const std::string& sampler_id) {
+    v1::SampleRequest req = SampleReq("", 0);
+    req.set_sampler_id(sampler_id);
+    req.mutable_sampling_params()->set_temperature(0);
+    v1::SampleResponse out;
+    const grpc::Status st = Sample(live, req, &out);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return out;
+  };
+  const v1::SampleResponse want = greedy(sampler.sampler_id());
+  ASSERT_EQ(want.sequences_size(), 2);
+  for (const std::string& path : paths) {
+    v1::CreateSamplerRequest load;
+    load.set_path(path);
+    v1::SamplerInfo loaded;
+    const grpc::Status st = CreateSampler(live, load, &loaded);
+    ASSERT_TRUE(st.ok()) << path << ": " << st.error_message();
+    EXPECT_EQ(loaded.path(), path);
+    EXPECT_EQ(loaded.step(), 1);
+    const v1::SampleResponse got = greedy(loaded.sampler_id());
+    ASSERT_EQ(got.sequences_size(), 2);
+    for (int t = 0; t < want.sequences(0).tokens_size(); ++t) {
+      EXPECT_EQ(got.sequences(0).tokens(t), want.sequences(0).tokens(t)) << path;
+      // The PEFT file stores the float64 adapter in float32: relative rounding 2^-24 on A and B
+      // moves a logprob by far less than 1e-6.
+      EXPECT_NEAR(got.sequences(0).logprobs(t), want.sequences(0).logprobs(t), 1e-6) << path;
+    }
+  }
+  // Control: the base model samples another policy.
+  const v1::SampleResponse base = greedy("");
+  double diff = 0;
+  for (int t = 0; t < base.sequences(0).logprobs_size(); ++t) {
+    diff = std::max(diff, std::abs(base.sequences(0).logprobs(t) - want.sequences(0).logprobs(t)));
+  }
+  EXPECT_GT(diff, 1e-3);
+
+  // What cannot be sampled is refused, naming the field.
+  v1::CreateSamplerRequest bad;
+  bad.set_path("tinker://" + model + "/weights/none");
+  v1::SamplerInfo unused;
+  grpc::Status st = CreateSampler(live, bad, &unused);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("path"), std::string::npos) << st.error_message();
+  bad.set_path("tinker://" + model + "/sampler_weights/none");
+  EXPECT_EQ(CreateSampler(live, bad, &unused).error_code(), grpc::StatusCode::NOT_FOUND);
+  bad.set_model_id(model);
+  EXPECT_EQ(CreateSampler(live, bad, &unused).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad.clear_path();
+  bad.set_seq_id(-1);
+  EXPECT_EQ(CreateSampler(live, bad, &unused).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST(SamplingE2e, BadRequestsAreNamedAndChangeNothing) {

@@ -199,7 +199,19 @@ TEST_F(TinkerHttp, BadRequestsGetAStatusAndABodyNamingTheReasonAndChangeNothing)
                              {"optimizer_config", {{"type", "dimuon"}}}}),
        400, "optimizer_config.type"},
       {"foreign model", Post("get_info", {{"model_id", model}}, kBob), 404, "model_id"},
-      {"sampling", Post("asample", Json::object()), 400, "sampling"},
+      {"sample without a prompt", Post("asample", {{"sampling_session_id", "sampler-0"}}), 400,
+       "prompt"},
+      {"stop strings",
+       Post("asample", {{"prompt", {{"chunks", Json::array()}}},
+                        {"sampling_params", {{"max_tokens", 2}, {"stop", "\n"}}}}),
+       400, "sampling_params.stop"},
+      {"too many samples",
+       Post("asample", {{"num_samples", 1 << 30},
+                        {"prompt", {{"chunks", Json::array()}}},
+                        {"sampling_params", {{"max_tokens", 2}}}}),
+       400, "num_samples"},
+      {"unknown sampler", Send("GET", "/api/v1/samplers/sampler-0", "", "", kAlice), 404,
+       "sampler_id"},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(c.reply.status, c.status) << c.what << ": " << c.reply.body;

@@ -509,33 +509,122 @@ def check_f() -> None:
     S.sampler_path = r.path  # type: ignore[attr-defined]
 
 
-def check_f_sampling_fails() -> None:
-    """EXPECTED FAILURE: sampling is not implemented in this landing. The SDK must raise, promptly."""
+def sample(sc: Any, prompt: list[int], params: types.SamplingParams, n: int = 1, **kw: Any) -> Any:
+    return _res(sc.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=n,
+                          sampling_params=params, **kw))
+
+
+def raises_promptly(fn: Callable[[], Any], what: str, within_s: float = 60) -> BaseException:
+    """Runs fn in a thread; it must raise (not hang in the SDK's retries) within `within_s`."""
     outcome: "queue.Queue[tuple[str, Any]]" = queue.Queue()
-    path = getattr(S, "sampler_path")
 
     def attempt() -> None:
         try:
-            sc = _client(S.svc.create_sampling_client(model_path=path))
-            res = sc.sample(prompt=types.ModelInput.from_ints([11, 47, 3]), num_samples=1,
-                            sampling_params=types.SamplingParams(max_tokens=2))
-            outcome.put(("returned", _res(res, 90)))
+            outcome.put(("returned", fn()))
         except BaseException as e:  # noqa: BLE001
             outcome.put(("raised", e))
 
     threading.Thread(target=attempt, daemon=True).start()
     try:
-        kind, val = outcome.get(timeout=100)
+        kind, val = outcome.get(timeout=within_s)
     except queue.Empty:
-        raise CheckFailed(
-            "create_sampling_client/sample neither failed nor succeeded within 100 s: answer "
-            "create_sampling_session/asample with a non-retryable error (a 4xx other than 408/409/"
-            "429 with a JSON body, or a future whose result is {\"error\",\"category\"}); 5xx, 408, "
-            "409 and 429 are retried by the SDK for minutes") from None
-    if kind == "returned":
-        raise CheckFailed(f"sampling unexpectedly worked ({str(val)[:200]}): sampling is implemented "
-                          "now, replace this check with a real sampling check")
-    ok(kind == "raised", f"sampling raises cleanly: {type(val).__name__}: {str(val)[:200]}")
+        raise CheckFailed(f"{what}: neither failed nor succeeded within {within_s:.0f} s") from None
+    ok(kind == "raised", f"{what}: the SDK raises ({type(val).__name__}: {str(val)[:160]})")
+    return val
+
+
+def check_s() -> None:
+    tc = S.tc
+    sc = _client(tc.save_weights_and_get_sampling_client())
+    ok(sc.get_base_model() == S.model_name,
+       f"save_weights_and_get_sampling_client: get_base_model() == {S.model_name!r}")
+    prompt = [11, 47, 3, 29]
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    res = sample(sc, prompt, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=3)
+    ok(len(res.sequences) == 1, f"one sequence for num_samples=1 ({len(res.sequences)})")
+    seq = res.sequences[0]
+    toks, lps = list(seq.tokens), np.asarray(seq.logprobs, dtype=np.float64)
+    ok(len(toks) == 6 and len(lps) == 6 and seq.stop_reason == "length",
+       f"greedy: 6 tokens, 6 logprobs, stop_reason 'length' ({toks}, {seq.stop_reason})")
+    # The sampler's logprobs are the trainer's: Forward over prompt + sample gives the same numbers.
+    full = prompt + toks
+    fwd = forward_lps(tc, [datum(full)], "forward over prompt + sampled tokens")[0]
+    d = float(np.max(np.abs(fwd[len(prompt) - 1:] - lps)))
+    ok(d <= LP_TOL_XBATCH, f"sampled tokens' logprobs == forward's: max |diff| {d:.3g}")
+    pl = res.prompt_logprobs
+    ok(pl is not None and len(pl) == len(prompt) and pl[0] is None,
+       f"prompt_logprobs: {len(prompt)} entries, the first None ({pl})")
+    d = max(abs(pl[i] - fwd[i - 1]) for i in range(1, len(prompt)))
+    ok(d <= LP_TOL_XBATCH, f"prompt_logprobs == forward's: max |diff| {d:.3g}")
+    tk = res.topk_prompt_logprobs
+    ok(tk is not None and len(tk) == len(prompt) and tk[0] is None
+       and all(len(r) == 3 for r in tk[1:]), f"topk_prompt_logprobs: None, then 3 per position")
+    ok(all(r[0][1] >= r[1][1] >= r[2][1] and r[0][1] >= pl[i] - LP_TOL for i, r in
+           enumerate(tk) if r), "top-k rows are most likely first, the first >= the prompt token's")
+    cl = _res(sc.compute_logprobs(types.ModelInput.from_ints(full)))
+    d = max(abs(cl[i] - fwd[i - 1]) for i in range(1, len(full)))
+    ok(cl[0] is None and len(cl) == len(full) and d <= LP_TOL_XBATCH,
+       f"compute_logprobs(prompt + sample) == forward's: max |diff| {d:.3g}")
+    # Greedy takes the most likely token: top-1 at each sampled position is the token taken.
+    top1 = sample(sc, full, types.SamplingParams(max_tokens=1, temperature=0.0),
+                  topk_prompt_logprobs=1).topk_prompt_logprobs
+    ok([top1[i][0][0] for i in range(len(prompt), len(full))] == toks,
+       "greedy: every sampled token is the argmax of its position")
+
+    seeded = types.SamplingParams(max_tokens=8, temperature=1.0, seed=1234)
+    a = [list(s.tokens) for s in sample(sc, prompt, seeded, n=4).sequences]
+    b = [list(s.tokens) for s in sample(sc, prompt, seeded, n=4).sequences]
+    ok(len(a) == 4 and a == b, f"the same seed gives the same 4 samples ({a[0]}...)")
+    stop_at = toks[2]
+    stopped = sample(sc, prompt, types.SamplingParams(max_tokens=6, temperature=0.0,
+                                                      stop=[stop_at])).sequences[0]
+    ok(list(stopped.tokens) == toks[:toks.index(stop_at) + 1] and stopped.stop_reason == "stop",
+       f"a stop token id ends the sample after it ({list(stopped.tokens)}, {stopped.stop_reason})")
+
+    # The named export of check f holds these same weights: sampling it gives the same numbers.
+    sc_path = _client(S.svc.create_sampling_client(model_path=S.sampler_path))
+    res2 = sample(sc_path, prompt, greedy)
+    d = float(np.max(np.abs(np.asarray(res2.sequences[0].logprobs) - lps)))
+    ok(list(res2.sequences[0].tokens) == toks and d <= LP_TOL,
+       f"create_sampling_client(model_path={S.sampler_path!r}) samples the same: max |diff| {d:.3g}")
+    base = _client(S.svc.create_sampling_client(base_model=S.model_name))
+    d = float(np.max(np.abs(np.asarray(sample(base, full, types.SamplingParams(
+        max_tokens=1), include_prompt_logprobs=True).prompt_logprobs[1:]) - fwd)))
+    ok(d > 100 * LP_TOL, f"the base model's sampler is another policy (max |diff| {d:.3g})")
+
+    # A sampler is a snapshot: training on does not change it.
+    train_step(tc, sft_batch(), LR)
+    again = sample(sc, prompt, greedy).sequences[0]
+    d = float(np.max(np.abs(np.asarray(again.logprobs) - lps)))
+    ok(list(again.tokens) == toks and d == 0.0,
+       f"after another training step the sampler answers exactly as before (max |diff| {d:.3g})")
+    moved = _res(_client(tc.save_weights_and_get_sampling_client()).compute_logprobs(
+        types.ModelInput.from_ints(full)))
+    d = max(abs(moved[i] - cl[i]) for i in range(1, len(full)))
+    ok(d > 100 * LP_TOL, f"while a new sampler sees the new weights (max |diff| {d:.3g})")
+
+    # Errors reach the caller promptly, naming the field.
+    e = raises_promptly(lambda: sample(sc, prompt, types.SamplingParams(max_tokens=4, stop="\n")),
+                        "stop strings (no tokenizer on the server)")
+    ok("stop" in str(e), f"the error names sampling_params.stop")
+    e = raises_promptly(lambda: sample(sc, [10**9], greedy), "a prompt token outside the vocabulary")
+    ok("prompt" in str(e), "the error names the prompt")
+    raises_promptly(lambda: _client(S.svc.create_sampling_client(
+        model_path=f"tinker://{S.model_id}/sampler_weights/no-such-export")), "a missing export")
+    if OTHER_API_KEY:
+        # Tenant B cannot sample tenant A's sampler: unknown, like a made-up id.
+        r = http("POST", "/api/v1/asample", key=OTHER_API_KEY, json_body={
+            # The SDK has no public accessor for its sampling session id.
+            "sampling_session_id": sc._sampling_session_id, "seq_id": 0, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+            "sampling_params": {"max_tokens": 2}})
+        rid = json_of(r, "tenant B's asample")["request_id"]
+        body = http("POST", "/api/v1/retrieve_future", key=OTHER_API_KEY,
+                    json_body={"request_id": rid, "allow_metadata_only": False}, timeout=45).json()
+        ok("error" in body and "no sampler" in body["error"],
+           f"tenant B's asample on tenant A's sampler fails: no sampler ({body})")
+        r = http("GET", f"/api/v1/samplers/{sc._sampling_session_id}", key=OTHER_API_KEY)
+        expect_error(r, 404, "tenant B's GET samplers/<A's>", need_detail=True)
 
 
 def check_g() -> None:
@@ -761,8 +850,8 @@ def main() -> None:
     run_check("d", "1,100+ datums: chunked forward_backward, out-of-order chunks", check_d, needs=("c",))
     run_check("e", "save_state / load_state / load_state_with_optimizer", check_e, needs=("d",))
     run_check("f", "save_weights_for_sampler (named)", check_f, needs=("e",))
-    run_check("f.sampling_fails", "EXPECTED FAILURE: sampling is not implemented, the SDK must raise",
-              check_f_sampling_fails, needs=("f",))
+    run_check("s", "sampling: sample, compute_logprobs, exports, snapshots, errors", check_s,
+              needs=("f",))
     run_check("g", "isolation between tenants", check_g, needs=("e",))
     run_check("h", "raw HTTP: config, errors, JSON shapes, a raw model lifecycle", check_h)
     run_check("i", "a SIGKILLed client; create_training_client_from_state trains on", check_i)

@@ -1,0 +1,236 @@
+// The Tinker HTTP API's sampling endpoints onto server/sampling.h. A Tinker sampling session is a
+// tinkerd sampler: save_weights_for_sampler without a name freezes the model in its order (the
+// SDK's save_weights_and_get_sampling_client), create_sampling_session freezes the base model or
+// loads a sampler_weights export, and asample samples it. Retries find their first answer:
+// asample by (sampling_session_id, seq_id), create_sampling_session by (session_id,
+// sampling_session_seq_id), the unnamed save by the model's (model_id, seq_id).
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "runner/util/echo.h"
+#include "server/http/tinker_api.h"
+#include "server/http/tinker_convert.h"
+#include "server/http/tinker_json.h"
+#include "tinker_public/tinker_public.pb.h"
+
+namespace tinkerd::http {
+namespace {
+
+using Json = TinkerApi::Json;
+
+absl::Status Invalid(const std::string& field, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
+}
+
+// Tinker's ModelInput: encoded_text chunks, concatenated.
+absl::Status ReadPrompt(const Json* prompt, v1::ModelInput* out) {
+  if (prompt == nullptr) return Invalid("prompt", "required");
+  auto chunks = prompt->find("chunks");
+  if (chunks == prompt->end() || !chunks->is_array()) {
+    return Invalid("prompt.chunks", "must be an array");
+  }
+  v1::EncodedTextChunk* text = out->add_chunks()->mutable_encoded_text();
+  for (size_t i = 0; i < chunks->size(); ++i) {
+    const std::string field = absl::StrCat("prompt.chunks[", i, "]");
+    const Json& c = (*chunks)[i];
+    if (!c.is_object()) return Invalid(field, "must be an object");
+    const std::string type = c.value("type", "encoded_text");
+    if (type != "encoded_text") {
+      return Invalid(field, absl::StrCat("'", Echo(type),
+                                         "' chunks are not supported by this server (text only)"));
+    }
+    auto tokens = c.find("tokens");
+    if (tokens == c.end() || !tokens->is_array()) return Invalid(field + ".tokens", "required");
+    for (const Json& t : *tokens) {
+      if (!t.is_number_integer()) return Invalid(field + ".tokens", "must be integers");
+      text->add_tokens(t.get<int64_t>());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Tinker's SamplingParams. Stop strings need the tokenizer, which the server does not hold.
+absl::Status ReadParams(const Json* params, v1::SamplingParams* out) {
+  if (params == nullptr) return Invalid("sampling_params", "required");
+  Fields f(*params);
+  const std::optional<int64_t> max_tokens = f.OptInt("max_tokens");
+  const std::optional<double> temperature = f.OptNum("temperature");
+  const std::optional<int64_t> top_k = f.OptInt("top_k");
+  const std::optional<double> top_p = f.OptNum("top_p");
+  if (!f.status().ok()) return Invalid("sampling_params", std::string(f.status().message()));
+  if (!max_tokens) return Invalid("sampling_params.max_tokens", "required");
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  if (*max_tokens > kInt32Max || (top_k && (*top_k > kInt32Max || *top_k < -kInt32Max))) {
+    return Invalid("sampling_params", "max_tokens or top_k out of range");
+  }
+  out->set_max_tokens(static_cast<int32_t>(std::max<int64_t>(*max_tokens, -1)));
+  if (temperature) out->set_temperature(*temperature);
+  if (top_k) out->set_top_k(static_cast<int32_t>(*top_k));  // -1 (Tinker): every token, as <= 0
+  if (top_p) out->set_top_p(*top_p);
+  if (auto seed = params->find("seed"); seed != params->end() && !seed->is_null()) {
+    if (seed->is_number_unsigned()) {
+      out->set_seed(seed->get<uint64_t>());
+    } else if (!seed->is_number_integer()) {
+      return Invalid("sampling_params.seed", "must be an integer");
+    } else {
+      // Python's hash-like seeds may be negative: their two's complement is as good a seed.
+      out->set_seed(static_cast<uint64_t>(seed->get<int64_t>()));
+    }
+  }
+  auto stop = params->find("stop");
+  if (stop == params->end() || stop->is_null()) return absl::OkStatus();
+  if (stop->is_string() || (stop->is_array() && !stop->empty() && (*stop)[0].is_string())) {
+    return Invalid("sampling_params.stop",
+                   "stop strings need the model's tokenizer, which this server does not have; "
+                   "send stop token ids instead");
+  }
+  if (!stop->is_array()) return Invalid("sampling_params.stop", "must be a list of token ids");
+  for (const Json& t : *stop) {
+    if (!t.is_number_integer()) return Invalid("sampling_params.stop", "must be token ids");
+    out->add_stop()->add_tokens(t.get<int64_t>());  // each id stops on its own
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& body,
+                                      Respond respond) {
+  Fields f(body);
+  const std::string session_id = f.Str("session_id");
+  const int64_t seq = f.Int("sampling_session_seq_id");
+  const std::optional<std::string> base_model = f.OptStr("base_model");
+  const std::optional<std::string> model_path = f.OptStr("model_path");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  if (auto st = CheckSession(tenant, session_id); !st.ok()) return respond(Error(st));
+  if (!model_path && base_model && *base_model != config_.served_model_name) {
+    return respond(
+        Error(400, absl::StrCat("base_model: this server samples '", config_.served_model_name,
+                                "', not '", Echo(*base_model), "'")));
+  }
+  const std::string key = absl::StrCat(tenant, "\n", session_id, ":", seq);
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = sampling_sessions_.find(key); it != sampling_sessions_.end()) {
+      return respond(JsonResponse(
+          Json{{"type", "create_sampling_session"}, {"sampling_session_id", it->second}}));
+    }
+  }
+  v1::CreateSamplerRequest req;
+  if (model_path) req.set_path(*model_path);
+  sampling_->CreateSampler(
+      tenant, req, [this, key, respond = std::move(respond)](absl::StatusOr<v1::SamplerInfo> info) {
+        if (!info.ok()) {
+          const char* field =
+              info.status().code() == absl::StatusCode::kNotFound ? "model_path: " : "";
+          return respond(Error(
+              absl::Status(info.status().code(), absl::StrCat(field, info.status().message()))));
+        }
+        {
+          absl::MutexLock lock(&mu_);
+          sampling_sessions_[key] = info->sampler_id();
+        }
+        respond(JsonResponse(Json{{"type", "create_sampling_session"},
+                                  {"sampling_session_id", info->sampler_id()}}));
+      });
+}
+
+void TinkerApi::SaveWeightsForSession(const std::string& tenant, const std::string& request_id,
+                                      const std::string& model_id, int64_t seq_id,
+                                      Respond respond) {
+  v1::CreateSamplerRequest req;
+  req.set_model_id(model_id);
+  req.set_seq_id(seq_id);
+  if (seq_id <= 0) return respond(Error(400, "seq_id: must be positive"));
+  tinkerd::Sampling* sampling = sampling_;
+  Submit<v1::SamplerInfo>(
+      tenant, request_id,
+      [sampling, tenant, req](Done<v1::SamplerInfo> done) {
+        sampling->CreateSampler(tenant, req, std::move(done));
+      },
+      [](const v1::SamplerInfo& info) {
+        return JsonResponse(
+            Json{{"type", "save_weights_for_sampler"}, {"sampling_session_id", info.sampler_id()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::GetSampler(const std::string& tenant, const std::string& sampler_id,
+                           Respond respond) {
+  auto info = sampling_->GetSampler(tenant, sampler_id);
+  if (!info.ok()) return respond(Error(info.status()));
+  Json out{{"sampler_id", info->sampler_id()}, {"base_model", config_.served_model_name}};
+  out["model_path"] = info->path().empty() ? Json() : Json(info->path());
+  respond(JsonResponse(out));
+}
+
+void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  v1::SampleRequest req;
+  const std::optional<std::string> session = f.OptStr("sampling_session_id");
+  const std::optional<int64_t> seq_id = f.OptInt("seq_id");
+  const std::optional<std::string> base_model = f.OptStr("base_model");
+  const std::optional<std::string> model_path = f.OptStr("model_path");
+  const int64_t num_samples = f.OptInt("num_samples").value_or(1);
+  const bool prompt_logprobs = f.OptBool("prompt_logprobs").value_or(false);
+  const int64_t topk = f.OptInt("topk_prompt_logprobs").value_or(0);
+  const Json* prompt = f.Obj("prompt");
+  const Json* params = f.Obj("sampling_params");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  absl::Status st = ReadPrompt(prompt, req.mutable_prompt());
+  if (st.ok()) st = ReadParams(params, req.mutable_sampling_params());
+  if (!st.ok()) return respond(Error(st));
+  // Checked here as well as by the sampler: the answer below lists one id per sample.
+  const SampleLimits& limits = sampling_->request_limits();
+  if (num_samples < 1 || num_samples > limits.max_num_samples) {
+    return respond(Error(400, absl::StrCat("num_samples: must be in [1, ", limits.max_num_samples,
+                                           "], got ", num_samples)));
+  }
+  if (topk < 0 || topk > limits.max_topk_prompt_logprobs) {
+    return respond(Error(400, absl::StrCat("topk_prompt_logprobs: must be in [0, ",
+                                           limits.max_topk_prompt_logprobs, "], got ", topk)));
+  }
+  req.set_num_samples(static_cast<int32_t>(num_samples));
+  req.set_prompt_logprobs(prompt_logprobs);
+  req.set_topk_prompt_logprobs(static_cast<int32_t>(topk));
+  std::string request_id;
+  if (session) {
+    if (!seq_id) return respond(Error(400, "seq_id: required with sampling_session_id"));
+    req.set_sampler_id(*session);
+    request_id = absl::StrCat("sample:", *session, ":", *seq_id);
+  } else if (model_path) {
+    return respond(Error(400,
+                         "model_path: sample through a sampling session "
+                         "(create_sampling_client(model_path=...)), not per request"));
+  } else {
+    if (base_model.value_or(config_.served_model_name) != config_.served_model_name) {
+      return respond(
+          Error(400, absl::StrCat("base_model: this server samples '", config_.served_model_name,
+                                  "', not '", Echo(*base_model), "'")));
+    }
+    // The base model without a session has no retry key: each request is new.
+    request_id = absl::StrCat("sample:base:", RandomHex());
+  }
+  // Newer SDKs (0.38) name each sample when it is submitted; the ids follow the result's order.
+  Json ids = Json::array();
+  for (int64_t i = 0; i < num_samples; ++i) ids.push_back(absl::StrCat(request_id, ":", i));
+  Json accepted{{"sample_sequence_ids", ids}};
+  if (futures_.Has(tenant, request_id)) {
+    accepted["request_id"] = request_id;
+    return respond(JsonResponse(accepted));
+  }
+  tinkerd::Sampling* sampling = sampling_;
+  Submit<v1::SampleResponse>(
+      tenant, request_id,
+      [sampling, tenant, req](Done<v1::SampleResponse> done) {
+        sampling->Sample(tenant, req, std::move(done));
+      },
+      [prompt_logprobs, topk](const v1::SampleResponse& r) {
+        tinker_public::SampleResponse out;
+        SampleResponseToTinker(r, prompt_logprobs, topk, &out);
+        return Response{200, "application/x-protobuf", out.SerializeAsString(), {}};
+      },
+      std::move(respond), std::move(accepted));
+}
+
+}  // namespace tinkerd::http
