@@ -657,7 +657,8 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
 absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
     const std::string& path) const {
   ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
-  absl::MutexLock lock(&impl_->mu);
+  // No lock: this reads only the fields fixed at creation (above Impl::mu), so a load of many
+  // GB holds up no training call.
   return Guarded("loading a policy", [&]() -> absl::StatusOr<std::shared_ptr<const Policy>> {
     ASSIGN_OR_RETURN(SamplerWeights w,
                      ReadSamplerWeights(dir, impl_->model_config, impl_->base_fingerprint,

@@ -104,6 +104,7 @@ class ModelRunner {
   // that later training does not change them; `model_id` empty: the base model.
   absl::StatusOr<std::shared_ptr<const Policy>> FreezePolicy(const std::string& model_id) const;
   // The weights of a SaveWeightsForSampler export at `path` (either layout), to sample from.
+  // Takes no lock: callable from any thread while training runs.
   absl::StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path) const;
 
   // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.

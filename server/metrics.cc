@@ -97,6 +97,17 @@ void Metrics::AddTokens(int64_t n) {
   tokens_ += n;
 }
 
+void Metrics::AddSampleRequest() {
+  absl::MutexLock lock(&mu_);
+  ++sample_requests_;
+}
+
+void Metrics::AddSampled(int64_t sequences, int64_t tokens) {
+  absl::MutexLock lock(&mu_);
+  sampled_sequences_ += sequences;
+  sampled_tokens_ += tokens;
+}
+
 void Metrics::AddOptimStep(bool skipped) {
   absl::MutexLock lock(&mu_);
   ++steps_;
@@ -159,6 +170,15 @@ std::string Metrics::Render(int64_t queue_depth, bool serving) const {
                   steps_, "\n");
   absl::StrAppend(&out, "# TYPE tinkerd_skipped_steps_total counter\ntinkerd_skipped_steps_total ",
                   skipped_, "\n");
+  absl::StrAppend(&out,
+                  "# TYPE tinkerd_sample_requests_total counter\ntinkerd_sample_requests_total ",
+                  sample_requests_, "\n");
+  absl::StrAppend(
+      &out, "# TYPE tinkerd_sampled_sequences_total counter\ntinkerd_sampled_sequences_total ",
+      sampled_sequences_, "\n");
+  absl::StrAppend(&out,
+                  "# TYPE tinkerd_sampled_tokens_total counter\ntinkerd_sampled_tokens_total ",
+                  sampled_tokens_, "\n");
   absl::StrAppend(&out, "# TYPE tinkerd_serving gauge\ntinkerd_serving ", serving ? 1 : 0, "\n");
   return out;
 }

@@ -1,5 +1,6 @@
 // Prometheus metrics: requests by RPC and code, latency histograms per RPC, queue depth, tokens
-// processed, optimizer steps (and skipped ones), checkpoint durations. Thread-safe. RPC counts and
+// processed, optimizer steps (and skipped ones), checkpoint durations, sampling requests and
+// sampled tokens. Thread-safe. RPC counts and
 // latencies come from a gRPC server interceptor, so no handler is instrumented by hand.
 #pragma once
 
@@ -22,6 +23,9 @@ class Metrics {
   void ObserveHttp(const std::string& endpoint, int status, double seconds);
   void AddTokens(int64_t n);
   void AddOptimStep(bool skipped);
+  // A Sample or ComputeLogprobs request the engine admitted; then what it produced.
+  void AddSampleRequest();
+  void AddSampled(int64_t sequences, int64_t tokens);
   void ObserveCheckpoint(const std::string& op, double seconds);
   // Text exposition format 0.0.4; `queue_depth` is read at render time.
   std::string Render(int64_t queue_depth, bool serving) const;
@@ -46,6 +50,9 @@ class Metrics {
   int64_t tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t skipped_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sample_requests_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sampled_sequences_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sampled_tokens_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // GET /metrics, /healthz (the process answers), /readyz (200 only while serving) on `port`

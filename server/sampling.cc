@@ -1,5 +1,6 @@
 #include "server/sampling.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -55,7 +56,10 @@ v1::SampleResponse ToProto(const SampleResult& r) {
 }  // namespace
 
 Sampling::Sampling(Ops* ops, SamplingConfig config)
-    : ops_(ops), config_(config), engine_(std::make_unique<SampleEngine>(config.engine)) {
+    : ops_(ops),
+      config_(config),
+      engine_(std::make_unique<SampleEngine>(config.engine)),
+      loader_(config.max_queued_loads) {
   auto base = ops_->runner()->local()->FreezePolicy("");
   base_ = base.ok() ? *base : nullptr;  // the base's policy shares its tensors: it cannot fail
   ops_->scheduler()->SetBackground([this] { return engine_->Step(); });
@@ -64,6 +68,7 @@ Sampling::Sampling(Ops* ops, SamplingConfig config)
 Sampling::~Sampling() = default;
 
 void Sampling::Stop() {
+  loader_.Stop();
   engine_->FailAll(absl::UnavailableError("server is shutting down"));
 }
 
@@ -100,7 +105,11 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
   absl::StatusOr<std::shared_ptr<const Policy>> policy = checkpoint_dir.empty()
                                                              ? runner->FreezePolicy(req.model_id())
                                                              : runner->LoadPolicy(checkpoint_dir);
-  if (!policy.ok()) return ops_->HideCheckpointPaths(tenant, policy.status());
+  if (!policy.ok()) {
+    absl::Status st = ops_->HideCheckpointPaths(tenant, policy.status());
+    if (checkpoint_dir.empty()) return st;
+    return absl::Status(st.code(), absl::StrCat("path: ", st.message()));
+  }
   ASSIGN_OR_RETURN(std::string id, ModelRunner::NewModelId());
   v1::SamplerInfo info;
   info.set_sampler_id(absl::StrReplaceAll(id, {{"model-", "sampler-"}}));
@@ -109,22 +118,40 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
   info.set_step((*policy)->step);
   absl::MutexLock lock(&mu_);
   ExpireLocked();
-  // An RL loop makes a sampler every step and never deletes one: past the limit, the tenant's
-  // least recently used sampler goes (requests admitted from it still finish on its policy).
-  int held = 0;
-  auto lru = samplers_.end();
-  for (auto it = samplers_.begin(); it != samplers_.end(); ++it) {
-    if (it->second.owner != tenant) continue;
-    ++held;
-    if (lru == samplers_.end() || it->second.used < lru->second.used) lru = it;
-  }
-  if (held >= config_.max_samplers_per_tenant) {
-    TLOG_INFO("sampling: {} is the least recently used of {} samplers of its tenant: deleted",
-              lru->first, held);
-    samplers_.erase(lru);
-  }
+  RETURN_IF_ERROR(EvictFor(tenant, (*policy)->bytes));
   samplers_[info.sampler_id()] = {tenant, *std::move(policy), info, absl::Now()};
   return info;
+}
+
+absl::Status Sampling::EvictFor(const std::string& tenant, int64_t bytes) {
+  const int64_t budget = config_.max_sampler_bytes_per_tenant;
+  if (bytes > budget) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the sampler needs ", bytes, " bytes beyond the base model, more than a tenant's ", budget,
+        " for samplers (--sampler_mb_per_tenant); sample a LoRA model"));
+  }
+  // An RL loop makes a sampler every step and never deletes one: past the limits, the tenant's
+  // least recently used samplers go (requests admitted from them still finish on their policy).
+  std::vector<std::map<std::string, Sampler>::iterator> held;
+  int64_t held_bytes = 0;
+  for (auto it = samplers_.begin(); it != samplers_.end(); ++it) {
+    if (it->second.owner != tenant) continue;
+    held.push_back(it);
+    held_bytes += it->second.policy->bytes;
+  }
+  std::sort(held.begin(), held.end(),
+            [](const auto& a, const auto& b) { return a->second.used < b->second.used; });
+  for (auto lru = held.begin(); lru != held.end(); ++lru) {
+    const int64_t count = held.end() - lru;
+    if (count < config_.max_samplers_per_tenant && held_bytes + bytes <= budget) break;
+    TLOG_INFO(
+        "sampling: {} is the least recently used of {} samplers ({} MiB) of its tenant: "
+        "deleted",
+        (*lru)->first, count, held_bytes >> 20);
+    held_bytes -= (*lru)->second.policy->bytes;
+    samplers_.erase(*lru);
+  }
+  return absl::OkStatus();
 }
 
 void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerRequest& req,
@@ -166,8 +193,17 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
                                        done(r->create_sampler());
                                      });
   }
+  if (!dir.empty()) {
+    // Reads only the base model's fixed fields, so it needs neither the scheduler nor a lock.
+    if (!loader_.Submit([this, tenant, req, dir, done] { done(Make(tenant, req, dir)); },
+                        [done] { done(absl::UnavailableError("server is shutting down")); })) {
+      done(absl::ResourceExhaustedError(
+          "path: too many sampler exports are being loaded; retry later"));
+    }
+    return;
+  }
   if (!ops_->scheduler()->RunBetweenJobs(
-          [this, tenant, req, dir, done] { done(Make(tenant, req, dir)); })) {
+          [this, tenant, req, done] { done(Make(tenant, req, "")); })) {
     done(absl::UnavailableError("server is shutting down"));
   }
 }
@@ -226,8 +262,18 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
 
 void Sampling::Run(std::shared_ptr<const Policy> policy, SampleRequest request,
                    std::function<void(const absl::StatusOr<SampleResult>&)> done) {
-  absl::Status admitted = engine_->Admit(std::move(policy), std::move(request), done);
+  Metrics* metrics = ops_->metrics();
+  auto counted = [metrics, done](const absl::StatusOr<SampleResult>& r) {
+    if (r.ok() && metrics != nullptr) {
+      int64_t tokens = 0;
+      for (const SampledSequence& s : r->sequences) tokens += static_cast<int64_t>(s.tokens.size());
+      metrics->AddSampled(static_cast<int64_t>(r->sequences.size()), tokens);
+    }
+    done(r);
+  };
+  absl::Status admitted = engine_->Admit(std::move(policy), std::move(request), counted);
   if (!admitted.ok()) return done(admitted);
+  if (metrics != nullptr) metrics->AddSampleRequest();
   ops_->scheduler()->KickBackground();
 }
 

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "runner/sample/sample_types.h"
 #include "server/ops.h"
+#include "server/worker.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {
@@ -26,6 +27,11 @@ struct SamplingConfig {
   EngineLimits engine;
   SampleLimits request;
   int max_samplers_per_tenant = 32;
+  // Memory a tenant's samplers may hold beyond the base model's weights (a LoRA sampler holds its
+  // adapter, a full fine-tune's or a merged export's its whole weights). A new sampler evicts the
+  // tenant's least recently used ones until it fits; one larger than this alone is refused.
+  int64_t max_sampler_bytes_per_tenant = int64_t{8} << 30;
+  int max_queued_loads = 8;  // sampler exports waiting to be read; past it RESOURCE_EXHAUSTED
   absl::Duration sampler_idle = absl::Hours(1);  // unused this long: deleted
 };
 
@@ -38,7 +44,9 @@ class Sampling {
   void Stop();
 
   // Freezes the model's weights on the scheduler thread: between two jobs, or in the model's
-  // order at req.seq_id (a retry gets the same sampler); or loads req.path's sampler export.
+  // order at req.seq_id (a retry gets the same sampler); or loads req.path's sampler export on
+  // a thread of its own, so that neither training nor sampling waits for the disk. Errors of a
+  // load name `path`.
   void CreateSampler(const std::string& tenant, const v1::CreateSamplerRequest& req,
                      Done<v1::SamplerInfo> done);
   absl::StatusOr<v1::SamplerInfo> GetSampler(const std::string& tenant,
@@ -61,10 +69,13 @@ class Sampling {
     v1::SamplerInfo info;
     absl::Time used;
   };
-  // Makes the policy and registers it (on the scheduler thread).
+  // Makes the policy (on the scheduler thread, or the loader's for an export) and registers it.
   absl::StatusOr<v1::SamplerInfo> Make(const std::string& tenant,
                                        const v1::CreateSamplerRequest& req,
                                        const std::string& checkpoint_dir);
+  // Makes room for `bytes` more of `tenant`'s samplers: evicts its least recently used ones.
+  absl::Status EvictFor(const std::string& tenant, int64_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The policy `sampler_id` / `model_id` names for `tenant`, then `then` with it (on the
   // scheduler thread when a model is frozen for the request).
   void Resolve(const std::string& tenant, const std::string& sampler_id,
@@ -80,6 +91,7 @@ class Sampling {
   std::shared_ptr<const Policy> base_;
   absl::Mutex mu_;
   std::map<std::string, Sampler> samplers_ ABSL_GUARDED_BY(mu_);
+  Worker loader_;  // last: its thread uses the members above until it is joined
 };
 
 }  // namespace tinkerd

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -72,6 +73,10 @@ ABSL_FLAG(int, sample_kv_cache_mb, 2048,
           "KV-cache memory reserved for running samples (prompt + num_samples * max_tokens per "
           "request); past it Sample answers RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, sampler_idle_s, 3600, "a sampler unused for this long is deleted");
+ABSL_FLAG(int64_t, sampler_mb_per_tenant, 8192,
+          "memory a tenant's samplers may hold beyond the base model (a LoRA sampler its adapter, "
+          "a full fine-tune's or a merged export's its weights); a new sampler evicts the "
+          "tenant's least recently used ones to fit");
 ABSL_FLAG(int, nproc, 1,
           "data-parallel ranks to spawn on this machine (ignored when WORLD_SIZE is set, e.g. by "
           "torchrun, Slurm or Kubernetes)");
@@ -202,6 +207,8 @@ int main(int argc, char** argv) {
   sc.sampling.engine.max_sequences = absl::GetFlag(FLAGS_sample_max_sequences);
   sc.sampling.engine.kv_cache_bytes = int64_t{absl::GetFlag(FLAGS_sample_kv_cache_mb)} << 20;
   sc.sampling.sampler_idle = absl::Seconds(absl::GetFlag(FLAGS_sampler_idle_s));
+  sc.sampling.max_sampler_bytes_per_tenant =
+      std::max<int64_t>(0, absl::GetFlag(FLAGS_sampler_mb_per_tenant)) << 20;
   if (!absl::GetFlag(FLAGS_api_keys_file).empty()) {
     auto keys = tinkerd::ApiKeys::LoadFile(absl::GetFlag(FLAGS_api_keys_file));
     if (!keys.ok()) {

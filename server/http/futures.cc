@@ -10,15 +10,23 @@ Futures::Futures(FuturesConfig config,
                  std::function<void(absl::Duration, std::function<void()>)> after)
     : config_(config), after_(std::move(after)) {}
 
+namespace {
+
+Response Unavailable(const char* why = "the call was refused; poll again") {
+  return Response{503, "application/json", nlohmann::json{{"detail", why}}.dump(), {}};
+}
+
+}  // namespace
+
 size_t Futures::size() const {
   absl::MutexLock lock(&mu_);
   return entries_.size();
 }
 
-void Futures::ExpireLocked() {
+void Futures::ExpireLocked(size_t adding) {
   const absl::Time cutoff = absl::Now() - config_.keep;
   while (!finished_.empty() &&
-         (finished_.front().first < cutoff || entries_.size() >= config_.max_entries)) {
+         (finished_.front().first < cutoff || entries_.size() + adding > config_.max_entries)) {
     auto it = entries_.find(finished_.front().second);
     if (it != entries_.end() && it->second.answer &&
         it->second.finished == finished_.front().first) {
@@ -28,20 +36,27 @@ void Futures::ExpireLocked() {
   }
 }
 
-bool Futures::Has(const std::string& tenant, const std::string& request_id) const {
-  absl::MutexLock lock(&mu_);
-  return entries_.count(Key(tenant, request_id)) > 0;
-}
-
-bool Futures::Open(const std::string& tenant, const std::string& request_id) {
+Futures::Opened Futures::Open(const std::string& tenant, const std::string& request_id) {
   absl::MutexLock lock(&mu_);
   const std::string key = Key(tenant, request_id);
-  if (entries_.count(key)) return true;
-  if (closed_) return false;
-  ExpireLocked();
-  if (entries_.size() >= config_.max_entries) return false;
+  if (entries_.count(key)) return Opened::kExists;
+  if (closed_) return Opened::kFull;
+  ExpireLocked(/*adding=*/1);
+  if (entries_.size() >= config_.max_entries) return Opened::kFull;
   entries_.emplace(key, Entry());
-  return true;
+  return Opened::kNew;
+}
+
+void Futures::Drop(const std::string& tenant, const std::string& request_id) {
+  std::map<uint64_t, Respond> polls;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(Key(tenant, request_id));
+    if (it == entries_.end() || it->second.answer) return;
+    polls.swap(it->second.polls);
+    entries_.erase(it);
+  }
+  for (auto& [id, respond] : polls) respond(Unavailable());
 }
 
 void Futures::Finish(const std::string& tenant, const std::string& request_id, Response answer) {
@@ -54,7 +69,7 @@ void Futures::Finish(const std::string& tenant, const std::string& request_id, R
     it->second.finished = absl::Now();
     finished_.emplace_back(it->second.finished, it->first);
     polls.swap(it->second.polls);
-    ExpireLocked();
+    ExpireLocked(/*adding=*/0);  // the answer just given stays, even at max_entries
   }
   for (auto& [id, respond] : polls) respond(answer);
 }
@@ -111,12 +126,7 @@ void Futures::Close() {
     entries_.clear();
     finished_.clear();
   }
-  for (auto& respond : polls) {
-    Response r;
-    r.status = 503;
-    r.body = nlohmann::json{{"detail", "server is shutting down"}}.dump();
-    respond(std::move(r));
-  }
+  for (auto& respond : polls) respond(Unavailable("server is shutting down"));
 }
 
 }  // namespace tinkerd::http

@@ -26,13 +26,17 @@ class Futures {
   // `after` runs a function later on the HTTP server's threads (HttpServer::After).
   Futures(FuturesConfig config, std::function<void(absl::Duration, std::function<void()>)> after);
 
-  // Registers a pending future, unless one exists already (a retry of the same call): then it is
-  // left as it is. False when there is no room (every entry pending).
-  bool Open(const std::string& tenant, const std::string& request_id);
+  enum class Opened { kNew, kExists, kFull };
+  // Registers a pending future, unless one exists already (a retry of the same call: kExists,
+  // left as it is). kFull when there is no room (every entry pending) or the table is closed.
+  // Opened before the call starts, so a call answered 429 was never started.
+  Opened Open(const std::string& tenant, const std::string& request_id);
+  // Forgets a future opened for a call that was then refused at once, so that a resend starts
+  // afresh; polls parked on it meanwhile are answered 503 (the client polls again, then 404).
+  void Drop(const std::string& tenant, const std::string& request_id);
   // The future's answer: a result (status 200) or a {"error", "category"} body. Wakes its polls.
   // A future finished already keeps its first answer.
   void Finish(const std::string& tenant, const std::string& request_id, Response answer);
-  bool Has(const std::string& tenant, const std::string& request_id) const;
   // Answers with the future's answer when it has one, else parks the poll.
   void Poll(const std::string& tenant, const std::string& request_id, Respond respond);
   // Answers every parked poll with 503 (the client polls again) and forgets everything.
@@ -49,9 +53,9 @@ class Futures {
   static std::string Key(const std::string& tenant, const std::string& request_id) {
     return tenant + '\n' + request_id;  // tenants and ids never contain a newline
   }
-  // Under mu_: drops finished entries past `keep`, then the oldest finished while at
-  // max_entries. Amortized O(1): finished_ is in finishing order.
-  void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_: drops finished entries past `keep`, then the oldest finished until `adding` more
+  // fit in max_entries. Amortized O(1): finished_ is in finishing order.
+  void ExpireLocked(size_t adding) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Expire(const std::string& key, uint64_t poll_id, std::string request_id);
 
   const FuturesConfig config_;

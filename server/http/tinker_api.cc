@@ -76,7 +76,8 @@ void TinkerApi::Reap() {
         const std::string prefix = it->second.tenant + '\n' + it->first + ':';
         for (auto a = sampling_sessions_.lower_bound(prefix);
              a != sampling_sessions_.end() && absl::StartsWith(a->first, prefix);) {
-          a = sampling_sessions_.erase(a);
+          // One being made has callers waiting: it goes when it is answered.
+          a = a->second.sampler_id.empty() ? std::next(a) : sampling_sessions_.erase(a);
         }
         ended.emplace_back(it->first, std::move(it->second));
         it = sessions_.erase(it);
@@ -191,10 +192,20 @@ void TinkerApi::Handle(Request req, Respond respond) {
 }
 
 template <typename Resp>
-void TinkerApi::Submit(const std::string& tenant, const std::string& request_id,
+void TinkerApi::Submit(const std::string& tenant, const std::string& request_id, Resend resend,
                        std::function<void(Done<Resp>)> start,
                        std::function<Response(const Resp&)> encode, Respond respond,
                        Json accepted) {
+  accepted["request_id"] = request_id;
+  // The future is reserved before the call starts: a call answered 429 never ran, and of two
+  // racing resends of a sample only one starts it.
+  const Futures::Opened opened = futures_.Open(tenant, request_id);
+  if (opened == Futures::Opened::kFull) {
+    return respond(Error(429, "too many unfinished futures; retry later"));
+  }
+  if (opened == Futures::Opened::kExists && resend == Resend::kFuture) {
+    return respond(JsonResponse(accepted));
+  }
   // The operation may answer before `start` returns (a refusal, or a retry's cached result):
   // such an answer is held here and decided on below; a later one finishes the future.
   struct Submission {
@@ -220,25 +231,22 @@ void TinkerApi::Submit(const std::string& tenant, const std::string& request_id,
     const absl::StatusCode code = sub->immediate->status().code();
     if (code == absl::StatusCode::kAlreadyExists || code == absl::StatusCode::kResourceExhausted ||
         code == absl::StatusCode::kUnavailable) {
+      // A resend can fix these, or they concern another call's future: not this future's answer.
+      if (opened == Futures::Opened::kNew) futures_.Drop(tenant, request_id);
       return respond(Error(sub->immediate->status()));
     }
   }
-  if (!futures_.Open(tenant, request_id)) {
-    // The answer (if any) is dropped; a resend is a retry and gets the cached result.
-    return respond(Error(429, "too many unfinished futures; retry later"));
-  }
   if (sub->immediate) finish(*sub->immediate);
-  accepted["request_id"] = request_id;
   respond(JsonResponse(accepted));
 }
 
 // The instances tinker_sampling.cc uses.
-template void TinkerApi::Submit<v1::SamplerInfo>(const std::string&, const std::string&,
+template void TinkerApi::Submit<v1::SamplerInfo>(const std::string&, const std::string&, Resend,
                                                  std::function<void(Done<v1::SamplerInfo>)>,
                                                  std::function<Response(const v1::SamplerInfo&)>,
                                                  Respond, Json);
 template void TinkerApi::Submit<v1::SampleResponse>(
-    const std::string&, const std::string&, std::function<void(Done<v1::SampleResponse>)>,
+    const std::string&, const std::string&, Resend, std::function<void(Done<v1::SampleResponse>)>,
     std::function<Response(const v1::SampleResponse&)>, Respond, Json);
 
 std::string TinkerApi::Resolve(const std::string& tenant, const std::string& model_id) {
@@ -366,11 +374,9 @@ void TinkerApi::CreateModel(const std::string& tenant, const Json& body, Respond
   // A retry of a creation is answered with the first one's future: creations have no seq_id
   // in the scheduler to catch them.
   const std::string request_id = absl::StrCat("create:", session_id, ":", model_seq_id);
-  if (futures_.Has(tenant, request_id))
-    return respond(JsonResponse(Json{{"request_id", request_id}}));
   Ops* ops = ops_;
   Submit<v1::ModelInfo>(
-      tenant, request_id,
+      tenant, request_id, Resend::kFuture,
       [ops, tenant, req](Done<v1::ModelInfo> done) {
         ops->CreateModel(tenant, req, std::move(done));
       },
@@ -402,11 +408,9 @@ void TinkerApi::UnloadModel(const std::string& tenant, const Json& body, Respond
   const std::string model_id = f.Str("model_id");
   if (!f.status().ok()) return respond(Error(f.status()));
   const std::string request_id = absl::StrCat("unload:", model_id);
-  if (futures_.Has(tenant, request_id))
-    return respond(JsonResponse(Json{{"request_id", request_id}}));
   Ops* ops = ops_;
   Submit<v1::DeleteModelResponse>(
-      tenant, request_id,
+      tenant, request_id, Resend::kFuture,
       [ops, tenant, id = Resolve(tenant, model_id)](Done<v1::DeleteModelResponse> done) {
         ops->DeleteModel(tenant, id, std::move(done));
       },
@@ -432,7 +436,7 @@ void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, R
     // The slot is taken with the error, so the client's later calls are not held up.
     const uint64_t hash = Fnv64(req.body, kFnv64Basis);
     return Submit<v1::RetrieveResultResponse>(
-        tenant, request_id,
+        tenant, request_id, Resend::kOperation,
         [ops, tenant, model_id, seq_id, kind, hash,
          st = converted.status()](Done<v1::RetrieveResultResponse> done) {
           ops->Refuse(tenant, model_id, seq_id, kind, hash, st, std::move(done));
@@ -444,7 +448,7 @@ void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, R
   request->set_seq_id(seq_id);
   const std::string loss_fn = request->loss_fn().name();
   Submit<v1::ForwardBackwardOutput>(
-      tenant, request_id,
+      tenant, request_id, Resend::kOperation,
       [ops, tenant, request, forward_only](Done<v1::ForwardBackwardOutput> done) {
         ops->ForwardBackward(tenant, request.get(), !forward_only, std::move(done));
       },
@@ -479,7 +483,7 @@ void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond r
   req.set_model_id(Resolve(tenant, req.model_id()));
   Ops* ops = ops_;
   Submit<v1::OptimStepResponse>(
-      tenant, request_id,
+      tenant, request_id, Resend::kOperation,
       [ops, tenant, req](Done<v1::OptimStepResponse> done) {
         ops->OptimStep(tenant, req, std::move(done));
       },
@@ -506,7 +510,7 @@ void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond
   req.set_model_id(Resolve(tenant, req.model_id()));
   Ops* ops = ops_;
   Submit<v1::SaveStateResponse>(
-      tenant, request_id,
+      tenant, request_id, Resend::kOperation,
       [ops, tenant, req](Done<v1::SaveStateResponse> done) {
         ops->SaveState(tenant, req, std::move(done));
       },
@@ -529,14 +533,11 @@ void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond
     if (!f.status().ok()) return respond(Error(f.status()));
     if (auto st = CheckSession(tenant, session_id); !st.ok()) return respond(Error(st));
     const std::string request_id = absl::StrCat("create:", session_id, ":", model_seq_id);
-    if (futures_.Has(tenant, request_id)) {
-      return respond(JsonResponse(Json{{"request_id", request_id}}));
-    }
     v1::CreateModelFromStateRequest req;
     req.set_path(path);
     req.set_with_optimizer(optimizer);
     return Submit<v1::ModelInfo>(
-        tenant, request_id,
+        tenant, request_id, Resend::kFuture,
         [ops, tenant, req](Done<v1::ModelInfo> done) {
           ops->CreateModelFromState(tenant, req, std::move(done));
         },
@@ -554,7 +555,7 @@ void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond
   req.set_with_optimizer(optimizer);
   if (!f.status().ok()) return respond(Error(f.status()));
   Submit<v1::LoadStateResponse>(
-      tenant, absl::StrCat(*model_id, ":", req.seq_id()),
+      tenant, absl::StrCat(*model_id, ":", req.seq_id()), Resend::kOperation,
       [ops, tenant, req](Done<v1::LoadStateResponse> done) {
         ops->LoadState(tenant, req, std::move(done));
       },
@@ -582,7 +583,7 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   }
   req.set_name(*name);
   Submit<v1::SaveWeightsForSamplerResponse>(
-      tenant, request_id,
+      tenant, request_id, Resend::kOperation,
       [ops, tenant, req](Done<v1::SaveWeightsForSamplerResponse> done) {
         ops->SaveWeightsForSampler(tenant, req, std::move(done));
       },

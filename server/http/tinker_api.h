@@ -95,8 +95,13 @@ class TinkerApi {
   // fix or that must not overwrite the first call's future (duplicate, full, shutting down).
   // `encode` turns the operation's response into the future's result; `accepted` holds fields
   // added to the {"request_id"} answer.
+  // Who recognizes a resend: the scheduler, by the model's seq_id (kOperation: the call starts
+  // again, and gets the first call's result, or is refused if its payload differs), or only the
+  // future table (kFuture: the first call's future answers it, and the call is not started
+  // again: calls without a place in a model's order, such as creations and samples).
+  enum class Resend { kOperation, kFuture };
   template <typename Resp>
-  void Submit(const std::string& tenant, const std::string& request_id,
+  void Submit(const std::string& tenant, const std::string& request_id, Resend resend,
               std::function<void(Done<Resp>)> start, std::function<Response(const Resp&)> encode,
               Respond respond, Json accepted = Json::object());
   // The model a client's id names: tinkerd's own ids name themselves; newer SDKs also address a
@@ -118,8 +123,13 @@ class TinkerApi {
   absl::Mutex mu_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> aliases_ ABSL_GUARDED_BY(mu_);  // tenant \n alias -> id
-  // tenant \n session_id:sampling_session_seq_id -> sampler id, so a retried creation finds it.
-  std::map<std::string, std::string> sampling_sessions_ ABSL_GUARDED_BY(mu_);
+  // A create_sampling_session call, by tenant \n session_id:sampling_session_seq_id, so that a
+  // resend finds its sampler: while it is made, the resend waits for the same answer.
+  struct SamplingSession {
+    std::string sampler_id;  // empty while it is made
+    std::vector<Respond> waiting;
+  };
+  std::map<std::string, SamplingSession> sampling_sessions_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tinkerd::http

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "runner/util/echo.h"
 #include "server/http/tinker_api.h"
 #include "server/http/tinker_convert.h"
@@ -108,30 +109,53 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
         Error(400, absl::StrCat("base_model: this server samples '", config_.served_model_name,
                                 "', not '", Echo(*base_model), "'")));
   }
+  auto answer = [](const std::string& sampler_id) {
+    return JsonResponse(
+        Json{{"type", "create_sampling_session"}, {"sampling_session_id", sampler_id}});
+  };
   const std::string key = absl::StrCat(tenant, "\n", session_id, ":", seq);
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = sampling_sessions_.find(key); it != sampling_sessions_.end()) {
-      return respond(JsonResponse(
-          Json{{"type", "create_sampling_session"}, {"sampling_session_id", it->second}}));
+    SamplingSession& s = sampling_sessions_[key];
+    if (!s.sampler_id.empty()) {
+      // A resend. Its sampler may have been evicted since (LRU, idle): then it is made again,
+      // as the first call made it, rather than answered with an id that no longer samples.
+      if (sampling_->GetSampler(tenant, s.sampler_id).ok()) return respond(answer(s.sampler_id));
+      s.sampler_id.clear();
+    } else if (!s.waiting.empty()) {
+      return s.waiting.push_back(std::move(respond));  // a resend while it is made
     }
+    s.waiting.push_back(std::move(respond));
   }
   v1::CreateSamplerRequest req;
   if (model_path) req.set_path(*model_path);
   sampling_->CreateSampler(
-      tenant, req, [this, key, respond = std::move(respond)](absl::StatusOr<v1::SamplerInfo> info) {
-        if (!info.ok()) {
-          const char* field =
-              info.status().code() == absl::StatusCode::kNotFound ? "model_path: " : "";
-          return respond(Error(
-              absl::Status(info.status().code(), absl::StrCat(field, info.status().message()))));
-        }
+      tenant, req, [this, key, session_id, answer](absl::StatusOr<v1::SamplerInfo> info) {
+        std::vector<Respond> waiting;
         {
           absl::MutexLock lock(&mu_);
-          sampling_sessions_[key] = info->sampler_id();
+          auto it = sampling_sessions_.find(key);
+          if (it != sampling_sessions_.end()) {
+            waiting.swap(it->second.waiting);
+            // Kept for resends while the session lives; a failure is not: a resend tries again.
+            if (info.ok() && sessions_.count(session_id)) {
+              it->second.sampler_id = info->sampler_id();
+            } else {
+              sampling_sessions_.erase(it);
+            }
+          }
         }
-        respond(JsonResponse(Json{{"type", "create_sampling_session"},
-                                  {"sampling_session_id", info->sampler_id()}}));
+        Response r;
+        if (info.ok()) {
+          r = answer(info->sampler_id());
+        } else {
+          // Sampling names the export `path`; the Tinker request calls it model_path.
+          absl::string_view message = info.status().message();
+          r = Error(absl::Status(info.status().code(), absl::ConsumePrefix(&message, "path: ")
+                                                           ? absl::StrCat("model_path: ", message)
+                                                           : std::string(message)));
+        }
+        for (Respond& w : waiting) w(r);
       });
 }
 
@@ -144,7 +168,7 @@ void TinkerApi::SaveWeightsForSession(const std::string& tenant, const std::stri
   if (seq_id <= 0) return respond(Error(400, "seq_id: must be positive"));
   tinkerd::Sampling* sampling = sampling_;
   Submit<v1::SamplerInfo>(
-      tenant, request_id,
+      tenant, request_id, Resend::kOperation,
       [sampling, tenant, req](Done<v1::SamplerInfo> done) {
         sampling->CreateSampler(tenant, req, std::move(done));
       },
@@ -215,13 +239,9 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   Json ids = Json::array();
   for (int64_t i = 0; i < num_samples; ++i) ids.push_back(absl::StrCat(request_id, ":", i));
   Json accepted{{"sample_sequence_ids", ids}};
-  if (futures_.Has(tenant, request_id)) {
-    accepted["request_id"] = request_id;
-    return respond(JsonResponse(accepted));
-  }
   tinkerd::Sampling* sampling = sampling_;
   Submit<v1::SampleResponse>(
-      tenant, request_id,
+      tenant, request_id, Resend::kFuture,
       [sampling, tenant, req](Done<v1::SampleResponse> done) {
         sampling->Sample(tenant, req, std::move(done));
       },

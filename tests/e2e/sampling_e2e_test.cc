@@ -229,6 +229,48 @@ TEST(SamplingE2e, AnOrderedSamplerFreezesAtItsSeqIdAndExportsSampleTheSame) {
   EXPECT_EQ(CreateSampler(live, bad, &unused).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+TEST(SamplingE2e, ATenantsSamplersStayWithinItsMemoryBudget) {
+  int64_t adapter_bytes = 0;  // what one sampler of a rank-4 LoRA model holds (float64)
+  {
+    LiveServer probe;
+    adapter_bytes =
+        8 *
+        static_cast<int64_t>(
+            Flat(Snap(*probe.server->runner(), probe.CreateModel(), StateKind::kParams)).size());
+  }
+  ASSERT_GT(adapter_bytes, 0);
+  ServerConfig sc;
+  sc.sampling.max_sampler_bytes_per_tenant = adapter_bytes * 5 / 2;  // room for two
+  LiveServer live(sc);
+  v1::CreateSamplerRequest create;
+  create.set_model_id(live.CreateModel());
+  std::vector<std::string> samplers;
+  for (int i = 0; i < 3; ++i) {
+    v1::SamplerInfo info;
+    const grpc::Status st = CreateSampler(live, create, &info);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    samplers.push_back(info.sampler_id());
+  }
+  auto sample = [&](const std::string& sampler) {
+    v1::SampleRequest req = SampleReq("", 1, 2);
+    req.set_sampler_id(sampler);
+    v1::SampleResponse out;
+    return Sample(live, req, &out).error_code();
+  };
+  EXPECT_EQ(sample(samplers[0]), grpc::StatusCode::NOT_FOUND) << "the budget held three";
+  EXPECT_EQ(sample(samplers[1]), grpc::StatusCode::OK);
+  EXPECT_EQ(sample(samplers[2]), grpc::StatusCode::OK);
+
+  sc.sampling.max_sampler_bytes_per_tenant = adapter_bytes - 1;  // not even one
+  LiveServer small(sc);
+  create.set_model_id(small.CreateModel());
+  v1::SamplerInfo info;
+  const grpc::Status st = CreateSampler(small, create, &info);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(st.error_message().find("--sampler_mb_per_tenant"), std::string::npos)
+      << st.error_message();
+}
+
 TEST(SamplingE2e, BadRequestsAreNamedAndChangeNothing) {
   ServerConfig sc;
   sc.sampling.engine.max_sequences = 4;

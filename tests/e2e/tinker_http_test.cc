@@ -43,6 +43,8 @@ class TinkerHttp : public ::testing::Test {
     sc.tinker_http.served_model_name = "tiny-llama";
     sc.tinker_http.futures.long_poll = long_poll;
     sc.tinker_http.futures.keep = keep_;
+    sc.tinker_http.futures.max_entries = max_futures_;
+    sc.sampling.max_samplers_per_tenant = max_samplers_;
     live_ = std::make_unique<LiveServer>(sc);
     port_ = live_->server->tinker_http_port();
     ASSERT_GT(port_, 0);
@@ -146,7 +148,22 @@ class TinkerHttp : public ::testing::Test {
     return live_->server->runner()->GetInfo(model)->accumulated_tokens;
   }
 
+  // A Tinker sampling session (create_sampling_session) of the base model.
+  Reply SamplingSession(const std::string& session, int64_t seq) {
+    return Post(
+        "create_sampling_session",
+        {{"session_id", session}, {"sampling_session_seq_id", seq}, {"base_model", "tiny-llama"}});
+  }
+  std::string Metrics() {
+    httplib::Client cli("127.0.0.1", live_->server->metrics_port());
+    auto r = cli.Get("/metrics");
+    EXPECT_TRUE(r);
+    return r ? r->body : "";
+  }
+
   absl::Duration keep_ = absl::Minutes(10);
+  size_t max_futures_ = 100000;
+  int max_samplers_ = 32;
   TempDir keys_dir_;
   std::unique_ptr<LiveServer> live_;
   int port_ = 0;
@@ -212,6 +229,21 @@ TEST_F(TinkerHttp, BadRequestsGetAStatusAndABodyNamingTheReasonAndChangeNothing)
        400, "num_samples"},
       {"unknown sampler", Send("GET", "/api/v1/samplers/sampler-0", "", "", kAlice), 404,
        "sampler_id"},
+      {"unknown export",
+       Post("create_sampling_session",
+            {{"session_id", Session()},
+             {"sampling_session_seq_id", 0},
+             {"model_path", "tinker://" + model + "/sampler_weights/nope"}}),
+       404, "model_path: "},
+      {"a training checkpoint as an export",
+       Post("create_sampling_session", {{"session_id", Session()},
+                                        {"sampling_session_seq_id", 0},
+                                        {"model_path", "tinker://" + model + "/weights/nope"}}),
+       400, "model_path: "},
+      {"another base model to sample",
+       Post("create_sampling_session",
+            {{"session_id", Session()}, {"sampling_session_seq_id", 0}, {"base_model", "gpt-9"}}),
+       400, "base_model: "},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(c.reply.status, c.status) << c.what << ": " << c.reply.body;
@@ -535,6 +567,81 @@ TEST_F(TinkerHttp, AFinishedResultStaysForItsKeepTimeThenItsIdIsUnknown) {
   Reply second = SubmitBatch(TinkerBatch(model, 2, Batch(2)));
   EXPECT_EQ(Await(second.json()["request_id"]).content_type, "application/x-protobuf");
   EXPECT_EQ(Post("retrieve_future", {{"request_id", rid}}).status, 404);
+}
+
+TEST_F(TinkerHttp, ACallRefusedForAFullFutureTableNeverRan) {
+  max_futures_ = 1;
+  Start(absl::Seconds(30));
+  const std::string model = CreateModel();
+  // seq_id 2 waits for 1: its future stays unfinished and fills the table.
+  Reply waiting = SubmitBatch(TinkerBatch(model, 2, Batch(2)));
+  ASSERT_EQ(waiting.status, 200) << waiting.body;
+  Reply refused = SubmitBatch(TinkerBatch(model, 1, Batch(1)));
+  EXPECT_EQ(refused.status, 429) << refused.body;
+  // The SDK resends a 429 later: had the call run, the resend would find its result applied.
+  EXPECT_EQ(NextSeqId(model), 1) << "the call answered 429 ran";
+  EXPECT_EQ(AccumulatedTokens(model), 0);
+  const Json sample = {{"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
+                       {"sampling_params", {{"max_tokens", 2}}}};
+  EXPECT_EQ(Post("asample", sample).status, 429);
+  EXPECT_NE(Metrics().find("tinkerd_sample_requests_total 0\n"), std::string::npos)
+      << "the sample answered 429 ran";
+}
+
+TEST_F(TinkerHttp, RacingResendsOfASamplingSessionOrASampleStartItOnce) {
+  const std::string session = Session();
+  constexpr int kResends = 8;
+  std::vector<Reply> created(kResends);
+  {
+    std::vector<std::thread> t;
+    for (int i = 0; i < kResends; ++i) {
+      t.emplace_back([&, i] { created[i] = SamplingSession(session, 0); });
+    }
+    for (auto& th : t) th.join();
+  }
+  const std::string sampler = created[0].json().value("sampling_session_id", "");
+  ASSERT_FALSE(sampler.empty()) << created[0].body;
+  for (const Reply& r : created) {
+    EXPECT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(r.json().value("sampling_session_id", ""), sampler) << "a resend made a sampler";
+  }
+  const Json sample = {{"sampling_session_id", sampler},
+                       {"seq_id", 1},
+                       {"num_samples", 2},
+                       {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
+                       {"sampling_params", {{"max_tokens", 3}}}};
+  std::vector<Reply> sent(kResends);
+  {
+    std::vector<std::thread> t;
+    for (int i = 0; i < kResends; ++i) {
+      t.emplace_back([&, i] { sent[i] = Post("asample", sample); });
+    }
+    for (auto& th : t) th.join();
+  }
+  for (const Reply& r : sent) {
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(r.json()["request_id"], sent[0].json()["request_id"]);
+  }
+  EXPECT_EQ(Await(sent[0].json()["request_id"]).content_type, "application/x-protobuf");
+  const std::string metrics = Metrics();
+  EXPECT_NE(metrics.find("tinkerd_sample_requests_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("tinkerd_sampled_sequences_total 2\n"), std::string::npos) << metrics;
+}
+
+TEST_F(TinkerHttp, AResentSamplingSessionWhoseSamplerWasEvictedGetsALiveOne) {
+  max_samplers_ = 2;
+  Start(absl::Seconds(30));
+  const std::string session = Session();
+  auto id = [](const Reply& r) { return r.json().value("sampling_session_id", ""); };
+  const std::string first = id(SamplingSession(session, 0));
+  const std::string second = id(SamplingSession(session, 1));
+  const std::string third = id(SamplingSession(session, 2));  // evicts the first
+  ASSERT_FALSE(first.empty() || second.empty() || third.empty());
+  EXPECT_EQ(Send("GET", "/api/v1/samplers/" + first, "").status, 404);
+  const std::string again = id(SamplingSession(session, 0));
+  EXPECT_NE(again, first) << "a resend was answered with an evicted sampler";
+  EXPECT_EQ(Send("GET", "/api/v1/samplers/" + again, "").status, 200);
+  EXPECT_EQ(id(SamplingSession(session, 2)), third) << "a live sampler's resend made another";
 }
 
 TEST_F(TinkerHttp, RequestsAreCountedByRouteAndStatus) {
