@@ -1,0 +1,262 @@
+// Sampling throughput of the runner's engine (runner/sample/engine.h) on the bench model, for
+// bench/run_sample.sh, which runs the PyTorch-eager KV-cache loop (torch_eager_decode.py) on the
+// same model, prompts and threads:
+//   decode   greedy tokens/s at each --batches size: B prompts of --prompt_len tokens decode
+//            --max_tokens tokens each; decode time = T(max_tokens) - T(1), so the prefill (and
+//            the first token, which it yields) is not counted;
+//   ttft     time to the first token of one --ttft_prompt_len-token prompt;
+//   beside   decode tokens/s and training tokens/s while a LoRA model trains on the same thread,
+//            one decode step between training calls as the server's scheduler alternates them,
+//            against each alone.
+// Writes the model (Hugging Face layout) and prompts.json under --out_dir, prints readable lines
+// and one JSON line (starts with '{').
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "runner/model/config.h"
+#include "runner/model/tiny_model.h"
+#include "runner/model_runner.h"
+#include "runner/runner_config.h"
+#include "runner/sample/engine.h"
+#include "runner/util/log.h"
+#include "runner/util/rng.h"
+
+ABSL_FLAG(std::string, out_dir, "/tmp/tinkerd_sample", "where model/ and prompts.json go");
+ABSL_FLAG(int64_t, vocab, 8192, "vocabulary size");
+ABSL_FLAG(int64_t, hidden, 512, "hidden size");
+ABSL_FLAG(int64_t, intermediate, 1408, "MLP intermediate size");
+ABSL_FLAG(int64_t, layers, 6, "decoder layers");
+ABSL_FLAG(int64_t, heads, 8, "attention heads");
+ABSL_FLAG(int64_t, kv_heads, 4, "key/value heads");
+ABSL_FLAG(int64_t, head_dim, 64, "per-head dimension");
+ABSL_FLAG(int64_t, max_pos, 4096, "max_position_embeddings");
+ABSL_FLAG(std::string, batches, "1,8,64", "decode batch sizes");
+ABSL_FLAG(int64_t, prompt_len, 128, "prompt tokens of each decode sample");
+ABSL_FLAG(int64_t, max_tokens, 64, "tokens decoded per sample");
+ABSL_FLAG(int64_t, ttft_prompt_len, 2048, "prompt tokens of the time-to-first-token run");
+ABSL_FLAG(int64_t, reps, 3, "timed repetitions (median)");
+ABSL_FLAG(int64_t, beside_batch, 8, "decode batch while training runs beside it");
+ABSL_FLAG(int64_t, beside_max_tokens, 16, "tokens per sample decoded beside training");
+ABSL_FLAG(int64_t, train_tokens, 256, "tokens per training call (4 sequences)");
+ABSL_FLAG(int64_t, num_threads, 2, "intra-op threads");
+ABSL_FLAG(uint64_t, seed, 7, "seed of the weights and prompts");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int Fail(const std::string& what, const absl::Status& st) {
+  std::fprintf(stderr, "sample_bench: %s: %s\n", what.c_str(), st.ToString().c_str());
+  return 1;
+}
+
+// Runs `requests` greedy samples of `max_tokens` to completion; returns seconds, and the tokens of
+// every sample in `tokens` when given.
+double Run(tinkerd::SampleEngine& engine, const std::shared_ptr<const tinkerd::Policy>& policy,
+           const std::vector<std::vector<int64_t>>& prompts, int64_t max_tokens,
+           std::vector<std::vector<int64_t>>* tokens = nullptr) {
+  std::vector<std::vector<int64_t>> out(prompts.size());
+  const Clock::time_point t0 = Clock::now();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    tinkerd::SampleRequest r;
+    r.prompt = prompts[i];
+    r.params.max_tokens = max_tokens;
+    r.params.temperature = 0;
+    absl::Status st = engine.Admit(policy, r, [&out, i](const auto& result) {
+      if (result.ok()) out[i] = result->sequences[0].tokens;
+    });
+    if (!st.ok()) {
+      std::fprintf(stderr, "admit: %s\n", st.ToString().c_str());
+      std::exit(1);
+    }
+  }
+  while (engine.Step()) {
+  }
+  const double s = Since(t0);
+  if (tokens != nullptr) *tokens = std::move(out);
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  tinkerd::InitLogging(0);
+  const int threads = static_cast<int>(absl::GetFlag(FLAGS_num_threads));
+  at::set_num_threads(threads);
+  const std::string out_dir = absl::GetFlag(FLAGS_out_dir);
+  const int64_t prompt_len = absl::GetFlag(FLAGS_prompt_len);
+  const int64_t max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  const int64_t reps = std::max<int64_t>(1, absl::GetFlag(FLAGS_reps));
+  std::vector<int64_t> batches;
+  for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(b, &n) || n < 1) return Fail("--batches", absl::InvalidArgumentError(""));
+    batches.push_back(n);
+  }
+
+  tinkerd::ModelConfig mc = tinkerd::TinyConfig("llama");
+  mc.vocab_size = absl::GetFlag(FLAGS_vocab);
+  mc.hidden_size = absl::GetFlag(FLAGS_hidden);
+  mc.intermediate_size = absl::GetFlag(FLAGS_intermediate);
+  mc.num_hidden_layers = absl::GetFlag(FLAGS_layers);
+  mc.num_attention_heads = absl::GetFlag(FLAGS_heads);
+  mc.num_key_value_heads = absl::GetFlag(FLAGS_kv_heads);
+  mc.head_dim = absl::GetFlag(FLAGS_head_dim);
+  mc.max_position_embeddings = absl::GetFlag(FLAGS_max_pos);
+  mc.tie_word_embeddings = false;
+  mc.torch_dtype = "float32";
+  const std::string model_dir = out_dir + "/model";
+  std::filesystem::create_directories(model_dir);
+  tinkerd::TinyModelSpec spec;
+  spec.config = mc;
+  spec.seed = absl::GetFlag(FLAGS_seed);
+  if (auto st = tinkerd::WriteTinyModel(model_dir, spec); !st.ok()) return Fail("model", st);
+
+  // Prompts: one per sample of the largest batch, and the long one; written for the eager side.
+  tinkerd::SplitMix64 rng(absl::GetFlag(FLAGS_seed) + 1);
+  auto prompt = [&](int64_t n) {
+    std::vector<int64_t> p(n);
+    for (int64_t& t : p)
+      t = static_cast<int64_t>(rng.Next() % static_cast<uint64_t>(mc.vocab_size));
+    return p;
+  };
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t i = 0; i < *std::max_element(batches.begin(), batches.end()); ++i) {
+    prompts.push_back(prompt(prompt_len));
+  }
+  const std::vector<int64_t> long_prompt = prompt(absl::GetFlag(FLAGS_ttft_prompt_len));
+  std::ofstream(out_dir + "/prompts.json")
+      << nlohmann::json{{"prompts", prompts}, {"long_prompt", long_prompt}}.dump();
+
+  tinkerd::RunnerConfig rc;
+  rc.base_model_path = model_dir;
+  rc.compute_dtype = tinkerd::ComputeDType::kFloat32;
+  rc.num_threads = threads;
+  auto runner_or = tinkerd::ModelRunner::Create(rc);
+  if (!runner_or.ok()) return Fail("ModelRunner::Create", runner_or.status());
+  std::unique_ptr<tinkerd::ModelRunner> runner = std::move(runner_or).value();
+  auto base = runner->FreezePolicy("");
+  if (!base.ok()) return Fail("FreezePolicy", base.status());
+  tinkerd::EngineLimits limits;
+  limits.max_sequences = 1024;
+  limits.kv_cache_bytes = int64_t{16} << 30;
+  tinkerd::SampleEngine engine(limits);
+
+  nlohmann::json result = {
+      {"threads", at::get_num_threads()}, {"prompt_len", prompt_len}, {"max_tokens", max_tokens}};
+  Run(engine, *base, {prompts[0]}, 4);  // warm-up
+  std::printf("decode (greedy, prompt %lld, %lld tokens per sample, median of %lld):\n",
+              static_cast<long long>(prompt_len), static_cast<long long>(max_tokens),
+              static_cast<long long>(reps));
+  nlohmann::json decode = nlohmann::json::object();
+  nlohmann::json first_tokens = nlohmann::json::object();
+  for (int64_t b : batches) {
+    const std::vector<std::vector<int64_t>> batch(prompts.begin(), prompts.begin() + b);
+    std::vector<double> one, full;
+    std::vector<std::vector<int64_t>> tokens;
+    for (int64_t r = 0; r < reps; ++r) {
+      one.push_back(Run(engine, *base, batch, 1));
+      full.push_back(Run(engine, *base, batch, max_tokens, &tokens));
+    }
+    const double s = Median(full) - Median(one);
+    const double tps = static_cast<double>(b * (max_tokens - 1)) / s;
+    std::printf("  batch %3lld: %8.1f tokens/s (prefill + first token %.3f s, all %.3f s)\n",
+                static_cast<long long>(b), tps, Median(one), Median(full));
+    decode[std::to_string(b)] = tps;
+    first_tokens[std::to_string(b)] = tokens[0];
+  }
+  result["decode_tokens_per_s"] = decode;
+  result["greedy_tokens"] = first_tokens;
+
+  std::vector<double> ttft;
+  for (int64_t r = 0; r < reps; ++r) ttft.push_back(Run(engine, *base, {long_prompt}, 1));
+  result["ttft_s"] = Median(ttft);
+  std::printf("time to first token, %zu-token prompt: %.3f s\n", long_prompt.size(), Median(ttft));
+
+  // Beside training: a LoRA model's forward_backward calls, alternating with decode steps.
+  tinkerd::CreateModelOptions mo;
+  tinkerd::LoraConfig lora;
+  lora.rank = 32;
+  lora.alpha = 32;
+  mo.lora = lora;
+  auto model = runner->CreateModel(mo);
+  if (!model.ok()) return Fail("CreateModel", model.status());
+  std::vector<tinkerd::Datum> data;
+  const int64_t train_len = absl::GetFlag(FLAGS_train_tokens) / 4;
+  for (int i = 0; i < 4; ++i) {
+    tinkerd::Datum d;
+    d.tokens = prompt(train_len);
+    d.loss_fn_inputs["target_tokens"] = tinkerd::TensorData::Int64(prompt(train_len));
+    d.loss_fn_inputs["weights"] = tinkerd::TensorData::Float32(std::vector<float>(train_len, 1.f));
+    data.push_back(std::move(d));
+  }
+  auto train = [&] {
+    auto r = runner->ForwardBackward(*model, data, "cross_entropy", {});
+    if (!r.ok()) std::exit(Fail("ForwardBackward", r.status()));
+  };
+  const int64_t beside = absl::GetFlag(FLAGS_beside_batch);
+  const int64_t beside_tokens = absl::GetFlag(FLAGS_beside_max_tokens);
+  const std::vector<std::vector<int64_t>> batch(prompts.begin(), prompts.begin() + beside);
+  // Alone: training calls back to back, and the decode rate measured above.
+  train();
+  Clock::time_point t0 = Clock::now();
+  constexpr int kCalls = 4;
+  for (int i = 0; i < kCalls; ++i) train();
+  const double train_alone = static_cast<double>(kCalls * 4 * train_len) / Since(t0);
+  // Together: admit, then alternate one decode step and one training call until the samples end.
+  const double decode_alone = decode.value(std::to_string(beside), 0.0);
+  int64_t calls = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    tinkerd::SampleRequest r;
+    r.prompt = batch[i];
+    r.params.max_tokens = beside_tokens;
+    r.params.temperature = 0;
+    (void)engine.Admit(*base, r, [](const auto&) {});
+  }
+  engine.Step();  // the prefill (and first token), not counted
+  t0 = Clock::now();
+  while (engine.Step()) {
+    train();
+    ++calls;
+  }
+  const double both_s = Since(t0);
+  const double decode_beside = static_cast<double>(beside * (beside_tokens - 1)) / both_s;
+  const double train_beside = static_cast<double>(calls * 4 * train_len) / both_s;
+  std::printf(
+      "beside training (decode batch %lld, training calls of %lld tokens, alternating):\n"
+      "  decode %.1f tokens/s (alone %.1f), training %.1f tokens/s (alone %.1f)\n",
+      static_cast<long long>(beside), static_cast<long long>(4 * train_len), decode_beside,
+      decode_alone, train_beside, train_alone);
+  result["beside"] = {{"batch", beside},
+                      {"decode_tokens_per_s", decode_beside},
+                      {"decode_alone_tokens_per_s", decode_alone},
+                      {"train_tokens_per_s", train_beside},
+                      {"train_alone_tokens_per_s", train_alone}};
+  std::printf("%s\n", result.dump().c_str());
+  return 0;
+}
