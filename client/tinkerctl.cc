@@ -1,5 +1,6 @@
-// tinkerctl: model management against a running tinkerd.
-//   tinkerctl [--target H:P] [--api_key K] [--deadline_ms MS] health|list|create|delete ID|info ID
+// tinkerctl: model management, and trying a model from the shell, against a running tinkerd.
+//   tinkerctl [--target H:P] [--api_key K] [--deadline_ms MS]
+//             health | list | create | delete ID | info ID | sample TOKEN,TOKEN,...
 // Exit status: 0 success, 1 the call failed (reason on stderr; for health also NOT_SERVING),
 // 2 usage error. Flag syntax errors are reported by absl itself, which exits with 1.
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -30,7 +32,12 @@ ABSL_FLAG(std::string, lora_targets, "attn,mlp,unembed",
 ABSL_FLAG(bool, full, false, "create: full fine-tuning instead of a LoRA adapter");
 ABSL_FLAG(std::string, loss_reduction, "",
           "create: token_mean (default), sum, seq_mean_token_mean, seq_mean_token_sum");
-ABSL_FLAG(uint64_t, seed, 0, "create: adapter initialization seed");
+ABSL_FLAG(uint64_t, seed, 0, "create: adapter initialization seed; sample: sampling seed");
+ABSL_FLAG(std::string, model, "", "sample: a model's current weights (default: the base model)");
+ABSL_FLAG(std::string, sampler, "", "sample: a sampler id (instead of --model)");
+ABSL_FLAG(int, max_tokens, 16, "sample: tokens per completion");
+ABSL_FLAG(int, num_samples, 1, "sample: completions of the prompt");
+ABSL_FLAG(double, temperature, 1.0, "sample: 0 is greedy");
 
 namespace {
 
@@ -142,12 +149,48 @@ int Delete(Connection& conn, const std::string& model_id) {
   return kOk;
 }
 
+// The prompt is token ids ("17,4,99"): the server has no tokenizer.
+int Sample(Connection& conn, const std::string& prompt) {
+  v1::SampleRequest request;
+  request.set_model_id(absl::GetFlag(FLAGS_model));
+  request.set_sampler_id(absl::GetFlag(FLAGS_sampler));
+  v1::EncodedTextChunk* text = request.mutable_prompt()->add_chunks()->mutable_encoded_text();
+  for (absl::string_view t : absl::StrSplit(prompt, ',', absl::SkipEmpty())) {
+    int64_t token = 0;
+    if (!absl::SimpleAtoi(t, &token)) {
+      return Usage(absl::StrCat("prompt: '", t, "' is not a token id (give ids like 17,4,99)"));
+    }
+    text->add_tokens(token);
+  }
+  request.set_num_samples(absl::GetFlag(FLAGS_num_samples));
+  v1::SamplingParams* params = request.mutable_sampling_params();
+  params->set_max_tokens(absl::GetFlag(FLAGS_max_tokens));
+  params->set_temperature(absl::GetFlag(FLAGS_temperature));
+  if (absl::GetFlag(FLAGS_seed) != 0) params->set_seed(absl::GetFlag(FLAGS_seed));
+  v1::SampleResponse response;
+  absl::Status status = tinkerd::client::CallWithRetry(
+      conn.options(),
+      [&](grpc::ClientContext& ctx) { return conn.stub().Sample(&ctx, request, &response); });
+  if (!status.ok()) return Fail(status);
+  for (int i = 0; i < response.sequences_size(); ++i) {
+    const v1::SampledSequence& s = response.sequences(i);
+    double sum = 0;
+    for (double lp : s.logprobs()) sum += lp;
+    std::printf("sample %d (%s, logprob %.4f): %s\n", i,
+                s.stop_reason() == v1::STOP_REASON_STOP ? "stop" : "length", sum,
+                absl::StrJoin(s.tokens(), ",").c_str());
+  }
+  return kOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tinkerctl [flags] health | list | create [--lora_rank N --lora_alpha A --lora_targets L "
-      "--full --loss_reduction MODE --seed S] | delete MODEL_ID | info MODEL_ID");
+      "--full --loss_reduction MODE --seed S] | delete MODEL_ID | info MODEL_ID | sample "
+      "[--model ID | --sampler ID] [--max_tokens N --num_samples N --temperature T --seed S] "
+      "TOKEN,TOKEN,...");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) return Usage("missing command");
   const std::string command = args[1];
@@ -171,8 +214,9 @@ int main(int argc, char** argv) {
   if (command == "create" && operands == 0) return Create(*conn);
   if (command == "info" && operands == 1) return Info(*conn, args[2]);
   if (command == "delete" && operands == 1) return Delete(*conn, args[2]);
+  if (command == "sample" && operands == 1) return Sample(*conn, args[2]);
   const bool known = command == "health" || command == "list" || command == "create" ||
-                     command == "info" || command == "delete";
+                     command == "info" || command == "delete" || command == "sample";
   return Usage(known ? absl::StrCat("wrong number of arguments for '", command, "'")
                      : absl::StrCat("unknown command '", command, "'"));
 }

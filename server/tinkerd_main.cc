@@ -227,6 +227,9 @@ int main(int argc, char** argv) {
   if ((*server)->tinker_http_port() > 0) {
     std::printf("tinkerd http listening on port %d\n", (*server)->tinker_http_port());
   }
+  if ((*server)->metrics_port() > 0) {
+    std::printf("tinkerd metrics listening on port %d\n", (*server)->metrics_port());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&signals, &sig);

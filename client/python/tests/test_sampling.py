@@ -1,0 +1,113 @@
+"""SamplingClient against a real tinkerd: logprobs agree with the trainer's, samplers freeze in
+order, seeds repeat, errors name their field."""
+
+import os
+import re
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+
+import tinkerd
+from conftest import REPO
+
+PROMPT = [3, 17, 42, 8, 99, 5]
+
+
+def forward_logprobs(trainer, tokens):
+    """The trainer's log p(tokens[t] | tokens[:t]) for t >= 1."""
+    d = tinkerd.datum(tokens[:-1], target_tokens=tokens[1:], weights=np.ones(len(tokens) - 1))
+    return trainer.forward([d]).result().logprobs[0].astype(np.float64)
+
+
+def test_sampled_logprobs_are_the_trainers(conn):
+    trainer = conn.create_training_client(lora_rank=8, seed=11)
+    out = conn.sampling_client(model_id=trainer.model_id).sample(
+        PROMPT, max_tokens=12, num_samples=3, seed=1).result()
+    assert len(out.sequences) == 3
+    for s in out.sequences:
+        assert s.stop_reason == "length" and len(s.tokens) == 12
+        expected = forward_logprobs(trainer, PROMPT + list(s.tokens))[len(PROMPT) - 1:]
+        # Forward reports float32 logprobs: agreement to float32 rounding of values up to ~10.
+        np.testing.assert_allclose(s.logprobs, expected, rtol=0, atol=4e-6)
+
+
+def test_greedy_is_the_argmax_and_seeds_repeat(conn):
+    sampler = conn.sampling_client()  # the base model
+    greedy = sampler.sample(PROMPT, max_tokens=8, temperature=0.0,
+                            topk_prompt_logprobs=1).result().sequences[0]
+    for t, token in enumerate(greedy.tokens):
+        top = sampler.sample(PROMPT + list(greedy.tokens[:t]), max_tokens=1,
+                             temperature=0.0).result().sequences[0]
+        assert top.tokens[0] == token
+    a = sampler.sample(PROMPT, max_tokens=10, seed=123).result().sequences[0].tokens
+    b = sampler.sample(PROMPT, max_tokens=10, seed=123).result().sequences[0].tokens
+    c = sampler.sample(PROMPT, max_tokens=10, seed=124).result().sequences[0].tokens
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)  # control: the seed matters
+
+
+def test_compute_logprobs_matches_forward(conn):
+    trainer = conn.create_training_client(lora_rank=8, seed=12)
+    logprobs = conn.sampling_client(model_id=trainer.model_id).compute_logprobs(PROMPT).result()
+    assert np.isnan(logprobs[0])
+    np.testing.assert_allclose(logprobs[1:], forward_logprobs(trainer, PROMPT), atol=4e-6)
+
+
+def test_a_sampler_is_frozen_in_the_models_order(conn):
+    trainer = conn.create_training_client(lora_rank=8, seed=13)
+    reference = conn.create_training_client(lora_rank=8, seed=13)
+    d = tinkerd.datum(PROMPT[:-1], target_tokens=PROMPT[1:], weights=np.ones(len(PROMPT) - 1))
+    reference.forward_backward([d])
+    reference.optim_step(5e-2)
+    one_step = forward_logprobs(reference, PROMPT)
+    before = forward_logprobs(trainer, PROMPT)
+    # Nothing awaited: the sampler is made between the two steps because of its place in line.
+    trainer.forward_backward([d])
+    trainer.optim_step(5e-2)
+    frozen = trainer.save_weights_and_get_sampling_client()
+    trainer.forward_backward([d])
+    trainer.optim_step(5e-2)
+    sampler = frozen.result()
+    after_one = sampler.compute_logprobs(PROMPT).result()[1:]
+    after_two = forward_logprobs(trainer, PROMPT)
+    np.testing.assert_allclose(after_one, one_step, atol=4e-6)
+    # Control: each step moved the weights, so a sampler frozen elsewhere in line would differ.
+    assert not np.allclose(before, one_step, atol=1e-3)
+    assert not np.allclose(after_two, one_step, atol=1e-3)
+    sampler.delete()
+    with pytest.raises(tinkerd.TinkerdError) as error:
+        sampler.sample(PROMPT, max_tokens=1).result()
+    assert error.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_stop_sequences_and_bad_params(conn):
+    sampler = conn.sampling_client()
+    first = sampler.sample(PROMPT, max_tokens=6, temperature=0.0).result().sequences[0]
+    stopped = sampler.sample(PROMPT, max_tokens=6, temperature=0.0,
+                             stop=[list(first.tokens[:3])]).result().sequences[0]
+    assert stopped.stop_reason == "stop"
+    np.testing.assert_array_equal(stopped.tokens, first.tokens[:3])
+    with pytest.raises(tinkerd.TinkerdError) as error:
+        sampler.sample(PROMPT, max_tokens=0).result()
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in error.value.message
+
+
+def test_tinkerctl_sample_prints_what_the_client_samples(conn, server):
+    binary = os.environ.get("TINKERCTL_BINARY", os.path.join(REPO, "build/client/tinkerctl"))
+    trainer = conn.create_training_client(lora_rank=8, seed=14)
+    greedy = conn.sampling_client(model_id=trainer.model_id).sample(
+        PROMPT, max_tokens=5, temperature=0.0).result().sequences[0]
+    run = subprocess.run([binary, f"--target={server.target}", f"--model={trainer.model_id}",
+                          "--temperature=0", "--max_tokens=5", "sample",
+                          ",".join(map(str, PROMPT))], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    line = re.fullmatch(r"sample 0 \(length, logprob (\S+)\): ([\d,]+)\n", run.stdout)
+    assert line, run.stdout
+    assert line.group(2) == ",".join(map(str, greedy.tokens))
+    assert abs(float(line.group(1)) - greedy.logprobs.sum()) < 1e-4
+    bad = subprocess.run([binary, f"--target={server.target}", "--max_tokens=0", "sample", "1,2"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "max_tokens" in bad.stderr
