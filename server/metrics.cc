@@ -108,6 +108,11 @@ void Metrics::AddSampled(int64_t sequences, int64_t tokens) {
   sampled_tokens_ += tokens;
 }
 
+void Metrics::AddRunningSamples(int64_t delta) {
+  absl::MutexLock lock(&mu_);
+  sample_sequences_running_ += delta;
+}
+
 void Metrics::AddOptimStep(bool skipped) {
   absl::MutexLock lock(&mu_);
   ++steps_;
@@ -179,6 +184,11 @@ std::string Metrics::Render(int64_t queue_depth, bool serving) const {
   absl::StrAppend(&out,
                   "# TYPE tinkerd_sampled_tokens_total counter\ntinkerd_sampled_tokens_total ",
                   sampled_tokens_, "\n");
+  absl::StrAppend(
+      &out,
+      "# HELP tinkerd_sample_sequences_running Samples admitted and not ended.\n"
+      "# TYPE tinkerd_sample_sequences_running gauge\ntinkerd_sample_sequences_running ",
+      sample_sequences_running_, "\n");
   absl::StrAppend(&out, "# TYPE tinkerd_serving gauge\ntinkerd_serving ", serving ? 1 : 0, "\n");
   return out;
 }

@@ -23,9 +23,12 @@ class Metrics {
   void ObserveHttp(const std::string& endpoint, int status, double seconds);
   void AddTokens(int64_t n);
   void AddOptimStep(bool skipped);
-  // A Sample or ComputeLogprobs request the engine admitted; then what it produced.
+  // A Sample or ComputeLogprobs request the engine admitted; then what it produced, if it
+  // completed (not when it failed or was cancelled).
   void AddSampleRequest();
   void AddSampled(int64_t sequences, int64_t tokens);
+  // Samples in the engine: + when a request is offered to it, - when it is refused or has ended.
+  void AddRunningSamples(int64_t delta);
   void ObserveCheckpoint(const std::string& op, double seconds);
   // Text exposition format 0.0.4; `queue_depth` is read at render time.
   std::string Render(int64_t queue_depth, bool serving) const;
@@ -53,6 +56,7 @@ class Metrics {
   int64_t sample_requests_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sampled_sequences_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sampled_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sample_sequences_running_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // GET /metrics, /healthz (the process answers), /readyz (200 only while serving) on `port`

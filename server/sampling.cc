@@ -261,24 +261,35 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
 }
 
 void Sampling::Run(std::shared_ptr<const Policy> policy, SampleRequest request,
-                   std::function<void(const absl::StatusOr<SampleResult>&)> done) {
+                   std::function<void(const absl::StatusOr<SampleResult>&)> done,
+                   SampleProgress progress) {
   Metrics* metrics = ops_->metrics();
-  auto counted = [metrics, done](const absl::StatusOr<SampleResult>& r) {
-    if (r.ok() && metrics != nullptr) {
-      int64_t tokens = 0;
-      for (const SampledSequence& s : r->sequences) tokens += static_cast<int64_t>(s.tokens.size());
-      metrics->AddSampled(static_cast<int64_t>(r->sequences.size()), tokens);
+  const int64_t samples = request.num_samples;
+  auto counted = [metrics, done, samples](const absl::StatusOr<SampleResult>& r) {
+    if (metrics != nullptr) {
+      metrics->AddRunningSamples(-samples);
+      if (r.ok()) {
+        int64_t tokens = 0;
+        for (const SampledSequence& s : r->sequences) tokens += std::ssize(s.tokens);
+        metrics->AddSampled(std::ssize(r->sequences), tokens);
+      }
     }
     done(r);
   };
-  absl::Status admitted = engine_->Admit(std::move(policy), std::move(request), counted);
-  if (!admitted.ok()) return done(admitted);
+  // Counted before it is offered: the engine may end it before Admit returns.
+  if (metrics != nullptr) metrics->AddRunningSamples(samples);
+  absl::Status admitted =
+      engine_->Admit(std::move(policy), std::move(request), counted, std::move(progress));
+  if (!admitted.ok()) {
+    if (metrics != nullptr) metrics->AddRunningSamples(-samples);
+    return done(admitted);
+  }
   if (metrics != nullptr) metrics->AddSampleRequest();
   ops_->scheduler()->KickBackground();
 }
 
 void Sampling::Sample(const std::string& tenant, const v1::SampleRequest& req,
-                      Done<v1::SampleResponse> done) {
+                      Done<v1::SampleResponse> done, SampleProgress progress) {
   absl::StatusOr<SampleRequest> request = Decode(req);
   if (request.ok()) {
     absl::Status st = ValidateSampleRequest(*request, ops_->limits(), config_.request);
@@ -286,13 +297,15 @@ void Sampling::Sample(const std::string& tenant, const v1::SampleRequest& req,
   }
   if (!request.ok()) return done(request.status());
   Resolve(tenant, req.sampler_id(), req.model_id(),
-          [this, request = *std::move(request), done](auto policy) mutable {
+          [this, request = *std::move(request), done, progress](auto policy) mutable {
             if (!policy.ok()) return done(policy.status());
-            Run(*std::move(policy), std::move(request),
+            Run(
+                *std::move(policy), std::move(request),
                 [done](const absl::StatusOr<SampleResult>& r) {
                   if (!r.ok()) return done(r.status());
                   done(ToProto(*r));
-                });
+                },
+                std::move(progress));
           });
 }
 

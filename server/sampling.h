@@ -52,8 +52,10 @@ class Sampling {
   absl::StatusOr<v1::SamplerInfo> GetSampler(const std::string& tenant,
                                              const std::string& sampler_id);
   absl::Status DeleteSampler(const std::string& tenant, const std::string& sampler_id);
+  // With `progress`, the tokens also go to it as they are decoded (see SampleProgress);
+  // `done` still gets the whole response.
   void Sample(const std::string& tenant, const v1::SampleRequest& req,
-              Done<v1::SampleResponse> done);
+              Done<v1::SampleResponse> done, SampleProgress progress = nullptr);
   void ComputeLogprobs(const std::string& tenant, const v1::ComputeLogprobsRequest& req,
                        Done<v1::ComputeLogprobsResponse> done);
 
@@ -82,7 +84,8 @@ class Sampling {
                const std::string& model_id,
                std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then);
   void Run(std::shared_ptr<const Policy> policy, SampleRequest request,
-           std::function<void(const absl::StatusOr<SampleResult>&)> done);
+           std::function<void(const absl::StatusOr<SampleResult>&)> done,
+           SampleProgress progress = nullptr);
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Ops* ops_;

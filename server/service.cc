@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include "absl/strings/str_cat.h"
+#include "server/sample_stream.h"
 #include "server/status_map.h"
 #include "server/stream_reactor.h"
 
@@ -280,6 +281,11 @@ void TinkerdService::DoRetrieveResult(grpc::CallbackServerContext* ctx,
 grpc::ServerReadReactor<grpc::ByteBuffer>* TinkerdService::StreamForwardBackward(
     grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp) {
   return NewStreamReactor(this, ctx, resp, keys_.Authenticate(ctx));
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* TinkerdService::SampleStream(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req) {
+  return NewSampleStreamReactor(sampling_, req, keys_.Authenticate(ctx));
 }
 
 void TinkerdService::DoCreateSampler(grpc::CallbackServerContext* ctx,

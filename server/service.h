@@ -33,8 +33,9 @@ class UnaryCall : public grpc::ServerUnaryReactor {
 // UNIMPLEMENTED and no message, where the client must get INVALID_ARGUMENT and the reason; and a
 // stream must tell a message that does not parse from its end.
 using RawSamplingMethods = v1::Tinkerd::WithRawCallbackMethod_CreateSampler<
-    v1::Tinkerd::WithRawCallbackMethod_DeleteSampler<v1::Tinkerd::WithRawCallbackMethod_Sample<
-        v1::Tinkerd::WithRawCallbackMethod_ComputeLogprobs<v1::Tinkerd::Service>>>>;
+    v1::Tinkerd::WithRawCallbackMethod_DeleteSampler<
+        v1::Tinkerd::WithRawCallbackMethod_Sample<v1::Tinkerd::WithRawCallbackMethod_SampleStream<
+            v1::Tinkerd::WithRawCallbackMethod_ComputeLogprobs<v1::Tinkerd::Service>>>>>;
 using RawTinkerdService = v1::Tinkerd::WithRawCallbackMethod_CreateModel<
     v1::Tinkerd::WithRawCallbackMethod_GetInfo<v1::Tinkerd::WithRawCallbackMethod_ListModels<
         v1::Tinkerd::WithRawCallbackMethod_DeleteModel<v1::Tinkerd::WithRawCallbackMethod_Forward<
@@ -105,6 +106,8 @@ class TinkerdService final : public RawTinkerdService {
   grpc::ServerUnaryReactor* ComputeLogprobs(grpc::CallbackServerContext* ctx,
                                             const grpc::ByteBuffer* req,
                                             grpc::ByteBuffer* resp) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* SampleStream(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* req) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* StreamForwardBackward(grpc::CallbackServerContext* ctx,
                                                                    grpc::ByteBuffer* resp) override;
 

@@ -21,6 +21,7 @@ struct SampleEngine::Sample {
   SplitMix64 rng{0};
   std::vector<at::Tensor> k_LNKd, v_LNKd;  // per layer: keys and values of the fed-back tokens
   int64_t cached = 0;                      // of out.tokens, those in the cache (all but the last)
+  size_t reported = 0;                     // of out.tokens, those handed to the job's Progress
   bool finished = false;
 };
 
@@ -28,6 +29,7 @@ struct SampleEngine::Job {
   std::shared_ptr<const Policy> policy;
   SampleRequest request;
   Done done;
+  Progress progress;
   int64_t bytes = 0;
   std::vector<at::Tensor> k_LPKd, v_LPKd;  // per layer: the prompt's, shared by the samples
   std::vector<Sample> samples;
@@ -96,6 +98,10 @@ void Take(const SamplingParams& params, const Choice& c, SampledSequence& out, b
   }
 }
 
+// Prompts prefilled in one packed forward hold at most this many tokens together (a longer prompt
+// runs alone): it bounds a prefill's activations as --micro_batch_tokens bounds training's.
+constexpr int64_t kPrefillTokens = 8192;
+
 }  // namespace
 
 SampleEngine::SampleEngine(EngineLimits limits) : limits_(limits) {
@@ -117,7 +123,7 @@ int64_t SampleEngine::KvBytes(const Policy& policy, const SampleRequest& r) {
 }
 
 absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleRequest request,
-                                 Done done) {
+                                 Done done, Progress progress) {
   auto job = std::make_unique<Job>();
   job->bytes = KvBytes(*policy, request);
   if (request.num_samples > limits_.max_sequences || job->bytes > limits_.kv_cache_bytes) {
@@ -146,6 +152,7 @@ absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleReq
   job->policy = std::move(policy);
   job->request = std::move(request);
   job->done = std::move(done);
+  job->progress = std::move(progress);
   admitted_.push_back(std::move(job));
   return absl::OkStatus();
 }
@@ -156,24 +163,50 @@ void SampleEngine::Release(const Job& job) {
   bytes_ -= job.bytes;
 }
 
-void SampleEngine::Prefill(Job& job) {
+void SampleEngine::Prefill(const std::vector<Job*>& jobs) {
+  const Policy& pol = *jobs.front()->policy;
+  const int64_t layers = pol.config.num_hidden_layers;
+  std::vector<int64_t> tokens, cu{0}, last;
+  for (Job* job : jobs) {
+    tokens.insert(tokens.end(), job->request.prompt.begin(), job->request.prompt.end());
+    cu.push_back(cu.back() + job->prompt_length());
+    last.push_back(cu.back() - 1);
+    job->k_LPKd.resize(layers);
+    job->v_LPKd.resize(layers);
+  }
+  KvStep kv;
+  kv.past.assign(jobs.size(), 0);
+  kv.extend = [&jobs, &cu](int64_t layer, const at::Tensor& k_TKd, const at::Tensor& v_TKd) {
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const int64_t P = cu[i + 1] - cu[i];
+      // Copies when prompts share the batch: a job's cache then lives as long as the job.
+      const bool alone = jobs.size() == 1;
+      jobs[i]->k_LPKd[layer] = alone ? k_TKd : k_TKd.narrow(0, cu[i], P).clone();
+      jobs[i]->v_LPKd[layer] = alone ? v_TKd : v_TKd.narrow(0, cu[i], P).clone();
+    }
+    return KvPacked{k_TKd, v_TKd, cu};
+  };
+  const PackedBatch batch{Tokens(tokens, pol.device), cu};
+  const at::Tensor hidden_TD =
+      ForwardHidden(pol.config, pol.weights, LoraOf(pol), batch, Options(pol, &kv));
+  // Every prompt's next-token logits in one head: its last row.
+  const at::Tensor z_JV =
+      kernels::HeadLogits(Head(pol, hidden_TD.index_select(0, Tokens(last, pol.device))))
+          .to(at::kDouble)
+          .cpu()
+          .contiguous();
+  const int64_t V = z_JV.size(1);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    Begin(*jobs[i], hidden_TD.narrow(0, cu[i], cu[i + 1] - cu[i]), z_JV.data_ptr<double>() + i * V,
+          V);
+  }
+}
+
+void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V) {
   const Policy& pol = *job.policy;
   const SampleRequest& r = job.request;
   const int64_t P = job.prompt_length();
   const int64_t layers = pol.config.num_hidden_layers;
-  job.k_LPKd.resize(layers);
-  job.v_LPKd.resize(layers);
-  KvStep kv;
-  kv.past = {0};
-  kv.extend = [&job, P](int64_t layer, const at::Tensor& k, const at::Tensor& v) {
-    job.k_LPKd[layer] = k;
-    job.v_LPKd[layer] = v;
-    return KvPacked{k, v, {0, P}};
-  };
-  const ForwardOptions options = Options(pol, &kv);
-  const PackedBatch batch{Tokens(r.prompt, pol.device), {0, P}};
-  const at::Tensor hidden_PD = ForwardHidden(pol.config, pol.weights, LoraOf(pol), batch, options);
-
   if (r.prompt_logprobs) {
     job.result.prompt_logprobs.assign(1, std::numeric_limits<double>::quiet_NaN());
     if (P > 1) {
@@ -203,16 +236,11 @@ void SampleEngine::Prefill(Job& job) {
     }
   }
 
-  const at::Tensor z_V = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, P - 1, 1)))
-                             .to(at::kDouble)
-                             .cpu()
-                             .contiguous();
-  const int64_t V = z_V.size(1);
   const at::TensorOptions cache =
       at::TensorOptions().dtype(job.k_LPKd[0].scalar_type()).device(pol.device);
   const int64_t K = pol.config.num_key_value_heads, d = pol.config.head_dim;
   for (Sample& s : job.samples) {
-    Take(r.params, ChooseToken(z_V.data_ptr<double>(), V, r.params, s.rng), s.out, s.finished);
+    Take(r.params, ChooseToken(z_V, V, r.params, s.rng), s.out, s.finished);
     if (s.finished) continue;
     // The last token is never fed back: max_tokens - 1 rows suffice.
     for (int64_t l = 0; l < layers; ++l) {
@@ -262,6 +290,22 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   }
 }
 
+bool SampleEngine::Report(Job& job) {
+  std::vector<SampleDelta> deltas;
+  for (size_t i = 0; i < job.samples.size(); ++i) {
+    Sample& s = job.samples[i];
+    if (s.reported == s.out.tokens.size()) continue;
+    SampleDelta d;
+    d.index = static_cast<int64_t>(i);
+    d.tokens.assign(s.out.tokens.begin() + s.reported, s.out.tokens.end());
+    d.logprobs.assign(s.out.logprobs.begin() + s.reported, s.out.logprobs.end());
+    if (s.finished) d.stop = s.out.stop_reason;
+    s.reported = s.out.tokens.size();
+    deltas.push_back(std::move(d));
+  }
+  return deltas.empty() || job.progress(std::move(deltas));
+}
+
 bool SampleEngine::Step() {
   at::NoGradGuard no_grad;
   {
@@ -277,10 +321,31 @@ bool SampleEngine::Step() {
     job.done(st);
     job.done = nullptr;
   };
+  // The prompts admitted since the last step: one packed forward per policy (up to
+  // kPrefillTokens). Should a shared forward fail, each prompt is tried alone, so that one
+  // request's failure (say, memory for a long prompt) is not another's.
+  std::vector<std::vector<Job*>> prefills;
+  std::map<const Policy*, size_t> open;  // the policy's prefill with room left
   for (auto& job : running_) {
     if (!job->k_LPKd.empty() || job->failed) continue;
-    absl::Status st = Guard("sample prefill", [&] { Prefill(*job); });
-    if (!st.ok()) fail(*job, st);
+    auto it = open.find(job->policy.get());
+    if (it != open.end()) {
+      int64_t tokens = job->prompt_length();
+      for (const Job* j : prefills[it->second]) tokens += j->prompt_length();
+      if (tokens <= kPrefillTokens) {
+        prefills[it->second].push_back(job.get());
+        continue;
+      }
+    }
+    open[job->policy.get()] = prefills.size();
+    prefills.push_back({job.get()});
+  }
+  for (const std::vector<Job*>& jobs : prefills) {
+    if (Guard("sample prefill", [&] { Prefill(jobs); }).ok()) continue;
+    for (Job* job : jobs) {
+      absl::Status st = Guard("sample prefill", [&] { Prefill({job}); });
+      if (!st.ok()) fail(*job, st);
+    }
   }
   // One decode step per policy over its running samples.
   std::map<const Policy*, std::vector<std::pair<Job*, Sample*>>> groups;
@@ -297,6 +362,10 @@ bool SampleEngine::Step() {
         if (!job->failed) fail(*job, st);
       }
     }
+  }
+  for (auto& job : running_) {
+    if (job->failed || !job->progress || Report(*job)) continue;
+    fail(*job, absl::CancelledError("sample: the caller cancelled the stream"));
   }
   // Answer and release what finished.
   std::vector<std::unique_ptr<Job>> still;

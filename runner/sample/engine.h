@@ -1,15 +1,16 @@
 // The sampling engine: continuous batching over frozen policies with a KV cache per sample.
 //
 // A request is admitted (bounded by running samples and reserved KV-cache bytes), prefilled in the
-// next Step (one forward over its prompt, whose keys and values all its samples share), and then
-// decoded one token per Step together with every other running sample; requests join and leave
-// the running batch between steps. Samples of different policies decode in one forward per policy.
+// next Step (one packed forward over the prompts admitted since the last step; a prompt's keys
+// and values are shared by all its samples), and then decoded one token per Step together with
+// every other running sample; requests join and leave the running batch between steps. Samples
+// of different policies decode in one forward per policy.
 // The decoder is the trainer's own (runner/model/transformer.h with a KvStep, kernels/attention.h
 // with queries against cached keys, the logprob head's logits), so the logprobs a sample reports
 // are those Forward computes for the same tokens, to rounding.
 //
-// Shape suffixes: S samples in a decode step, P prompt tokens, K kv heads, d head_dim, V vocab,
-// D hidden, N a sample's token capacity.
+// Shape suffixes: S samples in a decode step, P prompt tokens, T the prompts of a prefill packed,
+// J their number, K kv heads, d head_dim, V vocab, D hidden, N a sample's token capacity.
 #pragma once
 
 #include <cstdint>
@@ -28,14 +29,16 @@ namespace tinkerd {
 class SampleEngine {
  public:
   using Done = std::function<void(const absl::StatusOr<SampleResult>&)>;
+  using Progress = SampleProgress;  // called from Step; see sample_types.h
 
   explicit SampleEngine(EngineLimits limits);
   ~SampleEngine();  // fails what is still admitted with UNAVAILABLE
 
   // Queues a request already checked by ValidateSampleRequest; `done` is called exactly once,
   // from Step (or FailAll). RESOURCE_EXHAUSTED (retry later) while its samples or KV cache do not
-  // fit beside those admitted; INVALID_ARGUMENT when they never could.
-  absl::Status Admit(std::shared_ptr<const Policy> policy, SampleRequest request, Done done);
+  // fit beside those admitted; INVALID_ARGUMENT when they never could. `progress` may be empty.
+  absl::Status Admit(std::shared_ptr<const Policy> policy, SampleRequest request, Done done,
+                     Progress progress = nullptr);
 
   // On one thread at a time: prefills the requests admitted since the last step, then decodes one
   // token for every running sample, and answers the requests whose samples all finished. Returns
@@ -54,9 +57,15 @@ class SampleEngine {
  private:
   struct Job;
   struct Sample;
-  void Prefill(Job& job);
+  // One forward over the prompts of `jobs` (one policy), then Begin for each.
+  void Prefill(const std::vector<Job*>& jobs);
+  // From a job's prompt hidden states [P, D] and next-token logits [V]: its prompt logprobs, and
+  // each sample's first token and KV cache.
+  void Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V);
   void Decode(const std::vector<std::pair<Job*, Sample*>>& batch);
   void Release(const Job& job);
+  // Hands the job's new tokens to its Progress; false when the listener has gone.
+  static bool Report(Job& job);
 
   const EngineLimits limits_;
   mutable absl::Mutex mu_;

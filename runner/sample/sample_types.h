@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -41,6 +42,19 @@ struct SampledSequence {
   std::vector<double> logprobs;
   StopReason stop_reason = StopReason::kLength;
 };
+
+// What one sample gained in one engine step, for a caller that streams tokens as they come.
+struct SampleDelta {
+  int64_t index = 0;  // which of the request's samples
+  std::vector<int64_t> tokens;
+  std::vector<double> logprobs;
+  std::optional<StopReason> stop;  // set on the sample's last delta
+};
+
+// Receives a request's new tokens after each engine step in which some of its samples gained
+// any; returns false when nobody is listening any more (a cancelled call): the request then ends
+// at once with CANCELLED, and its samples' place is free for others.
+using SampleProgress = std::function<bool(std::vector<SampleDelta>)>;
 
 struct SampleResult {
   std::vector<SampledSequence> sequences;  // num_samples of them, in order

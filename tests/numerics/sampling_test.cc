@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <optional>
 
 #include "kernels/logprob_head.h"
 #include "runner/sample/engine.h"
@@ -239,12 +240,74 @@ TEST_F(SamplingTest, SameSeedSameTokensWhateverElseIsInTheBatch) {
   ASSERT_EQ(mixed[1].sequences.size(), 2u);
   for (int i = 0; i < 2; ++i) {
     EXPECT_EQ(mixed[1].sequences[i].tokens, alone.sequences[i].tokens) << "sample " << i;
-    EXPECT_EQ(mixed[1].sequences[i].logprobs.size(), alone.sequences[i].logprobs.size());
+    ASSERT_EQ(mixed[1].sequences[i].logprobs.size(), alone.sequences[i].logprobs.size());
+    // Prefilled packed with the other prompts and decoded beside other rows: float64 apart.
+    for (size_t t = 0; t < alone.sequences[i].logprobs.size(); ++t) {
+      EXPECT_NEAR(mixed[1].sequences[i].logprobs[t], alone.sequences[i].logprobs[t], kFloat64Tol)
+          << "sample " << i << " token " << t;
+    }
   }
   EXPECT_NE(alone.sequences[0].tokens, alone.sequences[1].tokens) << "samples draw apart";
   SampleRequest other = a;  // control: another seed, other tokens
   other.params.seed = 12;
   EXPECT_NE(Run({other})[0].sequences[0].tokens, alone.sequences[0].tokens);
+}
+
+// Streaming: the deltas a request's Progress receives concatenate to exactly what its done gets,
+// each step's tokens as soon as that step is over; a Progress that answers false ends the request
+// with CANCELLED at that step and frees its place.
+TEST_F(SamplingTest, ProgressDeltasConcatenateToTheResultAndFalseCancels) {
+  SampleEngine engine({});
+  std::vector<std::vector<int64_t>> streamed(2);
+  std::vector<std::vector<double>> streamed_logprobs(2);
+  std::vector<int> stops(2, 0);
+  int calls = 0;
+  std::optional<absl::StatusOr<SampleResult>> result;
+  ASSERT_TRUE(engine
+                  .Admit(
+                      policy_, Request(21, 9, 2),
+                      [&](const absl::StatusOr<SampleResult>& r) { result = r; },
+                      [&](std::vector<SampleDelta> deltas) {
+                        ++calls;
+                        for (const SampleDelta& d : deltas) {
+                          streamed[d.index].insert(streamed[d.index].end(), d.tokens.begin(),
+                                                   d.tokens.end());
+                          streamed_logprobs[d.index].insert(streamed_logprobs[d.index].end(),
+                                                            d.logprobs.begin(), d.logprobs.end());
+                          stops[d.index] += d.stop.has_value();
+                        }
+                        return true;
+                      })
+                  .ok());
+  int steps = 0;
+  while (engine.Step()) ++steps;
+  ASSERT_TRUE(result.has_value() && result->ok());
+  EXPECT_EQ(calls, steps + 1) << "one call per step that made progress";
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(streamed[i], (*result)->sequences[i].tokens);
+    EXPECT_EQ(streamed_logprobs[i], (*result)->sequences[i].logprobs);
+    EXPECT_EQ(stops[i], 1);
+  }
+
+  // A listener that has gone: the request ends at that step, long before max_tokens.
+  SampleEngine cancelling({});
+  std::optional<absl::StatusOr<SampleResult>> cancelled;
+  int cancelled_calls = 0;
+  ASSERT_TRUE(cancelling
+                  .Admit(
+                      policy_, Request(22, 200, 3),
+                      [&](const absl::StatusOr<SampleResult>& r) { cancelled = r; },
+                      [&](std::vector<SampleDelta>) { return ++cancelled_calls < 3; })
+                  .ok());
+  EXPECT_EQ(cancelling.running_sequences(), 3);
+  int cancelled_steps = 0;
+  while (cancelling.Step()) ++cancelled_steps;
+  ASSERT_TRUE(cancelled.has_value());
+  EXPECT_EQ(cancelled->status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(cancelled_calls, 3);
+  EXPECT_EQ(cancelled_steps, 2) << "the step of the third call is the last";
+  EXPECT_EQ(cancelling.running_sequences(), 0);
+  EXPECT_EQ(cancelling.reserved_bytes(), 0);
 }
 
 // Pearson's chi-square over bins with an expected count of at least 5 (the rest pooled), against

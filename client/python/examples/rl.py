@@ -64,14 +64,18 @@ def train(conn, args) -> list[float]:
                                     seed=int(rng.integers(1 << 62)))
             prompts[future] = prompt
         step_rewards, sampled_logprobs, masks = [], [], []
-        for future in concurrent.futures.as_completed(prompts):
-            samples = future.result().sequences
-            group = np.array([reward(s.tokens) for s in samples])
-            step_rewards.extend(group)
-            for s, a in zip(samples, group - group.mean()):
-                stream.write(trajectory(prompts[future], s, a))
-                sampled_logprobs.append(s.logprobs)
-                masks.append(a != 0)
+        try:
+            for future in concurrent.futures.as_completed(prompts):
+                samples = future.result().sequences
+                group = np.array([reward(s.tokens) for s in samples])
+                step_rewards.extend(group)
+                for s, a in zip(samples, group - group.mean()):
+                    stream.write(trajectory(prompts[future], s, a))
+                    sampled_logprobs.append(s.logprobs)
+                    masks.append(a != 0)
+        except BaseException:
+            stream.cancel()  # nothing of a half-sampled step is trained on
+            raise
         out = stream.finish()
         # p_train / p_sample on the completion tokens that were trained (advantage != 0): the
         # trainer's logprobs of a trajectory end with its completion's.

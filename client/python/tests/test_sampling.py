@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tinkerd
-from conftest import REPO
+from conftest import REPO, wait_for
 
 PROMPT = [3, 17, 42, 8, 99, 5]
 
@@ -111,3 +111,49 @@ def test_tinkerctl_sample_prints_what_the_client_samples(conn, server):
     bad = subprocess.run([binary, f"--target={server.target}", "--max_tokens=0", "sample", "1,2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "max_tokens" in bad.stderr
+
+
+def test_a_streamed_sample_is_the_sample(conn):
+    trainer = conn.create_training_client(lora_rank=8, seed=15)
+    sampler = conn.sampling_client(model_id=trainer.model_id)
+    args = dict(max_tokens=12, num_samples=3, seed=77, prompt_logprobs=True)
+    whole = sampler.sample(PROMPT, **args).result()
+    stream = sampler.sample_stream(PROMPT, **args)
+    deltas = list(stream)
+    for i, expected in enumerate(whole.sequences):
+        mine = [d for d in deltas if d.index == i]
+        assert len(mine) >= 2  # the tokens came in pieces, as they were decoded
+        assert [d.stop_reason for d in mine] == [None] * (len(mine) - 1) + ["length"]
+        np.testing.assert_array_equal(np.concatenate([d.tokens for d in mine]), expected.tokens)
+        # Decoded beside other rows in another batch: float64 rounding apart at most.
+        np.testing.assert_allclose(np.concatenate([d.logprobs for d in mine]), expected.logprobs,
+                                   rtol=0, atol=1e-9)
+    np.testing.assert_allclose(stream.prompt_logprobs, whole.prompt_logprobs, atol=1e-9)
+    with pytest.raises(tinkerd.TinkerdError) as error:
+        list(sampler.sample_stream(PROMPT, max_tokens=0))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in error.value.message
+
+
+def test_a_cancelled_sample_stream_stops_its_samples(conn, server):
+    sampler = conn.sampling_client()
+    tokens_before = server.metric("tinkerd_sampled_tokens_total")
+    stream = sampler.sample_stream(PROMPT, max_tokens=1000, num_samples=4)
+    first = next(iter(stream))
+    assert len(first.tokens) >= 1
+    stream.cancel()
+    # The engine drops the request at its next step: nothing of it is running any more, and it
+    # ended cancelled, not complete (a completed request would add its 4,000 tokens).
+    wait_for(lambda: server.metric("tinkerd_sample_sequences_running") == 0,
+             "the cancelled samples to stop")
+    assert server.metric("tinkerd_sampled_tokens_total") == tokens_before
+    # Leaving the loop early ends the call just the same.
+    for _ in sampler.sample_stream(PROMPT, max_tokens=1000, num_samples=4):
+        break
+    wait_for(lambda: server.metric("tinkerd_sample_sequences_running") == 0,
+             "the abandoned samples to stop")
+    assert server.metric("tinkerd_sampled_tokens_total") == tokens_before
+    # Control: the same request, read to its end, is counted.
+    done = sum(len(d.tokens) for d in sampler.sample_stream(PROMPT, max_tokens=20, num_samples=4))
+    assert done == 80
+    assert server.metric("tinkerd_sampled_tokens_total") == tokens_before + 80

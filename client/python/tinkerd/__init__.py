@@ -11,13 +11,15 @@ Every call that changes a model returns a concurrent.futures.Future; failures ra
 
 from tinkerd.connection import Connection
 from tinkerd.errors import TinkerdError
-from tinkerd.sampling import SampledSequence, SampleOutput, SamplingClient
+from tinkerd.sampling import (SampleDelta, SampledSequence, SampleOutput, SampleStream,
+                              SamplingClient)
 from tinkerd.tensors import datum, from_tensor, model_input, to_tensor
 from tinkerd.training import (ForwardBackwardOutput, OptimStepOutput, TrainingClient,
                               TrajectoryStream)
 
 __all__ = [
     "Connection", "TinkerdError", "TrainingClient", "TrajectoryStream", "SamplingClient",
-    "ForwardBackwardOutput", "OptimStepOutput", "SampleOutput", "SampledSequence", "datum",
+    "ForwardBackwardOutput", "OptimStepOutput", "SampleOutput", "SampledSequence", "SampleDelta",
+    "SampleStream", "datum",
     "model_input", "to_tensor", "from_tensor",
 ]

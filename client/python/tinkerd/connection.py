@@ -14,10 +14,10 @@ from tinkerd.v1 import tinkerd_pb2_grpc as pb_grpc
 
 # Retried: the server did not take the call (down, restarting, draining) or asked for patience
 # (a full queue or sampler). Everything else is an answer and is returned at once.
-_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-def _is_size_refusal(error: grpc.RpcError) -> bool:
+def is_size_refusal(error: grpc.RpcError) -> bool:
     # gRPC reports an oversized message as RESOURCE_EXHAUSTED too; a retry would fail the same way.
     return "message larger than max" in (error.details() or "")
 
@@ -28,8 +28,10 @@ class Connection:
     Connects lazily: an unreachable server shows up as UNAVAILABLE on the first call, after its
     retries. Every unary call is attempted up to `max_attempts` times with jittered exponential
     backoff; each attempt has its own `deadline` (seconds), generous by default because a
-    pipelined request waits on the server for its predecessors. Futures run on a pool of
-    `max_workers` threads, each call's retry loop on one of them.
+    pipelined request waits on the server for its predecessors. Training calls' futures run on a
+    pool of `max_workers` threads (each call's retry loop on one of them) and sampling calls' on
+    a pool of their own, so that calls held on the server behind an open stream never keep the
+    samples that the stream's producer waits for from running.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None,
@@ -59,10 +61,13 @@ class Connection:
         self.stub = pb_grpc.TinkerdStub(channel)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers,
                                                               thread_name_prefix="tinkerd")
+        self.sampling_executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers, thread_name_prefix="tinkerd-sample")
 
     def close(self) -> None:
         """Waits for the calls in flight, then closes the channel."""
         self.executor.shutdown(wait=True)
+        self.sampling_executor.shutdown(wait=True)
         self.channel.close()
 
     def __enter__(self):
@@ -79,7 +84,7 @@ class Connection:
             try:
                 return rpc(request, timeout=self.deadline, metadata=self.metadata)
             except grpc.RpcError as error:
-                if (error.code() not in _RETRIED or _is_size_refusal(error)
+                if (error.code() not in RETRIED or is_size_refusal(error)
                         or attempt == self.max_attempts):
                     raise from_rpc(error) from None
             time.sleep(backoff * random.uniform(0.5, 1.0))
@@ -88,6 +93,9 @@ class Connection:
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         return self.executor.submit(fn, *args)
+
+    def submit_sampling(self, fn, *args) -> concurrent.futures.Future:
+        return self.sampling_executor.submit(fn, *args)
 
     # Models.
 

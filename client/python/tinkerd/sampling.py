@@ -6,10 +6,15 @@ so a call is retried freely; RESOURCE_EXHAUSTED (the sampler is full) is retried
 """
 
 import dataclasses
+import random
+import time
 from typing import Iterable, Sequence
 
+import grpc
 import numpy as np
 
+from tinkerd.connection import RETRIED, is_size_refusal
+from tinkerd.errors import from_rpc
 from tinkerd.tensors import model_input
 from tinkerd.v1 import tinkerd_pb2 as pb
 
@@ -42,6 +47,67 @@ class SampleOutput:
         return SampleOutput(sequences, prompt, top)
 
 
+@dataclasses.dataclass
+class SampleDelta:
+    """What one sample gained since the previous delta; a sample's deltas concatenate to it."""
+    index: int            # which sample, 0 <= index < num_samples
+    tokens: np.ndarray    # int64
+    logprobs: np.ndarray  # float64
+    stop_reason: str | None  # set on the sample's last delta: "length" or "stop"
+
+
+class SampleStream:
+    """Iterates over SampleDelta as the server decodes them (SampleStream RPC). `cancel()`, or
+    leaving the loop early, ends the call: the iteration stops and the server stops the samples
+    at its next decode step. After the iteration, `prompt_logprobs` / `topk_prompt_logprobs` hold
+    what was asked for. Retried (UNAVAILABLE, RESOURCE_EXHAUSTED) only until the first delta
+    arrives, so no token is delivered twice. Iterate once: each iteration samples anew."""
+
+    def __init__(self, connection, request: pb.SampleRequest):
+        self._connection = connection
+        self._request = request
+        self._call = None
+        self._cancelled = False
+        self.prompt_logprobs: np.ndarray | None = None
+        self.topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+    def __iter__(self):
+        conn = self._connection
+        backoff, attempt, started = conn.initial_backoff, 0, False
+        while not self._cancelled:
+            attempt += 1
+            self._call = conn.stub.SampleStream(self._request, timeout=conn.deadline,
+                                                metadata=conn.metadata)
+            try:
+                for message in self._call:
+                    started = True
+                    for d in message.deltas:
+                        yield SampleDelta(d.index, np.array(d.tokens, dtype=np.int64),
+                                          np.array(d.logprobs, dtype=np.float64),
+                                          _STOP_REASONS.get(d.stop_reason))
+                    if self._request.prompt_logprobs and message.prompt_logprobs:
+                        self.prompt_logprobs = np.array(message.prompt_logprobs, np.float64)
+                    if message.topk_prompt_logprobs:
+                        self.topk_prompt_logprobs = [list(zip(t.tokens, t.logprobs))
+                                                     for t in message.topk_prompt_logprobs]
+                return
+            except grpc.RpcError as error:
+                if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if (started or error.code() not in RETRIED or is_size_refusal(error)
+                        or attempt >= conn.max_attempts):
+                    raise from_rpc(error) from None
+            finally:  # a consumer that left the loop early: the server stops sampling
+                self._call.cancel()
+            time.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, conn.max_backoff)
+
+
 class SamplingClient:
     def __init__(self, connection, *, sampler_id: str = "", model_id: str = ""):
         self.connection = connection
@@ -54,24 +120,39 @@ class SamplingClient:
                prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0):
         """`num_samples` completions of `prompt` sharing its prefill. temperature 0 is greedy;
         a seed makes the tokens the same on every run. Future of SampleOutput."""
-        params = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, seed=seed,
-                                   stop=[pb.EncodedTextChunk(tokens=list(s)) for s in stop])
-        request = pb.SampleRequest(sampler_id=self.sampler_id, model_id=self.model_id,
-                                   prompt=model_input(prompt), num_samples=num_samples,
-                                   sampling_params=params, prompt_logprobs=prompt_logprobs,
-                                   topk_prompt_logprobs=topk_prompt_logprobs)
-        return self.connection.submit(lambda: SampleOutput.from_proto(
+        request = self._request(prompt, max_tokens, num_samples, temperature, top_k, top_p, seed,
+                                stop, prompt_logprobs, topk_prompt_logprobs)
+        return self.connection.submit_sampling(lambda: SampleOutput.from_proto(
             self.connection.call(self.connection.stub.Sample, request), prompt_logprobs,
             topk_prompt_logprobs))
+
+    def sample_stream(self, prompt: Sequence[int], *, max_tokens: int, num_samples: int = 1,
+                      temperature: float | None = None, top_k: int = 0,
+                      top_p: float | None = None, seed: int | None = None,
+                      stop: Iterable[Sequence[int]] = (), prompt_logprobs: bool = False,
+                      topk_prompt_logprobs: int = 0) -> SampleStream:
+        """The same as sample(), token by token: iterate over the returned SampleStream."""
+        return SampleStream(self.connection, self._request(
+            prompt, max_tokens, num_samples, temperature, top_k, top_p, seed, stop,
+            prompt_logprobs, topk_prompt_logprobs))
 
     def compute_logprobs(self, prompt: Sequence[int]):
         """Future of float64 [P]: log p(prompt[t] | prompt[:t]), NaN at position 0."""
         request = pb.ComputeLogprobsRequest(sampler_id=self.sampler_id, model_id=self.model_id,
                                             prompt=model_input(prompt))
-        return self.connection.submit(lambda: np.array(
+        return self.connection.submit_sampling(lambda: np.array(
             self.connection.call(self.connection.stub.ComputeLogprobs, request).logprobs,
             dtype=np.float64))
+
+    def _request(self, prompt, max_tokens, num_samples, temperature, top_k, top_p, seed, stop,
+                 prompt_logprobs, topk_prompt_logprobs) -> pb.SampleRequest:
+        params = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, seed=seed,
+                                   stop=[pb.EncodedTextChunk(tokens=list(s)) for s in stop])
+        return pb.SampleRequest(sampler_id=self.sampler_id, model_id=self.model_id,
+                                prompt=model_input(prompt), num_samples=num_samples,
+                                sampling_params=params, prompt_logprobs=prompt_logprobs,
+                                topk_prompt_logprobs=topk_prompt_logprobs)
 
     def delete(self) -> None:
         """Frees the sampler on the server (a no-op for a model's or the base model's weights)."""

@@ -87,12 +87,19 @@ class TrajectoryStream:
             raise
 
     def _done(self, call) -> None:
+        self._end_queue()  # gRPC's thread reading the queue must not wait for datums any more
         try:
             self.future.set_result(ForwardBackwardOutput.from_proto(call.result()))
         except grpc.FutureCancelledError:
             self.future.set_exception(TinkerdError(grpc.StatusCode.CANCELLED, "stream cancelled"))
         except grpc.RpcError as error:
             self.future.set_exception(self._producer_error or from_rpc(error))
+        except BaseException as error:  # a reply that does not convert: finish() must not hang
+            self.future.set_exception(error)
+
+    def _end_queue(self) -> None:
+        if self._queue is not None:
+            self._queue.put(_END)
 
     def write(self, datum: pb.Datum) -> None:
         if self._queue is None:
@@ -101,13 +108,13 @@ class TrajectoryStream:
 
     def finish(self) -> ForwardBackwardOutput:
         """Closes the stream and waits for the server's result (raises TinkerdError)."""
-        if self._queue is not None:
-            self._queue.put(_END)
+        self._end_queue()
         return self.future.result()
 
     def cancel(self) -> None:
-        """Discards the stream: nothing of it is applied. Its seq_id becomes a gap."""
+        """Discards the stream: nothing of it is applied."""
         self._call.cancel()
+        self._end_queue()
 
 
 class TrainingClient:
@@ -125,37 +132,38 @@ class TrainingClient:
         self._next_seq_id = next_seq_id
         self._lock = threading.Lock()
 
-    def _take_seq_id(self) -> int:
-        with self._lock:
-            seq_id = self._next_seq_id
-            self._next_seq_id += 1
-            return seq_id
+    def _take_seq_id(self) -> int:  # under self._lock
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
 
     @property
     def next_seq_id(self) -> int:
         return self._next_seq_id
 
-    def _send(self, rpc, request, convert) -> concurrent.futures.Future:
-        return self.connection.submit(lambda: convert(self.connection.call(rpc, request)))
+    def _send(self, make_request, rpc, convert) -> concurrent.futures.Future:
+        """Numbers the request and queues its call under one lock, so the pool starts a model's
+        calls in seq_id order: a call never waits for a worker behind a later one of its model."""
+        with self._lock:
+            request = make_request(self._take_seq_id())
+            return self.connection.submit(lambda: convert(self.connection.call(rpc, request)))
 
     def forward_backward(self, data: Iterable[pb.Datum], loss_fn: str = "cross_entropy",
                          loss_fn_config: Mapping[str, float] | None = None):
         """Accumulates the batch's summed, token-weighted gradient; optim_step normalizes.
         Future of ForwardBackwardOutput."""
-        request = pb.ForwardBackwardRequest(model_id=self.model_id, seq_id=self._take_seq_id(),
-                                            data=list(data),
-                                            loss_fn=make_loss_fn(loss_fn, loss_fn_config))
-        return self._send(self.connection.stub.ForwardBackward, request,
-                          ForwardBackwardOutput.from_proto)
+        data, loss = list(data), make_loss_fn(loss_fn, loss_fn_config)
+        return self._send(lambda seq_id: pb.ForwardBackwardRequest(
+            model_id=self.model_id, seq_id=seq_id, data=data, loss_fn=loss),
+            self.connection.stub.ForwardBackward, ForwardBackwardOutput.from_proto)
 
     def forward(self, data: Iterable[pb.Datum], loss_fn: str = "cross_entropy",
                 loss_fn_config: Mapping[str, float] | None = None):
         """Logprobs and loss without a gradient; ordered with the model's other calls."""
-        request = pb.ForwardBackwardRequest(model_id=self.model_id, seq_id=self._take_seq_id(),
-                                            data=list(data),
-                                            loss_fn=make_loss_fn(loss_fn, loss_fn_config))
-        return self._send(self.connection.stub.Forward, request,
-                          ForwardBackwardOutput.from_proto)
+        data, loss = list(data), make_loss_fn(loss_fn, loss_fn_config)
+        return self._send(lambda seq_id: pb.ForwardBackwardRequest(
+            model_id=self.model_id, seq_id=seq_id, data=data, loss_fn=loss),
+            self.connection.stub.Forward, ForwardBackwardOutput.from_proto)
 
     def optim_step(self, learning_rate: float | None = None, *, beta1: float | None = None,
                    beta2: float | None = None, eps: float | None = None,
@@ -164,56 +172,56 @@ class TrainingClient:
         parameters take Tinker's defaults. Future of OptimStepOutput."""
         adam = pb.AdamParams(learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps,
                              weight_decay=weight_decay, grad_clip_norm=grad_clip_norm)
-        request = pb.OptimStepRequest(model_id=self.model_id, seq_id=self._take_seq_id(),
-                                      adam_params=adam)
-        return self._send(self.connection.stub.OptimStep, request, OptimStepOutput.from_proto)
+        return self._send(lambda seq_id: pb.OptimStepRequest(
+            model_id=self.model_id, seq_id=seq_id, adam_params=adam),
+            self.connection.stub.OptimStep, OptimStepOutput.from_proto)
 
     def stream_forward_backward(self, data: Iterable[pb.Datum], loss_fn: str = "cross_entropy",
                                 loss_fn_config: Mapping[str, float] | None = None):
         """Sends each datum as `data` yields it (a generator may block until its next trajectory
         is done); applied as one forward_backward when `data` is exhausted. Returns the
         TrajectoryStream: `.future` for the result, `.cancel()` to discard it."""
-        return TrajectoryStream(self.connection, self._stream_header(loss_fn, loss_fn_config),
-                                data)
+        return self._open(loss_fn, loss_fn_config, data)
 
     def open_stream(self, loss_fn: str = "cross_entropy",
                     loss_fn_config: Mapping[str, float] | None = None) -> TrajectoryStream:
         """A stream to `write()` datums into, then `finish()` or `cancel()`."""
-        return TrajectoryStream(self.connection, self._stream_header(loss_fn, loss_fn_config))
+        return self._open(loss_fn, loss_fn_config, None)
 
-    def _stream_header(self, loss_fn, loss_fn_config) -> pb.StreamHeader:
-        return pb.StreamHeader(model_id=self.model_id, seq_id=self._take_seq_id(),
-                               loss_fn=make_loss_fn(loss_fn, loss_fn_config))
+    def _open(self, loss_fn, loss_fn_config, data) -> TrajectoryStream:
+        loss = make_loss_fn(loss_fn, loss_fn_config)
+        with self._lock:  # opened in its seq_id's place among the model's calls
+            header = pb.StreamHeader(model_id=self.model_id, seq_id=self._take_seq_id(),
+                                     loss_fn=loss)
+            return TrajectoryStream(self.connection, header, data)
 
     # Checkpoints: futures of the tinker:// path.
 
     def save_state(self, name: str, *, overwrite: bool = False,
                    include_accumulated: bool = False):
-        request = pb.SaveStateRequest(model_id=self.model_id, seq_id=self._take_seq_id(),
-                                      name=name, overwrite=overwrite,
-                                      include_accumulated=include_accumulated)
-        return self._send(self.connection.stub.SaveState, request, lambda r: r.path)
+        return self._send(lambda seq_id: pb.SaveStateRequest(
+            model_id=self.model_id, seq_id=seq_id, name=name, overwrite=overwrite,
+            include_accumulated=include_accumulated), self.connection.stub.SaveState,
+            lambda r: r.path)
 
     def load_state(self, path: str, *, with_optimizer: bool = True):
-        request = pb.LoadStateRequest(model_id=self.model_id, seq_id=self._take_seq_id(),
-                                      path=path, with_optimizer=with_optimizer)
-        return self._send(self.connection.stub.LoadState, request, lambda r: r.path)
+        return self._send(lambda seq_id: pb.LoadStateRequest(
+            model_id=self.model_id, seq_id=seq_id, path=path, with_optimizer=with_optimizer),
+            self.connection.stub.LoadState, lambda r: r.path)
 
     def save_weights_for_sampler(self, name: str, *, merged: bool = False,
                                  overwrite: bool = False):
         """A PEFT adapter (or, merged, full Hugging Face weights) other tools can load."""
-        request = pb.SaveWeightsForSamplerRequest(model_id=self.model_id,
-                                                  seq_id=self._take_seq_id(), name=name,
-                                                  merged=merged, overwrite=overwrite)
-        return self._send(self.connection.stub.SaveWeightsForSampler, request, lambda r: r.path)
+        return self._send(lambda seq_id: pb.SaveWeightsForSamplerRequest(
+            model_id=self.model_id, seq_id=seq_id, name=name, merged=merged,
+            overwrite=overwrite), self.connection.stub.SaveWeightsForSampler, lambda r: r.path)
 
     def save_weights_and_get_sampling_client(self):
         """A sampler frozen in this model's order: after every call made before, before every
         call made after. Retried with the same seq_id, so a retry gets the same sampler."""
-        request = pb.CreateSamplerRequest(model_id=self.model_id, seq_id=self._take_seq_id())
-        return self._send(self.connection.stub.CreateSampler, request,
-                          lambda info: self.connection.sampling_client(
-                              sampler_id=info.sampler_id))
+        return self._send(lambda seq_id: pb.CreateSamplerRequest(
+            model_id=self.model_id, seq_id=seq_id), self.connection.stub.CreateSampler,
+            lambda info: self.connection.sampling_client(sampler_id=info.sampler_id))
 
     def get_info(self) -> pb.ModelInfo:
         return self.connection.get_info(self.model_id)
