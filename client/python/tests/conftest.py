@@ -15,13 +15,13 @@ import tinkerd
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 class Server:
-    def __init__(self, micro_batch_tokens: int):
+    def __init__(self, micro_batch_tokens: int, *flags: str):
         binary = os.environ.get("TINKERD_BINARY", os.path.join(REPO, "build/server/tinkerd"))
         self.checkpoints = tempfile.TemporaryDirectory(prefix="tinkerd-pytest-")
         self.process = subprocess.Popen(
             [binary, "--listen=127.0.0.1:0", "--metrics_port=0", "--compute_dtype=float64",
              f"--micro_batch_tokens={micro_batch_tokens}",
-             f"--checkpoint_root={self.checkpoints.name}"],
+             f"--checkpoint_root={self.checkpoints.name}", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.ports = {}
         self.log = []
