@@ -1,7 +1,9 @@
 // Sampling through the real server on loopback: the Sample and ComputeLogprobs RPCs against the
 // Forward RPC, samplers frozen while training goes on, and the errors a client can cause.
 #include <gtest/gtest.h>
+#include <httplib.h>
 
+#include <chrono>
 #include <cmath>
 #include <thread>
 
@@ -12,6 +14,16 @@ namespace tinkerd::testing {
 namespace {
 
 const std::vector<int64_t> kPrompt = {4, 40, 9, 100, 27};
+
+// Polls `done` until it holds (a condition on the server's state), failing after 60 s.
+template <typename F>
+void WaitFor(F done, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!done()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "timed out waiting for " << what;
+    std::this_thread::yield();
+  }
+}
 
 v1::SampleRequest SampleReq(const std::string& model, uint64_t seed, int max_tokens = 8) {
   v1::SampleRequest req;
@@ -269,6 +281,94 @@ TEST(SamplingE2e, ATenantsSamplersStayWithinItsMemoryBudget) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(st.error_message().find("--sampler_mb_per_tenant"), std::string::npos)
       << st.error_message();
+}
+
+// A gauge's value from /metrics.
+double Gauge(int port, const std::string& name) {
+  httplib::Client c("127.0.0.1", port);
+  auto res = c.Get("/metrics");
+  if (!res || res->status != 200) return -1;
+  const size_t at = res->body.find("\n" + name + " ");
+  return at == std::string::npos ? -1 : std::stod(res->body.substr(at + name.size() + 2));
+}
+
+// SampleStream's deltas concatenate to Sample's answer for the same request; a stream cancelled
+// at any point (before its first message, after some) ends with its samples freed and nothing
+// counted as sampled, and the reactor outlives none of its callbacks (this runs under ASan too).
+TEST(SamplingE2e, SampleStreamIsTheSampleAndACancelledOneStops) {
+  ServerConfig sc;
+  sc.metrics_port = 0;
+  LiveServer live(sc);
+  const int port = live.server->metrics_port();
+  const std::string model = live.CreateModel();
+  v1::SampleRequest req = SampleReq(model, 31, 12);
+  req.set_prompt_logprobs(true);
+  v1::SampleResponse whole;
+  ASSERT_TRUE(Sample(live, req, &whole).ok());
+
+  std::vector<std::vector<int64_t>> tokens(2);
+  std::vector<std::vector<double>> logprobs(2);
+  std::vector<int> messages_with(2, 0);
+  v1::SampleStreamResponse last;
+  {
+    grpc::ClientContext ctx;
+    auto reader = live.stub->SampleStream(&ctx, req);
+    v1::SampleStreamResponse m;
+    while (reader->Read(&m)) {
+      for (const v1::SampleDelta& d : m.deltas()) {
+        ASSERT_TRUE(d.index() == 0 || d.index() == 1);
+        tokens[d.index()].insert(tokens[d.index()].end(), d.tokens().begin(), d.tokens().end());
+        logprobs[d.index()].insert(logprobs[d.index()].end(), d.logprobs().begin(),
+                                   d.logprobs().end());
+        ++messages_with[d.index()];
+        EXPECT_EQ(d.stop_reason() != v1::STOP_REASON_UNSPECIFIED,
+                  static_cast<int>(tokens[d.index()].size()) == 12);
+      }
+      last = m;
+    }
+    const grpc::Status st = reader->Finish();
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_GT(messages_with[i], 1) << "tokens arrive as they are decoded";
+    EXPECT_EQ(tokens[i], std::vector<int64_t>(whole.sequences(i).tokens().begin(),
+                                              whole.sequences(i).tokens().end()));
+    ASSERT_EQ(logprobs[i].size(), 12u);
+    for (int t = 0; t < 12; ++t) {
+      // float64 model; the same tokens decoded in other batches: rounding apart.
+      EXPECT_NEAR(logprobs[i][t], whole.sequences(i).logprobs(t), 1e-12);
+    }
+  }
+  ASSERT_EQ(last.prompt_logprobs_size(), static_cast<int>(kPrompt.size()));
+  EXPECT_TRUE(std::isnan(last.prompt_logprobs(0)));
+  EXPECT_NEAR(last.prompt_logprobs(2), whole.prompt_logprobs(2), 1e-12);
+
+  const double sampled = Gauge(port, "tinkerd_sampled_tokens_total");
+  ASSERT_GE(sampled, 24);
+  for (int reads = 0; reads < 6; ++reads) {
+    // 32 samples of up to 250 tokens (the context is 256): hundreds of steps, so the cancel
+    // arrives long before the end.
+    v1::SampleRequest long_req = SampleReq(model, 40 + reads, 250);
+    long_req.set_num_samples(32);
+    grpc::ClientContext ctx;
+    auto reader = live.stub->SampleStream(&ctx, long_req);
+    v1::SampleStreamResponse m;
+    for (int r = 0; r < reads; ++r) ASSERT_TRUE(reader->Read(&m));
+    ctx.TryCancel();
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    WaitFor([&] { return Gauge(port, "tinkerd_sample_sequences_running") == 0; },
+            "the cancelled samples to be freed");
+    EXPECT_EQ(Gauge(port, "tinkerd_sampled_tokens_total"), sampled) << reads << " reads";
+  }
+  v1::SampleRequest bad = req;
+  bad.mutable_sampling_params()->set_max_tokens(0);
+  grpc::ClientContext ctx;
+  auto reader = live.stub->SampleStream(&ctx, bad);
+  v1::SampleStreamResponse m;
+  EXPECT_FALSE(reader->Read(&m));
+  const grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("max_tokens"), std::string::npos) << st.error_message();
 }
 
 TEST(SamplingE2e, BadRequestsAreNamedAndChangeNothing) {
