@@ -36,17 +36,8 @@ if [[ ! -x $BENCH ]]; then
 fi
 mkdir -p "$OUT_DIR"
 
-# Echoes the exact command (shell-quoted), runs it with its output also saved to a log, and keeps
-# the last JSON line of that log for the table.
-run() {
-  local name=$1
-  shift
-  printf '+'
-  printf ' %q' "$@"
-  printf '\n'
-  "$@" 2>&1 | tee "$OUT_DIR/$name.log"
-  grep '^{' "$OUT_DIR/$name.log" | tail -n 1 >"$OUT_DIR/$name.json"
-}
+# shellcheck source=lib.sh
+source "$HERE/lib.sh"
 
 CMDLINE=$(printf ' %q' "$BUILD_DIR")
 if ((${#EXTRA[@]})); then CMDLINE+=" --$(printf ' %q' "${EXTRA[@]}")"; fi

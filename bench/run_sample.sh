@@ -23,15 +23,8 @@ if [[ ! -x $BENCH ]]; then
 fi
 mkdir -p "$OUT_DIR"
 
-run() {
-  local name=$1
-  shift
-  printf '+'
-  printf ' %q' "$@"
-  printf '\n'
-  "$@" 2>&1 | tee "$OUT_DIR/$name.log"
-  grep '^{' "$OUT_DIR/$name.log" | tail -n 1 >"$OUT_DIR/$name.json"
-}
+# shellcheck source=lib.sh
+source "$HERE/lib.sh"
 
 run runner "$BENCH" --out_dir="$OUT_DIR" --num_threads="$THREADS" --batches="$BATCHES" \
   --max_tokens="$MAX_TOKENS" --reps="$REPS"

@@ -41,8 +41,7 @@ class SampleStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuff
     std::deque<grpc::ByteBuffer> queue ABSL_GUARDED_BY(mu);
     bool writing ABSL_GUARDED_BY(mu) = false;
     bool cancelled ABSL_GUARDED_BY(mu) = false;
-    std::optional<grpc::Status> status ABSL_GUARDED_BY(mu);
-    bool finished ABSL_GUARDED_BY(mu) = false;
+    std::optional<grpc::Status> status ABSL_GUARDED_BY(mu);  // set once; Finish follows
 
     // False once the call is over: the engine stops the request.
     bool Push(grpc::ByteBuffer message) {
@@ -65,7 +64,6 @@ class SampleStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuff
         if (status) return;
         status = s;
         if (writing) return;  // OnWriteDone finishes once the outbox drains
-        finished = true;
       }
       reactor->Finish(s);
     }
@@ -84,10 +82,7 @@ class SampleStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuff
           next = &queue.front();
         } else {
           writing = false;
-          if (status && !finished) {
-            finished = true;
-            finish = status;
-          }
+          finish = status;  // set: Close found a write in flight and left Finish to us
         }
       }
       if (next != nullptr) reactor->StartWrite(next);

@@ -325,19 +325,16 @@ bool SampleEngine::Step() {
   // kPrefillTokens). Should a shared forward fail, each prompt is tried alone, so that one
   // request's failure (say, memory for a long prompt) is not another's.
   std::vector<std::vector<Job*>> prefills;
-  std::map<const Policy*, size_t> open;  // the policy's prefill with room left
+  std::map<const Policy*, std::pair<size_t, int64_t>> open;  // the policy's last prefill, tokens
   for (auto& job : running_) {
     if (!job->k_LPKd.empty() || job->failed) continue;
     auto it = open.find(job->policy.get());
-    if (it != open.end()) {
-      int64_t tokens = job->prompt_length();
-      for (const Job* j : prefills[it->second]) tokens += j->prompt_length();
-      if (tokens <= kPrefillTokens) {
-        prefills[it->second].push_back(job.get());
-        continue;
-      }
+    if (it != open.end() && it->second.second + job->prompt_length() <= kPrefillTokens) {
+      prefills[it->second.first].push_back(job.get());
+      it->second.second += job->prompt_length();
+      continue;
     }
-    open[job->policy.get()] = prefills.size();
+    open[job->policy.get()] = {prefills.size(), job->prompt_length()};
     prefills.push_back({job.get()});
   }
   for (const std::vector<Job*>& jobs : prefills) {

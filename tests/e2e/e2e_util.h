@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "server/convert.h"
@@ -15,6 +17,16 @@
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 
 namespace tinkerd::testing {
+
+// Polls `done` until it holds (a condition on the server's state), failing after 60 s.
+template <typename F>
+void WaitFor(F done, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!done()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "timed out waiting for " << what;
+    std::this_thread::yield();
+  }
+}
 
 struct LiveServer {
   TempDir dir;

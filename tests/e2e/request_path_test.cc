@@ -51,16 +51,6 @@ grpc::ByteBuffer Bytes(const std::string& s) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
-// Polls `done` until it holds (a condition on the server's state), failing after 60 s.
-template <typename F>
-void WaitFor(F done, const char* what) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!done()) {
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "timed out waiting for " << what;
-    std::this_thread::yield();
-  }
-}
-
 // Defect 6: every Adam field is checked at the edge, with INVALID_ARGUMENT naming it.
 TEST(RequestPath, AdamParamsAreValidatedAtTheEdge) {
   LiveServer live;

@@ -15,16 +15,6 @@ namespace {
 
 const std::vector<int64_t> kPrompt = {4, 40, 9, 100, 27};
 
-// Polls `done` until it holds (a condition on the server's state), failing after 60 s.
-template <typename F>
-void WaitFor(F done, const char* what) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!done()) {
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "timed out waiting for " << what;
-    std::this_thread::yield();
-  }
-}
-
 v1::SampleRequest SampleReq(const std::string& model, uint64_t seed, int max_tokens = 8) {
   v1::SampleRequest req;
   req.set_model_id(model);

@@ -70,15 +70,6 @@ grpc::ByteBuffer Bytes(const std::string& s) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
-template <typename F>
-void WaitFor(F done, const char* what) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!done()) {
-    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "timed out waiting for " << what;
-    std::this_thread::yield();
-  }
-}
-
 TEST(StreamSequences, OnlyCleanlyClosedValidStreamsChangeState) {
   LiveServer live({}, /*micro_batch_tokens=*/8);  // streams run micro-batches while they arrive
   const std::string model = live.CreateModel();

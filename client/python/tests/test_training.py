@@ -23,7 +23,7 @@ def batch(rng, vocab, lengths, loss="cross_entropy"):
     return data
 
 
-def vocab(conn, trainer):
+def vocab(trainer):
     return trainer.get_info().vocab_size
 
 
@@ -32,7 +32,7 @@ def test_futures_resolve_in_call_order(conn):
     pipelined = conn.create_training_client(lora_rank=8, seed=5)
     one_by_one = conn.create_training_client(lora_rank=8, seed=5)
     rng = np.random.default_rng(1)
-    data = batch(rng, vocab(conn, pipelined), [7, 12, 5])
+    data = batch(rng, vocab(pipelined), [7, 12, 5])
 
     def run(trainer, wait):
         futures = []
@@ -94,7 +94,7 @@ def test_a_retried_call_is_applied_once(server):
     with tinkerd.Connection(channel=channel, initial_backoff=0.001) as conn:
         trainer = conn.create_training_client(lora_rank=8, seed=6)
         reference = conn.create_training_client(lora_rank=8, seed=6)
-        data = batch(np.random.default_rng(2), vocab(conn, trainer), [9, 4])
+        data = batch(np.random.default_rng(2), vocab(trainer), [9, 4])
         retried = trainer.forward_backward(data).result()
         assert drop.attempts == 2  # the call was sent again after the lost reply
         once = reference.forward_backward(data).result()
@@ -117,7 +117,7 @@ def test_a_cancelled_stream_changes_nothing(conn, server):
     cancelled = conn.create_training_client(lora_rank=8, seed=7)
     untouched = conn.create_training_client(lora_rank=8, seed=7)
     rng = np.random.default_rng(4)
-    data = batch(rng, vocab(conn, cancelled), [40, 40, 40], loss="importance_sampling")
+    data = batch(rng, vocab(cancelled), [40, 40, 40], loss="importance_sampling")
     more = batch(rng, 256, [10, 6])
 
     assert server.metric("tinkerd_queue_depth") == 0
@@ -156,7 +156,7 @@ def test_a_stream_of_1000_trajectories_equals_one_call(which, request):
                                                      loss_reduction="seq_mean_token_sum")
         streamed, whole, short = create(), create(), create()
         rng = np.random.default_rng(5)
-        data = batch(rng, vocab(conn, streamed), rng.integers(1, 9, 1000), "importance_sampling")
+        data = batch(rng, vocab(streamed), rng.integers(1, 9, 1000), "importance_sampling")
 
         def rollouts():  # a producer: each trajectory is handed over as it is made
             yield from data
@@ -186,7 +186,7 @@ def test_a_stream_of_1000_trajectories_equals_one_call(which, request):
 
 def test_a_failing_producer_cancels_its_stream(conn):
     trainer = conn.create_training_client(lora_rank=8, seed=9)
-    data = batch(np.random.default_rng(6), vocab(conn, trainer), [5, 5])
+    data = batch(np.random.default_rng(6), vocab(trainer), [5, 5])
 
     def rollouts():
         yield data[0]
@@ -215,7 +215,7 @@ def test_bad_input_raises_naming_the_field(conn):
 
 def test_checkpoints_round_trip(conn):
     trainer = conn.create_training_client(lora_rank=8, seed=10)
-    data = batch(np.random.default_rng(7), vocab(conn, trainer), [12])
+    data = batch(np.random.default_rng(7), vocab(trainer), [12])
     trainer.forward_backward(data)
     trainer.optim_step(1e-2)
     path = trainer.save_state("after-one-step").result()
