@@ -47,6 +47,7 @@
 #include "runner/runner_config.h"
 #include "runner/types.h"
 #include "runner/util/log.h"
+#include "runner/util/omp_wait_policy.h"
 #include "runner/util/rng.h"
 
 namespace {
@@ -618,6 +619,7 @@ int Run(const Flags& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
   Flags flags;
   bool help = false;
   if (!ParseFlags(argc, argv, &flags, &help)) return 2;

@@ -34,6 +34,7 @@
 #include "runner/runner_config.h"
 #include "runner/sample/engine.h"
 #include "runner/util/log.h"
+#include "runner/util/omp_wait_policy.h"
 #include "runner/util/rng.h"
 
 ABSL_FLAG(std::string, out_dir, "/tmp/tinkerd_sample", "where model/ and prompts.json go");
@@ -104,6 +105,7 @@ double Run(tinkerd::SampleEngine& engine, const std::shared_ptr<const tinkerd::P
 }  // namespace
 
 int main(int argc, char** argv) {
+  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
   absl::ParseCommandLine(argc, argv);
   tinkerd::InitLogging(0);
   const int threads = static_cast<int>(absl::GetFlag(FLAGS_num_threads));

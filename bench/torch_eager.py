@@ -37,8 +37,13 @@ import sys
 import time
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+# The same OpenMP wait policy tinkerd runs with (runner/util/omp_wait_policy.h), set before
+# torch loads libgomp, so that the comparison measures the code, not the threads' spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # Loading.

@@ -25,8 +25,13 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+
+# The same OpenMP wait policy tinkerd runs with (runner/util/omp_wait_policy.h), set before
+# torch loads libgomp, so that the comparison measures the code, not the threads' spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_eager import load_weights, rms_norm, rotate_half  # noqa: E402

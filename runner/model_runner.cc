@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -237,8 +238,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     impl->rope = std::make_shared<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
-    TLOG_INFO("runner: {} | {} | memory budget for models {}", config.DebugString(),
-              impl->model_config.DebugString(), Bytes(impl->memory_budget));
+    const char* wait_policy = std::getenv("OMP_WAIT_POLICY");  // see util/omp_wait_policy.cc
+    TLOG_INFO(
+        "runner: {} | {} | memory budget for models {} | intra-op threads {}, "
+        "OMP_WAIT_POLICY={}",
+        config.DebugString(), impl->model_config.DebugString(), Bytes(impl->memory_budget),
+        at::get_num_threads(), wait_policy != nullptr ? wait_policy : "(unset)");
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
   });
 }
