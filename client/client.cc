@@ -6,6 +6,7 @@
 #include <iterator>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include <google/protobuf/io/coded_stream.h>
@@ -56,6 +57,70 @@ absl::StatusOr<Response> Unary(const ClientOptions& options, Tinkerd::Stub& stub
   });
   if (!status.ok()) return status;
   return response;
+}
+
+// A retried unary call on a thread of its own: the future of `convert(response)`. Each call gets a
+// thread, so a pipelined caller never waits behind a pool; its requests are few and long.
+template <typename Request, typename Response, typename Convert>
+auto Async(std::shared_ptr<Connection> connection,
+           grpc::Status (Tinkerd::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+           Request request, Convert convert) {
+  using Out = std::invoke_result_t<Convert, Response&&>;
+  return std::async(std::launch::async,
+                    [connection = std::move(connection), method, request = std::move(request),
+                     convert = std::move(convert)]() -> absl::StatusOr<Out> {
+                      absl::StatusOr<Response> response =
+                          Unary(connection->options(), connection->stub(), method, request);
+                      if (!response.ok()) return response.status();
+                      return convert(*std::move(response));
+                    });
+}
+
+template <typename Response>
+Response Identity(Response&& response) {
+  return std::move(response);
+}
+
+// A delete retried like any call. NOT_FOUND on a retry is success: an earlier attempt deleted
+// the thing and its reply was lost.
+absl::Status DeleteWithRetry(const ClientOptions& options,
+                             const std::function<grpc::Status(grpc::ClientContext&)>& attempt) {
+  int attempts = 0;
+  absl::Status status = CallWithRetry(options, [&](grpc::ClientContext& context) {
+    ++attempts;
+    return attempt(context);
+  });
+  if (absl::IsNotFound(status) && attempts > 1) return absl::OkStatus();
+  return status;
+}
+
+tinkerd::v1::ModelInput TokensInput(const std::vector<int64_t>& tokens) {
+  tinkerd::v1::ModelInput input;
+  input.add_chunks()->mutable_encoded_text()->mutable_tokens()->Add(tokens.begin(), tokens.end());
+  return input;
+}
+
+// Adds a SampleStream message's deltas to the answer they assemble.
+absl::Status Append(const tinkerd::v1::SampleStreamResponse& message,
+                    tinkerd::v1::SampleResponse& out) {
+  for (const tinkerd::v1::SampleDelta& delta : message.deltas()) {
+    if (delta.index() < 0 || delta.index() >= out.sequences_size()) {
+      return absl::InternalError(absl::StrCat("SampleStream: a delta for sample ", delta.index(),
+                                              " of ", out.sequences_size()));
+    }
+    tinkerd::v1::SampledSequence& seq = *out.mutable_sequences(delta.index());
+    seq.mutable_tokens()->Add(delta.tokens().begin(), delta.tokens().end());
+    seq.mutable_logprobs()->Add(delta.logprobs().begin(), delta.logprobs().end());
+    if (delta.stop_reason() != tinkerd::v1::STOP_REASON_UNSPECIFIED) {
+      seq.set_stop_reason(delta.stop_reason());
+    }
+  }
+  if (message.prompt_logprobs_size() > 0)
+    *out.mutable_prompt_logprobs() = message.prompt_logprobs();
+  if (message.topk_prompt_logprobs_size() > 0) {
+    *out.mutable_topk_prompt_logprobs() = message.topk_prompt_logprobs();
+  }
+  return absl::OkStatus();
 }
 
 void PrepareContext(const ClientOptions& options, grpc::ClientContext& context) {
@@ -220,15 +285,19 @@ absl::StatusOr<std::vector<tinkerd::v1::ModelInfo>> Connection::ListModels() {
 absl::Status Connection::DeleteModel(const std::string& model_id) {
   tinkerd::v1::ModelRef ref;
   ref.set_model_id(model_id);
-  int attempts = 0;
   tinkerd::v1::DeleteModelResponse response;
-  absl::Status status = CallWithRetry(options_, [&](grpc::ClientContext& context) {
-    ++attempts;
+  return DeleteWithRetry(options_, [&](grpc::ClientContext& context) {
     return stub_->DeleteModel(&context, ref, &response);
   });
-  // A retry that finds the model gone means an earlier attempt deleted it and its reply was lost.
-  if (absl::IsNotFound(status) && attempts > 1) return absl::OkStatus();
-  return status;
+}
+
+absl::StatusOr<tinkerd::v1::SamplerInfo> Connection::CreateSampler(
+    const tinkerd::v1::CreateSamplerRequest& request) {
+  return Unary(options_, *stub_, &Tinkerd::Stub::CreateSampler, request);
+}
+
+SamplingClient Connection::Sampler(const std::string& sampler_id, const std::string& model_id) {
+  return SamplingClient(shared_from_this(), sampler_id, model_id);
 }
 
 absl::StatusOr<bool> Connection::Health() {
@@ -316,11 +385,8 @@ std::future<absl::StatusOr<tinkerd::v1::ForwardBackwardOutput>> TrainingClient::
   request.mutable_data()->Reserve(static_cast<int>(data.size()));
   for (auto& datum : data) *request.add_data() = std::move(datum);
   *request.mutable_loss_fn() = std::move(loss);
-  auto method = backward ? &Tinkerd::Stub::ForwardBackward : &Tinkerd::Stub::Forward;
-  return std::async(std::launch::async,
-                    [connection = connection_, method, request = std::move(request)] {
-                      return Unary(connection->options(), connection->stub(), method, request);
-                    });
+  return Async(connection_, backward ? &Tinkerd::Stub::ForwardBackward : &Tinkerd::Stub::Forward,
+               std::move(request), Identity<tinkerd::v1::ForwardBackwardOutput>);
 }
 
 std::future<absl::StatusOr<tinkerd::v1::ForwardBackwardOutput>> TrainingClient::ForwardBackward(
@@ -339,9 +405,8 @@ std::future<absl::StatusOr<tinkerd::v1::OptimStepResponse>> TrainingClient::Opti
   request.set_model_id(model_id_);
   request.set_seq_id(next_seq_id_.fetch_add(1));
   *request.mutable_adam_params() = std::move(adam);
-  return std::async(std::launch::async, [connection = connection_, request = std::move(request)] {
-    return Unary(connection->options(), connection->stub(), &Tinkerd::Stub::OptimStep, request);
-  });
+  return Async(connection_, &Tinkerd::Stub::OptimStep, std::move(request),
+               Identity<tinkerd::v1::OptimStepResponse>);
 }
 
 std::unique_ptr<TrajectoryStream> TrainingClient::StreamForwardBackward(tinkerd::v1::LossFn loss) {
@@ -359,6 +424,51 @@ std::unique_ptr<TrajectoryStream> TrainingClient::StreamForwardBackward(tinkerd:
   return stream;
 }
 
+std::future<absl::StatusOr<std::string>> TrainingClient::SaveState(std::string name,
+                                                                   bool overwrite) {
+  tinkerd::v1::SaveStateRequest request;
+  request.set_model_id(model_id_);
+  request.set_seq_id(next_seq_id_.fetch_add(1));
+  request.set_name(std::move(name));
+  request.set_overwrite(overwrite);
+  return Async(connection_, &Tinkerd::Stub::SaveState, std::move(request),
+               [](const tinkerd::v1::SaveStateResponse& r) { return r.path(); });
+}
+
+std::future<absl::StatusOr<std::string>> TrainingClient::LoadState(std::string path,
+                                                                   bool with_optimizer) {
+  tinkerd::v1::LoadStateRequest request;
+  request.set_model_id(model_id_);
+  request.set_seq_id(next_seq_id_.fetch_add(1));
+  request.set_path(std::move(path));
+  request.set_with_optimizer(with_optimizer);
+  return Async(connection_, &Tinkerd::Stub::LoadState, std::move(request),
+               [](const tinkerd::v1::LoadStateResponse& r) { return r.path(); });
+}
+
+std::future<absl::StatusOr<std::string>> TrainingClient::SaveWeightsForSampler(std::string name,
+                                                                               bool merged,
+                                                                               bool overwrite) {
+  tinkerd::v1::SaveWeightsForSamplerRequest request;
+  request.set_model_id(model_id_);
+  request.set_seq_id(next_seq_id_.fetch_add(1));
+  request.set_name(std::move(name));
+  request.set_merged(merged);
+  request.set_overwrite(overwrite);
+  return Async(connection_, &Tinkerd::Stub::SaveWeightsForSampler, std::move(request),
+               [](const tinkerd::v1::SaveWeightsForSamplerResponse& r) { return r.path(); });
+}
+
+std::future<absl::StatusOr<SamplingClient>> TrainingClient::SaveWeightsAndGetSamplingClient() {
+  tinkerd::v1::CreateSamplerRequest request;
+  request.set_model_id(model_id_);
+  request.set_seq_id(next_seq_id_.fetch_add(1));
+  return Async(connection_, &Tinkerd::Stub::CreateSampler, std::move(request),
+               [connection = connection_](const tinkerd::v1::SamplerInfo& info) {
+                 return SamplingClient(connection, info.sampler_id(), "");
+               });
+}
+
 absl::StatusOr<tinkerd::v1::RetrieveResultResponse> TrainingClient::RetrieveResult(int64_t seq_id) {
   tinkerd::v1::RetrieveResultRequest request;
   request.set_model_id(model_id_);
@@ -369,6 +479,85 @@ absl::StatusOr<tinkerd::v1::RetrieveResultResponse> TrainingClient::RetrieveResu
 
 absl::StatusOr<tinkerd::v1::ModelInfo> TrainingClient::GetInfo() {
   return connection_->GetInfo(model_id_);
+}
+
+// ---- SamplingClient ----
+
+SamplingClient::SamplingClient(std::shared_ptr<Connection> connection, std::string sampler_id,
+                               std::string model_id)
+    : connection_(std::move(connection)),
+      sampler_id_(std::move(sampler_id)),
+      model_id_(std::move(model_id)) {}
+
+tinkerd::v1::SampleRequest SamplingClient::Request(const std::vector<int64_t>& prompt,
+                                                   tinkerd::v1::SamplingParams params,
+                                                   const SampleOptions& options) const {
+  tinkerd::v1::SampleRequest request;
+  request.set_sampler_id(sampler_id_);
+  request.set_model_id(model_id_);
+  *request.mutable_prompt() = TokensInput(prompt);
+  request.set_num_samples(options.num_samples);
+  *request.mutable_sampling_params() = std::move(params);
+  request.set_prompt_logprobs(options.prompt_logprobs);
+  request.set_topk_prompt_logprobs(options.topk_prompt_logprobs);
+  return request;
+}
+
+std::future<absl::StatusOr<tinkerd::v1::SampleResponse>> SamplingClient::Sample(
+    std::vector<int64_t> prompt, tinkerd::v1::SamplingParams params, SampleOptions options) const {
+  return Async(connection_, &Tinkerd::Stub::Sample, Request(prompt, std::move(params), options),
+               Identity<tinkerd::v1::SampleResponse>);
+}
+
+absl::StatusOr<tinkerd::v1::SampleResponse> SamplingClient::SampleStream(
+    std::vector<int64_t> prompt, tinkerd::v1::SamplingParams params,
+    const std::function<bool(const tinkerd::v1::SampleStreamResponse&)>& on_message,
+    SampleOptions options) const {
+  const tinkerd::v1::SampleRequest request = Request(prompt, std::move(params), options);
+  grpc::ClientContext context;
+  PrepareContext(connection_->options(), context);
+  std::unique_ptr<grpc::ClientReader<tinkerd::v1::SampleStreamResponse>> reader =
+      connection_->stub().SampleStream(&context, request);
+  tinkerd::v1::SampleResponse out;
+  for (int i = 0; i < std::max(1, request.num_samples()); ++i) out.add_sequences();
+  tinkerd::v1::SampleStreamResponse message;
+  absl::Status stopped;
+  while (stopped.ok() && reader->Read(&message)) {
+    stopped = Append(message, out);
+    if (stopped.ok() && !on_message(message)) {
+      stopped = absl::CancelledError("SampleStream: cancelled by the caller");
+    }
+  }
+  if (!stopped.ok()) {
+    context.TryCancel();
+    while (reader->Read(&message)) {
+    }
+  }
+  const absl::Status status = FromGrpc(reader->Finish());
+  if (!stopped.ok()) return stopped;
+  if (!status.ok()) return status;
+  return out;
+}
+
+std::future<absl::StatusOr<std::vector<double>>> SamplingClient::ComputeLogprobs(
+    std::vector<int64_t> prompt) const {
+  tinkerd::v1::ComputeLogprobsRequest request;
+  request.set_sampler_id(sampler_id_);
+  request.set_model_id(model_id_);
+  *request.mutable_prompt() = TokensInput(prompt);
+  return Async(connection_, &Tinkerd::Stub::ComputeLogprobs, std::move(request),
+               [](const tinkerd::v1::ComputeLogprobsResponse& r) {
+                 return std::vector<double>(r.logprobs().begin(), r.logprobs().end());
+               });
+}
+
+absl::Status SamplingClient::Delete() const {
+  tinkerd::v1::SamplerRef ref;
+  ref.set_sampler_id(sampler_id_);
+  tinkerd::v1::DeleteSamplerResponse response;
+  return DeleteWithRetry(connection_->options(), [&](grpc::ClientContext& context) {
+    return connection_->stub().DeleteSampler(&context, ref, &response);
+  });
 }
 
 // ---- Builders ----

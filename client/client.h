@@ -71,6 +71,7 @@ absl::Status CallWithRetry(const ClientOptions& options,
                            const std::function<grpc::Status(grpc::ClientContext&)>& attempt);
 
 class TrainingClient;
+class SamplingClient;
 
 // One channel to one server. Thread-safe: every method may be called from any thread at once
 // (gRPC channels and stubs are). Shared so that TrainingClients and in-flight futures keep it
@@ -93,6 +94,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   absl::StatusOr<std::vector<tinkerd::v1::ModelInfo>> ListModels();
   // NOT_FOUND on a retry counts as success: an earlier attempt deleted it and lost the reply.
   absl::Status DeleteModel(const std::string& model_id);
+  // A sampler: a model's weights frozen (in its call order when seq_id > 0, which makes a retry
+  // get the same sampler), or a sampler checkpoint's (request.path). Sample it with
+  // Sampler(info.sampler_id()).
+  absl::StatusOr<tinkerd::v1::SamplerInfo> CreateSampler(
+      const tinkerd::v1::CreateSamplerRequest& request);
   // grpc.health.v1 Check for the whole server (service ""): true when SERVING. A server without
   // the health service answers UNIMPLEMENTED, returned as that error.
   absl::StatusOr<bool> Health();
@@ -101,6 +107,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // next for this model: 1 for a fresh model, else ModelInfo.next_seq_id. A wrong value makes
   // the server refuse (too low) or hold (too high) every call, so pass GetInfo's when resuming.
   std::unique_ptr<TrainingClient> Attach(const std::string& model_id, int64_t next_seq_id = 1);
+  // What SamplingClient samples: a sampler; else a model's current weights, frozen per request;
+  // both empty, the base model.
+  SamplingClient Sampler(const std::string& sampler_id, const std::string& model_id = "");
 
   const ClientOptions& options() const { return options_; }
   tinkerd::v1::Tinkerd::Stub& stub() const { return *stub_; }
@@ -180,6 +189,19 @@ class TrainingClient {
   // the first Write or by Finish.
   std::unique_ptr<TrajectoryStream> StreamForwardBackward(tinkerd::v1::LossFn loss);
 
+  // Checkpoints, each in its place among the model's calls (a seq_id of its own): the training
+  // state (weights and Adam moments) as tinker://<model>/weights/<name>, and the weights for
+  // sampling (a PEFT adapter, or merged HF-layout weights) as .../sampler_weights/<name>. Futures
+  // of the checkpoint's path.
+  std::future<absl::StatusOr<std::string>> SaveState(std::string name, bool overwrite = false);
+  std::future<absl::StatusOr<std::string>> LoadState(std::string path, bool with_optimizer = true);
+  std::future<absl::StatusOr<std::string>> SaveWeightsForSampler(std::string name,
+                                                                 bool merged = false,
+                                                                 bool overwrite = false);
+  // A sampler of the weights as they are after every call made before this one, whatever runs
+  // after (no checkpoint is written): the on-policy step of an RL loop.
+  std::future<absl::StatusOr<SamplingClient>> SaveWeightsAndGetSamplingClient();
+
   // A finished call's result again, while the server's bounded cache still has it. Read-only,
   // so it is retried like any call and takes no seq_id of its own.
   absl::StatusOr<tinkerd::v1::RetrieveResultResponse> RetrieveResult(int64_t seq_id);
@@ -196,6 +218,50 @@ class TrainingClient {
   const std::shared_ptr<Connection> connection_;
   const std::string model_id_;
   std::atomic<int64_t> next_seq_id_;
+};
+
+struct SampleOptions {
+  int num_samples = 1;  // they share the prompt's prefill
+  bool prompt_logprobs = false;
+  int topk_prompt_logprobs = 0;
+};
+
+// Samples one policy (see Connection::Sampler). A value: cheap to copy, thread-safe, and its
+// futures do not depend on it. Sample and ComputeLogprobs change nothing on the server, so they
+// are retried like any call; with params.seed set, a retry decodes the same tokens.
+class SamplingClient {
+ public:
+  SamplingClient(std::shared_ptr<Connection> connection, std::string sampler_id,
+                 std::string model_id);
+
+  std::future<absl::StatusOr<tinkerd::v1::SampleResponse>> Sample(
+      std::vector<int64_t> prompt, tinkerd::v1::SamplingParams params,
+      SampleOptions options = {}) const;
+  // The same answer, token by token: `on_message` gets each message as the server decodes it
+  // (on the calling thread, which this blocks) and returns false to cancel, which ends the call
+  // CANCELLED and frees its samples on the server. Returns the deltas assembled: what Sample
+  // answers. Not retried: a stream cut short has already delivered part of its answer.
+  absl::StatusOr<tinkerd::v1::SampleResponse> SampleStream(
+      std::vector<int64_t> prompt, tinkerd::v1::SamplingParams params,
+      const std::function<bool(const tinkerd::v1::SampleStreamResponse&)>& on_message,
+      SampleOptions options = {}) const;
+  // logp(prompt[t] | prompt[<t]) for every t, NaN at position 0.
+  std::future<absl::StatusOr<std::vector<double>>> ComputeLogprobs(
+      std::vector<int64_t> prompt) const;
+  // Releases the sampler's frozen weights. NOT_FOUND on a retry counts as success.
+  absl::Status Delete() const;
+
+  const std::string& sampler_id() const { return sampler_id_; }
+  const std::string& model_id() const { return model_id_; }
+
+ private:
+  tinkerd::v1::SampleRequest Request(const std::vector<int64_t>& prompt,
+                                     tinkerd::v1::SamplingParams params,
+                                     const SampleOptions& options) const;
+
+  std::shared_ptr<Connection> connection_;
+  std::string sampler_id_;
+  std::string model_id_;
 };
 
 // Tensor and Datum builders. Tensors are 1-D ({n}), packed little-endian whatever the host order.

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/attention.h"
+#include "kernels/decode_attention.h"
 #include "kernels/linear.h"
 #include "kernels/recompute.h"
 #include "kernels/rms_norm.h"
@@ -58,18 +59,25 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const LoraA
   kernels::AttentionParams attn;
   attn.q_THd = ApplyRope(q_THd, rope);
   attn.cu_seqlens_q = cu_seqlens;
-  if (kv != nullptr) {
-    KvPacked all = kv->extend(layer, ApplyRope(k_TKd, rope), v_TKd);
-    attn.k_UKd = std::move(all.k_UKd);
-    attn.v_UKd = std::move(all.v_UKd);
-    attn.cu_seqlens_k = std::move(all.cu_seqlens_k);
-  } else {
+  attn.window = c.sliding_window;
+  at::Tensor out_THd;
+  if (kv == nullptr) {
     attn.k_UKd = ApplyRope(k_TKd, rope);
     attn.v_UKd = v_TKd;
     attn.cu_seqlens_k = cu_seqlens;
+    out_THd = kernels::Attention(attn);
+  } else if (auto all = kv->extend(layer, ApplyRope(k_TKd, rope), v_TKd);
+             auto* pieces = std::get_if<KvPieces>(&all)) {
+    out_THd = kernels::DecodeAttention(
+        {attn.q_THd, std::move(pieces->k), std::move(pieces->v), attn.window, attn.scale});
+  } else {
+    KvPacked& packed = std::get<KvPacked>(all);
+    attn.k_UKd = std::move(packed.k_UKd);
+    attn.v_UKd = std::move(packed.v_UKd);
+    attn.cu_seqlens_k = std::move(packed.cu_seqlens_k);
+    out_THd = kernels::Attention(attn);
   }
-  attn.window = c.sliding_window;
-  const at::Tensor attn_TD = kernels::Attention(attn).reshape({T, H * d});
+  const at::Tensor attn_TD = out_THd.reshape({T, H * d});
   at::Tensor out_TD = h_TD + Linear(Proj(attn_TD, L.o_proj, none, lora, p + "self_attn.o_proj"));
 
   x_TD = Norm(out_TD, L.post_norm_D, eps);

@@ -13,6 +13,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -55,14 +56,24 @@ struct KvPacked {
   std::vector<int64_t> cu_seqlens_k;
 };
 
+// Keys and values of one layer when every sequence has one new token (a decode step): each
+// sequence's [n, K, d] pieces in position order, read where they lie (kernels/decode_attention.h)
+// instead of being packed, which would copy the whole cache per layer and step.
+struct KvPieces {
+  std::vector<std::vector<at::Tensor>> k, v;
+};
+
 // A forward that continues sequences whose earlier tokens' keys and values are cached (sampling:
 // a prompt's prefill, then one token per decode step). Sequence s of the batch holds the tokens
 // after its past[s] cached ones, so its positions start at past[s]. Before each layer's attention,
 // `extend(layer, k_TKd, v_TKd)` stores the new tokens' keys (RoPE applied) and values and returns
-// every sequence's keys and values, cached then new. Inference only: no graph is kept.
+// every sequence's keys and values, cached then new: packed, or in pieces when each sequence has
+// one new token. Inference only: no graph is kept.
 struct KvStep {
   std::vector<int64_t> past;
-  std::function<KvPacked(int64_t layer, const at::Tensor& k_TKd, const at::Tensor& v_TKd)> extend;
+  std::function<std::variant<KvPacked, KvPieces>(int64_t layer, const at::Tensor& k_TKd,
+                                                 const at::Tensor& v_TKd)>
+      extend;
 };
 
 struct ForwardOptions {

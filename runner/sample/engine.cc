@@ -260,20 +260,18 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     cu_q.push_back(cu_q.back() + 1);
     kv.past.push_back(job->prompt_length() + s->cached);
   }
-  kv.extend = [&batch, S](int64_t layer, const at::Tensor& k_SKd, const at::Tensor& v_SKd) {
-    std::vector<at::Tensor> keys, values;
-    std::vector<int64_t> cu_k{0};
+  // Each sample reads its prompt's cache and its own in place: no per-step copy of either.
+  kv.extend = [&batch, S](int64_t layer, const at::Tensor& k_SKd,
+                          const at::Tensor& v_SKd) -> std::variant<KvPacked, KvPieces> {
+    KvPieces all;
     for (int64_t i = 0; i < S; ++i) {
       const auto& [job, s] = batch[i];
       s->k_LNKd[layer][s->cached].copy_(k_SKd[i]);
       s->v_LNKd[layer][s->cached].copy_(v_SKd[i]);
-      keys.push_back(job->k_LPKd[layer]);
-      keys.push_back(s->k_LNKd[layer].narrow(0, 0, s->cached + 1));
-      values.push_back(job->v_LPKd[layer]);
-      values.push_back(s->v_LNKd[layer].narrow(0, 0, s->cached + 1));
-      cu_k.push_back(cu_k.back() + job->prompt_length() + s->cached + 1);
+      all.k.push_back({job->k_LPKd[layer], s->k_LNKd[layer].narrow(0, 0, s->cached + 1)});
+      all.v.push_back({job->v_LPKd[layer], s->v_LNKd[layer].narrow(0, 0, s->cached + 1)});
     }
-    return KvPacked{at::cat(keys), at::cat(values), std::move(cu_k)};
+    return all;
   };
   const ForwardOptions options = Options(pol, &kv);
   const PackedBatch packed{Tokens(tokens, pol.device), cu_q};

@@ -1,4 +1,5 @@
 // The C++ client library and tinkerctl against the real server on a loopback port.
+#include <cmath>
 #include <cstdio>
 #include <future>
 
@@ -124,6 +125,121 @@ TEST(Client, TrajectoryStreamEqualsOneCall) {
   const auto ga = Flat(Snap(*live.server->runner(), a->model_id(), StateKind::kGrads));
   const auto gb = Flat(Snap(*live.server->runner(), b->model_id(), StateKind::kGrads));
   EXPECT_LE(MaxAbsDiff(ga, gb), 1e-10 * MaxAbs(ga));
+}
+
+// |a − b| <= tol · max(1, |b|) at every position; NaN only where both are (prompt position 0).
+bool Near(const std::vector<double>& a, const std::vector<double>& b, double tol) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) {
+      if (std::isnan(a[i]) != std::isnan(b[i])) return false;
+    } else if (std::abs(a[i] - b[i]) > tol * std::max(1.0, std::abs(b[i]))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(Client, SamplingClientSamplesTheWeightsOfItsPlaceInTheCallOrder) {
+  LiveServer live;
+  auto conn = Connect(live);
+  v1::CreateModelRequest req;
+  req.mutable_lora()->set_rank(4);
+  req.mutable_lora()->set_train_unembed(true);
+  auto info = conn->CreateModel(req);
+  ASSERT_TRUE(info.ok()) << info.status().message();
+  auto tc = conn->Attach(info->model_id());
+  SplitMix64 g(5);
+  v1::AdamParams adam;
+  adam.set_learning_rate(5e-2);
+  auto train = [&] {
+    std::vector<v1::Datum> wire;
+    for (const Datum& d : RandomData(g, {9, 14}, "cross_entropy", 128)) wire.push_back(ToProto(d));
+    auto fb = tc->ForwardBackward(wire, Loss("cross_entropy"));  // takes its seq_id first
+    return std::make_pair(std::move(fb), tc->OptimStep(adam));
+  };
+  // Sent without waiting: the sampler is the weights after the first step, not the second.
+  auto first = train();
+  auto frozen_future = tc->SaveWeightsAndGetSamplingClient();
+  auto second = train();
+  ASSERT_TRUE(second.second.get().ok());
+  absl::StatusOr<client::SamplingClient> frozen = frozen_future.get();
+  ASSERT_TRUE(frozen.ok()) << frozen.status().message();
+  EXPECT_EQ(tc->next_seq_id(), 6);
+
+  const std::vector<int64_t> prompt = {4, 40, 9, 100, 27};
+  v1::SamplingParams params;
+  params.set_max_tokens(6);
+  params.set_seed(11);
+  auto sampled = frozen->Sample(prompt, params, {.num_samples = 2, .prompt_logprobs = true}).get();
+  ASSERT_TRUE(sampled.ok()) << sampled.status().message();
+  ASSERT_EQ(sampled->sequences_size(), 2);
+  const v1::SampledSequence& s = sampled->sequences(1);
+  ASSERT_EQ(s.tokens_size(), 6);
+  std::vector<int64_t> context = prompt;
+  context.insert(context.end(), s.tokens().begin(), s.tokens().end() - 1);
+  std::vector<double> sample_logp(prompt.size(), 0.0), scored(prompt.size(), 0.0);
+  sample_logp.insert(sample_logp.end(), s.logprobs().begin(), s.logprobs().end() - 1);
+  // ComputeLogprobs of the sample's own context, by the same frozen weights: the sample's
+  // logprobs to rounding (float64 server).
+  auto by_frozen = frozen->ComputeLogprobs(context).get();
+  ASSERT_TRUE(by_frozen.ok()) << by_frozen.status().message();
+  scored.insert(scored.end(), by_frozen->begin() + static_cast<int64_t>(prompt.size()),
+                by_frozen->end());
+  EXPECT_TRUE(Near(sample_logp, scored, 1e-12));
+  EXPECT_TRUE(Near({sampled->prompt_logprobs().begin(), sampled->prompt_logprobs().end()},
+                   {by_frozen->begin(), by_frozen->begin() + static_cast<int64_t>(prompt.size())},
+                   1e-12));
+  // Control: the model's current weights (one step further) score the same context otherwise.
+  auto by_model = conn->Sampler("", info->model_id()).ComputeLogprobs(context).get();
+  ASSERT_TRUE(by_model.ok());
+  EXPECT_FALSE(Near(*by_model, *by_frozen, 1e-6));
+
+  // The stream assembles the same answer, and a stream the caller stops ends CANCELLED.
+  int messages = 0;
+  auto streamed = frozen->SampleStream(prompt, params,
+                                       [&](const v1::SampleStreamResponse&) {
+                                         ++messages;
+                                         return true;
+                                       },
+                                       {.num_samples = 2, .prompt_logprobs = true});
+  ASSERT_TRUE(streamed.ok()) << streamed.status().message();
+  EXPECT_GE(messages, 2);
+  for (int i = 0; i < 2; ++i) {
+    const v1::SampledSequence& a = streamed->sequences(i);
+    const v1::SampledSequence& b = sampled->sequences(i);
+    EXPECT_EQ(std::vector<int64_t>(a.tokens().begin(), a.tokens().end()),
+              std::vector<int64_t>(b.tokens().begin(), b.tokens().end()));
+    EXPECT_TRUE(Near({a.logprobs().begin(), a.logprobs().end()},
+                     {b.logprobs().begin(), b.logprobs().end()}, 1e-12));
+    EXPECT_EQ(a.stop_reason(), b.stop_reason());
+  }
+  EXPECT_EQ(streamed->prompt_logprobs_size(), static_cast<int>(prompt.size()));
+  auto stopped =
+      frozen->SampleStream(prompt, params, [](const v1::SampleStreamResponse&) { return false; });
+  EXPECT_EQ(stopped.status().code(), absl::StatusCode::kCancelled);
+
+  // A sampler checkpoint of the current weights samples like them (stored in float32).
+  auto path = tc->SaveWeightsForSampler("c1").get();
+  ASSERT_TRUE(path.ok()) << path.status().message();
+  v1::CreateSamplerRequest from_path;
+  from_path.set_path(*path);
+  auto loaded = conn->CreateSampler(from_path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().message();
+  auto by_path = conn->Sampler(loaded->sampler_id()).ComputeLogprobs(context).get();
+  ASSERT_TRUE(by_path.ok());
+  EXPECT_TRUE(Near(*by_path, *by_model, 1e-4));
+  EXPECT_FALSE(Near(*by_path, *by_frozen, 1e-4));
+
+  // Deleted, a sampler is gone; the training state round-trips through the client too.
+  ASSERT_TRUE(frozen->Delete().ok());
+  EXPECT_EQ(frozen->Sample(prompt, params).get().status().code(), absl::StatusCode::kNotFound);
+  auto state = tc->SaveState("s1").get();
+  ASSERT_TRUE(state.ok()) << state.status().message();
+  EXPECT_EQ(*state, "tinker://" + info->model_id() + "/weights/s1");
+  auto reloaded = tc->LoadState(*state).get();
+  EXPECT_TRUE(reloaded.ok()) << reloaded.status().message();
+  EXPECT_EQ(conn->GetInfo(info->model_id())->next_seq_id(), tc->next_seq_id());
 }
 
 TEST(Tinkerctl, HealthCreateInfoListDelete) {

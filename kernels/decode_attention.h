@@ -1,0 +1,35 @@
+// One decode step of attention: every sequence has a single query (its newest token, at position
+// L − 1) and L keys held in pieces, read where they lie: a prompt's keys, shared by all of its
+// samples, then the sample's own. Nothing is copied into a packed [U, K, d] tensor, which would
+// cost a copy of the whole KV cache per layer and step.
+// For query head h reading kv head h / (H / K), and the keys k_0 … k_{L−1} of the pieces in order:
+//   S_j = scale · q·k_j   for L − 1 − j < window (every j when window = 0)
+//   o   = Σ_j softmax(S)_j · v_j
+// The same function as kernels/attention.h with Lq = 1 and the pieces packed; inference only.
+// Scores, softmax and the accumulator are fp32 (fp64 for fp64 inputs); the output has the
+// inputs' dtype.
+//
+// Shape suffixes: S sequences, H query heads, K kv heads, d head_dim, n a piece's rows.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace tinkerd::kernels {
+
+struct DecodeAttentionParams {
+  at::Tensor q_SHd;
+  // Per sequence, its keys and values in position order, each piece [n, K, d] (rows of K·d
+  // contiguous elements; a narrowed cache is fine). One piece may serve several sequences.
+  std::vector<std::vector<at::Tensor>> k_pieces, v_pieces;
+  int64_t window = 0;  // 0: every key is visible
+  double scale = 0;    // 0: 1/sqrt(d)
+};
+
+// o_SHd. On the CPU a loop over (sequence, kv head) that reads the pieces in place; on other
+// devices the pieces are packed and kernels::Attention runs with one query per sequence.
+at::Tensor DecodeAttention(const DecodeAttentionParams& p);
+
+}  // namespace tinkerd::kernels

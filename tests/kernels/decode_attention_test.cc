@@ -1,0 +1,146 @@
+// kernels/decode_attention against a float64 reference that packs each sequence's pieces and takes
+// the full softmax of its one query, and against kernels::Attention (the trainer's kernel) on the
+// packed keys; pieces shared between sequences, strided, empty and of every length.
+#include "kernels/decode_attention.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+using kernels::DecodeAttentionParams;
+
+// Float64: each output sums at most L = 70 softmax terms and each score d products, so the
+// relative error is a small multiple of (L + d) · 2^-53 ≈ 1e-14; 1e-12 leaves margin.
+constexpr double kF64Tol = 1e-12;
+
+// Sequence s's keys: the pieces packed, [L, K, d].
+at::Tensor Pack(const std::vector<at::Tensor>& pieces) {
+  return at::cat(pieces).to(at::kDouble);
+}
+
+// The query's softmax over all of its visible keys, per head; `window_error` widens the window
+// (the broken control).
+at::Tensor Reference(const DecodeAttentionParams& p, int64_t window_error = 0) {
+  const at::Tensor q = p.q_SHd.to(at::kCPU, at::kDouble);
+  const int64_t S = q.size(0), H = q.size(1), d = q.size(2);
+  at::Tensor out = at::empty({S, H, d}, q.options());
+  for (int64_t s = 0; s < S; ++s) {
+    const at::Tensor k = Pack(p.k_pieces[s]).cpu(), v = Pack(p.v_pieces[s]).cpu();
+    const int64_t L = k.size(0), G = H / k.size(1);
+    const int64_t window = p.window > 0 ? p.window + window_error : 0;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    for (int64_t h = 0; h < H; ++h) {
+      const at::Tensor kh = k.narrow(0, first, L - first).select(1, h / G);
+      const at::Tensor vh = v.narrow(0, first, L - first).select(1, h / G);
+      const at::Tensor w = at::softmax(at::mv(kh, q[s][h]) / std::sqrt(static_cast<double>(d)), 0);
+      out[s][h].copy_(at::mv(vh.t(), w));
+    }
+  }
+  return out;
+}
+
+// Five sequences of six query heads on three kv heads: three samples of one prompt (its piece
+// shared), with own pieces of 1, 2 and 30 rows, the last narrowed from a larger cache; a sequence
+// with only a prompt; one with an empty piece in the middle.
+DecodeAttentionParams MakeCase(int64_t d, int64_t window, at::ScalarType dt, at::Device dev,
+                               uint64_t seed) {
+  const int64_t H = 6, K = 3;
+  auto rows = [&](int64_t n, uint64_t salt) {
+    return Randn({n, K, d}, seed + salt).to(dt).to(dev);
+  };
+  const at::Tensor prompt_k = rows(40, 1), prompt_v = rows(40, 2);
+  const at::Tensor cache_k = rows(64, 3), cache_v = rows(64, 4);  // a sample's preallocated rows
+  DecodeAttentionParams p;
+  p.q_SHd = Randn({5, H, d}, seed).to(dt).to(dev);
+  p.window = window;
+  p.k_pieces = {{prompt_k, rows(1, 5)},
+                {prompt_k, rows(2, 6)},
+                {prompt_k, cache_k.narrow(0, 0, 30)},
+                {rows(7, 7)},
+                {rows(3, 8), rows(0, 9), rows(9, 10)}};
+  p.v_pieces = {{prompt_v, rows(1, 11)},
+                {prompt_v, rows(2, 12)},
+                {prompt_v, cache_v.narrow(0, 0, 30)},
+                {rows(7, 13)},
+                {rows(3, 14), rows(0, 15), rows(9, 16)}};
+  return p;
+}
+
+// kernels::Attention with one query per sequence on the packed pieces.
+at::Tensor TrainerAttention(const DecodeAttentionParams& p) {
+  kernels::AttentionParams a;
+  a.q_THd = p.q_SHd;
+  a.cu_seqlens_q = {0};
+  a.cu_seqlens_k = {0};
+  std::vector<at::Tensor> k, v;
+  for (size_t s = 0; s < p.k_pieces.size(); ++s) {
+    k.push_back(at::cat(p.k_pieces[s]));
+    v.push_back(at::cat(p.v_pieces[s]));
+    a.cu_seqlens_q.push_back(static_cast<int64_t>(s) + 1);
+    a.cu_seqlens_k.push_back(a.cu_seqlens_k.back() + k.back().size(0));
+  }
+  a.k_UKd = at::cat(k);
+  a.v_UKd = at::cat(v);
+  a.window = p.window;
+  return kernels::Attention(a);
+}
+
+TEST(DecodeAttention, MatchesFullSoftmaxAndTheTrainerKernelFloat64) {
+  // d = 8 takes the eight-lane dot product only; d = 13 its remainder too.
+  for (int64_t d : {8, 13}) {
+    for (int64_t window : {0, 5, 35}) {
+      const DecodeAttentionParams p = MakeCase(d, window, at::kDouble, at::kCPU, 21);
+      const at::Tensor out = kernels::DecodeAttention(p);
+      EXPECT_LT(RelErr(out, Reference(p)), kF64Tol) << "d " << d << " window " << window;
+      EXPECT_LT(RelErr(out, TrainerAttention(p)), kF64Tol) << "d " << d << " window " << window;
+    }
+  }
+}
+
+TEST(DecodeAttention, BrokenControlsAreDetected) {
+  // The comparison must see a window off by one and a query that misses its newest key.
+  const DecodeAttentionParams p = MakeCase(8, 5, at::kDouble, at::kCPU, 22);
+  const at::Tensor out = kernels::DecodeAttention(p);
+  EXPECT_GT(RelErr(out, Reference(p, /*window_error=*/1)), 1e3 * kF64Tol);
+  DecodeAttentionParams stale = p;
+  stale.k_pieces[0].back() = stale.k_pieces[0].back().narrow(0, 0, 0);
+  stale.v_pieces[0].back() = stale.v_pieces[0].back().narrow(0, 0, 0);
+  EXPECT_GT(RelErr(kernels::DecodeAttention(stale), Reference(p)), 1e3 * kF64Tol);
+}
+
+TEST(DecodeAttention, DevicePathMatchesTheReference) {
+  // On the CPU the loop in float32 and bfloat16 (fp32 accumulation); on a GPU the packed path.
+  // Inputs are rounded to the dtype first, so the float64 reference sees the same values.
+  const at::Device dev = KernelDevice();
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    const DecodeAttentionParams p = MakeCase(64, 0, dt, dev, 23);
+    const at::Tensor out = kernels::DecodeAttention(p);
+    // float32: a score sums d = 64 products and the output L <= 70 weighted rows, each rounding
+    // at 2^-24 relative: (64 + 70) · 6e-8 ≈ 8e-6 of the largest value; 2e-5 leaves margin.
+    // bfloat16: the fp32 result is rounded to bf16 once, 2^-9 ≈ 2e-3 relative; 4e-3 with margin.
+    // A GPU's flash kernel also rounds the softmax weights to bf16: attention_test's 2e-2.
+    const double tol = dt == at::kFloat ? 2e-5 : dev.is_cpu() ? 4e-3 : 2e-2;
+    EXPECT_LT(RelErr(out, Reference(p)), tol) << at::toString(dt);
+    EXPECT_EQ(out.scalar_type(), dt);
+  }
+}
+
+TEST(DecodeAttention, RefusesMismatchedPieces) {
+  DecodeAttentionParams p = MakeCase(8, 0, at::kDouble, at::kCPU, 24);
+  p.v_pieces.pop_back();  // one sequence without values
+  EXPECT_THROW(kernels::DecodeAttention(p), c10::Error);
+  p = MakeCase(8, 0, at::kDouble, at::kCPU, 24);
+  p.k_pieces[3] = {p.k_pieces[3][0].narrow(0, 0, 0)};  // no keys at all
+  p.v_pieces[3] = {p.v_pieces[3][0].narrow(0, 0, 0)};
+  EXPECT_THROW(kernels::DecodeAttention(p), c10::Error);
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
