@@ -5,6 +5,12 @@
 // timeout. Futures are per tenant: another tenant's request_id is unknown (404), like a made-up
 // one. A finished result stays `keep` after it finished, so a poll retried after a lost answer
 // still finds it; then it is gone (404, like an id never issued).
+//
+// A future may belong to a topic (the SDK's sampling session and clone): newer SDKs learn which of
+// a topic's futures finished from one long poll (retrieve_futures) instead of one poll per future,
+// and then fetch each result with retrieve_future. Each finishing is numbered by a cursor that
+// only grows, across topics and across restarts (it starts at the server's start time in
+// microseconds), so a client's cursor from before a restart never hides a new completion.
 #pragma once
 
 #include <deque>
@@ -30,15 +36,24 @@ class Futures {
   // Registers a pending future, unless one exists already (a retry of the same call: kExists,
   // left as it is). kFull when there is no room (every entry pending) or the table is closed.
   // Opened before the call starts, so a call answered 429 was never started.
-  Opened Open(const std::string& tenant, const std::string& request_id);
+  Opened Open(const std::string& tenant, const std::string& request_id,
+              const std::string& topic = "");
   // Forgets a future opened for a call that was then refused at once, so that a resend starts
   // afresh; polls parked on it meanwhile are answered 503 (the client polls again, then 404).
   void Drop(const std::string& tenant, const std::string& request_id);
-  // The future's answer: a result (status 200) or a {"error", "category"} body. Wakes its polls.
-  // A future finished already keeps its first answer.
-  void Finish(const std::string& tenant, const std::string& request_id, Response answer);
+  // The future's answer: a result (status 200) or, `failed`, a {"error", "category"} body. Wakes
+  // its polls, and its topic's. A future finished already keeps its first answer.
+  void Finish(const std::string& tenant, const std::string& request_id, Response answer,
+              bool failed = false);
   // Answers with the future's answer when it has one, else parks the poll.
   void Poll(const std::string& tenant, const std::string& request_id, Respond respond);
+  // Answers {"completions": [...], "cursor": c} with the topic's futures that finished after
+  // `after_cursor`, each {"state": "finished" | "failed", "request_id", and for a finished one
+  // "response_payload_uncompressed_size"}; those at or before it are forgotten (the client has
+  // seen them). With none, parks the poll until one finishes or `wait` (at most the long-poll
+  // time) passes, then answers with none and the cursor unchanged.
+  void PollFinished(const std::string& tenant, const std::string& topic, int64_t after_cursor,
+                    absl::Duration wait, Respond respond);
   // Answers every parked poll with 503 (the client polls again) and forgets everything.
   void Close();
 
@@ -49,14 +64,32 @@ class Futures {
     std::optional<Response> answer;
     absl::Time finished;
     std::map<uint64_t, Respond> polls;  // parked, by poll id
+    std::string topic;
+  };
+  struct Completion {
+    int64_t cursor;
+    absl::Time finished;
+    std::string request_id;
+    bool failed;
+    size_t payload_bytes;
+  };
+  struct Topic {
+    std::deque<Completion> completions;                     // in cursor order
+    std::map<uint64_t, std::pair<int64_t, Respond>> polls;  // parked: after_cursor, by poll id
   };
   static std::string Key(const std::string& tenant, const std::string& request_id) {
     return tenant + '\n' + request_id;  // tenants and ids never contain a newline
   }
   // Under mu_: drops finished entries past `keep`, then the oldest finished until `adding` more
-  // fit in max_entries. Amortized O(1): finished_ is in finishing order.
+  // fit in max_entries, and topic completions past `keep`. Amortized O(1): finished_ and
+  // topic_finished_ are in finishing order.
   void ExpireLocked(size_t adding) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Expire(const std::string& key, uint64_t poll_id, std::string request_id);
+  // Under mu_: forgets the topic's completions at or before `cursor`, older than `keep` or past
+  // max_entries, and the topic itself once it holds nothing.
+  void TrimLocked(const std::string& key, int64_t cursor) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireFinishedPoll(const std::string& key, uint64_t poll_id, int64_t after_cursor);
+  static Response FinishedAnswer(const std::deque<Completion>& completions, int64_t after_cursor);
 
   const FuturesConfig config_;
   const std::function<void(absl::Duration, std::function<void()>)> after_;
@@ -66,6 +99,10 @@ class Futures {
   // reopened appears twice, and only the entry with the matching time is dropped.
   std::deque<std::pair<absl::Time, std::string>> finished_ ABSL_GUARDED_BY(mu_);
   uint64_t next_poll_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, Topic> topics_ ABSL_GUARDED_BY(mu_);  // by Key(tenant, topic)
+  // (finished, topic key) of each completion, oldest first: how expired ones are found.
+  std::deque<std::pair<absl::Time, std::string>> topic_finished_ ABSL_GUARDED_BY(mu_);
+  int64_t cursor_ ABSL_GUARDED_BY(mu_);  // the latest completion's
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -1,5 +1,6 @@
 #include "server/http/tinker_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <random>
@@ -116,6 +117,7 @@ void TinkerApi::Handle(Request req, Respond respond) {
       {"save_weights_for_sampler", &TinkerApi::SaveWeightsForSampler},
       {"weights_info", &TinkerApi::WeightsInfo},
       {"retrieve_future", &TinkerApi::RetrieveFuture},
+      {"retrieve_futures", &TinkerApi::RetrieveFutures},
       {"asample", &TinkerApi::ASample},
       {"create_sampling_session", &TinkerApi::CreateSamplingSession},
   };
@@ -194,12 +196,12 @@ void TinkerApi::Handle(Request req, Respond respond) {
 template <typename Resp>
 void TinkerApi::Submit(const std::string& tenant, const std::string& request_id, Resend resend,
                        std::function<void(Done<Resp>)> start,
-                       std::function<Response(const Resp&)> encode, Respond respond,
-                       Json accepted) {
+                       std::function<Response(const Resp&)> encode, Respond respond, Json accepted,
+                       const std::string& topic) {
   accepted["request_id"] = request_id;
   // The future is reserved before the call starts: a call answered 429 never ran, and of two
   // racing resends of a sample only one starts it.
-  const Futures::Opened opened = futures_.Open(tenant, request_id);
+  const Futures::Opened opened = futures_.Open(tenant, request_id, topic);
   if (opened == Futures::Opened::kFull) {
     return respond(Error(429, "too many unfinished futures; retry later"));
   }
@@ -215,7 +217,7 @@ void TinkerApi::Submit(const std::string& tenant, const std::string& request_id,
   };
   auto sub = std::make_shared<Submission>();
   auto finish = [this, tenant, request_id, encode](const absl::StatusOr<Resp>& r) {
-    futures_.Finish(tenant, request_id, r.ok() ? encode(*r) : FutureError(r.status()));
+    futures_.Finish(tenant, request_id, r.ok() ? encode(*r) : FutureError(r.status()), !r.ok());
   };
   start([sub, finish](absl::StatusOr<Resp> r) {
     absl::MutexLock lock(&sub->mu);
@@ -244,10 +246,10 @@ void TinkerApi::Submit(const std::string& tenant, const std::string& request_id,
 template void TinkerApi::Submit<v1::SamplerInfo>(const std::string&, const std::string&, Resend,
                                                  std::function<void(Done<v1::SamplerInfo>)>,
                                                  std::function<Response(const v1::SamplerInfo&)>,
-                                                 Respond, Json);
+                                                 Respond, Json, const std::string&);
 template void TinkerApi::Submit<v1::SampleResponse>(
     const std::string&, const std::string&, Resend, std::function<void(Done<v1::SampleResponse>)>,
-    std::function<Response(const v1::SampleResponse&)>, Respond, Json);
+    std::function<Response(const v1::SampleResponse&)>, Respond, Json, const std::string&);
 
 std::string TinkerApi::Resolve(const std::string& tenant, const std::string& model_id) {
   absl::MutexLock lock(&mu_);
@@ -281,6 +283,9 @@ void TinkerApi::ClientConfig(const std::string&, const Json&, Respond respond) {
       {"proto_compress_fwdbwd", false},  // Content-Encoding is refused (415)
       {"parallel_fwdbwd_chunks", true},
       {"create_model_via_load_weights", false},
+      // Newer SDKs (0.38) then learn which samples finished from one long poll per sampling
+      // session (retrieve_futures) instead of one retrieve_future poll per sample.
+      {"sample_use_retrieve_futures", true},
       // A chunk must fit the body limit with room for protobuf framing.
       {"fwdbwd_max_chunk_bytes_count", std::min<int64_t>(5'000'000, config_.max_body_bytes / 2)},
   }));
@@ -686,6 +691,40 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const std::string& metho
   const absl::Status st = ops_->DeleteCheckpoint(
       tenant, absl::StrCat("tinker://", model_id, "/", parts[3], "/", parts[4]));
   respond(st.ok() ? JsonResponse(Json::object()) : Error(st));
+}
+
+void TinkerApi::RetrieveFutures(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const Json* target = f.Obj("target");
+  const int64_t prev_cursor = f.OptInt("prev_cursor").value_or(0);
+  const std::optional<double> timeout = f.OptNum("timeout");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  if (target == nullptr) return respond(Error(400, "target: required"));
+  Fields t(*target);
+  const std::string type = t.OptStr("type").value_or("sampling_session");
+  const std::string session = t.Str("sampling_session_id");
+  const int64_t clone = t.OptInt("cloned_sampler_id").value_or(0);
+  if (!t.status().ok()) return respond(Error(400, absl::StrCat("target.", t.status().message())));
+  if (type != "sampling_session") {
+    return respond(Error(
+        400, absl::StrCat("target.type: must be \"sampling_session\", not '", Echo(type), "'")));
+  }
+  if (clone < 0) return respond(Error(400, "target.cloned_sampler_id: must be >= 0"));
+  if (prev_cursor < 0) return respond(Error(400, "prev_cursor: must be >= 0"));
+  if (timeout && !(*timeout >= 0 && std::isfinite(*timeout))) {
+    return respond(Error(400, "timeout: must be a finite number of seconds >= 0, or null"));
+  }
+  // Results stay until they expire (FuturesConfig::keep) whatever the client reports: a result
+  // it fetched is small next to what a resend of its request would cost.
+  if (auto it = body.find("retrieved_request_ids"); it != body.end() && !it->is_null()) {
+    const bool strings = it->is_array() && std::all_of(it->begin(), it->end(), [](const Json& id) {
+                           return id.is_string();
+                         });
+    if (!strings) return respond(Error(400, "retrieved_request_ids: must be a list of strings"));
+  }
+  const absl::Duration wait =
+      timeout ? absl::Seconds(*timeout) : absl::InfiniteDuration();  // clamped to the long poll
+  futures_.PollFinished(tenant, SampleTopic(session, clone), prev_cursor, wait, std::move(respond));
 }
 
 void TinkerApi::RetrieveFuture(const std::string& tenant, const Json& body, Respond respond) {

@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "server/auth.h"
 #include "server/http/futures.h"
@@ -72,6 +73,13 @@ class TinkerApi {
   void SaveWeightsForSampler(const std::string& tenant, const Json& body, Respond respond);
   void WeightsInfo(const std::string& tenant, const Json& body, Respond respond);
   void RetrieveFuture(const std::string& tenant, const Json& body, Respond respond);
+  // Newer SDKs' long poll for the finished samples of one sampling session (and clone).
+  void RetrieveFutures(const std::string& tenant, const Json& body, Respond respond);
+  // The topic of a sampling session's sample futures (Futures::PollFinished): the SDK polls per
+  // session and clone, a clone numbering its seq_ids from clone · 10^9.
+  static std::string SampleTopic(const std::string& session, int64_t clone) {
+    return absl::StrCat(session, "#", clone);
+  }
   // Sampling (tinker_sampling.cc). A Tinker sampling session is a tinkerd sampler.
   void CreateSamplingSession(const std::string& tenant, const Json& body, Respond respond);
   void ASample(const std::string& tenant, const Json& body, Respond respond);
@@ -94,7 +102,7 @@ class TinkerApi {
   // or directly with the error when the scheduler refused it at once for a reason a resend can
   // fix or that must not overwrite the first call's future (duplicate, full, shutting down).
   // `encode` turns the operation's response into the future's result; `accepted` holds fields
-  // added to the {"request_id"} answer.
+  // added to the {"request_id"} answer; `topic` is the future's (Futures::PollFinished).
   // Who recognizes a resend: the scheduler, by the model's seq_id (kOperation: the call starts
   // again, and gets the first call's result, or is refused if its payload differs), or only the
   // future table (kFuture: the first call's future answers it, and the call is not started
@@ -103,7 +111,7 @@ class TinkerApi {
   template <typename Resp>
   void Submit(const std::string& tenant, const std::string& request_id, Resend resend,
               std::function<void(Done<Resp>)> start, std::function<Response(const Resp&)> encode,
-              Respond respond, Json accepted = Json::object());
+              Respond respond, Json accepted = Json::object(), const std::string& topic = "");
   // The model a client's id names: tinkerd's own ids name themselves; newer SDKs also address a
   // model they made from a checkpoint as "<session_id>:train:<model_seq_id>".
   std::string Resolve(const std::string& tenant, const std::string& model_id);

@@ -217,11 +217,12 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   req.set_num_samples(static_cast<int32_t>(num_samples));
   req.set_prompt_logprobs(prompt_logprobs);
   req.set_topk_prompt_logprobs(static_cast<int32_t>(topk));
-  std::string request_id;
+  std::string request_id, topic;
   if (session) {
     if (!seq_id) return respond(Error(400, "seq_id: required with sampling_session_id"));
     req.set_sampler_id(*session);
     request_id = absl::StrCat("sample:", *session, ":", *seq_id);
+    topic = SampleTopic(*session, *seq_id / 1'000'000'000);
   } else if (model_path) {
     return respond(Error(400,
                          "model_path: sample through a sampling session "
@@ -250,7 +251,7 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
         SampleResponseToTinker(r, prompt_logprobs, topk, &out);
         return Response{200, "application/x-protobuf", out.SerializeAsString(), {}};
       },
-      std::move(respond), std::move(accepted));
+      std::move(respond), std::move(accepted), topic);
 }
 
 }  // namespace tinkerd::http

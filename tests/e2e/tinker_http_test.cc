@@ -4,8 +4,10 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <map>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "tests/e2e/e2e_util.h"
 #include "tinker_public/tinker_public.pb.h"
 
@@ -626,6 +628,89 @@ TEST_F(TinkerHttp, RacingResendsOfASamplingSessionOrASampleStartItOnce) {
   const std::string metrics = Metrics();
   EXPECT_NE(metrics.find("tinkerd_sample_requests_total 1\n"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("tinkerd_sampled_sequences_total 2\n"), std::string::npos) << metrics;
+}
+
+TEST_F(TinkerHttp, RetrieveFuturesReportsEachFinishedSampleOncePerSessionAndClone) {
+  const std::string sampler = SamplingSession(Session(), 0).json().value("sampling_session_id", "");
+  ASSERT_FALSE(sampler.empty());
+  auto target = [&](int64_t clone) {
+    return Json{{"type", "sampling_session"},
+                {"sampling_session_id", sampler},
+                {"cloned_sampler_id", clone}};
+  };
+  auto poll = [&](int64_t clone, int64_t cursor, Json timeout, const std::string& key = kAlice) {
+    Reply r = Post("retrieve_futures",
+                   {{"target", target(clone)}, {"prev_cursor", cursor}, {"timeout", timeout}}, key);
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json();
+  };
+  auto sample = [&](int64_t seq, int64_t token) {
+    Reply r = Post("asample",
+                   {{"sampling_session_id", sampler},
+                    {"seq_id", seq},
+                    {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, token}}}}}}},
+                    {"sampling_params", {{"max_tokens", 3}}}});
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json().value("request_id", "");
+  };
+  const Json nothing = poll(0, 0, 0);
+  EXPECT_EQ(nothing["completions"], Json::array());
+  EXPECT_EQ(nothing["cursor"], 0);
+
+  // A long poll parked before anything finished is answered by the first completion.
+  Json parked;
+  std::thread parked_poll([&] { parked = poll(0, 0, nullptr); });
+  const std::string ok = sample(1, 2);
+  const std::string bad = sample(2, 1 << 30);  // a token outside the vocabulary: a failed future
+  const std::string other_clone = sample(1'000'000'001, 3);
+  parked_poll.join();
+  ASSERT_FALSE(parked["completions"].empty()) << parked;
+
+  // Polled with each answer's cursor, clone 0 sees its two futures once each, and nothing else.
+  std::map<std::string, Json> seen;
+  int64_t cursor = 0;
+  Json answer = parked;
+  for (int polls = 0; seen.size() < 2 && polls < 10; ++polls) {
+    if (polls > 0) answer = poll(0, cursor, nullptr);
+    for (const Json& c : answer["completions"]) {
+      EXPECT_TRUE(seen.emplace(c["request_id"].get<std::string>(), c).second) << "twice: " << c;
+    }
+    EXPECT_GT(answer["cursor"].get<int64_t>(), cursor) << answer;
+    cursor = answer["cursor"];
+  }
+  ASSERT_EQ(seen.size(), 2u);
+  ASSERT_TRUE(seen.count(ok) && seen.count(bad));
+  EXPECT_EQ(seen[bad]["state"], "failed");
+  EXPECT_EQ(seen[ok]["state"], "finished");
+  const Reply result = Await(ok);
+  EXPECT_EQ(result.content_type, "application/x-protobuf");
+  EXPECT_EQ(seen[ok]["response_payload_uncompressed_size"], result.body.size());
+  // Seen is forgotten: nothing after the cursor, and nothing again from the start.
+  const Json after = poll(0, cursor, 0.2);  // waits 0.2 s, then answers with nothing
+  EXPECT_EQ(after["completions"], Json::array());
+  EXPECT_EQ(after["cursor"], cursor);
+  EXPECT_EQ(poll(0, 0, 0)["completions"], Json::array());
+
+  // The other clone has its own; another tenant sees none of them.
+  const Json clone = poll(1, 0, nullptr);
+  ASSERT_EQ(clone["completions"].size(), 1u) << clone;
+  EXPECT_EQ(clone["completions"][0]["request_id"], other_clone);
+  EXPECT_EQ(poll(1, 0, 0, kBob)["completions"], Json::array());
+
+  // Bad input is named, with a 400.
+  for (const auto& [body, field] : std::vector<std::pair<Json, std::string>>{
+           {Json{{"prev_cursor", 0}}, "target"},
+           {Json{{"target", {{"type", "training_run"}, {"sampling_session_id", sampler}}}},
+            "target.type"},
+           {Json{{"target", {{"type", "sampling_session"}}}}, "target.sampling_session_id"},
+           {Json{{"target", target(0)}, {"timeout", -1}}, "timeout"},
+           {Json{{"target", target(0)}, {"prev_cursor", "x"}}, "prev_cursor"},
+           {Json{{"target", target(0)}, {"retrieved_request_ids", {1, 2}}},
+            "retrieved_request_ids"}}) {
+    const Reply r = Post("retrieve_futures", body);
+    EXPECT_EQ(r.status, 400) << body;
+    EXPECT_TRUE(absl::StartsWith(r.json().value("detail", ""), field + ":")) << r.body;
+  }
 }
 
 TEST_F(TinkerHttp, AResentSamplingSessionWhoseSamplerWasEvictedGetsALiveOne) {

@@ -543,6 +543,11 @@ def check_s() -> None:
     res = sample(sc, prompt, greedy, include_prompt_logprobs=True, topk_prompt_logprobs=3)
     ok(len(res.sequences) == 1, f"one sequence for num_samples=1 ({len(res.sequences)})")
     seq = res.sequences[0]
+    # SDKs that know /api/v1/retrieve_futures (0.38) use it, as client/config asks: the sample
+    # above was then awaited through the session's one long poll.
+    if hasattr(sc, "_futures_poller"):
+        ok(sc._futures_poller is not None,
+           "the SDK learned that its sample finished from retrieve_futures")
     toks, lps = list(seq.tokens), np.asarray(seq.logprobs, dtype=np.float64)
     ok(len(toks) == 6 and len(lps) == 6 and seq.stop_reason == "length",
        f"greedy: 6 tokens, 6 logprobs, stop_reason 'length' ({toks}, {seq.stop_reason})")
