@@ -371,6 +371,14 @@ absl::StatusOr<tinkerd::v1::ForwardBackwardOutput> TrajectoryStream::Finish() {
 
 // ---- TrainingClient ----
 
+template <typename Request>
+Request TrainingClient::Ordered() {
+  Request request;
+  request.set_model_id(model_id_);
+  request.set_seq_id(next_seq_id_.fetch_add(1));  // now, in the caller's thread: call order
+  return request;
+}
+
 TrainingClient::TrainingClient(std::shared_ptr<Connection> connection, std::string model_id,
                                int64_t next_seq_id)
     : connection_(std::move(connection)),
@@ -379,9 +387,7 @@ TrainingClient::TrainingClient(std::shared_ptr<Connection> connection, std::stri
 
 std::future<absl::StatusOr<tinkerd::v1::ForwardBackwardOutput>> TrainingClient::SendForwardBackward(
     std::vector<tinkerd::v1::Datum> data, tinkerd::v1::LossFn loss, bool backward) {
-  tinkerd::v1::ForwardBackwardRequest request;
-  request.set_model_id(model_id_);
-  request.set_seq_id(next_seq_id_.fetch_add(1));  // now, in the caller's thread: call order
+  auto request = Ordered<tinkerd::v1::ForwardBackwardRequest>();
   request.mutable_data()->Reserve(static_cast<int>(data.size()));
   for (auto& datum : data) *request.add_data() = std::move(datum);
   *request.mutable_loss_fn() = std::move(loss);
@@ -401,9 +407,7 @@ std::future<absl::StatusOr<tinkerd::v1::ForwardBackwardOutput>> TrainingClient::
 
 std::future<absl::StatusOr<tinkerd::v1::OptimStepResponse>> TrainingClient::OptimStep(
     tinkerd::v1::AdamParams adam) {
-  tinkerd::v1::OptimStepRequest request;
-  request.set_model_id(model_id_);
-  request.set_seq_id(next_seq_id_.fetch_add(1));
+  auto request = Ordered<tinkerd::v1::OptimStepRequest>();
   *request.mutable_adam_params() = std::move(adam);
   return Async(connection_, &Tinkerd::Stub::OptimStep, std::move(request),
                Identity<tinkerd::v1::OptimStepResponse>);
@@ -426,9 +430,7 @@ std::unique_ptr<TrajectoryStream> TrainingClient::StreamForwardBackward(tinkerd:
 
 std::future<absl::StatusOr<std::string>> TrainingClient::SaveState(std::string name,
                                                                    bool overwrite) {
-  tinkerd::v1::SaveStateRequest request;
-  request.set_model_id(model_id_);
-  request.set_seq_id(next_seq_id_.fetch_add(1));
+  auto request = Ordered<tinkerd::v1::SaveStateRequest>();
   request.set_name(std::move(name));
   request.set_overwrite(overwrite);
   return Async(connection_, &Tinkerd::Stub::SaveState, std::move(request),
@@ -437,9 +439,7 @@ std::future<absl::StatusOr<std::string>> TrainingClient::SaveState(std::string n
 
 std::future<absl::StatusOr<std::string>> TrainingClient::LoadState(std::string path,
                                                                    bool with_optimizer) {
-  tinkerd::v1::LoadStateRequest request;
-  request.set_model_id(model_id_);
-  request.set_seq_id(next_seq_id_.fetch_add(1));
+  auto request = Ordered<tinkerd::v1::LoadStateRequest>();
   request.set_path(std::move(path));
   request.set_with_optimizer(with_optimizer);
   return Async(connection_, &Tinkerd::Stub::LoadState, std::move(request),
@@ -449,9 +449,7 @@ std::future<absl::StatusOr<std::string>> TrainingClient::LoadState(std::string p
 std::future<absl::StatusOr<std::string>> TrainingClient::SaveWeightsForSampler(std::string name,
                                                                                bool merged,
                                                                                bool overwrite) {
-  tinkerd::v1::SaveWeightsForSamplerRequest request;
-  request.set_model_id(model_id_);
-  request.set_seq_id(next_seq_id_.fetch_add(1));
+  auto request = Ordered<tinkerd::v1::SaveWeightsForSamplerRequest>();
   request.set_name(std::move(name));
   request.set_merged(merged);
   request.set_overwrite(overwrite);
@@ -460,9 +458,7 @@ std::future<absl::StatusOr<std::string>> TrainingClient::SaveWeightsForSampler(s
 }
 
 std::future<absl::StatusOr<SamplingClient>> TrainingClient::SaveWeightsAndGetSamplingClient() {
-  tinkerd::v1::CreateSamplerRequest request;
-  request.set_model_id(model_id_);
-  request.set_seq_id(next_seq_id_.fetch_add(1));
+  auto request = Ordered<tinkerd::v1::CreateSamplerRequest>();
   return Async(connection_, &Tinkerd::Stub::CreateSampler, std::move(request),
                [connection = connection_](const tinkerd::v1::SamplerInfo& info) {
                  return SamplingClient(connection, info.sampler_id(), "");

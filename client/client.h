@@ -212,6 +212,9 @@ class TrainingClient {
   int64_t next_seq_id() const { return next_seq_id_.load(); }
 
  private:
+  // A request for this model with the next seq_id.
+  template <typename Request>
+  Request Ordered();
   std::future<absl::StatusOr<tinkerd::v1::ForwardBackwardOutput>> SendForwardBackward(
       std::vector<tinkerd::v1::Datum> data, tinkerd::v1::LossFn loss, bool backward);
 
