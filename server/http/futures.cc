@@ -145,8 +145,8 @@ void Futures::PollFinished(const std::string& tenant, const std::string& topic,
     if (closed_) {
       now = Unavailable("server is shutting down");
     } else if (any || wait <= absl::ZeroDuration()) {
-      now = FinishedAnswer(it != topics_.end() ? it->second.completions : std::deque<Completion>(),
-                           after_cursor);
+      static const std::deque<Completion> kNone;
+      now = FinishedAnswer(it != topics_.end() ? it->second.completions : kNone, after_cursor);
     } else {
       poll_id = next_poll_++;
       topics_[key].polls.emplace(poll_id, std::make_pair(after_cursor, std::move(respond)));
