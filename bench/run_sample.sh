@@ -4,7 +4,7 @@
 # after the other; then prints the ratios, ready to paste into bench/RESULTS.md. Builds nothing.
 #
 # usage: bench/run_sample.sh [BUILD_DIR]   (default build)
-#   THREADS=2 BATCHES=1,8,64 MAX_TOKENS=64 REPS=3 OUT_DIR=/tmp/tinkerd_sample
+#   THREADS=2 BATCHES=1,8,64 MAX_TOKENS=64 REPS=3 ADAPTERS=8 OUT_DIR=/tmp/tinkerd_sample
 #   PYTHON=/usr/bin/python3 (Debian's, which has torch)
 set -euo pipefail
 
@@ -13,6 +13,7 @@ THREADS=${THREADS:-2}
 BATCHES=${BATCHES:-1,8,64}
 MAX_TOKENS=${MAX_TOKENS:-64}
 REPS=${REPS:-3}
+ADAPTERS=${ADAPTERS:-8}
 OUT_DIR=${OUT_DIR:-/tmp/tinkerd_sample}
 PYTHON=${PYTHON:-/usr/bin/python3}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -27,7 +28,7 @@ mkdir -p "$OUT_DIR"
 source "$HERE/lib.sh"
 
 run runner "$BENCH" --out_dir="$OUT_DIR" --num_threads="$THREADS" --batches="$BATCHES" \
-  --max_tokens="$MAX_TOKENS" --reps="$REPS"
+  --max_tokens="$MAX_TOKENS" --reps="$REPS" --adapters="$ADAPTERS"
 run eager "$PYTHON" "$HERE/torch_eager_decode.py" --out_dir="$OUT_DIR" --threads="$THREADS" \
   --batches="$BATCHES" --max_tokens="$MAX_TOKENS" --reps="$REPS"
 
@@ -53,6 +54,12 @@ for b, t in sorted(r["decode_tokens_per_s"].items(), key=lambda kv: int(kv[0])):
 print()
 print(f"time to first token: tinkerd {r['ttft_s']:.3f} s, eager {e['ttft_s']:.3f} s "
       f"(tinkerd / eager time {r['ttft_s'] / e['ttft_s']:.2f})")
+a = r.get("adapters")
+if a:
+    print(f"across {a['count']} LoRA adapters (one sample each): one forward per step "
+          f"{a['mixed_tokens_per_s']:.1f} tokens/s, one per adapter {a['apart_tokens_per_s']:.1f} "
+          f"({a['mixed_tokens_per_s'] / a['apart_tokens_per_s']:.2f}x); greedy tokens equal "
+          f"{a['greedy_equal']}/{a['count']}")
 s = r["beside"]
 print(f"beside training (batch {s['batch']}): decode {s['decode_tokens_per_s']:.1f} tokens/s "
       f"({s['decode_tokens_per_s'] / s['decode_alone_tokens_per_s']:.2f} of alone), training "

@@ -55,6 +55,7 @@ ABSL_FLAG(int64_t, beside_batch, 8, "decode batch while training runs beside it"
 ABSL_FLAG(int64_t, beside_max_tokens, 16, "tokens per sample decoded beside training");
 ABSL_FLAG(int64_t, train_tokens, 256, "tokens per training call (4 sequences)");
 ABSL_FLAG(int64_t, num_threads, 2, "intra-op threads");
+ABSL_FLAG(int64_t, adapters, 8, "LoRA adapters decoded together (one sample each); 0: skip");
 ABSL_FLAG(uint64_t, seed, 7, "seed of the weights and prompts");
 
 namespace {
@@ -75,9 +76,12 @@ int Fail(const std::string& what, const absl::Status& st) {
   return 1;
 }
 
-// Runs `requests` greedy samples of `max_tokens` to completion; returns seconds, and the tokens of
-// every sample in `tokens` when given.
-double Run(tinkerd::SampleEngine& engine, const std::shared_ptr<const tinkerd::Policy>& policy,
+using PolicyPtr = std::shared_ptr<const tinkerd::Policy>;
+
+// Runs one greedy sample of `max_tokens` per prompt to completion, prompt i from policies[i]
+// (policies[0] when there are fewer); returns seconds, and the tokens of every sample in `tokens`
+// when given.
+double Run(tinkerd::SampleEngine& engine, const std::vector<PolicyPtr>& policies,
            const std::vector<std::vector<int64_t>>& prompts, int64_t max_tokens,
            std::vector<std::vector<int64_t>>* tokens = nullptr) {
   std::vector<std::vector<int64_t>> out(prompts.size());
@@ -87,6 +91,7 @@ double Run(tinkerd::SampleEngine& engine, const std::shared_ptr<const tinkerd::P
     r.prompt = prompts[i];
     r.params.max_tokens = max_tokens;
     r.params.temperature = 0;
+    const PolicyPtr& policy = i < policies.size() ? policies[i] : policies[0];
     absl::Status st = engine.Admit(policy, r, [&out, i](const auto& result) {
       if (result.ok()) out[i] = result->sequences[0].tokens;
     });
@@ -148,7 +153,9 @@ int main(int argc, char** argv) {
     return p;
   };
   std::vector<std::vector<int64_t>> prompts;
-  for (int64_t i = 0; i < *std::max_element(batches.begin(), batches.end()); ++i) {
+  const int64_t n_prompts =
+      std::max(*std::max_element(batches.begin(), batches.end()), absl::GetFlag(FLAGS_adapters));
+  for (int64_t i = 0; i < n_prompts; ++i) {
     prompts.push_back(prompt(prompt_len));
   }
   const std::vector<int64_t> long_prompt = prompt(absl::GetFlag(FLAGS_ttft_prompt_len));
@@ -171,7 +178,7 @@ int main(int argc, char** argv) {
 
   nlohmann::json result = {
       {"threads", at::get_num_threads()}, {"prompt_len", prompt_len}, {"max_tokens", max_tokens}};
-  Run(engine, *base, {prompts[0]}, 4);  // warm-up
+  Run(engine, {*base}, {prompts[0]}, 4);  // warm-up
   std::printf("decode (greedy, prompt %lld, %lld tokens per sample, median of %lld):\n",
               static_cast<long long>(prompt_len), static_cast<long long>(max_tokens),
               static_cast<long long>(reps));
@@ -182,8 +189,8 @@ int main(int argc, char** argv) {
     std::vector<double> one, full;
     std::vector<std::vector<int64_t>> tokens;
     for (int64_t r = 0; r < reps; ++r) {
-      one.push_back(Run(engine, *base, batch, 1));
-      full.push_back(Run(engine, *base, batch, max_tokens, &tokens));
+      one.push_back(Run(engine, {*base}, batch, 1));
+      full.push_back(Run(engine, {*base}, batch, max_tokens, &tokens));
     }
     const double s = Median(full) - Median(one);
     const double tps = static_cast<double>(b * (max_tokens - 1)) / s;
@@ -196,9 +203,60 @@ int main(int argc, char** argv) {
   result["greedy_tokens"] = first_tokens;
 
   std::vector<double> ttft;
-  for (int64_t r = 0; r < reps; ++r) ttft.push_back(Run(engine, *base, {long_prompt}, 1));
+  for (int64_t r = 0; r < reps; ++r) ttft.push_back(Run(engine, {*base}, {long_prompt}, 1));
   result["ttft_s"] = Median(ttft);
   std::printf("time to first token, %zu-token prompt: %.3f s\n", long_prompt.size(), Median(ttft));
+
+  // Across adapters: one sample from each of --adapters LoRA models (ranks 8, 16, 32, 64 in
+  // turn), decoded in one forward per step, against each policy decoded on its own (one forward
+  // per policy per step, as the engine did before it mixed adapters).
+  const int64_t n_adapters = absl::GetFlag(FLAGS_adapters);
+  std::vector<PolicyPtr> adapters;
+  for (int64_t i = 0; i < n_adapters; ++i) {
+    tinkerd::CreateModelOptions mo;
+    tinkerd::LoraConfig lora;
+    lora.rank = int64_t{8} << (i % 4);
+    lora.alpha = 32;
+    mo.lora = lora;
+    mo.seed = static_cast<uint64_t>(100 + i);
+    auto id = runner->CreateModel(mo);
+    if (!id.ok()) return Fail("CreateModel", id.status());
+    auto policy = runner->FreezePolicy(*id);
+    if (!policy.ok()) return Fail("FreezePolicy", policy.status());
+    adapters.push_back(*policy);
+  }
+  if (n_adapters > 0) {
+    const std::vector<std::vector<int64_t>> batch(prompts.begin(), prompts.begin() + n_adapters);
+    std::vector<double> mixed_one, mixed_full, apart_one, apart_full;
+    std::vector<std::vector<int64_t>> mixed_tokens, apart_tokens(n_adapters);
+    for (int64_t r = 0; r < reps; ++r) {
+      mixed_one.push_back(Run(engine, adapters, batch, 1));
+      mixed_full.push_back(Run(engine, adapters, batch, max_tokens, &mixed_tokens));
+      double one = 0, full = 0;
+      for (int64_t i = 0; i < n_adapters; ++i) {
+        std::vector<std::vector<int64_t>> tokens;
+        one += Run(engine, {adapters[i]}, {batch[i]}, 1);
+        full += Run(engine, {adapters[i]}, {batch[i]}, max_tokens, &tokens);
+        apart_tokens[i] = tokens[0];
+      }
+      apart_one.push_back(one);
+      apart_full.push_back(full);
+    }
+    const double tokens = static_cast<double>(n_adapters * (max_tokens - 1));
+    const double mixed = tokens / (Median(mixed_full) - Median(mixed_one));
+    const double apart = tokens / (Median(apart_full) - Median(apart_one));
+    int64_t equal = 0;
+    for (int64_t i = 0; i < n_adapters; ++i) equal += mixed_tokens[i] == apart_tokens[i];
+    std::printf(
+        "across %lld LoRA adapters, one sample each: %.1f tokens/s in one forward per step, "
+        "%.1f one forward per adapter (%.2fx); greedy tokens equal %lld/%lld\n",
+        static_cast<long long>(n_adapters), mixed, apart, mixed / apart,
+        static_cast<long long>(equal), static_cast<long long>(n_adapters));
+    result["adapters"] = {{"count", n_adapters},
+                          {"mixed_tokens_per_s", mixed},
+                          {"apart_tokens_per_s", apart},
+                          {"greedy_equal", equal}};
+  }
 
   // Beside training: a LoRA model's forward_backward calls, alternating with decode steps.
   tinkerd::CreateModelOptions mo;

@@ -159,6 +159,7 @@ LogprobHeadOutput TokenLogprobs(const LogprobHeadParams& p) {
   TORCH_CHECK(p.hidden_TD.dim() == 2 && p.weight_VD.dim() == 2 &&
                   p.hidden_TD.size(1) == p.weight_VD.size(1),
               "logprob head: hidden [T, D] and weight [V, D] do not match");
+  TORCH_CHECK(p.lora_runs.empty(), "logprob head: lora_runs are for HeadLogits only");
   TORCH_CHECK(p.targets_T.dim() == 1 && p.targets_T.size(0) == p.hidden_TD.size(0),
               "logprob head: targets must be [T]");
   TORCH_CHECK(p.lora_A_rD.defined() == p.lora_B_Vr.defined(),
@@ -177,17 +178,42 @@ at::Tensor HeadLogits(const LogprobHeadParams& p) {
                   p.hidden_TD.size(1) == p.weight_VD.size(1),
               "logprob head: hidden [T, D] and weight [V, D] do not match");
   TORCH_CHECK(p.chunk_vocab > 0, "logprob head: chunks must be positive");
+  TORCH_CHECK(p.lora_runs.empty() || !p.lora_A_rD.defined(),
+              "logprob head: lora_runs and a single adapter are exclusive");
   at::NoGradGuard no_grad;
   const at::Tensor none = at::empty({0}, p.hidden_TD.options());
   const Head hd = LogprobHeadFunction::MakeHead(p.hidden_TD, p.weight_VD,
                                                 p.lora_A_rD.defined() ? p.lora_A_rD : none,
                                                 p.lora_B_Vr.defined() ? p.lora_B_Vr : none, p);
-  const at::ScalarType acc = AccumulateType(hd.h_TD.scalar_type());
-  const at::Tensor u = hd.lora() ? at::mm(hd.h_TD, hd.A_rD.t()).mul_(hd.s) : at::Tensor();
-  const int64_t V = hd.W_VD.size(0);
+  const at::ScalarType dt = hd.h_TD.scalar_type(), acc = AccumulateType(dt);
+  const int64_t T = hd.h_TD.size(0), V = hd.W_VD.size(0);
+  // Each adapted run's rows, u = s·h·Aᵀ of them and B; a single adapter is one run of every row.
+  // Each chunk then adds u·Bᵀ to the base logits of its rows in h's dtype, as ChunkLogits does.
+  struct Adapted {
+    int64_t row, rows;
+    at::Tensor u_tr, B_Vr;
+  };
+  std::vector<Adapted> adapted;
+  if (hd.lora()) adapted.push_back({0, T, at::mm(hd.h_TD, hd.A_rD.t()).mul_(hd.s), hd.B_Vr});
+  int64_t row = 0;
+  for (const LoraRun& run : p.lora_runs) {
+    if (run.A_rI.defined()) {
+      const at::Tensor h = hd.h_TD.narrow(0, row, run.rows);
+      adapted.push_back(
+          {row, run.rows, at::mm(h, run.A_rI.to(dt).t()).mul_(run.scale), run.B_Or.to(dt)});
+    }
+    row += run.rows;
+  }
+  TORCH_CHECK(p.lora_runs.empty() || row == T, "logprob head: lora_runs cover ", row, " rows of ",
+              T);
   std::vector<at::Tensor> chunks;
   for (int64_t v0 = 0; v0 < V; v0 += hd.chunk_v) {
-    chunks.push_back(ChunkLogits(hd, hd.h_TD, u, v0, std::min(hd.chunk_v, V - v0), acc));
+    const int64_t vc = std::min(hd.chunk_v, V - v0);
+    at::Tensor z = at::mm(hd.h_TD, hd.W_VD.narrow(0, v0, vc).t());
+    for (const Adapted& a : adapted) {
+      z.narrow(0, a.row, a.rows).add_(at::mm(a.u_tr, a.B_Vr.narrow(0, v0, vc).t()));
+    }
+    chunks.push_back(z.to(acc));
   }
   return at::cat(chunks, 1);
 }

@@ -15,6 +15,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
+
+#include "kernels/linear.h"
 
 namespace tinkerd::kernels {
 
@@ -28,6 +31,9 @@ struct LogprobHeadParams {
   // Peak memory beyond the inputs is about 3 · chunk_tokens · chunk_vocab accumulate-type values.
   int64_t chunk_tokens = 1024;
   int64_t chunk_vocab = 8192;
+  // HeadLogits only: the rows' adapters by run (kernels/linear.h; I = D, O = V), for a decode
+  // step over policies of one base. Non-empty: lora_A_rD/lora_B_Vr must be undefined.
+  std::vector<LoraRun> lora_runs;
 };
 
 struct LogprobHeadOutput {
@@ -38,7 +44,8 @@ struct LogprobHeadOutput {
 LogprobHeadOutput TokenLogprobs(const LogprobHeadParams& p);
 
 // The logits z_TV themselves (accumulate type), each chunk formed as TokenLogprobs forms it, for
-// the few rows a sampler draws from (one per sequence per decode step). targets_T is not read;
+// the few rows a sampler draws from (one per sequence per decode step); with lora_runs, each
+// run's rows as TokenLogprobs would form them with that run's adapter. targets_T is not read;
 // no graph is kept.
 at::Tensor HeadLogits(const LogprobHeadParams& p);
 

@@ -15,16 +15,25 @@ namespace tinkerd {
 namespace {
 
 kernels::LinearParams Proj(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                           const LoraAdapter* lora, const std::string& module) {
+                           const Adapters& lora, const std::string& module) {
   kernels::LinearParams p;
   p.x_NI = x;
   p.w_OI = w;
   p.b_O = b;
-  if (lora != nullptr) {
-    if (const LoraPair* pair = lora->Find(module)) {
+  if (lora.all != nullptr) {
+    if (const LoraPair* pair = lora.all->Find(module)) {
       p.A_rI = pair->A_rI;
       p.B_Or = pair->B_Or;
-      p.scale = lora->scale();
+      p.scale = lora.all->scale();
+    }
+  }
+  for (const auto& [adapter, rows] : lora.runs) {
+    kernels::LoraRun& run = p.runs.emplace_back();
+    run.rows = rows;
+    if (const LoraPair* pair = adapter != nullptr ? adapter->Find(module) : nullptr) {
+      run.A_rI = pair->A_rI;
+      run.B_Or = pair->B_Or;
+      run.scale = adapter->scale();
     }
   }
   return p;
@@ -36,7 +45,7 @@ at::Tensor Norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // One decoder layer on the residual stream h_TD: h + attn(norm(h)), then + mlp(norm(·)).
 // With `kv`, layer `layer`'s attention also reads the cached keys and values (KvStep).
-at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const LoraAdapter* lora,
+at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapters& lora,
                         const std::string& p, const RopeTables& rope,
                         const std::vector<int64_t>& cu_seqlens, const KvStep* kv, int64_t layer,
                         const at::Tensor& h_TD) {
@@ -91,10 +100,8 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const LoraA
 std::vector<at::Tensor> LayerParams(const LayerWeights& L, const LoraAdapter* lora,
                                     const std::string& p) {
   std::vector<at::Tensor> out;
-  for (const at::Tensor& t :
-       {L.input_norm_D, L.post_norm_D, L.q_proj, L.k_proj, L.v_proj, L.o_proj, L.q_bias, L.k_bias,
-        L.v_bias, L.q_norm_d, L.k_norm_d, L.gate_proj, L.up_proj, L.down_proj}) {
-    if (t.defined() && t.requires_grad()) out.push_back(t);
+  for (const at::Tensor* t : L.All()) {
+    if (t->defined() && t->requires_grad()) out.push_back(*t);
   }
   if (lora != nullptr) {
     for (const char* m : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -209,11 +216,25 @@ std::map<std::string, at::Tensor> BaseWeights::Named(bool tied) const {
   return m;
 }
 
+bool BaseWeights::Shares(const BaseWeights& other) const {
+  if (!embed_VD.is_same(other.embed_VD) || !final_norm_D.is_same(other.final_norm_D) ||
+      !lm_head_VD.is_same(other.lm_head_VD) || layers.size() != other.layers.size()) {
+    return false;
+  }
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const auto mine = layers[l].All(), theirs = other.layers[l].All();
+    for (size_t i = 0; i < mine.size(); ++i) {
+      if (!mine[i]->is_same(*theirs[i])) return false;
+    }
+  }
+  return true;
+}
+
 const LoraPair* HeadAdapter(const LoraAdapter* lora) {
   return lora != nullptr ? lora->Find("lm_head") : nullptr;
 }
 
-at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const LoraAdapter* lora,
+at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapters& lora,
                          const PackedBatch& batch, const ForwardOptions& options) {
   const at::ScalarType dt = options.compute_dtype.value_or(w.embed_VD.scalar_type());
   const std::vector<int64_t> no_past;
@@ -231,7 +252,7 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const LoraA
       return DecoderLayer(c, L, lora, p, rope, cu, kv, index, h);
     };
     h_TD = options.recompute_layers && options.kv == nullptr
-               ? kernels::Recompute(layer, h_TD, LayerParams(L, lora, p))
+               ? kernels::Recompute(layer, h_TD, LayerParams(L, lora.all, p))
                : layer(h_TD);
   }
   return Norm(h_TD, w.final_norm_D, c.rms_norm_eps);

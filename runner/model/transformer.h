@@ -10,9 +10,11 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -30,6 +32,12 @@ struct LayerWeights {
   at::Tensor q_bias, k_bias, v_bias;          // undefined unless attention_bias
   at::Tensor q_norm_d, k_norm_d;              // undefined unless qk_norm
   at::Tensor gate_proj, up_proj, down_proj;
+
+  // Every field above, defined or not.
+  std::array<const at::Tensor*, 14> All() const {
+    return {&input_norm_D, &post_norm_D, &q_proj,   &k_proj,   &v_proj,    &o_proj,  &q_bias,
+            &k_bias,       &v_bias,      &q_norm_d, &k_norm_d, &gate_proj, &up_proj, &down_proj};
+  }
 };
 
 struct BaseWeights {
@@ -40,6 +48,9 @@ struct BaseWeights {
 
   // Every tensor by its Hugging Face name (lm_head.weight omitted when tied).
   std::map<std::string, at::Tensor> Named(bool tied) const;
+  // Whether every tensor is `other`'s very tensor (shared storage, not equal values), as the
+  // policies of LoRA models on one base share it.
+  bool Shares(const BaseWeights& other) const;
 };
 
 // Takes tensors out of `tensors` (HF names), checking every name and shape against the config.
@@ -90,11 +101,20 @@ struct ForwardOptions {
   const KvStep* kv = nullptr;
 };
 
+// The LoRA adapters a forward applies: one for every row (null: none, the base model or full
+// fine-tuning), or one per run of consecutive token rows, so that policies sharing the base
+// weights decode in one forward (a null adapter leaves its run unadapted). Runs are for
+// inference: backward and activation checkpointing see only `all`.
+struct Adapters {
+  Adapters(const LoraAdapter* all = nullptr) : all(all) {}  // NOLINT(google-explicit-constructor)
+  const LoraAdapter* all = nullptr;
+  std::vector<std::pair<const LoraAdapter*, int64_t>> runs;  // (adapter, rows) in row order
+};
+
 // Hidden states [T, D] of the packed batch after the final norm: the input of the logprob head
-// (kernels/logprob_head.h), which never forms the [T, V] logits. `lora` may be null (base model
-// or full fine-tuning).
+// (kernels/logprob_head.h), which never forms the [T, V] logits.
 at::Tensor ForwardHidden(const ModelConfig& config, const BaseWeights& weights,
-                         const LoraAdapter* lora, const PackedBatch& batch,
+                         const Adapters& lora, const PackedBatch& batch,
                          const ForwardOptions& options = {});
 
 // The pair adapting the unembedding, or null.

@@ -71,6 +71,34 @@ kernels::LogprobHeadParams Head(const Policy& p, const at::Tensor& hidden_TD) {
   return head;
 }
 
+// Rows of a decode step by policy: (policy, rows) runs in row order.
+using Runs = std::vector<std::pair<const Policy*, int64_t>>;
+
+// Next-token logits of each row by its run's head, each adapter on its own rows.
+at::Tensor Logits(const Runs& runs, const at::Tensor& hidden_SD) {
+  if (runs.size() == 1) return kernels::HeadLogits(Head(*runs.front().first, hidden_SD));
+  kernels::LogprobHeadParams head;
+  head.hidden_TD = hidden_SD;
+  head.weight_VD = runs.front().first->weights.lm_head_VD;
+  for (const auto& [policy, rows] : runs) {
+    kernels::LoraRun& run = head.lora_runs.emplace_back();
+    run.rows = rows;
+    if (const LoraPair* pair = HeadAdapter(LoraOf(*policy))) {
+      run.A_rI = pair->A_rI;
+      run.B_Or = pair->B_Or;
+      run.scale = policy->lora->scale();
+    }
+  }
+  return kernels::HeadLogits(head);
+}
+
+// Whether two policies can decode in one forward: the same base tensors and numerics, whatever
+// their adapters.
+bool SharesBase(const Policy& a, const Policy& b) {
+  return a.compute_dtype == b.compute_dtype && a.device == b.device && a.rope == b.rope &&
+         a.weights.Shares(b.weights);
+}
+
 ForwardOptions Options(const Policy& p, const KvStep* kv) {
   return ForwardOptions{
       .recompute_layers = false, .compute_dtype = p.compute_dtype, .rope = p.rope.get(), .kv = kv};
@@ -273,11 +301,20 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     }
     return all;
   };
+  // Each policy's adapter applies to its own rows; the base's products serve them all.
+  Runs runs;
+  for (const auto& [job, s] : batch) {
+    if (runs.empty() || runs.back().first != job->policy.get()) runs.emplace_back(&*job->policy, 0);
+    ++runs.back().second;
+  }
+  Adapters lora(runs.size() == 1 ? LoraOf(pol) : nullptr);
+  for (const auto& [policy, rows] : runs) {
+    if (runs.size() > 1) lora.runs.emplace_back(LoraOf(*policy), rows);
+  }
   const ForwardOptions options = Options(pol, &kv);
   const PackedBatch packed{Tokens(tokens, pol.device), cu_q};
-  const at::Tensor hidden_SD = ForwardHidden(pol.config, pol.weights, LoraOf(pol), packed, options);
-  const at::Tensor z_SV =
-      kernels::HeadLogits(Head(pol, hidden_SD)).to(at::kDouble).cpu().contiguous();
+  const at::Tensor hidden_SD = ForwardHidden(pol.config, pol.weights, lora, packed, options);
+  const at::Tensor z_SV = Logits(runs, hidden_SD).to(at::kDouble).cpu().contiguous();
   const int64_t V = z_SV.size(1);
   for (int64_t i = 0; i < S; ++i) {
     const auto& [job, s] = batch[i];
@@ -342,25 +379,47 @@ bool SampleEngine::Step() {
       if (!st.ok()) fail(*job, st);
     }
   }
-  // One decode step per policy over its running samples.
-  std::map<const Policy*, std::vector<std::pair<Job*, Sample*>>> groups;
+  // One decode forward per base model over the running samples of every policy sharing it (LoRA
+  // adapters of any rank), each policy's rows together. Should a shared forward fail, each policy
+  // is tried alone, as prefill does.
+  std::vector<const Policy*> policies;  // by first running sample
+  std::map<const Policy*, std::vector<std::pair<Job*, Sample*>>> rows;
   for (auto& job : running_) {
     if (job->failed) continue;
     for (Sample& s : job->samples) {
-      if (!s.finished) groups[job->policy.get()].emplace_back(job.get(), &s);
+      if (s.finished) continue;
+      auto& mine = rows[job->policy.get()];
+      if (mine.empty()) policies.push_back(job->policy.get());
+      mine.emplace_back(job.get(), &s);
     }
   }
-  for (auto& [policy, batch] : groups) {
+  std::vector<std::vector<const Policy*>> bases;
+  for (const Policy* p : policies) {
+    auto it = std::find_if(bases.begin(), bases.end(),
+                           [p](const auto& base) { return SharesBase(*base.front(), *p); });
+    if (it == bases.end()) {
+      bases.push_back({p});
+    } else {
+      it->push_back(p);
+    }
+  }
+  for (const std::vector<const Policy*>& base : bases) {
+    std::vector<std::pair<Job*, Sample*>> batch;
+    for (const Policy* p : base) batch.insert(batch.end(), rows[p].begin(), rows[p].end());
+    ++decode_forwards_;
     absl::Status st = Guard("sample decode", [&] { Decode(batch); });
-    if (!st.ok()) {
-      for (auto& [job, s] : batch) {
+    if (st.ok()) continue;
+    for (const Policy* p : base) {
+      if (base.size() > 1) st = Guard("sample decode", [&] { Decode(rows[p]); });
+      if (st.ok()) continue;
+      for (auto& [job, s] : rows[p]) {
         if (!job->failed) fail(*job, st);
       }
     }
   }
   for (auto& job : running_) {
     if (job->failed || !job->progress || Report(*job)) continue;
-    fail(*job, absl::CancelledError("sample: the caller cancelled the stream"));
+    fail(*job, absl::CancelledError("sample: cancelled by the caller"));
   }
   // Answer and release what finished.
   std::vector<std::unique_ptr<Job>> still;

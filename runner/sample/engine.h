@@ -3,8 +3,10 @@
 // A request is admitted (bounded by running samples and reserved KV-cache bytes), prefilled in the
 // next Step (one packed forward over the prompts admitted since the last step; a prompt's keys
 // and values are shared by all its samples), and then decoded one token per Step together with
-// every other running sample; requests join and leave the running batch between steps. Samples
-// of different policies decode in one forward per policy.
+// every other running sample; requests join and leave the running batch between steps. The
+// samples of every policy on one base model (the base itself and LoRA adapters of any ranks)
+// decode in one forward, each adapter applied to its own rows; a full fine-tune's policy, which
+// holds its own weights, decodes in its own.
 // The decoder is the trainer's own (runner/model/transformer.h with a KvStep, kernels/attention.h
 // with queries against cached keys, the logprob head's logits), so the logprobs a sample reports
 // are those Forward computes for the same tokens, to rounding.
@@ -53,6 +55,8 @@ class SampleEngine {
 
   int64_t running_sequences() const;
   int64_t reserved_bytes() const;
+  // Decode forwards run so far (the stepping thread's count): one per base model per step.
+  int64_t decode_forwards() const { return decode_forwards_; }
 
  private:
   struct Job;
@@ -62,6 +66,7 @@ class SampleEngine {
   // From a job's prompt hidden states [P, D] and next-token logits [V]: its prompt logprobs, and
   // each sample's first token and KV cache.
   void Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V);
+  // One token for each of `batch`: samples of policies sharing one base, each policy's together.
   void Decode(const std::vector<std::pair<Job*, Sample*>>& batch);
   void Release(const Job& job);
   // Hands the job's new tokens to its Progress; false when the listener has gone.
@@ -74,6 +79,7 @@ class SampleEngine {
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t unseeded_ ABSL_GUARDED_BY(mu_);     // seeds requests that name none
   std::vector<std::unique_ptr<Job>> running_;  // the stepping thread's
+  int64_t decode_forwards_ = 0;                // the stepping thread's
 };
 
 }  // namespace tinkerd

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "tests/kernels/kernel_test_util.h"
 
 namespace tinkerd::testing {
@@ -85,6 +87,42 @@ TEST(LogprobHead, BrokenControlIsDetected) {
   const auto out = kernels::TokenLogprobs(Params(in));
   const auto broken = Reference(in, in.h, in.W, in.A, in.B, /*vocab_limit=*/7);
   EXPECT_GT(RelErr(out.logp_T, broken.first), 1e3 * kF64Tol);
+}
+
+// A decode step's head over policies of one base: runs of rows with adapters of ranks 3, none
+// and 5, each run's logits those of the full-logits reference with its own adapter; the control
+// gives every row the first run's adapter.
+TEST(LogprobHead, LogitsWithAdaptersByRunFloat64) {
+  const Inputs in = MakeInputs(9, 6, 50, 0, 24);
+  const std::vector<Inputs> adapters = {MakeInputs(1, 6, 50, 3, 25), MakeInputs(1, 6, 50, 0, 26),
+                                        MakeInputs(1, 6, 50, 5, 27)};
+  const std::vector<int64_t> rows = {2, 3, 4};
+  LogprobHeadParams p = Params(in);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    kernels::LoraRun& run = p.lora_runs.emplace_back();
+    run.rows = rows[i];
+    run.A_rI = adapters[i].A;
+    run.B_Or = adapters[i].B;
+    run.scale = adapters[i].s;
+  }
+  const at::Tensor z = kernels::HeadLogits(p);
+  auto logits = [&](const at::Tensor& h, const Inputs& a) {
+    at::Tensor ref = at::mm(h, in.W.t());
+    return a.A.defined() ? ref + a.s * at::mm(at::mm(h, a.A.t()), a.B.t()) : ref;
+  };
+  int64_t row = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const at::Tensor h = in.h.narrow(0, row, rows[i]);
+    const at::Tensor got = z.narrow(0, row, rows[i]);
+    // D + r ≤ 11 products per logit: a few ulps; kF64Tol as above.
+    EXPECT_LT(RelErr(got, logits(h, adapters[i])), kF64Tol) << "run " << i;
+    if (i > 0) {
+      EXPECT_GT(RelErr(got, logits(h, adapters[0])), 1e-3) << "the control must differ, run " << i;
+    }
+    row += rows[i];
+  }
+  p.lora_runs.back().rows = 3;  // 8 of 9 rows
+  EXPECT_THROW(kernels::HeadLogits(p), c10::Error);
 }
 
 TEST(LogprobHead, GradientsMatchAutogradOfTheReference) {

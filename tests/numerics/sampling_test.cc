@@ -44,14 +44,17 @@ class SamplingTest : public ::testing::Test {
     policy_ = *policy;
   }
 
-  // Runs requests through one engine, all admitted before the first step, to completion.
+  // Runs requests through one engine, all admitted before the first step, to completion; request
+  // i samples policies[i] (policy_ where there is none). `decode_forwards` gets the engine's count.
   std::vector<SampleResult> Run(const std::vector<SampleRequest>& requests,
-                                EngineLimits limits = {}) {
+                                EngineLimits limits = {},
+                                const std::vector<std::shared_ptr<const Policy>>& policies = {},
+                                int64_t* decode_forwards = nullptr) {
     SampleEngine engine(limits);
     std::vector<SampleResult> out(requests.size());
     int answered = 0;
     for (size_t i = 0; i < requests.size(); ++i) {
-      absl::Status st = engine.Admit(policy_, requests[i],
+      absl::Status st = engine.Admit(i < policies.size() ? policies[i] : policy_, requests[i],
                                      [&out, &answered, i](const absl::StatusOr<SampleResult>& r) {
                                        EXPECT_TRUE(r.ok()) << r.status().message();
                                        if (r.ok()) out[i] = *r;
@@ -62,37 +65,44 @@ class SamplingTest : public ::testing::Test {
     while (engine.Step()) {
     }
     EXPECT_EQ(answered, static_cast<int>(requests.size()));
+    if (decode_forwards != nullptr) *decode_forwards = engine.decode_forwards();
     return out;
   }
 
   // The trainer's hidden states of a whole sequence: one packed forward, no cache.
-  at::Tensor TrainerHidden(const std::vector<int64_t>& tokens, const KvStep* kv = nullptr) const {
+  at::Tensor TrainerHidden(const std::vector<int64_t>& tokens, const KvStep* kv = nullptr,
+                           const Policy* policy = nullptr) const {
+    const Policy& pol = policy != nullptr ? *policy : *policy_;
     at::NoGradGuard no_grad;
     const int64_t T = static_cast<int64_t>(tokens.size());
     PackedBatch batch{at::tensor(at::ArrayRef<int64_t>(tokens), at::kLong), {0, T}};
     ForwardOptions options;
-    options.compute_dtype = policy_->compute_dtype;
+    options.compute_dtype = pol.compute_dtype;
     options.kv = kv;
-    return ForwardHidden(policy_->config, policy_->weights, &*policy_->lora, batch, options);
+    return ForwardHidden(pol.config, pol.weights, pol.lora ? &*pol.lora : nullptr, batch, options);
   }
 
-  kernels::LogprobHeadParams Head(const at::Tensor& hidden_TD) const {
+  kernels::LogprobHeadParams Head(const at::Tensor& hidden_TD,
+                                  const Policy* policy = nullptr) const {
+    const Policy& pol = policy != nullptr ? *policy : *policy_;
     kernels::LogprobHeadParams head;
     head.hidden_TD = hidden_TD;
-    head.weight_VD = policy_->weights.lm_head_VD;
-    const LoraPair* pair = HeadAdapter(&*policy_->lora);
-    head.lora_A_rD = pair->A_rI;
-    head.lora_B_Vr = pair->B_Or;
-    head.lora_scale = policy_->lora->scale();
+    head.weight_VD = pol.weights.lm_head_VD;
+    if (const LoraPair* pair = HeadAdapter(pol.lora ? &*pol.lora : nullptr)) {
+      head.lora_A_rD = pair->A_rI;
+      head.lora_B_Vr = pair->B_Or;
+      head.lora_scale = pol.lora->scale();
+    }
     return head;
   }
 
   // The trainer's logprob of each token of `sequence` after position `from` (Forward's head).
-  std::vector<double> TrainerLogprobs(const std::vector<int64_t>& sequence, size_t from) const {
+  std::vector<double> TrainerLogprobs(const std::vector<int64_t>& sequence, size_t from,
+                                      const Policy* policy = nullptr) const {
     at::NoGradGuard no_grad;
     const std::vector<int64_t> inputs(sequence.begin(), sequence.end() - 1);
     const std::vector<int64_t> targets(sequence.begin() + 1, sequence.end());
-    kernels::LogprobHeadParams head = Head(TrainerHidden(inputs));
+    kernels::LogprobHeadParams head = Head(TrainerHidden(inputs, nullptr, policy), policy);
     head.targets_T = at::tensor(at::ArrayRef<int64_t>(targets), at::kLong);
     const at::Tensor logp = kernels::TokenLogprobs(head).logp_T;
     std::vector<double> out;
@@ -251,6 +261,65 @@ TEST_F(SamplingTest, SameSeedSameTokensWhateverElseIsInTheBatch) {
   SampleRequest other = a;  // control: another seed, other tokens
   other.params.seed = 12;
   EXPECT_NE(Run({other})[0].sequences[0].tokens, alone.sequences[0].tokens);
+}
+
+// A decode step over the base model and two LoRA adapters of different ranks (attention, MLP and
+// head adapted) runs one forward, each adapter on its own rows, and every sample gets what it
+// gets alone: the same tokens, and the trainer's logprobs of its own policy. The control: the same
+// request under the three policies gives logprobs apart, so rows given another's adapter would
+// fail the identity.
+TEST_F(SamplingTest, LoraAdaptersOfDifferentRanksDecodeInOneForward) {
+  CreateModelOptions options;
+  options.lora = LoraConfig{8, 16, true, true, true};
+  options.loss_reduction = LossReduction::kSum;
+  options.seed = 10;
+  auto other = runner_->CreateModel(options);
+  ASSERT_TRUE(other.ok()) << other.status().message();
+  SplitMix64 g(4);
+  ASSERT_TRUE(runner_
+                  ->ForwardBackward(*other, RandomData(g, {11, 6}, "cross_entropy", 128),
+                                    "cross_entropy", {})
+                  .ok());
+  AdamParams adam;
+  adam.learning_rate = 0.05;
+  ASSERT_TRUE(runner_->OptimStep(*other, adam).ok());
+  auto rank8 = runner_->FreezePolicy(*other);
+  auto base = runner_->FreezePolicy("");
+  ASSERT_TRUE(rank8.ok() && base.ok());
+  const std::vector<std::shared_ptr<const Policy>> policies = {*rank8, *base, policy_, *rank8};
+
+  std::vector<SampleRequest> requests;
+  for (int i = 0; i < 4; ++i) requests.push_back(Request(30 + i, 8 + i, 2));
+  int64_t mixed_forwards = 0;
+  const std::vector<SampleResult> mixed = Run(requests, {}, policies, &mixed_forwards);
+  // One forward per step: the longest request decodes max_tokens - 1 = 10 steps after prefill.
+  EXPECT_EQ(mixed_forwards, 10);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    int64_t alone_forwards = 0;
+    const SampleResult alone = Run({requests[i]}, {}, {policies[i]}, &alone_forwards)[0];
+    EXPECT_EQ(alone_forwards, requests[i].params.max_tokens - 1);
+    ASSERT_EQ(mixed[i].sequences.size(), 2u);
+    for (int k = 0; k < 2; ++k) {
+      const SampledSequence& s = mixed[i].sequences[k];
+      EXPECT_EQ(s.tokens, alone.sequences[k].tokens) << "request " << i << " sample " << k;
+      const std::vector<double> want =
+          TrainerLogprobs(Concat(kPrompt, s.tokens), kPrompt.size(), policies[i].get());
+      ASSERT_EQ(want.size(), s.logprobs.size());
+      for (size_t t = 0; t < want.size(); ++t) {
+        EXPECT_NEAR(s.logprobs[t], want[t], kFloat64Tol * std::abs(want[t]))
+            << "request " << i << " sample " << k << " token " << t;
+      }
+    }
+  }
+  // The control: one sequence scored by each policy.
+  const std::vector<int64_t> seq = Concat(kPrompt, mixed[0].sequences[0].tokens);
+  const std::vector<double> by8 = TrainerLogprobs(seq, kPrompt.size(), rank8->get());
+  for (const Policy* p : {base->get(), policy_.get()}) {
+    const std::vector<double> by = TrainerLogprobs(seq, kPrompt.size(), p);
+    double apart = 0;
+    for (size_t t = 0; t < by.size(); ++t) apart = std::max(apart, std::abs(by[t] - by8[t]));
+    EXPECT_GT(apart, 1e-6) << "the adapters must change the logprobs";
+  }
 }
 
 // Streaming: the deltas a request's Progress receives concatenate to exactly what its done gets,
