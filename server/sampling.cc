@@ -195,10 +195,14 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
   }
   if (!dir.empty()) {
     // Reads only the base model's fixed fields, so it needs neither the scheduler nor a lock.
-    if (!loader_.Submit([this, tenant, req, dir, done] { done(Make(tenant, req, dir)); },
-                        [done] { done(absl::UnavailableError("server is shutting down")); })) {
+    absl::Status queued =
+        loader_.Submit([this, tenant, req, dir, done] { done(Make(tenant, req, dir)); },
+                       [done] { done(absl::UnavailableError("server is shutting down")); });
+    if (absl::IsResourceExhausted(queued)) {
       done(absl::ResourceExhaustedError(
           "path: too many sampler exports are being loaded; retry later"));
+    } else if (!queued.ok()) {
+      done(queued);
     }
     return;
   }

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace tinkerd {
 
 Worker::Worker(int max_queued) : max_queued_(max_queued), thread_([this] { Loop(); }) {}
@@ -10,11 +12,15 @@ Worker::~Worker() {
   Stop();
 }
 
-bool Worker::Submit(std::function<void()> run, std::function<void()> cancel) {
+absl::Status Worker::Submit(std::function<void()> run, std::function<void()> cancel) {
   absl::MutexLock lock(&mu_);
-  if (stopping_ || queue_.size() >= max_queued_) return false;
+  if (stopping_) return absl::UnavailableError("server is shutting down");
+  if (queue_.size() >= max_queued_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(queue_.size(), " items already wait; retry later"));
+  }
   queue_.push_back({std::move(run), std::move(cancel)});
-  return true;
+  return absl::OkStatus();
 }
 
 void Worker::Stop() {

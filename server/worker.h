@@ -7,6 +7,7 @@
 #include <functional>
 #include <thread>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 
 namespace tinkerd {
@@ -18,9 +19,10 @@ class Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
-  // Queues `run`; `cancel` runs instead if the worker stops before `run` started. False (and
-  // neither runs) when the queue is full or the worker stopped.
-  bool Submit(std::function<void()> run, std::function<void()> cancel);
+  // Queues `run`; `cancel` runs instead if the worker stops before `run` started. When Submit
+  // refuses, neither runs: RESOURCE_EXHAUSTED while `max_queued` items wait (retry later),
+  // UNAVAILABLE once the worker is stopping.
+  absl::Status Submit(std::function<void()> run, std::function<void()> cancel);
   // Lets the running item finish, cancels the queued ones, and joins the thread.
   void Stop();
 
