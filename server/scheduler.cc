@@ -121,6 +121,15 @@ absl::StatusOr<int64_t> Scheduler::NextSeqId(const std::string& model_id) const 
   return it->second.next_seq;
 }
 
+absl::StatusOr<absl::Time> Scheduler::LastRequest(const std::string& model_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(model_id);
+  if (it == queues_.end()) {
+    return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
+  }
+  return it->second.last_request;
+}
+
 bool Scheduler::Used(const std::string& model_id, int64_t seq_id) const {
   absl::MutexLock lock(&mu_);
   auto it = queues_.find(model_id);
@@ -140,6 +149,7 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
       immediate = absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
     } else {
       Queue& q = it->second;
+      q.last_request = absl::Now();
       auto cached = q.done.find(seq_id);
       auto pending = q.pending.find(seq_id);
       auto conflict = [&](const std::string& used_for) {

@@ -94,6 +94,8 @@ class Scheduler {
   std::vector<std::string> Models(const std::string& owner) const;
   // The next seq_id the model will apply, or NOT_FOUND.
   absl::StatusOr<int64_t> NextSeqId(const std::string& model_id) const;
+  // When the model last got a request (its creation, or a Submit for it), or NOT_FOUND.
+  absl::StatusOr<absl::Time> LastRequest(const std::string& model_id) const;
   // Whether (model_id, seq_id) was applied already or is queued: a request for it is a retry
   // (or a conflict), not new work.
   bool Used(const std::string& model_id, int64_t seq_id) const;
@@ -141,6 +143,7 @@ class Scheduler {
     std::map<int64_t, Pending> pending;
     std::map<int64_t, Done> done;  // bounded cache
     std::string owner;
+    absl::Time last_request = absl::Now();
   };
 
   void Loop();

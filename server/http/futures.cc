@@ -55,6 +55,11 @@ Futures::Opened Futures::Open(const std::string& tenant, const std::string& requ
   return Opened::kNew;
 }
 
+bool Futures::Known(const std::string& tenant, const std::string& request_id) const {
+  absl::MutexLock lock(&mu_);
+  return entries_.count(Key(tenant, request_id)) > 0;
+}
+
 void Futures::Drop(const std::string& tenant, const std::string& request_id) {
   std::map<uint64_t, Respond> polls;
   {

@@ -45,6 +45,8 @@ class Futures {
   // its polls, and its topic's. A future finished already keeps its first answer.
   void Finish(const std::string& tenant, const std::string& request_id, Response answer,
               bool failed = false);
+  // Whether `tenant` has future `request_id`, pending or finished and not yet expired.
+  bool Known(const std::string& tenant, const std::string& request_id) const;
   // Answers with the future's answer when it has one, else parks the poll.
   void Poll(const std::string& tenant, const std::string& request_id, Respond respond);
   // Answers {"completions": [...], "cursor": c} with the topic's futures that finished after

@@ -119,6 +119,7 @@ void TinkerApi::Handle(Request req, Respond respond) {
       {"retrieve_future", &TinkerApi::RetrieveFuture},
       {"retrieve_futures", &TinkerApi::RetrieveFutures},
       {"asample", &TinkerApi::ASample},
+      {"cancel_future", &TinkerApi::CancelFuture},
       {"create_sampling_session", &TinkerApi::CreateSamplingSession},
   };
   const bool finish_session =
@@ -292,7 +293,9 @@ void TinkerApi::ClientConfig(const std::string&, const Json&, Respond respond) {
 }
 
 void TinkerApi::DynamicConfig(const std::string&, const Json&, Respond respond) {
-  respond(JsonResponse(Json{{"refresh_interval_sec", 300}}));
+  // sample_cancel_enabled: an SDK (0.38) that abandons a sample tells the server
+  // (cancel_future), which stops decoding it.
+  respond(JsonResponse(Json{{"refresh_interval_sec", 300}, {"sample_cancel_enabled", true}}));
 }
 
 void TinkerApi::CreateSession(const std::string& tenant, const Json& body, Respond respond) {
@@ -635,13 +638,11 @@ absl::StatusOr<Json> TinkerApi::TrainingRun(const std::string& tenant,
   if (!info.ok()) return info.status();
   auto checkpoints = ops_->Checkpoints(tenant, model_id);
   if (!checkpoints.ok()) return checkpoints.status();
-  Json run{{"training_run_id", model_id},
-           {"base_model", config_.served_model_name},
-           {"model_owner", tenant},
-           {"is_lora", info->is_lora()},
-           {"corrupted", false},
-           // Request times are not recorded: the run is live now, which is when this answers.
-           {"last_request_time", IsoTime(absl::Now())}};
+  auto last_request = ops_->scheduler()->LastRequest(model_id);
+  if (!last_request.ok()) return last_request.status();
+  Json run{{"training_run_id", model_id}, {"base_model", config_.served_model_name},
+           {"model_owner", tenant},       {"is_lora", info->is_lora()},
+           {"corrupted", false},          {"last_request_time", IsoTime(*last_request)}};
   if (info->is_lora()) run["lora_rank"] = info->lora().rank();
   for (const char* kind : {"training", "sampler"}) {
     const CheckpointEntry* last = nullptr;

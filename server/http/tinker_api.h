@@ -14,6 +14,7 @@
 // becomes the future's {"error", "category"}, which the SDK raises without retrying.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -83,6 +84,9 @@ class TinkerApi {
   // Sampling (tinker_sampling.cc). A Tinker sampling session is a tinkerd sampler.
   void CreateSamplingSession(const std::string& tenant, const Json& body, Respond respond);
   void ASample(const std::string& tenant, const Json& body, Respond respond);
+  // Newer SDKs' cancel of an abandoned sample: the engine ends it after its step under way, and
+  // its future fails CANCELLED. {"cancelled": false} when it had finished (or is not a sample).
+  void CancelFuture(const std::string& tenant, const Json& body, Respond respond);
   void GetSampler(const std::string& tenant, const std::string& sampler_id, Respond respond);
   // save_weights_for_sampler without a name: the model frozen at seq_id into a new sampler.
   void SaveWeightsForSession(const std::string& tenant, const std::string& request_id,
@@ -138,6 +142,9 @@ class TinkerApi {
     std::vector<Respond> waiting;
   };
   std::map<std::string, SamplingSession> sampling_sessions_ ABSL_GUARDED_BY(mu_);
+  // The running samples' cancel flags, by tenant \n request_id: set by cancel_future, read by the
+  // engine after each step (through the request's progress callback).
+  std::map<std::string, std::shared_ptr<std::atomic<bool>>> cancels_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tinkerd::http

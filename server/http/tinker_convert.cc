@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "runner/util/echo.h"
 
 namespace tinkerd::http {
 namespace {
@@ -198,6 +199,18 @@ absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequ
   v1::LossFn* loss = out.request.mutable_loss_fn();
   loss->set_name(std::move(*in->mutable_loss_fn()));
   loss->mutable_config()->insert(in->loss_fn_config().begin(), in->loss_fn_config().end());
+  for (const auto& [key, value] : in->loss_fn_config_v2()) {
+    // Every config value of tinkerd's losses is a number: a text value would otherwise be
+    // dropped, and the loss run without what the client set.
+    if (value.value_case() != tinker_public::LossConfigValue::kNumber) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "loss_fn_config[\"", Echo(key), "\"]: ", loss->name(),
+          value.value_case() == tinker_public::LossConfigValue::kText
+              ? absl::StrCat(" takes numbers only, got the text '", Echo(value.text()), "'")
+              : std::string(" takes numbers only, got no value")));
+    }
+    (*loss->mutable_config())[key] = value.number();
+  }
   out.request.mutable_data()->Reserve(in->data_size());
   for (int i = 0; i < in->data_size(); ++i) {
     if (absl::Status s = DatumFromTinker(in->mutable_data(i), i, out.request.add_data()); !s.ok()) {

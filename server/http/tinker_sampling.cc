@@ -241,10 +241,27 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   for (int64_t i = 0; i < num_samples; ++i) ids.push_back(absl::StrCat(request_id, ":", i));
   Json accepted{{"sample_sequence_ids", ids}};
   tinkerd::Sampling* sampling = sampling_;
+  const std::string key = absl::StrCat(tenant, "\n", request_id);
   Submit<v1::SampleResponse>(
       tenant, request_id, Resend::kFuture,
-      [sampling, tenant, req](Done<v1::SampleResponse> done) {
-        sampling->Sample(tenant, req, std::move(done));
+      [this, sampling, tenant, req, key](Done<v1::SampleResponse> done) {
+        auto cancelled = std::make_shared<std::atomic<bool>>(false);
+        {
+          absl::MutexLock lock(&mu_);
+          cancels_[key] = cancelled;
+        }
+        auto forget = [this, key, cancelled] {
+          absl::MutexLock lock(&mu_);
+          auto it = cancels_.find(key);
+          if (it != cancels_.end() && it->second == cancelled) cancels_.erase(it);
+        };
+        sampling->Sample(
+            tenant, req,
+            [forget, done = std::move(done)](absl::StatusOr<v1::SampleResponse> r) {
+              forget();
+              done(std::move(r));
+            },
+            [cancelled](std::vector<SampleDelta>) { return !cancelled->load(); });
       },
       [prompt_logprobs, topk](const v1::SampleResponse& r) {
         tinker_public::SampleResponse out;
@@ -252,6 +269,23 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
         return Response{200, "application/x-protobuf", out.SerializeAsString(), {}};
       },
       std::move(respond), std::move(accepted), topic);
+}
+
+void TinkerApi::CancelFuture(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string request_id = f.Str("request_id");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = cancels_.find(absl::StrCat(tenant, "\n", request_id)); it != cancels_.end()) {
+      it->second->store(true);
+      return respond(JsonResponse(Json{{"cancelled", true}}));
+    }
+  }
+  if (!futures_.Known(tenant, request_id)) {
+    return respond(Error(404, absl::StrCat("request_id: no future '", Echo(request_id), "'")));
+  }
+  respond(JsonResponse(Json{{"cancelled", false}}));
 }
 
 }  // namespace tinkerd::http

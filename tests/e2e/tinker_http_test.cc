@@ -454,6 +454,10 @@ TEST_F(TinkerHttp, CheckpointsSaveLoadAndDescribeThemselves) {
   Reply sampler =
       Call("save_weights_for_sampler", {{"model_id", model}, {"seq_id", 5}, {"path", "s1"}});
   EXPECT_EQ(sampler.json().value("path", ""), "tinker://" + model + "/sampler_weights/s1");
+  auto last_request = [&](const std::string& id) {
+    return Send("GET", "/api/v1/training_runs/" + id, "").json().value("last_request_time", "");
+  };
+  const std::string after_save = last_request(model);
 
   Reply restored =
       Call("load_weights",
@@ -462,6 +466,10 @@ TEST_F(TinkerHttp, CheckpointsSaveLoadAndDescribeThemselves) {
   const std::string copy = restored.json().value("model_id", "");
   ASSERT_FALSE(copy.empty()) << restored.body;
   EXPECT_EQ(live_->StateChecksum(copy), at_save);
+  // A run's last_request_time is its model's last request: the restore (another model's, tens of
+  // milliseconds) does not move it; the copy's is later (ISO times in one format sort as text).
+  EXPECT_EQ(last_request(model), after_save);
+  EXPECT_GT(last_request(copy), after_save);
 
   // The RestClient's views: the run, its checkpoints, deleting one; none of it for bob.
   Reply run = Send("GET", "/api/v1/training_runs/" + model, "");
@@ -711,6 +719,57 @@ TEST_F(TinkerHttp, RetrieveFuturesReportsEachFinishedSampleOncePerSessionAndClon
     EXPECT_EQ(r.status, 400) << body;
     EXPECT_TRUE(absl::StartsWith(r.json().value("detail", ""), field + ":")) << r.body;
   }
+}
+
+// SDK 0.38 tells the server when it abandons a sample (dynamic_config's sample_cancel_enabled):
+// the engine stops decoding it after the step under way, its future fails CANCELLED naming the
+// cause, and its samples are released. A finished future answers cancelled: false; an id the
+// tenant never had, another tenant's included, is 404.
+TEST_F(TinkerHttp, CancelFutureStopsARunningSampleAndItsFutureFailsCancelled) {
+  const Reply config = Post("client/dynamic_config", Json::object());
+  EXPECT_TRUE(config.json().value("sample_cancel_enabled", false)) << config.body;
+  const std::string sampler = SamplingSession(Session(), 0).json().value("sampling_session_id", "");
+  ASSERT_FALSE(sampler.empty());
+  auto sample = [&](int64_t seq, int64_t max_tokens, int64_t n) {
+    Reply r =
+        Post("asample", {{"sampling_session_id", sampler},
+                         {"seq_id", seq},
+                         {"num_samples", n},
+                         {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
+                         {"sampling_params", {{"max_tokens", max_tokens}}}});
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json().value("request_id", "");
+  };
+  // Many samples to the end of the context, cancelled as soon as accepted: hundreds of decode
+  // steps against one request on loopback. Should the last step win all the same (the cancel
+  // then finds a finished future, or lands in the last step), the test tries again.
+  const int64_t context = live_->server->runner()->limits().max_context_length;
+  ASSERT_GT(context, 100);
+  bool stopped = false;
+  for (int attempt = 1; attempt <= 5 && !stopped; ++attempt) {
+    const std::string id = sample(attempt, context - 2, 16);
+    const Reply cancel = Post("cancel_future", {{"request_id", id}});
+    ASSERT_EQ(cancel.status, 200) << cancel.body;
+    const Reply r = Await(id);
+    if (r.content_type == "application/x-protobuf") continue;
+    EXPECT_TRUE(cancel.json().value("cancelled", false)) << cancel.body;
+    EXPECT_EQ(r.json().value("category", ""), "user") << r.body;
+    EXPECT_NE(r.json().value("error", "").find("cancelled"), std::string::npos) << r.body;
+    stopped = true;
+  }
+  ASSERT_TRUE(stopped) << "every sample finished before its cancel";
+  EXPECT_NE(Metrics().find("tinkerd_sample_sequences_running 0\n"), std::string::npos);
+
+  const std::string finished = sample(100, 2, 1);
+  ASSERT_EQ(Await(finished).content_type, "application/x-protobuf");
+  const Reply late = Post("cancel_future", {{"request_id", finished}});
+  EXPECT_EQ(late.status, 200) << late.body;
+  EXPECT_FALSE(late.json().value("cancelled", true)) << late.body;
+  EXPECT_EQ(Post("cancel_future", {{"request_id", finished}}, kBob).status, 404);
+  EXPECT_EQ(Post("cancel_future", {{"request_id", "sample:made-up:1"}}).status, 404);
+  const Reply bad = Post("cancel_future", {{"request", finished}});
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_TRUE(absl::StartsWith(bad.json().value("detail", ""), "request_id:")) << bad.body;
 }
 
 TEST_F(TinkerHttp, AResentSamplingSessionWhoseSamplerWasEvictedGetsALiveOne) {

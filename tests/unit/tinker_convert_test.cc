@@ -153,6 +153,34 @@ TEST(TinkerConvert, LossConfigAndForwardOnly) {
   EXPECT_TRUE(out2->forward_only);
 }
 
+// SDK 0.38 writes every config value to loss_fn_config_v2 as well, and text values only there:
+// v2 wins over the legacy map, and a text value (which no loss of tinkerd's takes) is refused
+// naming its key rather than dropped.
+TEST(TinkerConvert, LossConfigV2IsPreferredAndTextValuesAreRefused) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  r.set_loss_fn("ppo");
+  (*r.mutable_loss_fn_config())["clip_low_threshold"] = 0.8;
+  (*r.mutable_loss_fn_config_v2())["clip_low_threshold"].set_number(0.7);
+  (*r.mutable_loss_fn_config_v2())["clip_high_threshold"].set_number(1.3);
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->request.loss_fn().config().size(), 2u);
+  EXPECT_EQ(out->request.loss_fn().config().at("clip_low_threshold"), 0.7);
+  EXPECT_EQ(out->request.loss_fn().config().at("clip_high_threshold"), 1.3);
+
+  tinker_public::ForwardBackwardRequest text = GoodRequest();
+  text.set_loss_fn("ppo");
+  (*text.mutable_loss_fn_config_v2())["clip_mode"].set_text("token");
+  auto refused = FwdBwdFromTinker(&text);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "loss_fn_config[\"clip_mode\"]: ppo takes numbers only, got the text 'token'");
+
+  tinker_public::ForwardBackwardRequest unset = GoodRequest();
+  (*unset.mutable_loss_fn_config_v2())["x"];
+  EXPECT_EQ(FwdBwdFromTinker(&unset).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(TinkerConvert, EmptyTensorsAreAcceptedWithoutData) {
   tinker_public::ForwardBackwardRequest r = GoodRequest();
   (*r.mutable_data(0)->mutable_loss_fn_inputs())["a"] = Dense(tinker_public::DTYPE_INT32, "", {0});
