@@ -24,24 +24,30 @@ class SamplingTest : public ::testing::Test {
     dir_ = std::make_unique<TempDir>();
     runner_ = MakeRunner(WriteModel(*dir_, TinyConfig("llama"), 5));
     ASSERT_NE(runner_, nullptr);
+    ASSERT_NO_FATAL_FAILURE(TrainedLora(4, 9, 3, &model_, &policy_));
+  }
+
+  // A LoRA model (attention, MLP and head adapted) after one large step, so that the adapter
+  // (B starts at zero) changes the function sampled, and its policy.
+  void TrainedLora(int64_t rank, uint64_t seed, uint64_t data_seed, std::string* model,
+                   std::shared_ptr<const Policy>* policy) {
     CreateModelOptions options;
-    options.lora = LoraConfig{4, 8, true, true, true};
+    options.lora = LoraConfig{rank, 2.0 * static_cast<double>(rank), true, true, true};
     options.loss_reduction = LossReduction::kSum;
-    options.seed = 9;
+    options.seed = seed;
     auto id = runner_->CreateModel(options);
     ASSERT_TRUE(id.ok()) << id.status().message();
-    model_ = *id;
-    // One large step, so the adapter (B starts at zero) changes the function being sampled.
-    SplitMix64 g(3);
-    auto fb = runner_->ForwardBackward(model_, RandomData(g, {9, 14}, "cross_entropy", 128),
+    *model = *id;
+    SplitMix64 g(data_seed);
+    auto fb = runner_->ForwardBackward(*model, RandomData(g, {9, 14}, "cross_entropy", 128),
                                        "cross_entropy", {});
     ASSERT_TRUE(fb.ok()) << fb.status().message();
     AdamParams adam;
     adam.learning_rate = 0.05;
-    ASSERT_TRUE(runner_->OptimStep(model_, adam).ok());
-    auto policy = runner_->FreezePolicy(model_);
-    ASSERT_TRUE(policy.ok()) << policy.status().message();
-    policy_ = *policy;
+    ASSERT_TRUE(runner_->OptimStep(*model, adam).ok());
+    auto frozen = runner_->FreezePolicy(*model);
+    ASSERT_TRUE(frozen.ok()) << frozen.status().message();
+    *policy = *frozen;
   }
 
   // Runs requests through one engine, all admitted before the first step, to completion; request
@@ -269,24 +275,12 @@ TEST_F(SamplingTest, SameSeedSameTokensWhateverElseIsInTheBatch) {
 // request under the three policies gives logprobs apart, so rows given another's adapter would
 // fail the identity.
 TEST_F(SamplingTest, LoraAdaptersOfDifferentRanksDecodeInOneForward) {
-  CreateModelOptions options;
-  options.lora = LoraConfig{8, 16, true, true, true};
-  options.loss_reduction = LossReduction::kSum;
-  options.seed = 10;
-  auto other = runner_->CreateModel(options);
-  ASSERT_TRUE(other.ok()) << other.status().message();
-  SplitMix64 g(4);
-  ASSERT_TRUE(runner_
-                  ->ForwardBackward(*other, RandomData(g, {11, 6}, "cross_entropy", 128),
-                                    "cross_entropy", {})
-                  .ok());
-  AdamParams adam;
-  adam.learning_rate = 0.05;
-  ASSERT_TRUE(runner_->OptimStep(*other, adam).ok());
-  auto rank8 = runner_->FreezePolicy(*other);
+  std::string other;
+  std::shared_ptr<const Policy> rank8;
+  ASSERT_NO_FATAL_FAILURE(TrainedLora(8, 10, 4, &other, &rank8));
   auto base = runner_->FreezePolicy("");
-  ASSERT_TRUE(rank8.ok() && base.ok());
-  const std::vector<std::shared_ptr<const Policy>> policies = {*rank8, *base, policy_, *rank8};
+  ASSERT_TRUE(base.ok());
+  const std::vector<std::shared_ptr<const Policy>> policies = {rank8, *base, policy_, rank8};
 
   std::vector<SampleRequest> requests;
   for (int i = 0; i < 4; ++i) requests.push_back(Request(30 + i, 8 + i, 2));
@@ -313,7 +307,7 @@ TEST_F(SamplingTest, LoraAdaptersOfDifferentRanksDecodeInOneForward) {
   }
   // The control: one sequence scored by each policy.
   const std::vector<int64_t> seq = Concat(kPrompt, mixed[0].sequences[0].tokens);
-  const std::vector<double> by8 = TrainerLogprobs(seq, kPrompt.size(), rank8->get());
+  const std::vector<double> by8 = TrainerLogprobs(seq, kPrompt.size(), rank8.get());
   for (const Policy* p : {base->get(), policy_.get()}) {
     const std::vector<double> by = TrainerLogprobs(seq, kPrompt.size(), p);
     double apart = 0;
