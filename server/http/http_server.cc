@@ -135,10 +135,23 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     req.api_key = std::string(msg["X-API-Key"]);
     req.body = std::move(msg.body());
     auto once = std::make_shared<std::atomic<bool>>(false);
-    server_->handler(std::move(req), [self = this->shared_from_this(), once](Response r) {
+    Respond respond = [self = this->shared_from_this(), once](Response r) {
       if (once->exchange(true)) return;
       self->Answer(std::move(r));
-    });
+    };
+    // No exception leaves the front end: one escaping here would end the process, every
+    // tenant's connections with it.
+    try {
+      server_->handler(std::move(req), respond);
+    } catch (const std::exception& e) {
+      TLOG_ERROR("http: a handler threw: {}", e.what());
+      respond(
+          {500, "application/json", ErrorBody("internal error while handling the request"), {}});
+    } catch (...) {
+      TLOG_ERROR("http: a handler threw a non-exception");
+      respond(
+          {500, "application/json", ErrorBody("internal error while handling the request"), {}});
+    }
   }
 
   void Write(Response r) {

@@ -34,6 +34,8 @@ struct Response {
 
 // Answers its request; the first call counts, later ones are ignored. Callable from any thread.
 using Respond = std::function<void(Response)>;
+// Should a handler throw, its request is answered 500 (unless it answered already) and the
+// server goes on.
 using Handler = std::function<void(Request, Respond)>;
 
 struct HttpServerConfig {
