@@ -80,6 +80,12 @@ void TinkerApi::Reap() {
           // One being made has callers waiting: it goes when it is answered.
           a = a->second.sampler_id.empty() ? std::next(a) : sampling_sessions_.erase(a);
         }
+        ended_.insert(it->second.tenant + '\n' + it->first);
+        ended_order_.push_back(it->second.tenant + '\n' + it->first);
+        if (ended_order_.size() > config_.max_sessions) {
+          ended_.erase(ended_order_.front());
+          ended_order_.pop_front();
+        }
         ended.emplace_back(it->first, std::move(it->second));
         it = sessions_.erase(it);
       } else {
@@ -321,6 +327,13 @@ void TinkerApi::SessionHeartbeat(const std::string& tenant, const Json& body, Re
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(id);
+    if ((it == sessions_.end() || it->second.tenant != tenant) &&
+        ended_.count(tenant + '\n' + id)) {
+      // 410 tells the SDK (0.38) the session is over, and it stops heartbeating.
+      return respond(Error(
+          410, absl::StrCat("session_id: session '", Echo(id), "' ended after no heartbeat for ",
+                            absl::FormatDuration(config_.session_idle), "; create a new session")));
+    }
     if (it == sessions_.end() || it->second.tenant != tenant) {
       return respond(Error(404, absl::StrCat("session_id: no session '", Echo(id), "'")));
     }

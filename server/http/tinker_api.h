@@ -15,8 +15,10 @@
 #pragma once
 
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -135,6 +137,10 @@ class TinkerApi {
   absl::Mutex mu_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> aliases_ ABSL_GUARDED_BY(mu_);  // tenant \n alias -> id
+  // Sessions ended for want of heartbeats (tenant \n id), the latest max_sessions: a heartbeat
+  // for one is 410, which tells the SDK to stop, not 404.
+  std::set<std::string> ended_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
   // A create_sampling_session call, by tenant \n session_id:sampling_session_seq_id, so that a
   // resend finds its sampler: while it is made, the resend waits for the same answer.
   struct SamplingSession {

@@ -514,7 +514,11 @@ TEST_F(TinkerHttp, ASessionWithoutHeartbeatsEndsAndItsModelsGoButItsCheckpointsS
   EXPECT_FALSE(live_->server->scheduler()->HasModel(gone)) << "the idle session's model stayed";
   EXPECT_TRUE(live_->server->scheduler()->HasModel(kept))
       << "a heartbeating session lost its model";
-  EXPECT_EQ(Post("session_heartbeat", {{"session_id", quiet}}).status, 404);
+  const Reply late = Post("session_heartbeat", {{"session_id", quiet}});
+  EXPECT_EQ(late.status, 410) << late.body;  // the SDK stops heartbeating
+  EXPECT_TRUE(absl::StartsWith(late.json().value("detail", ""), "session_id:")) << late.body;
+  EXPECT_EQ(Post("session_heartbeat", {{"session_id", quiet}}, kBob).status, 404);
+  EXPECT_EQ(Post("session_heartbeat", {{"session_id", "session-made-up"}}).status, 404);
   // The checkpoint outlives the session: a live session makes a model from it.
   Reply restored = Call("load_weights", {{"session_id", alive},
                                          {"model_seq_id", 1},
