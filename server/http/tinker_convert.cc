@@ -4,12 +4,14 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "runner/util/echo.h"
+#include "server/http/json_fields.h"
 
 namespace tinkerd::http {
 namespace {
@@ -304,6 +306,76 @@ void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
     t->set_k(static_cast<uint32_t>(k));
     t->set_prompt_length(static_cast<uint32_t>(n));
   }
+}
+
+absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out) {
+  if (prompt == nullptr) return Invalid("prompt", "required");
+  auto chunks = prompt->find("chunks");
+  if (chunks == prompt->end() || !chunks->is_array()) {
+    return Invalid("prompt.chunks", "must be an array");
+  }
+  v1::EncodedTextChunk* text = out->add_chunks()->mutable_encoded_text();
+  for (size_t i = 0; i < chunks->size(); ++i) {
+    const std::string field = absl::StrCat("prompt.chunks[", i, "]");
+    const nlohmann::json& c = (*chunks)[i];
+    if (!c.is_object()) return Invalid(field, "must be an object");
+    Fields f(c);
+    const std::string type = f.OptStr("type").value_or("encoded_text");
+    if (!f.status().ok()) return Invalid(field, std::string(f.status().message()));
+    if (type != "encoded_text") {
+      return Invalid(field, absl::StrCat("'", Echo(type),
+                                         "' chunks are not supported by this server (text only)"));
+    }
+    auto tokens = c.find("tokens");
+    if (tokens == c.end() || !tokens->is_array()) return Invalid(field + ".tokens", "required");
+    for (const nlohmann::json& t : *tokens) {
+      if (!t.is_number_integer()) return Invalid(field + ".tokens", "must be integers");
+      text->add_tokens(t.get<int64_t>());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::SamplingParams* out) {
+  if (params == nullptr) return Invalid("sampling_params", "required");
+  Fields f(*params);
+  const std::optional<int64_t> max_tokens = f.OptInt("max_tokens");
+  const std::optional<double> temperature = f.OptNum("temperature");
+  const std::optional<int64_t> top_k = f.OptInt("top_k");
+  const std::optional<double> top_p = f.OptNum("top_p");
+  if (!f.status().ok()) return Invalid("sampling_params", std::string(f.status().message()));
+  if (!max_tokens) return Invalid("sampling_params.max_tokens", "required");
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  if (*max_tokens > kInt32Max || (top_k && (*top_k > kInt32Max || *top_k < -kInt32Max))) {
+    return Invalid("sampling_params", "max_tokens or top_k out of range");
+  }
+  out->set_max_tokens(static_cast<int32_t>(std::max<int64_t>(*max_tokens, -1)));
+  if (temperature) out->set_temperature(*temperature);
+  if (top_k) out->set_top_k(static_cast<int32_t>(*top_k));  // -1 (Tinker): every token, as <= 0
+  if (top_p) out->set_top_p(*top_p);
+  if (auto seed = params->find("seed"); seed != params->end() && !seed->is_null()) {
+    if (seed->is_number_unsigned()) {
+      out->set_seed(seed->get<uint64_t>());
+    } else if (!seed->is_number_integer()) {
+      return Invalid("sampling_params.seed", "must be an integer");
+    } else {
+      // Python's hash-like seeds may be negative: their two's complement is as good a seed.
+      out->set_seed(static_cast<uint64_t>(seed->get<int64_t>()));
+    }
+  }
+  auto stop = params->find("stop");
+  if (stop == params->end() || stop->is_null()) return absl::OkStatus();
+  if (stop->is_string() || (stop->is_array() && !stop->empty() && (*stop)[0].is_string())) {
+    return Invalid("sampling_params.stop",
+                   "stop strings need the model's tokenizer, which this server does not have; "
+                   "send stop token ids instead");
+  }
+  if (!stop->is_array()) return Invalid("sampling_params.stop", "must be a list of token ids");
+  for (const nlohmann::json& t : *stop) {
+    if (!t.is_number_integer()) return Invalid("sampling_params.stop", "must be token ids");
+    out->add_stop()->add_tokens(t.get<int64_t>());  // each id stops on its own
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace tinkerd::http

@@ -1,6 +1,6 @@
-// Conversion between the Tinker HTTP API's protobuf bodies (proto/tinker_public, as the Tinker
-// Python SDK sends and parses them) and tinkerd's wire types (tinkerd.v1). Torch-free, like
-// server/convert.h, so the request fuzzer can drive it.
+// Conversion between the Tinker HTTP API's bodies (protobuf from proto/tinker_public and JSON, as
+// the Tinker Python SDK sends and parses them) and tinkerd's wire types (tinkerd.v1). Torch-free,
+// like server/convert.h, so the request fuzzers can drive it.
 //
 // Only the encoding changes here: token and tensor bytes are checked and widened to what tinkerd
 // accepts (INT64 tokens, FLOAT32/INT64 tensors). Semantic checks (loss names, vocab, lengths,
@@ -9,6 +9,8 @@
 #pragma once
 
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/status/statusor.h"
 #include "tinker_public/tinker_public.pb.h"
@@ -50,5 +52,13 @@ void FwdBwdOutputToTinker(const v1::ForwardBackwardOutput& in, const std::string
 // has no context, reads as None.
 void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
                             int64_t topk_prompt_logprobs, tinker_public::SampleResponse* out);
+
+// asample's JSON: Tinker's ModelInput (`prompt`: encoded_text chunks, concatenated into one chunk)
+// and SamplingParams (`sampling_params`; stop strings are refused, since they need the tokenizer,
+// which the server does not hold; stop token ids each stop on their own). Null or absent:
+// required. Errors are INVALID_ARGUMENT naming the field path, e.g. `prompt.chunks[1].tokens:
+// must be integers`. Ranges (vocabulary, context) are the sampler's to check.
+absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out);
+absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::SamplingParams* out);
 
 }  // namespace tinkerd::http

@@ -4,8 +4,6 @@
 // loads a sampler_weights export, and asample samples it. Retries find their first answer:
 // asample by (sampling_session_id, seq_id), create_sampling_session by (session_id,
 // sampling_session_seq_id), the unnamed save by the model's (model_id, seq_id).
-#include <limits>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "runner/util/echo.h"
@@ -18,80 +16,6 @@ namespace tinkerd::http {
 namespace {
 
 using Json = TinkerApi::Json;
-
-absl::Status Invalid(const std::string& field, const std::string& why) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
-}
-
-// Tinker's ModelInput: encoded_text chunks, concatenated.
-absl::Status ReadPrompt(const Json* prompt, v1::ModelInput* out) {
-  if (prompt == nullptr) return Invalid("prompt", "required");
-  auto chunks = prompt->find("chunks");
-  if (chunks == prompt->end() || !chunks->is_array()) {
-    return Invalid("prompt.chunks", "must be an array");
-  }
-  v1::EncodedTextChunk* text = out->add_chunks()->mutable_encoded_text();
-  for (size_t i = 0; i < chunks->size(); ++i) {
-    const std::string field = absl::StrCat("prompt.chunks[", i, "]");
-    const Json& c = (*chunks)[i];
-    if (!c.is_object()) return Invalid(field, "must be an object");
-    const std::string type = c.value("type", "encoded_text");
-    if (type != "encoded_text") {
-      return Invalid(field, absl::StrCat("'", Echo(type),
-                                         "' chunks are not supported by this server (text only)"));
-    }
-    auto tokens = c.find("tokens");
-    if (tokens == c.end() || !tokens->is_array()) return Invalid(field + ".tokens", "required");
-    for (const Json& t : *tokens) {
-      if (!t.is_number_integer()) return Invalid(field + ".tokens", "must be integers");
-      text->add_tokens(t.get<int64_t>());
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Tinker's SamplingParams. Stop strings need the tokenizer, which the server does not hold.
-absl::Status ReadParams(const Json* params, v1::SamplingParams* out) {
-  if (params == nullptr) return Invalid("sampling_params", "required");
-  Fields f(*params);
-  const std::optional<int64_t> max_tokens = f.OptInt("max_tokens");
-  const std::optional<double> temperature = f.OptNum("temperature");
-  const std::optional<int64_t> top_k = f.OptInt("top_k");
-  const std::optional<double> top_p = f.OptNum("top_p");
-  if (!f.status().ok()) return Invalid("sampling_params", std::string(f.status().message()));
-  if (!max_tokens) return Invalid("sampling_params.max_tokens", "required");
-  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-  if (*max_tokens > kInt32Max || (top_k && (*top_k > kInt32Max || *top_k < -kInt32Max))) {
-    return Invalid("sampling_params", "max_tokens or top_k out of range");
-  }
-  out->set_max_tokens(static_cast<int32_t>(std::max<int64_t>(*max_tokens, -1)));
-  if (temperature) out->set_temperature(*temperature);
-  if (top_k) out->set_top_k(static_cast<int32_t>(*top_k));  // -1 (Tinker): every token, as <= 0
-  if (top_p) out->set_top_p(*top_p);
-  if (auto seed = params->find("seed"); seed != params->end() && !seed->is_null()) {
-    if (seed->is_number_unsigned()) {
-      out->set_seed(seed->get<uint64_t>());
-    } else if (!seed->is_number_integer()) {
-      return Invalid("sampling_params.seed", "must be an integer");
-    } else {
-      // Python's hash-like seeds may be negative: their two's complement is as good a seed.
-      out->set_seed(static_cast<uint64_t>(seed->get<int64_t>()));
-    }
-  }
-  auto stop = params->find("stop");
-  if (stop == params->end() || stop->is_null()) return absl::OkStatus();
-  if (stop->is_string() || (stop->is_array() && !stop->empty() && (*stop)[0].is_string())) {
-    return Invalid("sampling_params.stop",
-                   "stop strings need the model's tokenizer, which this server does not have; "
-                   "send stop token ids instead");
-  }
-  if (!stop->is_array()) return Invalid("sampling_params.stop", "must be a list of token ids");
-  for (const Json& t : *stop) {
-    if (!t.is_number_integer()) return Invalid("sampling_params.stop", "must be token ids");
-    out->add_stop()->add_tokens(t.get<int64_t>());  // each id stops on its own
-  }
-  return absl::OkStatus();
-}
 
 }  // namespace
 
@@ -201,8 +125,8 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   const Json* prompt = f.Obj("prompt");
   const Json* params = f.Obj("sampling_params");
   if (!f.status().ok()) return respond(Error(f.status()));
-  absl::Status st = ReadPrompt(prompt, req.mutable_prompt());
-  if (st.ok()) st = ReadParams(params, req.mutable_sampling_params());
+  absl::Status st = PromptFromTinker(prompt, req.mutable_prompt());
+  if (st.ok()) st = SamplingParamsFromTinker(params, req.mutable_sampling_params());
   if (!st.ok()) return respond(Error(st));
   // Checked here as well as by the sampler: the answer below lists one id per sample.
   const SampleLimits& limits = sampling_->request_limits();

@@ -1,0 +1,80 @@
+// Fuzzes the Tinker HTTP API's asample body as its handler reads it: arbitrary bytes parsed as JSON
+// (without exceptions, as the server parses), the request's own fields read (Fields), then its
+// prompt and sampling_params decoded (PromptFromTinker, SamplingParamsFromTinker). Properties,
+// besides no crash, no exception (one, from an unchecked field type, once ended the server) and no
+// sanitizer report:
+//   - every refusal is INVALID_ARGUMENT whose message begins with the field it names;
+//   - an accepted prompt is one chunk holding the tokens of every input chunk, in order;
+//   - accepted params keep max_tokens, and every stop id as a stop sequence of its own.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "server/http/json_fields.h"
+#include "server/http/tinker_convert.h"
+#include "tests/fuzz/fuzz_check.h"
+
+namespace {
+
+using Json = nlohmann::json;
+
+void CheckRefusal(const absl::Status& s, const char* field) {
+  FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument,
+             "a refusal that is not a client error");
+  FUZZ_CHECK(absl::StartsWith(s.message(), field), "a refusal that does not name its field");
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
+  const Json body = Json::parse(bytes, bytes + size, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object()) return 0;
+  tinkerd::http::Fields f(body);
+  f.OptStr("sampling_session_id");
+  f.OptInt("seq_id");
+  f.OptStr("base_model");
+  f.OptStr("model_path");
+  f.OptInt("num_samples");
+  f.OptBool("prompt_logprobs");
+  f.OptInt("topk_prompt_logprobs");
+  const Json* prompt = f.Obj("prompt");
+  const Json* params = f.Obj("sampling_params");
+  if (!f.status().ok()) {
+    FUZZ_CHECK(f.status().code() == absl::StatusCode::kInvalidArgument, "a field refusal");
+    return 0;
+  }
+
+  tinkerd::v1::ModelInput input;
+  if (absl::Status s = tinkerd::http::PromptFromTinker(prompt, &input); !s.ok()) {
+    CheckRefusal(s, "prompt");
+  } else {
+    std::vector<int64_t> want;
+    for (const Json& chunk : prompt->at("chunks")) {
+      for (const Json& t : chunk.at("tokens")) want.push_back(t.get<int64_t>());
+    }
+    FUZZ_CHECK(input.chunks_size() == 1, "a prompt is one chunk");
+    const auto& got = input.chunks(0).encoded_text().tokens();
+    FUZZ_CHECK(std::vector<int64_t>(got.begin(), got.end()) == want, "prompt tokens changed");
+  }
+
+  tinkerd::v1::SamplingParams sp;
+  if (absl::Status s = tinkerd::http::SamplingParamsFromTinker(params, &sp); !s.ok()) {
+    CheckRefusal(s, "sampling_params");
+  } else {
+    const int64_t max_tokens = params->at("max_tokens").get<int64_t>();
+    FUZZ_CHECK(sp.max_tokens() == (max_tokens < -1 ? -1 : max_tokens), "max_tokens changed");
+    const auto stop = params->find("stop");
+    const size_t stops = stop == params->end() || stop->is_null() ? 0 : stop->size();
+    FUZZ_CHECK(static_cast<size_t>(sp.stop_size()) == stops, "a stop id lost or added");
+    for (int i = 0; i < sp.stop_size(); ++i) {
+      FUZZ_CHECK(sp.stop(i).tokens_size() == 1 &&
+                     sp.stop(i).tokens(0) == (*stop)[static_cast<size_t>(i)].get<int64_t>(),
+                 "a stop id changed");
+    }
+  }
+  return 0;
+}
