@@ -316,12 +316,21 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   const at::Tensor hidden_SD = ForwardHidden(pol.config, pol.weights, lora, packed, options);
   const at::Tensor z_SV = Logits(runs, hidden_SD).to(at::kDouble).cpu().contiguous();
   const int64_t V = z_SV.size(1);
+  // Every token is chosen (on copies of the generators) before any sample changes, so a failure
+  // here leaves the step undone and Step's retry of each policy alone decodes it once.
+  std::vector<std::pair<Choice, SplitMix64>> chosen;
+  chosen.reserve(batch.size());
+  for (int64_t i = 0; i < S; ++i) {
+    SplitMix64 rng = batch[i].second->rng;
+    const Choice c =
+        ChooseToken(z_SV.data_ptr<double>() + i * V, V, batch[i].first->request.params, rng);
+    chosen.emplace_back(c, rng);
+  }
   for (int64_t i = 0; i < S; ++i) {
     const auto& [job, s] = batch[i];
     ++s->cached;
-    const SamplingParams& params = job->request.params;
-    Take(params, ChooseToken(z_SV.data_ptr<double>() + i * V, V, params, s->rng), s->out,
-         s->finished);
+    s->rng = chosen[i].second;
+    Take(job->request.params, chosen[i].first, s->out, s->finished);
   }
 }
 

@@ -226,14 +226,20 @@ void TinkerApi::Submit(const std::string& tenant, const std::string& request_id,
   auto finish = [this, tenant, request_id, encode](const absl::StatusOr<Resp>& r) {
     futures_.Finish(tenant, request_id, r.ok() ? encode(*r) : FutureError(r.status()), !r.ok());
   };
-  start([sub, finish](absl::StatusOr<Resp> r) {
-    absl::MutexLock lock(&sub->mu);
-    if (!sub->started) {
-      sub->immediate = std::move(r);
-      return;
-    }
-    finish(r);
-  });
+  try {
+    start([sub, finish](absl::StatusOr<Resp> r) {
+      absl::MutexLock lock(&sub->mu);
+      if (!sub->started) {
+        sub->immediate = std::move(r);
+        return;
+      }
+      finish(r);
+    });
+  } catch (...) {
+    // The HTTP server answers 500; a resend must find no future that nothing will finish.
+    if (opened == Futures::Opened::kNew) futures_.Drop(tenant, request_id);
+    throw;
+  }
   absl::MutexLock lock(&sub->mu);
   sub->started = true;
   if (sub->immediate && !sub->immediate->ok()) {

@@ -206,7 +206,7 @@ absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequ
     // dropped, and the loss run without what the client set.
     if (value.value_case() != tinker_public::LossConfigValue::kNumber) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "loss_fn_config[\"", Echo(key), "\"]: ", loss->name(),
+          "loss_fn_config[\"", Echo(key), "\"]: ", Echo(loss->name()),
           value.value_case() == tinker_public::LossConfigValue::kText
               ? absl::StrCat(" takes numbers only, got the text '", Echo(value.text()), "'")
               : std::string(" takes numbers only, got no value")));

@@ -179,13 +179,18 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
           auto it = cancels_.find(key);
           if (it != cancels_.end() && it->second == cancelled) cancels_.erase(it);
         };
-        sampling->Sample(
-            tenant, req,
-            [forget, done = std::move(done)](absl::StatusOr<v1::SampleResponse> r) {
-              forget();
-              done(std::move(r));
-            },
-            [cancelled](std::vector<SampleDelta>) { return !cancelled->load(); });
+        try {
+          sampling->Sample(
+              tenant, req,
+              [forget, done = std::move(done)](absl::StatusOr<v1::SampleResponse> r) {
+                forget();
+                done(std::move(r));
+              },
+              [cancelled](std::vector<SampleDelta>) { return !cancelled->load(); });
+        } catch (...) {
+          forget();
+          throw;
+        }
       },
       [prompt_logprobs, topk](const v1::SampleResponse& r) {
         tinker_public::SampleResponse out;

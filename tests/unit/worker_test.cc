@@ -26,7 +26,9 @@ TEST(Worker, RefusesWhenFullThenWhenStoppingAndCancelsWhatWaits) {
                       [&] { ++cancels; })
                   .ok());
   started.WaitForNotification();
-  ASSERT_TRUE(worker
+  // From here on the held item must be released before the test returns (the worker's
+  // destructor joins it), so failures are EXPECTs and waits have deadlines.
+  EXPECT_TRUE(worker
                   .Submit([&] { ++ran; },
                           [&] {
                             ++cancels;
@@ -37,7 +39,8 @@ TEST(Worker, RefusesWhenFullThenWhenStoppingAndCancelsWhatWaits) {
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
 
   std::thread stopper([&] { worker.Stop(); });
-  cancelled.WaitForNotification();  // Stop has begun: the waiting item was cancelled
+  // Stop has begun once the waiting item is cancelled.
+  EXPECT_TRUE(cancelled.WaitForNotificationWithTimeout(absl::Seconds(60)));
   const absl::Status stopping = worker.Submit([&] { ++ran; }, [&] { ++cancels; });
   EXPECT_EQ(stopping.code(), absl::StatusCode::kUnavailable) << stopping;
   release.Notify();
