@@ -59,7 +59,7 @@ if a:
     print(f"across {a['count']} LoRA adapters (one sample each): one forward per step "
           f"{a['mixed_tokens_per_s']:.1f} tokens/s, one per adapter {a['apart_tokens_per_s']:.1f} "
           f"({a['mixed_tokens_per_s'] / a['apart_tokens_per_s']:.2f}x); greedy tokens equal "
-          f"{a['greedy_equal']}/{a['count']}")
+          f"{a['greedy_equal']}/{a['count']} (unlike the base model's: {a['unlike_base']}/{a['count']})")
 s = r["beside"]
 print(f"beside training (batch {s['batch']}): decode {s['decode_tokens_per_s']:.1f} tokens/s "
       f"({s['decode_tokens_per_s'] / s['decode_alone_tokens_per_s']:.2f} of alone), training "
