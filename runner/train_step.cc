@@ -12,12 +12,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/adamw.h"
 #include "kernels/logprob_head.h"
 #include "runner/loss/losses.h"
-#include "runner/optim/adamw.h"
 #include "runner/packing/karmarkar_karp.h"
 #include "runner/packing/micro_batch.h"
 #include "runner/util/status_macros.h"
+#include "runner/validate.h"
 
 namespace tinkerd {
 namespace {
@@ -283,10 +284,15 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   for (auto& [name, g] : t.grad_sum) grads.push_back(g.clone());
   // See Note [Reduce once] in runner/dist/collectives.h.
   if (auto st = ctx.collectives->AllReduceSumGradients(grads); !st.ok()) return st;
+  at::_foreach_mul_(grads, 1.0 / denominator);
+  // One host sync for the norm, not one per parameter; the squares summed in float64 and the
+  // parameters added in their order, as a loop over them would.
+  std::vector<at::Tensor> squares;
+  for (const at::Tensor& g : grads) squares.push_back(g.to(at::kDouble).pow(2).sum());
   double sq = 0;
-  for (at::Tensor& g : grads) {
-    g.mul_(1.0 / denominator);
-    sq += g.to(at::kDouble).pow(2).sum().item<double>();
+  if (!squares.empty()) {
+    const at::Tensor squares_P = at::stack(squares).cpu();
+    for (int64_t i = 0; i < squares_P.size(0); ++i) sq += squares_P.data_ptr<double>()[i];
   }
   OptimStepResult r;
   r.grad_norm = std::sqrt(sq);
@@ -313,12 +319,21 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
     r.clipped = coef < 1.0;
   }
   const int64_t step = t.step + 1;
-  size_t k = 0;
+  if (coef != 1.0) at::_foreach_mul_(grads, coef);
+  kernels::AdamWParams adam;
+  adam.grads = std::move(grads);
   for (auto& [name, param] : t.params) {
-    at::Tensor& g = grads[k++];
-    if (coef != 1.0) g.mul_(coef);
-    AdamWUpdate(p, step, g, param, t.exp_avg[name], t.exp_avg_sq[name]);
+    adam.params.push_back(param);
+    adam.exp_avgs.push_back(t.exp_avg[name]);
+    adam.exp_avg_sqs.push_back(t.exp_avg_sq[name]);
   }
+  adam.lr = p.learning_rate;
+  adam.beta1 = p.beta1;
+  adam.beta2 = p.beta2;
+  adam.eps = p.eps;
+  adam.weight_decay = p.weight_decay;
+  adam.step = step;
+  kernels::AdamW(adam);
   clear();
   t.step = step;
   r.step = step;
