@@ -457,6 +457,97 @@ TEST_F(SamplingTest, StopSequenceEndsTheSampleAndIsKept) {
             std::vector<int64_t>(full.tokens.begin(), full.tokens.begin() + end + 1));
 }
 
+// float32 and bf16: the sampler and Forward compute the same function in the same precision but
+// in other orders (a decode step's one-row products and in-place attention against the packed
+// forward's tiles; the sampler's full logits row against the head's vocabulary chunks), so their
+// logprobs agree to rounding. The bounds, per precision (tiny model: D = 32, I = 64, V = 128, two
+// layers; RMSNorm keeps each product's inputs at unit scale, and logits are O(1)):
+//
+// float32, u = 2^-24. A sum of n terms evaluated in two orders differs by at most 2·n·u·Σ|terms|.
+// Between the embedding and a logprob lie about 12 such sums (per layer q/k/v, attention's
+// weighted values, o, gate/up, down; the head; the logsumexp), the longest over n = 128, with
+// Σ|terms| ≲ 4: in the worst case 12 · 2 · 128 · 2^-24 · 4 ≈ 7e-4 on a logit, and a logprob
+// z_t − lse moves by at most twice that: bound 2e-3 on every token. Rounding errors are not
+// aligned in practice: as independent ±u terms they grow as sqrt(12 · 128) · 2^-24 · 4 ≈ 1e-5 on
+// a logit, 2e-5 on a logprob, which bounds the mean over tokens.
+//
+// bf16, u = 2^-8. Where the fp32 values before a rounding to bf16 differ at all, the two roundings
+// may land one bf16 ulp apart: 2^-8 relative per rounded op, about 20 of them before a logit,
+// 20 · 2^-8 ≈ 0.08 relative on logits of O(1–3) and, doubled for z_t − lse, 0.5 on a logprob in
+// the worst case. A rounding lands apart with probability δ/2^-8 for an fp32 disagreement δ (the
+// float32 case's ~1e-6), so most tokens agree as closely as in float32; but a rare early flip
+// shifts every later token through the KV cache: the mean over tokens is bound by one flip's
+// size on an O(1) logprob, 2^-8 ≈ 4e-3, so 5e-3.
+//
+// The control scores each sampled token in the wrong context (Forward's logprob one position
+// later): the same bounds must reject it.
+struct Precision {
+  ComputeDType dtype;
+  double max_bound, mean_bound;
+};
+
+class SamplingPrecisionTest : public SamplingTest, public ::testing::WithParamInterface<Precision> {
+ protected:
+  void SetUp() override {
+    dir_ = std::make_unique<TempDir>();
+    runner_ = MakeRunner(WriteModel(*dir_, TinyConfig("llama"), 5), GetParam().dtype);
+    ASSERT_NE(runner_, nullptr);
+    ASSERT_NO_FATAL_FAILURE(TrainedLora(4, 9, 3, &model_, &policy_));
+  }
+
+  // Forward's logprob of each token of `sequence` after the first, as a client gets it.
+  std::vector<double> ForwardLogprobs(const std::vector<int64_t>& sequence) const {
+    Datum d;
+    d.tokens.assign(sequence.begin(), sequence.end() - 1);
+    d.loss_fn_inputs["target_tokens"] = TensorData::Int64({sequence.begin() + 1, sequence.end()});
+    d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
+    auto fwd = runner_->Forward(model_, {d}, "cross_entropy", {});
+    EXPECT_TRUE(fwd.ok()) << fwd.status().message();
+    if (!fwd.ok()) return {};
+    return {fwd->outputs[0].logprobs.begin(), fwd->outputs[0].logprobs.end()};
+  }
+};
+
+TEST_P(SamplingPrecisionTest, SampledLogprobsEqualForwardsWithinTheDerivedBound) {
+  const Precision c = GetParam();
+  SampleRequest r = Request(7, 16, 4);
+  r.prompt_logprobs = true;
+  const SampleResult result = Run({r})[0];
+  ASSERT_EQ(result.sequences.size(), 4u);
+  const size_t P = kPrompt.size();
+  std::vector<double> apart, shifted;
+  for (const SampledSequence& s : result.sequences) {
+    ASSERT_EQ(s.tokens.size(), 16u);
+    const std::vector<double> f = ForwardLogprobs(Concat(kPrompt, s.tokens));
+    ASSERT_EQ(f.size(), P - 1 + s.tokens.size());
+    for (size_t t = 0; t < s.tokens.size(); ++t) {
+      apart.push_back(std::abs(s.logprobs[t] - f[P - 1 + t]));
+      if (P + t < f.size()) shifted.push_back(std::abs(s.logprobs[t] - f[P + t]));
+    }
+  }
+  // compute_logprobs' path: the prompt's own logprobs, position 0 having none.
+  const std::vector<double> f = ForwardLogprobs(kPrompt);
+  ASSERT_EQ(result.prompt_logprobs.size(), P);
+  for (size_t t = 1; t < P; ++t) apart.push_back(std::abs(result.prompt_logprobs[t] - f[t - 1]));
+
+  auto mean = [](const std::vector<double>& v) {
+    return std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  };
+  const double worst = *std::max_element(apart.begin(), apart.end());
+  EXPECT_LE(worst, c.max_bound);
+  EXPECT_LE(mean(apart), c.mean_bound);
+  EXPECT_GT(mean(shifted), c.mean_bound) << "tokens scored in the wrong context must be rejected";
+  std::printf("[ precision ] %s: logprobs apart by %.3g at most, %.3g on average (%zu tokens)\n",
+              ComputeDTypeName(c.dtype), worst, mean(apart), apart.size());
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, SamplingPrecisionTest,
+                         ::testing::Values(Precision{ComputeDType::kFloat32, 2e-3, 2e-5},
+                                           Precision{ComputeDType::kBFloat16, 0.5, 5e-3}),
+                         [](const auto& info) {
+                           return std::string(ComputeDTypeName(info.param.dtype));
+                         });
+
 TEST(SampleValidation, EachBadFieldIsNamed) {
   const ModelLimits model{128, 64};
   const SampleLimits limits;
