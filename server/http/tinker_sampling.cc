@@ -38,19 +38,25 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
         Json{{"type", "create_sampling_session"}, {"sampling_session_id", sampler_id}});
   };
   const std::string key = absl::StrCat(tenant, "\n", session_id, ":", seq);
+  std::string resent;  // the sampler of an earlier call that still samples
   {
     absl::MutexLock lock(&mu_);
     SamplingSession& s = sampling_sessions_[key];
     if (!s.sampler_id.empty()) {
       // A resend. Its sampler may have been evicted since (LRU, idle): then it is made again,
       // as the first call made it, rather than answered with an id that no longer samples.
-      if (sampling_->GetSampler(tenant, s.sampler_id).ok()) return respond(answer(s.sampler_id));
-      s.sampler_id.clear();
+      if (sampling_->GetSampler(tenant, s.sampler_id).ok()) {
+        resent = s.sampler_id;
+      } else {
+        s.sampler_id.clear();
+      }
     } else if (!s.waiting.empty()) {
       return s.waiting.push_back(std::move(respond));  // a resend while it is made
     }
-    s.waiting.push_back(std::move(respond));
+    if (resent.empty()) s.waiting.push_back(std::move(respond));
   }
+  // Answered outside mu_: a response runs the metrics and the connection's write.
+  if (!resent.empty()) return respond(answer(resent));
   v1::CreateSamplerRequest req;
   if (model_path) req.set_path(*model_path);
   sampling_->CreateSampler(
