@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 
-stage() { echo; echo "== [test.sh] $*"; }
+stage() { echo; echo "== [test.sh] $* (at ${SECONDS} s)"; }
 
 stage "1/3 default build: all suites"
 cmake --preset default >/dev/null
@@ -27,3 +27,4 @@ stage "3/3 fuzzers (${TINKERD_FUZZ_SECONDS:-60} s each)"
 cmake --preset fuzz -DTINKERD_FUZZ_SECONDS="${TINKERD_FUZZ_SECONDS:-60}" >/dev/null
 cmake --build --preset fuzz
 ctest --preset fuzz
+echo "== [test.sh] all stages passed in ${SECONDS} s"
