@@ -1,5 +1,6 @@
 #include "server/ops.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 
@@ -205,6 +206,40 @@ absl::Status Ops::DeleteCheckpoint(const std::string& tenant, const std::string&
   if (!path.ok()) return path.status();
   return HidePaths(tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(tenant))), TenantRoot(tenant),
                    checkpoint_root_);
+}
+
+absl::StatusOr<std::vector<CheckpointFile>> Ops::CheckpointFiles(const std::string& tenant,
+                                                                 const std::string& uri) {
+  auto path = ParseCheckpointPath(uri);
+  if (!path.ok()) return path.status();
+  const std::string tenant_root = TenantRoot(tenant);
+  auto dir = ResolveCheckpoint(path->Fs(tenant_root));
+  if (!dir.ok()) return HidePaths(dir.status(), tenant_root, checkpoint_root_);
+  namespace fs = std::filesystem;
+  std::vector<CheckpointFile> out;
+  std::error_code ec;
+  // Symbolic links are not followed: a checkpoint's archive holds its own files only.
+  for (auto it = fs::recursive_directory_iterator(*dir, ec); !ec && it != fs::end(it);
+       it.increment(ec)) {
+    if (!it->is_regular_file(ec) || ec) continue;
+    CheckpointFile f;
+    f.name = fs::relative(it->path(), *dir, ec).string();
+    f.path = it->path().string();
+    f.size = it->file_size(ec);
+    const auto written = it->last_write_time(ec);
+    if (ec) break;
+    f.mtime = absl::FromChrono(std::chrono::time_point_cast<std::chrono::system_clock::duration>(
+        std::chrono::file_clock::to_sys(written)));
+    out.push_back(std::move(f));
+  }
+  if (ec) {
+    return HidePaths(absl::UnavailableError(absl::StrCat(
+                         "checkpoint ", uri, ": cannot list its files: ", ec.message())),
+                     tenant_root, checkpoint_root_);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const CheckpointFile& a, const CheckpointFile& b) { return a.name < b.name; });
+  return out;
 }
 
 absl::StatusOr<v1::RetrieveResultResponse> Ops::RetrieveResult(const std::string& tenant,

@@ -36,6 +36,14 @@ struct CheckpointEntry {
   int64_t size_bytes = 0;
 };
 
+// A file of a checkpoint, for its archive.
+struct CheckpointFile {
+  std::string name;  // relative to the checkpoint's folder
+  std::string path;  // on disk
+  uint64_t size = 0;
+  absl::Time mtime;
+};
+
 class Ops {
  public:
   Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
@@ -57,6 +65,9 @@ class Ops {
   absl::StatusOr<std::vector<CheckpointEntry>> Checkpoints(const std::string& tenant,
                                                            const std::string& model_id);
   absl::Status DeleteCheckpoint(const std::string& tenant, const std::string& path);
+  // The regular files of a checkpoint of this tenant (tinker://model/kind/name), sorted by name.
+  absl::StatusOr<std::vector<CheckpointFile>> CheckpointFiles(const std::string& tenant,
+                                                              const std::string& path);
   absl::StatusOr<v1::RetrieveResultResponse> RetrieveResult(const std::string& tenant,
                                                             const std::string& model_id,
                                                             int64_t seq_id);

@@ -14,6 +14,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "runner/util/log.h"
+#include "server/http/tar_body.h"
 
 namespace tinkerd::http {
 
@@ -133,6 +134,8 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
         absl::StripAsciiWhitespace(absl::string_view(encoding.data(), encoding.size())));
     if (req.content_encoding == "identity") req.content_encoding.clear();
     req.api_key = std::string(msg["X-API-Key"]);
+    req.host = std::string(msg[bhttp::field::host]);
+    req.tls = !std::is_same_v<Stream, beast::tcp_stream>;
     req.body = std::move(msg.body());
     auto once = std::make_shared<std::atomic<bool>>(false);
     Respond respond = [self = this->shared_from_this(), once](Response r) {
@@ -155,6 +158,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   }
 
   void Write(Response r) {
+    if (!r.tar.empty()) return WriteTar(std::move(r));
     response_ = {};
     response_.version(version_);
     response_.result(static_cast<unsigned>(r.status));
@@ -167,6 +171,30 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
     bhttp::async_write(stream_, response_,
                        beast::bind_front_handler(&Connection::OnWrite, this->shared_from_this()));
+  }
+
+  void WriteTar(Response r) {
+    tar_response_.emplace();
+    auto& m = *tar_response_;
+    m.version(version_);
+    m.result(static_cast<unsigned>(r.status));
+    m.set(bhttp::field::server, "tinkerd");
+    m.set(bhttp::field::content_type, r.content_type);
+    for (auto& [k, v] : r.headers) m.set(k, v);
+    m.body() = std::move(r.tar);
+    m.keep_alive(keep_alive_ && !server_->stopped.load());
+    m.prepare_payload();
+    // The idle timeout, plus a second for each MiB: a large archive is not cut for its size,
+    // and a reader that stalls is still dropped.
+    const uint64_t mib = TarSize(m.body()) >> 20;
+    Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout) +
+                           std::chrono::seconds(mib));
+    bhttp::async_write(stream_, m, [self = this->shared_from_this()](beast::error_code ec, size_t) {
+      const bool keep = !ec && self->tar_response_->keep_alive();
+      self->tar_response_.reset();
+      if (!keep) return self->Close();
+      self->Read();
+    });
   }
 
   void OnWrite(beast::error_code ec, size_t) {
@@ -188,6 +216,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   bhttp::response<bhttp::string_body> response_;
+  std::optional<bhttp::response<TarBody>> tar_response_;
   bool keep_alive_ = true;
   unsigned version_ = 11;
 };

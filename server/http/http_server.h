@@ -22,7 +22,17 @@ struct Request {
   std::string content_type;      // without parameters, lower case
   std::string content_encoding;  // empty for identity
   std::string api_key;           // X-API-Key
+  std::string host;              // the Host header, as the client addressed the server
+  bool tls = false;              // arrived over TLS
   std::string body;
+};
+
+// A file on disk that a response streams as a member of a tar archive (server/http/tar_body.h).
+struct TarMember {
+  std::string name;  // inside the archive, at most 100 bytes
+  std::string path;  // on disk
+  uint64_t size = 0;
+  int64_t mtime = 0;  // seconds since the epoch
 };
 
 struct Response {
@@ -30,6 +40,8 @@ struct Response {
   std::string content_type = "application/json";
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;
+  // When set, the body is a ustar archive of these files, streamed from disk (`body` unused).
+  std::vector<TarMember> tar = {};
 };
 
 // Answers its request; the first call counts, later ones are ignored. Callable from any thread.

@@ -131,13 +131,15 @@ void TinkerApi::Handle(Request req, Respond respond) {
   const bool finish_session =
       absl::StartsWith(endpoint, "sessions/") && absl::EndsWith(endpoint, "/finish");
   const bool runs = endpoint == "training_runs" || absl::StartsWith(endpoint, "training_runs/");
+  const bool archive = absl::StartsWith(endpoint, "archives/");
   const bool known = kPost.count(endpoint) || endpoint == "forward_backward" || runs ||
                      endpoint == "healthz" || endpoint == "get_server_capabilities" ||
-                     finish_session || absl::StartsWith(endpoint, "samplers/");
+                     finish_session || absl::StartsWith(endpoint, "samplers/") || archive;
   // Counted by route: never a client's text (an unknown path, an id inside a path) as a label.
   std::string route = known ? endpoint : "unknown";
   if (finish_session) route = "sessions/finish";
   if (absl::StartsWith(endpoint, "samplers/")) route = "samplers";
+  if (archive) route = "archives";
   if (runs) {
     route = absl::StrContains(endpoint, "/checkpoints") ? "training_runs/checkpoints"
             : endpoint == "training_runs"               ? "training_runs"
@@ -153,6 +155,11 @@ void TinkerApi::Handle(Request req, Respond respond) {
     return respond(Error(404, absl::StrCat("no endpoint ", Echo(req.method), " ", Echo(req.path))));
   }
   if (endpoint == "healthz") return respond(JsonResponse(Json{{"status", "ok"}}));
+  // An archive URL is its own credential: whoever holds it downloads without a key, as with a
+  // signed URL.
+  if (archive) {
+    return Archive(req.method, endpoint.substr(sizeof("archives/") - 1), std::move(respond));
+  }
 
   auto tenant =
       keys_.enabled() ? keys_.TenantOf(req.api_key) : absl::StatusOr<std::string>("default");
@@ -165,7 +172,7 @@ void TinkerApi::Handle(Request req, Respond respond) {
                                            "' is not supported; send the body uncompressed")));
   }
 
-  if (runs) return TrainingRuns(*tenant, req.method, endpoint, std::move(respond));
+  if (runs) return TrainingRuns(*tenant, req, endpoint, std::move(respond));
   const bool get = endpoint == "get_server_capabilities" || absl::StartsWith(endpoint, "samplers/");
   if (req.method != (get ? "GET" : "POST")) {
     return respond(Error(405, absl::StrCat(endpoint, ": use ", get ? "GET" : "POST")));
@@ -638,10 +645,6 @@ void TinkerApi::WeightsInfo(const std::string& tenant, const Json& body, Respond
 
 namespace {
 
-std::string IsoTime(absl::Time t) {
-  return absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", t, absl::UTCTimeZone());
-}
-
 Json CheckpointJson(const CheckpointEntry& c) {
   // checkpoint_id is what follows the model id in the path: "weights/<name>".
   const std::string id = c.path.substr(c.path.find('/', sizeof("tinker://") - 1) + 1);
@@ -676,10 +679,18 @@ absl::StatusOr<Json> TinkerApi::TrainingRun(const std::string& tenant,
   return run;
 }
 
-void TinkerApi::TrainingRuns(const std::string& tenant, const std::string& method,
+void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
                              const std::string& endpoint, Respond respond) {
+  const std::string& method = req.method;
   const std::vector<std::string> parts = absl::StrSplit(endpoint, '/');
-  // parts: training_runs [id [checkpoints [kind name]]]
+  // parts: training_runs [id [checkpoints [kind name [archive]]]]
+  if (parts.size() == 6 && parts[2] == "checkpoints" && parts[5] == "archive") {
+    if (method != "GET") return respond(Error(405, absl::StrCat(endpoint, ": use GET")));
+    return ArchiveUrl(
+        tenant, req,
+        absl::StrCat("tinker://", Resolve(tenant, parts[1]), "/", parts[3], "/", parts[4]),
+        std::move(respond));
+  }
   const bool del = parts.size() == 5 && parts[2] == "checkpoints";
   const bool get = parts.size() <= 3 && (parts.size() < 3 || parts[2] == "checkpoints");
   if (!del && !get) return respond(Error(404, absl::StrCat("no endpoint ", Echo(endpoint))));

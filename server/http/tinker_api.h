@@ -26,6 +26,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/auth.h"
 #include "server/http/futures.h"
 #include "server/http/http_server.h"
@@ -96,8 +97,14 @@ class TinkerApi {
   // The RestClient's views of models ("training runs") and their checkpoints:
   // GET training_runs, GET training_runs/{id}, GET training_runs/{id}/checkpoints,
   // DELETE training_runs/{id}/checkpoints/{weights|sampler_weights}/{name}.
-  void TrainingRuns(const std::string& tenant, const std::string& method,
-                    const std::string& endpoint, Respond respond);
+  // GET training_runs/{id}/checkpoints/{kind}/{name}/archive answers a URL (ArchiveUrl).
+  void TrainingRuns(const std::string& tenant, const Request& req, const std::string& endpoint,
+                    Respond respond);
+  // A checkpoint's download URL, {"url", "expires"}: GET archives/{token} on this server, valid
+  // for kArchiveUrlTtl, answers the checkpoint's files as a tar archive streamed from disk.
+  void ArchiveUrl(const std::string& tenant, const Request& req, const std::string& uri,
+                  Respond respond);
+  void Archive(const std::string& method, const std::string& token, Respond respond);
   // A training run's JSON, or NOT_FOUND.
   absl::StatusOr<Json> TrainingRun(const std::string& tenant, const std::string& model_id);
   // Tinker's protobuf ForwardBackwardRequest (forward_only selects forward).
@@ -151,6 +158,13 @@ class TinkerApi {
   // The running samples' cancel flags, by tenant \n request_id: set by cancel_future, read by the
   // engine after each step (through the request's progress callback).
   std::map<std::string, std::shared_ptr<std::atomic<bool>>> cancels_ ABSL_GUARDED_BY(mu_);
+  // Archive URLs given out, by token; the latest kMaxArchiveGrants, so expired ones answer 410.
+  struct ArchiveGrant {
+    std::string tenant, uri;
+    absl::Time expires;
+  };
+  std::map<std::string, ArchiveGrant> archives_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> archive_order_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tinkerd::http

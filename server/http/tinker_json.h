@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/time.h"
 #include "server/http/http_server.h"
 #include "server/http/json_fields.h"
 #include "server/status_map.h"
@@ -31,6 +32,11 @@ inline Response Error(int status, const std::string& detail) {
 
 inline Response Error(const absl::Status& st) {
   return Error(HttpStatus(st.code()), std::string(st.message()));
+}
+
+// RFC 3339 in UTC with milliseconds, as Tinker's JSON carries times.
+inline std::string IsoTime(absl::Time t) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", t, absl::UTCTimeZone());
 }
 
 // 64 random bits in hex: ids of sessions and of requests without a retry key.

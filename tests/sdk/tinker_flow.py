@@ -5,6 +5,7 @@ Runs against a live server (tests/sdk/run_sdk_test.sh starts one). Environment:
   TINKER_BASE_URL        http://127.0.0.1:PORT of `tinkerd --http_listen`
   TINKER_API_KEY         a key of tenant A ("alice")
   TINKERD_OTHER_API_KEY  a key of another tenant B ("bob"), for the isolation checks
+  TINKERD_CHECKPOINT_ROOT the server's --checkpoint_root, to compare downloaded archives with
   TINKER_TELEMETRY=0     recommended (the SDK's telemetry is not under test here)
 Optional:
   TINKER_FLOW_ONLY=a,b,h run only these checks (and what they depend on is then missing: they skip)
@@ -20,6 +21,8 @@ accepts both. Exit status 0 when every check passed, 1 otherwise.
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import importlib.metadata
 import json
 import math
@@ -509,6 +512,60 @@ def check_f() -> None:
     S.sampler_path = r.path  # type: ignore[attr-defined]
 
 
+def check_r() -> None:
+    """RestClient.get_checkpoint_archive_url: a URL on this server that downloads, without a key,
+    the checkpoint's files as a tar archive, byte for byte what the server stored."""
+    import io
+    import tarfile
+    rest = S.svc.create_rest_client()
+    root = os.environ.get("TINKERD_CHECKPOINT_ROOT", "")
+    for checkpoint_id, must_have in (("sampler_weights/sampler-1", "adapter_model.safetensors"),
+                                     ("weights/ck1", "manifest.json")):
+        what = f"archive of {checkpoint_id}"
+        if hasattr(rest, "get_checkpoint_archive_url"):
+            got = _res(rest.get_checkpoint_archive_url(S.model_id, checkpoint_id))
+        else:  # SDK 0.38 dropped the call; the endpoint stays for the scripts of older ones
+            body = json_of(http(
+                "GET", f"/api/v1/training_runs/{S.model_id}/checkpoints/{checkpoint_id}/archive"),
+                what)
+            got = argparse.Namespace(url=body["url"],
+                                     expires=datetime.datetime.fromisoformat(body["expires"]))
+        ok(got.url.startswith(BASE_URL + "/api/v1/archives/"), f"{what}: URL on this server ({got.url})")
+        left = (got.expires - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+        ok(600 < left <= 900, f"{what}: expires in {left:.0f} s (15 minutes)")
+        with httpx.Client(timeout=60) as c:
+            r = c.get(got.url)  # no X-API-Key: the URL is the credential
+        ok(r.status_code == 200, f"{what}: download HTTP {r.status_code} ({r.text[:200]!r})")
+        ok(r.headers.get("content-type") == "application/x-tar", f"{what}: Content-Type application/x-tar")
+        ok(int(r.headers.get("content-length", -1)) == len(r.content),
+           f"{what}: {len(r.content)} bytes, as Content-Length says")
+        with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+        ok(must_have in members, f"{what}: holds {must_have} (members {sorted(members)})")
+        if root:
+            # The checkpoint's folder on disk: the one holding every member, byte for byte.
+            kind, name = checkpoint_id.split("/")
+            found = False
+            for folder, _, files in os.walk(os.path.join(root)):
+                if f"/{kind}/" not in folder + "/" or name not in folder or must_have not in files:
+                    continue
+                same = all(open(os.path.join(folder, n), "rb").read() == data
+                           for n, data in members.items() if "/" not in n)
+                found = found or same
+            ok(found, f"{what}: the members equal the stored files byte for byte")
+        note(f"{what}: {len(members)} files, {len(r.content)} bytes")
+    # The URL is a credential for one checkpoint: a changed token, another tenant, a bad path.
+    with httpx.Client(timeout=60) as c:
+        expect_error(c.get(got.url[:-1] + ("0" if got.url[-1] != "0" else "1")), 404,
+                     "a token that was never given", need_detail=True)
+    expect_error(http("GET", f"/api/v1/training_runs/{S.model_id}/checkpoints/weights/ck1/archive",
+                      key=OTHER_API_KEY), 404, "bob asks for alice's archive", need_detail=True)
+    expect_error(http("GET", f"/api/v1/training_runs/{S.model_id}/checkpoints/weights/nope/archive"),
+                 404, "an archive of a checkpoint that does not exist", need_detail=True)
+    expect_error(http("GET", f"/api/v1/training_runs/{S.model_id}/checkpoints/weights/..%2f..%2fx/archive"),
+                 (400, 404), "an archive of a path outside the checkpoints", need_detail=True)
+
+
 def sample(sc: Any, prompt: list[int], params: types.SamplingParams, n: int = 1, **kw: Any) -> Any:
     return _res(sc.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=n,
                           sampling_params=params, **kw))
@@ -855,6 +912,7 @@ def main() -> None:
     run_check("d", "1,100+ datums: chunked forward_backward, out-of-order chunks", check_d, needs=("c",))
     run_check("e", "save_state / load_state / load_state_with_optimizer", check_e, needs=("d",))
     run_check("f", "save_weights_for_sampler (named)", check_f, needs=("e",))
+    run_check("r", "RestClient: checkpoint archive URLs and their downloads", check_r, needs=("f",))
     run_check("s", "sampling: sample, compute_logprobs, exports, snapshots, errors", check_s,
               needs=("f",))
     run_check("g", "isolation between tenants", check_g, needs=("e",))

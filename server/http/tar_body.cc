@@ -1,0 +1,134 @@
+#include "server/http/tar_body.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+
+namespace tinkerd::http {
+namespace {
+
+constexpr uint64_t kBlock = 512;
+constexpr size_t kChunk = 1 << 20;
+
+uint64_t Padded(uint64_t n) {
+  return (n + kBlock - 1) / kBlock * kBlock;
+}
+
+// `value` in octal, zero-filled to width − 1 digits and NUL-terminated, at `field`.
+void Octal(char* field, size_t width, uint64_t value) {
+  const std::string digits = absl::StrFormat("%0*o", static_cast<int>(width - 1), value);
+  std::memcpy(field, digits.data(), width - 1);
+  field[width - 1] = '\0';
+}
+
+}  // namespace
+
+std::string TarHeader(const TarMember& m) {
+  std::string h(kBlock, '\0');
+  char* b = h.data();
+  std::memcpy(b, m.name.data(), std::min<size_t>(m.name.size(), 100));
+  Octal(b + 100, 8, 0644);  // mode
+  Octal(b + 108, 8, 0);     // uid
+  Octal(b + 116, 8, 0);     // gid
+  if (m.size < (uint64_t{1} << 33)) {
+    Octal(b + 124, 12, m.size);
+  } else {
+    // Base-256: a leading 0x80, then the size big-endian in the field's remaining bytes.
+    b[124] = static_cast<char>(0x80);
+    for (int i = 0; i < 8; ++i) b[135 - i] = static_cast<char>((m.size >> (8 * i)) & 0xff);
+  }
+  Octal(b + 136, 12, static_cast<uint64_t>(std::max<int64_t>(m.mtime, 0)));
+  b[156] = '0';  // a regular file
+  std::memcpy(b + 257, "ustar", 6);
+  std::memcpy(b + 263, "00", 2);
+  // The checksum: every header byte summed as unsigned, its own field counted as spaces.
+  std::memset(b + 148, ' ', 8);
+  unsigned sum = 0;
+  for (char c : h) sum += static_cast<unsigned char>(c);
+  Octal(b + 148, 7, sum);
+  b[155] = ' ';
+  return h;
+}
+
+uint64_t TarSize(const std::vector<TarMember>& members) {
+  uint64_t n = 2 * kBlock;
+  for (const TarMember& m : members) n += kBlock + Padded(m.size);
+  return n;
+}
+
+TarBody::writer::~writer() {
+  for (int fd : fds_) ::close(fd);
+}
+
+void TarBody::writer::init(boost::beast::error_code& ec) {
+  ec = {};
+  for (const TarMember& m : members_) {
+    const int fd = ::open(m.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      ec.assign(errno, boost::system::generic_category());
+      return;
+    }
+    fds_.push_back(fd);
+  }
+}
+
+boost::optional<std::pair<TarBody::writer::const_buffers_type, bool>> TarBody::writer::get(
+    boost::beast::error_code& ec) {
+  ec = {};
+  auto out = [this](bool more) {
+    return boost::make_optional(
+        std::make_pair(const_buffers_type(chunk_.data(), chunk_.size()), more));
+  };
+  while (true) {
+    switch (part_) {
+      case Part::kHeader:
+        if (member_ == members_.size()) {
+          part_ = Part::kTrailer;
+          continue;
+        }
+        chunk_ = TarHeader(members_[member_]);
+        done_ = 0;
+        part_ = Part::kData;
+        return out(true);
+      case Part::kData: {
+        const uint64_t left = members_[member_].size - done_;
+        if (left == 0) {
+          part_ = Part::kPadding;
+          continue;
+        }
+        chunk_.resize(static_cast<size_t>(std::min<uint64_t>(left, kChunk)));
+        const ssize_t n =
+            ::pread(fds_[member_], chunk_.data(), chunk_.size(), static_cast<off_t>(done_));
+        if (n <= 0) {
+          // Shorter than it was listed: the length sent is a promise that cannot be kept.
+          ec.assign(n < 0 ? errno : EIO, boost::system::generic_category());
+          return boost::none;
+        }
+        chunk_.resize(static_cast<size_t>(n));
+        done_ += static_cast<uint64_t>(n);
+        return out(true);
+      }
+      case Part::kPadding: {
+        const uint64_t pad = Padded(members_[member_].size) - members_[member_].size;
+        ++member_;
+        part_ = Part::kHeader;
+        if (pad == 0) continue;
+        chunk_.assign(static_cast<size_t>(pad), '\0');
+        return out(true);
+      }
+      case Part::kTrailer:
+        chunk_.assign(2 * kBlock, '\0');
+        part_ = Part::kEnd;
+        return out(false);
+      case Part::kEnd:
+        return boost::none;
+    }
+  }
+}
+
+}  // namespace tinkerd::http
