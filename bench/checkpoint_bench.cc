@@ -10,13 +10,13 @@
 #include "absl/flags/parse.h"
 #include "runner/model_runner.h"
 #include "runner/util/log.h"
-#include "runner/util/omp_wait_policy.h"
+#include "runner/util/cpu_environment.h"
 
 ABSL_FLAG(int, rounds, 5, "save/load rounds per configuration");
 ABSL_FLAG(std::string, dir, "", "where to write (default: a fresh temp directory)");
 
 int main(int argc, char** argv) {
-  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
+  tinkerd::PrepareCpuEnvironment(argv);  // first: it may re-execute the program
   absl::ParseCommandLine(argc, argv);
   tinkerd::InitLogging(0, spdlog::level::warn);
   std::string dir = absl::GetFlag(FLAGS_dir);

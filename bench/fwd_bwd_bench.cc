@@ -46,8 +46,8 @@
 #include "runner/model_runner.h"
 #include "runner/runner_config.h"
 #include "runner/types.h"
+#include "runner/util/cpu_environment.h"
 #include "runner/util/log.h"
-#include "runner/util/omp_wait_policy.h"
 #include "runner/util/rng.h"
 
 namespace {
@@ -602,7 +602,7 @@ int Run(const Flags& f) {
       "\"attn_flops_per_step\":%.6e,\"first_loss\":%.8f,\"threads\":%d,"
       "\"micro_batch_tokens\":%lld,\"steps\":%lld,\"warmup_steps\":%lld,"
       "\"peak_rss_mb\":%.1f,\"process_peak_rss_mb\":%.1f,\"peak_device_mb\":%.1f,\"device\":\"%s\","
-      "\"compute_dtype\":\"%s\","
+      "\"compute_dtype\":\"%s\",\"blas_core\":\"%s\","
       "\"activation_checkpointing\":%lld,\"full_finetune\":%lld}\n",
       tokens_per_s, step_med, Median(fb_s), Median(optim_s), mfu, matmul_gflops, achieved_gflops,
       static_cast<long long>(flops.total_params), static_cast<long long>(flops.matmul_params),
@@ -611,7 +611,8 @@ int Run(const Flags& f) {
       at::get_num_threads(), static_cast<long long>(f.micro_batch_tokens),
       static_cast<long long>(f.steps), static_cast<long long>(f.warmup_steps), peak_rss_mb,
       process_peak_rss_mb, peak_device_mb, f.device.c_str(), f.compute_dtype.c_str(),
-      static_cast<long long>(f.activation_checkpointing), static_cast<long long>(f.full_finetune));
+      tinkerd::BlasCore().c_str(), static_cast<long long>(f.activation_checkpointing),
+      static_cast<long long>(f.full_finetune));
   std::fflush(stdout);
   return 0;
 }
@@ -619,7 +620,7 @@ int Run(const Flags& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
+  tinkerd::PrepareCpuEnvironment(argv);  // first: it may re-execute the program
   Flags flags;
   bool help = false;
   if (!ParseFlags(argc, argv, &flags, &help)) return 2;

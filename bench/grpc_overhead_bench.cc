@@ -14,7 +14,7 @@
 #include "client/client.h"
 #include "runner/model_runner.h"
 #include "runner/util/log.h"
-#include "runner/util/omp_wait_policy.h"
+#include "runner/util/cpu_environment.h"
 #include "server/server.h"
 
 ABSL_FLAG(int, steps, 10, "timed steps (after one warm-up step)");
@@ -32,7 +32,7 @@ using tinkerd::bench::Median;
 }  // namespace
 
 int main(int argc, char** argv) {
-  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
+  tinkerd::PrepareCpuEnvironment(argv);  // first: it may re-execute the program
   absl::ParseCommandLine(argc, argv);
   tinkerd::InitLogging(0, spdlog::level::warn);
   const int steps = absl::GetFlag(FLAGS_steps);

@@ -19,7 +19,7 @@
 #include "bench/overhead_util.h"
 #include "runner/model_runner.h"
 #include "runner/util/log.h"
-#include "runner/util/omp_wait_policy.h"
+#include "runner/util/cpu_environment.h"
 #include "server/server.h"
 #include "tinker_public/tinker_public.pb.h"
 
@@ -111,7 +111,7 @@ double Seconds(Clock::time_point t0) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
+  tinkerd::PrepareCpuEnvironment(argv);  // first: it may re-execute the program
   absl::ParseCommandLine(argc, argv);
   tinkerd::InitLogging(0, spdlog::level::warn);
   const int steps = absl::GetFlag(FLAGS_steps);

@@ -11,3 +11,12 @@ run() {
   "$@" 2>&1 | tee "$OUT_DIR/$name.log"
   grep '^{' "$OUT_DIR/$name.log" | tail -n 1 >"$OUT_DIR/$name.json"
 }
+
+# The eager baseline runs on the OpenBLAS kernels the runner ran on (runner/util/cpu_environment.h
+# may have named them): the runner's JSON says which; a value the caller exported is kept.
+same_blas_core() {
+  local core
+  core=$(sed -n 's/.*"blas_core": *"\([^"]*\)".*/\1/p' "$OUT_DIR/runner.json")
+  if [[ -z ${OPENBLAS_CORETYPE:-} && -n $core ]]; then export OPENBLAS_CORETYPE=$core; fi
+  echo "# OpenBLAS kernels: ${OPENBLAS_CORETYPE:-as detected}"
+}

@@ -18,7 +18,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "runner/util/log.h"
-#include "runner/util/omp_wait_policy.h"
+#include "runner/util/cpu_environment.h"
 #include "server/server.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 
@@ -57,7 +57,7 @@ tinkerd::v1::ForwardBackwardRequest Request(const std::string& model, int64_t se
 }  // namespace
 
 int main(int argc, char** argv) {
-  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
+  tinkerd::PrepareCpuEnvironment(argv);  // first: it may re-execute the program
   absl::ParseCommandLine(argc, argv);
   tinkerd::InitLogging(0, spdlog::level::warn);
   const int C = absl::GetFlag(FLAGS_clients), R = absl::GetFlag(FLAGS_requests);

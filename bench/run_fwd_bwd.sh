@@ -49,6 +49,7 @@ echo "# THREADS=$THREADS STEPS=$STEPS WARMUP=$WARMUP MICRO_BATCH_TOKENS=$MICRO_B
 run runner "$BENCH" --out_dir="$OUT_DIR" --num_threads="$THREADS" --steps="$STEPS" \
   --warmup_steps="$WARMUP" --micro_batch_tokens="$MICRO_BATCH_TOKENS" --lora_rank="$LORA_RANK" \
   ${EXTRA[@]+"${EXTRA[@]}"}
+same_blas_core
 for mode in padded packed; do
   run "eager_$mode" "$PYTHON" "$HERE/torch_eager.py" --model_dir="$OUT_DIR/model" \
     --batch="$OUT_DIR/batch.bin" --mode="$mode" --threads="$THREADS" --steps="$STEPS" \

@@ -29,6 +29,7 @@ source "$HERE/lib.sh"
 
 run runner "$BENCH" --out_dir="$OUT_DIR" --num_threads="$THREADS" --batches="$BATCHES" \
   --max_tokens="$MAX_TOKENS" --reps="$REPS" --adapters="$ADAPTERS"
+same_blas_core
 run eager "$PYTHON" "$HERE/torch_eager_decode.py" --out_dir="$OUT_DIR" --threads="$THREADS" \
   --batches="$BATCHES" --max_tokens="$MAX_TOKENS" --reps="$REPS"
 

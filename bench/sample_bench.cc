@@ -33,8 +33,8 @@
 #include "runner/model_runner.h"
 #include "runner/runner_config.h"
 #include "runner/sample/engine.h"
+#include "runner/util/cpu_environment.h"
 #include "runner/util/log.h"
-#include "runner/util/omp_wait_policy.h"
 #include "runner/util/rng.h"
 
 ABSL_FLAG(std::string, out_dir, "/tmp/tinkerd_sample", "where model/ and prompts.json go");
@@ -110,7 +110,7 @@ double Run(tinkerd::SampleEngine& engine, const std::vector<PolicyPtr>& policies
 }  // namespace
 
 int main(int argc, char** argv) {
-  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
+  tinkerd::PrepareCpuEnvironment(argv);  // first: it may re-execute the program
   absl::ParseCommandLine(argc, argv);
   tinkerd::InitLogging(0);
   const int threads = static_cast<int>(absl::GetFlag(FLAGS_num_threads));
@@ -176,8 +176,10 @@ int main(int argc, char** argv) {
   limits.kv_cache_bytes = int64_t{16} << 30;
   tinkerd::SampleEngine engine(limits);
 
-  nlohmann::json result = {
-      {"threads", at::get_num_threads()}, {"prompt_len", prompt_len}, {"max_tokens", max_tokens}};
+  nlohmann::json result = {{"threads", at::get_num_threads()},
+                           {"prompt_len", prompt_len},
+                           {"max_tokens", max_tokens},
+                           {"blas_core", tinkerd::BlasCore()}};
   Run(engine, {*base}, {prompts[0]}, 4);  // warm-up
   std::printf("decode (greedy, prompt %lld, %lld tokens per sample, median of %lld):\n",
               static_cast<long long>(prompt_len), static_cast<long long>(max_tokens),

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-# The same OpenMP wait policy tinkerd runs with (runner/util/omp_wait_policy.h), set before
+# The same OpenMP wait policy tinkerd runs with (runner/util/cpu_environment.h), set before
 # torch loads libgomp, so that the comparison measures the code, not the threads' spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

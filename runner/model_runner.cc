@@ -27,6 +27,7 @@
 #include "runner/model/weights.h"
 #include "runner/sample/policy.h"
 #include "runner/train_step.h"
+#include "runner/util/cpu_environment.h"
 #include "runner/util/echo.h"
 #include "runner/util/exception_status.h"
 #include "runner/util/log.h"
@@ -238,12 +239,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     impl->rope = std::make_shared<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
-    const char* wait_policy = std::getenv("OMP_WAIT_POLICY");  // see util/omp_wait_policy.cc
+    const char* wait_policy = std::getenv("OMP_WAIT_POLICY");  // see util/cpu_environment.h
+    const std::string blas_core = BlasCore();
     TLOG_INFO(
         "runner: {} | {} | memory budget for models {} | intra-op threads {}, "
-        "OMP_WAIT_POLICY={}",
+        "OMP_WAIT_POLICY={}, OpenBLAS kernels {}",
         config.DebugString(), impl->model_config.DebugString(), Bytes(impl->memory_budget),
-        at::get_num_threads(), wait_policy != nullptr ? wait_policy : "(unset)");
+        at::get_num_threads(), wait_policy != nullptr ? wait_policy : "(unset)",
+        blas_core.empty() ? "(not OpenBLAS)" : blas_core);
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
   });
 }

@@ -15,7 +15,7 @@
 #include "runner/dist/c10d_collectives.h"
 #include "runner/dist/dist_config.h"
 #include "runner/util/log.h"
-#include "runner/util/omp_wait_policy.h"
+#include "runner/util/cpu_environment.h"
 #include "server/replicated_runner.h"
 #include "server/server.h"
 
@@ -114,7 +114,7 @@ std::vector<pid_t> SpawnLocalRanks(int nproc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  tinkerd::PreferPassiveOpenMpWaits(argv);  // first: it may re-execute the program
+  tinkerd::PrepareCpuEnvironment(argv);  // first: it may re-execute the program
   absl::SetProgramUsageMessage("tinkerd: a Tinker-style training server over gRPC");
   absl::ParseCommandLine(argc, argv);
   std::vector<pid_t> children;

@@ -1,0 +1,55 @@
+#include "runner/util/cpu_environment.h"
+
+#include <dlfcn.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace tinkerd {
+namespace {
+
+// The best OpenBLAS x86-64 kernels this CPU can run, from its feature flags; "" when unknown.
+const char* CoreForThisCpu() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  if (avx512 && __builtin_cpu_supports("avx512bf16")) return "Cooperlake";
+  if (avx512) return "SkylakeX";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "Haswell";
+  if (__builtin_cpu_supports("avx")) return "Sandybridge";
+#endif
+  return "";
+}
+
+}  // namespace
+
+std::string BlasCore() {
+  // Looked up, not linked: LibTorch brings whichever BLAS the system selected.
+  using CoreName = char* (*)();
+  auto name = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  const char* core = name != nullptr ? name() : nullptr;
+  return core != nullptr ? core : "";
+}
+
+void PrepareCpuEnvironment(char** argv) {
+  bool changed = false;
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    changed |= setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0) == 0;
+  }
+  const char* better = CoreForThisCpu();
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr && *better != '\0' &&
+      strcasecmp(BlasCore().c_str(), "Prescott") == 0) {
+    changed |= setenv("OPENBLAS_CORETYPE", better, /*overwrite=*/0) == 0;
+  }
+  if (!changed) return;
+  execv("/proc/self/exe", argv);
+  std::fprintf(stderr, "could not re-execute with OMP_WAIT_POLICY and OPENBLAS_CORETYPE set (%s)\n",
+               std::strerror(errno));
+}
+
+}  // namespace tinkerd

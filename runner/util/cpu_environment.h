@@ -1,0 +1,28 @@
+// Two settings that the CPU libraries read once, while they are loaded, before main: so this sets
+// them and re-executes the program (/proc/self/exe, same argv and pid, the new environment).
+//
+// OMP_WAIT_POLICY=PASSIVE, unless the operator chose a policy: LibTorch's OpenMP workers spin for
+// a while after each parallel region, and tinkerd runs training, sampling and its front ends on
+// threads of their own, and OpenBLAS keeps a pool of its own, so a spinning worker holds the core
+// the next op needs. On the 2-core CI machine spinning made a prefill 4x slower (bench/RESULTS.md,
+// stop 22).
+//
+// OPENBLAS_CORETYPE, unless the operator set it, only when OpenBLAS chose its generic Prescott
+// (SSE3) kernels on a CPU with AVX: it does so on virtual machines whose CPU model it does not
+// know, and runs sgemm about 3x slower there (bench/RESULTS.md, stop 24). The core is named from
+// the CPU's own feature flags: Cooperlake (AVX-512 BF16), SkylakeX (AVX-512), Haswell (AVX2 and
+// FMA), Sandybridge (AVX).
+#pragma once
+
+#include <string>
+
+namespace tinkerd {
+
+// Call first in main, before any thread starts. Returns when nothing needs to change; should the
+// re-exec fail, it says so on stderr and returns: the program runs on as it is.
+void PrepareCpuEnvironment(char** argv);
+
+// The OpenBLAS kernels in use ("Cooperlake", "Prescott", ...), or "" when the BLAS is not OpenBLAS.
+std::string BlasCore();
+
+}  // namespace tinkerd
