@@ -5,8 +5,9 @@
 //   p ← p − lr/(1 − β1ᵗ) · m / (sqrt(v)/sqrt(1 − β2ᵗ) + eps)
 // Each line is one multi-tensor (_foreach) op over every parameter: on a GPU, a handful of
 // kernel launches a step instead of about ten per parameter (torch.optim.AdamW's default
-// implementation on CUDA is the same). On the CPU the ops loop over the tensors, elementwise as
-// the per-tensor ops would, so a parameter's update does not depend on which others share the call.
+// implementation on CUDA is the same). On the CPU the ops loop over the tensors, bitwise as the
+// per-tensor ops, so a parameter's update does not depend on which others share the call; on CUDA
+// the multi-tensor division may round in the last bit otherwise than a per-tensor one.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -218,19 +218,13 @@ absl::StatusOr<std::vector<CheckpointFile>> Ops::CheckpointFiles(const std::stri
   namespace fs = std::filesystem;
   std::vector<CheckpointFile> out;
   std::error_code ec;
-  // Symbolic links are not followed: a checkpoint's archive holds its own files only.
+  // Symbolic links are skipped, not followed: a checkpoint's archive holds its own files only.
   for (auto it = fs::recursive_directory_iterator(*dir, ec); !ec && it != fs::end(it);
        it.increment(ec)) {
-    if (!it->is_regular_file(ec) || ec) continue;
-    CheckpointFile f;
-    f.name = fs::relative(it->path(), *dir, ec).string();
-    f.path = it->path().string();
-    f.size = it->file_size(ec);
-    const auto written = it->last_write_time(ec);
-    if (ec) break;
-    f.mtime = absl::FromChrono(std::chrono::time_point_cast<std::chrono::system_clock::duration>(
-        std::chrono::file_clock::to_sys(written)));
-    out.push_back(std::move(f));
+    std::error_code stat_ec;
+    const fs::file_status st = it->symlink_status(stat_ec);
+    if (stat_ec || !fs::is_regular_file(st)) continue;
+    out.push_back({it->path().lexically_relative(*dir).string(), it->path().string()});
   }
   if (ec) {
     return HidePaths(absl::UnavailableError(absl::StrCat(

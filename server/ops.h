@@ -40,8 +40,6 @@ struct CheckpointEntry {
 struct CheckpointFile {
   std::string name;  // relative to the checkpoint's folder
   std::string path;  // on disk
-  uint64_t size = 0;
-  absl::Time mtime;
 };
 
 class Ops {
@@ -65,7 +63,8 @@ class Ops {
   absl::StatusOr<std::vector<CheckpointEntry>> Checkpoints(const std::string& tenant,
                                                            const std::string& model_id);
   absl::Status DeleteCheckpoint(const std::string& tenant, const std::string& path);
-  // The regular files of a checkpoint of this tenant (tinker://model/kind/name), sorted by name.
+  // The regular files of a checkpoint of this tenant (tinker://model/kind/name), sorted by name;
+  // symbolic links and what they point at are left out.
   absl::StatusOr<std::vector<CheckpointFile>> CheckpointFiles(const std::string& tenant,
                                                               const std::string& path);
   absl::StatusOr<v1::RetrieveResultResponse> RetrieveResult(const std::string& tenant,

@@ -158,7 +158,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   }
 
   void Write(Response r) {
-    if (!r.tar.empty()) return WriteTar(std::move(r));
+    if (r.tar != nullptr) return WriteTar(std::move(r));
     response_ = {};
     response_.version(version_);
     response_.result(static_cast<unsigned>(r.status));
@@ -184,11 +184,12 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     m.body() = std::move(r.tar);
     m.keep_alive(keep_alive_ && !server_->stopped.load());
     m.prepare_payload();
-    // The idle timeout, plus a second for each MiB: a large archive is not cut for its size,
-    // and a reader that stalls is still dropped.
-    const uint64_t mib = TarSize(m.body()) >> 20;
+    // One deadline for the whole transfer: the idle timeout plus a second per 64 KiB, so a
+    // large archive is not cut for its size on a slow link, and a reader that stalls is still
+    // dropped (the handler caps how many downloads run at once).
+    const uint64_t blocks = TarSize(*m.body()) >> 16;
     Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout) +
-                           std::chrono::seconds(mib));
+                           std::chrono::seconds(blocks));
     bhttp::async_write(stream_, m, [self = this->shared_from_this()](beast::error_code ec, size_t) {
       const bool keep = !ec && self->tar_response_->keep_alive();
       self->tar_response_.reset();

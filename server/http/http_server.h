@@ -27,21 +27,16 @@ struct Request {
   std::string body;
 };
 
-// A file on disk that a response streams as a member of a tar archive (server/http/tar_body.h).
-struct TarMember {
-  std::string name;  // inside the archive, at most 100 bytes
-  std::string path;  // on disk
-  uint64_t size = 0;
-  int64_t mtime = 0;  // seconds since the epoch
-};
+// Files opened for a response to stream as one tar archive (server/http/tar_body.h).
+struct TarArchive;
 
 struct Response {
   int status = 200;
   std::string content_type = "application/json";
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;
-  // When set, the body is a ustar archive of these files, streamed from disk (`body` unused).
-  std::vector<TarMember> tar = {};
+  // When set, the body is this ustar archive, streamed from disk (`body` unused).
+  std::shared_ptr<const TarArchive> tar = nullptr;
 };
 
 // Answers its request; the first call counts, later ones are ignored. Callable from any thread.

@@ -1,19 +1,21 @@
 #include "server/http/tar_body.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace tinkerd::http {
 namespace {
 
 constexpr uint64_t kBlock = 512;
-constexpr size_t kChunk = 1 << 20;
+constexpr size_t kChunk = 256 << 10;
 
 uint64_t Padded(uint64_t n) {
   return (n + kBlock - 1) / kBlock * kBlock;
@@ -28,7 +30,7 @@ void Octal(char* field, size_t width, uint64_t value) {
 
 }  // namespace
 
-std::string TarHeader(const TarMember& m) {
+std::string TarHeader(const TarArchive::Member& m) {
   std::string h(kBlock, '\0');
   char* b = h.data();
   std::memcpy(b, m.name.data(), std::min<size_t>(m.name.size(), 100));
@@ -55,26 +57,36 @@ std::string TarHeader(const TarMember& m) {
   return h;
 }
 
-uint64_t TarSize(const std::vector<TarMember>& members) {
+uint64_t TarSize(const TarArchive& archive) {
   uint64_t n = 2 * kBlock;
-  for (const TarMember& m : members) n += kBlock + Padded(m.size);
+  for (const TarArchive::Member& m : archive.members) n += kBlock + Padded(m.size);
   return n;
 }
 
-TarBody::writer::~writer() {
-  for (int fd : fds_) ::close(fd);
+TarArchive::~TarArchive() {
+  for (const Member& m : members) ::close(m.fd);
+  if (on_close) on_close();
 }
 
-void TarBody::writer::init(boost::beast::error_code& ec) {
-  ec = {};
-  for (const TarMember& m : members_) {
-    const int fd = ::open(m.path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      ec.assign(errno, boost::system::generic_category());
-      return;
+absl::StatusOr<std::shared_ptr<TarArchive>> OpenTarArchive(
+    const std::vector<std::pair<std::string, std::string>>& files) {
+  auto archive = std::make_shared<TarArchive>();
+  for (const auto& [name, path] : files) {
+    if (name.empty() || name.size() > 100) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("archive: '", name, "' does not fit a tar header's 100 bytes"));
     }
-    fds_.push_back(fd);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return absl::NotFoundError(absl::StrCat("archive: ", name, " is gone"));
+    archive->members.push_back({name, fd, 0, 0});
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      return absl::NotFoundError(absl::StrCat("archive: ", name, " is not a regular file"));
+    }
+    archive->members.back().size = static_cast<uint64_t>(st.st_size);
+    archive->members.back().mtime = static_cast<int64_t>(st.st_mtime);
   }
+  return archive;
 }
 
 boost::optional<std::pair<TarBody::writer::const_buffers_type, bool>> TarBody::writer::get(
@@ -87,25 +99,28 @@ boost::optional<std::pair<TarBody::writer::const_buffers_type, bool>> TarBody::w
   while (true) {
     switch (part_) {
       case Part::kHeader:
-        if (member_ == members_.size()) {
+        if (member_ == archive_.members.size()) {
           part_ = Part::kTrailer;
           continue;
         }
-        chunk_ = TarHeader(members_[member_]);
+        chunk_ = TarHeader(archive_.members[member_]);
         done_ = 0;
         part_ = Part::kData;
         return out(true);
       case Part::kData: {
-        const uint64_t left = members_[member_].size - done_;
+        const TarArchive::Member& m = archive_.members[member_];
+        const uint64_t left = m.size - done_;
         if (left == 0) {
           part_ = Part::kPadding;
           continue;
         }
         chunk_.resize(static_cast<size_t>(std::min<uint64_t>(left, kChunk)));
-        const ssize_t n =
-            ::pread(fds_[member_], chunk_.data(), chunk_.size(), static_cast<off_t>(done_));
+        ssize_t n;
+        do {
+          n = ::pread(m.fd, chunk_.data(), chunk_.size(), static_cast<off_t>(done_));
+        } while (n < 0 && errno == EINTR);
         if (n <= 0) {
-          // Shorter than it was listed: the length sent is a promise that cannot be kept.
+          // Shorter than it was when opened: the length sent is a promise that cannot be kept.
           ec.assign(n < 0 ? errno : EIO, boost::system::generic_category());
           return boost::none;
         }
@@ -114,7 +129,8 @@ boost::optional<std::pair<TarBody::writer::const_buffers_type, bool>> TarBody::w
         return out(true);
       }
       case Part::kPadding: {
-        const uint64_t pad = Padded(members_[member_].size) - members_[member_].size;
+        const uint64_t size = archive_.members[member_].size;
+        const uint64_t pad = Padded(size) - size;
         ++member_;
         part_ = Part::kHeader;
         if (pad == 0) continue;

@@ -158,13 +158,17 @@ class TinkerApi {
   // The running samples' cancel flags, by tenant \n request_id: set by cancel_future, read by the
   // engine after each step (through the request's progress callback).
   std::map<std::string, std::shared_ptr<std::atomic<bool>>> cancels_ ABSL_GUARDED_BY(mu_);
-  // Archive URLs given out, by token; the latest kMaxArchiveGrants, so expired ones answer 410.
+  // Archive URLs given out, by token; each tenant's latest, so expired ones answer 410.
   struct ArchiveGrant {
     std::string tenant, uri;
     absl::Time expires;
   };
   std::map<std::string, ArchiveGrant> archives_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> archive_order_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::deque<std::string>> archive_order_ ABSL_GUARDED_BY(mu_);  // by tenant
+  // Archive downloads streaming now. Shared with each archive, whose last reference counts it
+  // out: that may be the HTTP server's, which outlives this API.
+  const std::shared_ptr<std::atomic<int>> archive_downloads_ =
+      std::make_shared<std::atomic<int>>(0);
 };
 
 }  // namespace tinkerd::http

@@ -1,13 +1,16 @@
 // Checkpoint downloads for the Tinker RestClient's get_checkpoint_archive_url: the URL it answers
 // points back at this server, GET archives/{token}, which streams the checkpoint's files as a
-// tar archive. The token (128 random bits) is the credential, as a signed URL is: whoever holds
-// it may download that one checkpoint until it expires, without an API key.
-#include <random>
+// tar archive. The token (128 random bits from the kernel) is the credential, as a signed URL
+// is: whoever holds it may download that one checkpoint until it expires, without an API key.
+#include <sys/random.h>
+
+#include <cstdint>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
-#include "runner/util/echo.h"
+#include "server/http/tar_body.h"
 #include "server/http/tinker_api.h"
 #include "server/http/tinker_json.h"
 
@@ -18,25 +21,36 @@ using Json = TinkerApi::Json;
 
 // As long as the hosted service's URLs live (the SDK assumes 15 minutes when told nothing).
 constexpr absl::Duration kArchiveUrlTtl = absl::Minutes(15);
-constexpr size_t kMaxArchiveGrants = 4096;
+// URLs remembered per tenant (a tenant's oldest goes first), so none can push out another's.
+constexpr size_t kMaxArchiveGrantsPerTenant = 256;
+// Downloads streaming at once: each holds its files open, a connection and a 256 KiB chunk.
+constexpr int kMaxArchiveDownloads = 8;
 constexpr char kApiPrefix[] = "/api/v1/";
 
-std::string Token() {
-  std::random_device entropy;  // the kernel's CSPRNG
-  std::string t;
-  for (int i = 0; i < 4; ++i) t += absl::StrFormat("%08x", entropy());
-  return t;
+absl::StatusOr<std::string> Token() {
+  uint64_t bits[2];
+  if (getrandom(bits, sizeof(bits), 0) != static_cast<ssize_t>(sizeof(bits))) {
+    return absl::UnavailableError("archive: no randomness for a token; retry");
+  }
+  return absl::StrFormat("%016x%016x", bits[0], bits[1]);
 }
 
 // A Host header this server can put in a URL: a name or address and a port, nothing else.
 bool UsableHost(const std::string& host) {
   if (host.empty() || host.size() > 255) return false;
   for (char c : host) {
-    if (!absl::ascii_isalnum(c) && c != '.' && c != '-' && c != ':' && c != '[' && c != ']') {
+    if (!absl::ascii_isalnum(c) && c != '.' && c != '-' && c != '_' && c != ':' && c != '[' &&
+        c != ']') {
       return false;
     }
   }
   return true;
+}
+
+// Bearer-token answers are no one's to keep.
+Response NoStore(Response r) {
+  r.headers.emplace_back("Cache-Control", "no-store");
+  return r;
 }
 
 }  // namespace
@@ -49,22 +63,24 @@ void TinkerApi::ArchiveUrl(const std::string& tenant, const Request& req, const 
   if (!UsableHost(req.host)) {
     return respond(Error(400, "Host: missing or not a host name; the archive URL is made of it"));
   }
-  const std::string token = Token();
+  auto token = Token();
+  if (!token.ok()) return respond(Error(token.status()));
   const absl::Time expires = absl::Now() + kArchiveUrlTtl;
   {
     absl::MutexLock lock(&mu_);
-    archives_[token] = ArchiveGrant{tenant, uri, expires};
-    archive_order_.push_back(token);
-    while (archive_order_.size() > kMaxArchiveGrants) {
-      archives_.erase(archive_order_.front());
-      archive_order_.pop_front();
+    archives_[*token] = ArchiveGrant{tenant, uri, expires};
+    std::deque<std::string>& mine = archive_order_[tenant];
+    mine.push_back(*token);
+    while (mine.size() > kMaxArchiveGrantsPerTenant) {
+      archives_.erase(mine.front());
+      mine.pop_front();
     }
   }
   // The prefix of base_url's path, if any, before /api/v1/.
   const std::string prefix = req.path.substr(0, req.path.find(kApiPrefix));
-  respond(JsonResponse(Json{{"url", absl::StrCat(req.tls ? "https://" : "http://", req.host, prefix,
-                                                 kApiPrefix, "archives/", token)},
-                            {"expires", IsoTime(expires)}}));
+  respond(NoStore(JsonResponse(Json{{"url", absl::StrCat(req.tls ? "https://" : "http://", req.host,
+                                                         prefix, kApiPrefix, "archives/", *token)},
+                                    {"expires", IsoTime(expires)}})));
 }
 
 void TinkerApi::Archive(const std::string& method, const std::string& token, Respond respond) {
@@ -82,20 +98,30 @@ void TinkerApi::Archive(const std::string& method, const std::string& token, Res
   }
   auto files = ops_->CheckpointFiles(grant.tenant, grant.uri);
   if (!files.ok()) return respond(Error(files.status()));
+  if (archive_downloads_->fetch_add(1) >= kMaxArchiveDownloads) {
+    archive_downloads_->fetch_sub(1);
+    Response busy = Error(503, absl::StrCat("archive: ", kMaxArchiveDownloads,
+                                            " downloads are running; retry shortly"));
+    busy.headers.emplace_back("Retry-After", "5");
+    return respond(std::move(busy));
+  }
+  std::vector<std::pair<std::string, std::string>> named;
+  for (const CheckpointFile& f : *files) named.emplace_back(f.name, f.path);
+  auto archive = OpenTarArchive(named);
+  if (!archive.ok()) {
+    archive_downloads_->fetch_sub(1);
+    return respond(Error(archive.status()));
+  }
+  (*archive)->on_close = [downloads = archive_downloads_] { downloads->fetch_sub(1); };
   Response r;
   r.content_type = "application/x-tar";
-  for (const CheckpointFile& f : *files) {
-    if (f.name.size() > 100) {
-      return respond(Error(500, "archive: a file name is longer than tar's 100 bytes"));
-    }
-    r.tar.push_back(TarMember{f.name, f.path, f.size, absl::ToUnixSeconds(f.mtime)});
-  }
+  r.tar = std::move(*archive);
   // tinker://model/kind/name → model-kind-name.tar (the parts are [A-Za-z0-9._:-] only).
   const std::string name =
       absl::StrReplaceAll(grant.uri.substr(sizeof("tinker://") - 1), {{"/", "-"}, {":", "-"}});
   r.headers.emplace_back("Content-Disposition",
                          absl::StrCat("attachment; filename=\"", name, ".tar\""));
-  respond(std::move(r));
+  respond(NoStore(std::move(r)));
 }
 
 }  // namespace tinkerd::http

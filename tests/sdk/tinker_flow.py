@@ -543,16 +543,16 @@ def check_r() -> None:
             members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
         ok(must_have in members, f"{what}: holds {must_have} (members {sorted(members)})")
         if root:
-            # The checkpoint's folder on disk: the one holding every member, byte for byte.
+            # The checkpoint's folder on disk (its name links to the committed version).
+            import glob
             kind, name = checkpoint_id.split("/")
-            found = False
-            for folder, _, files in os.walk(os.path.join(root)):
-                if f"/{kind}/" not in folder + "/" or name not in folder or must_have not in files:
-                    continue
-                same = all(open(os.path.join(folder, n), "rb").read() == data
-                           for n, data in members.items() if "/" not in n)
-                found = found or same
-            ok(found, f"{what}: the members equal the stored files byte for byte")
+            links = glob.glob(os.path.join(root, "*", S.model_id, kind, name))
+            ok(len(links) == 1, f"{what}: one stored checkpoint under the root ({links})")
+            folder = os.path.realpath(links[0])
+            stored = sorted(os.listdir(folder))
+            ok(stored == sorted(members), f"{what}: every stored file is a member ({stored})")
+            ok(all(open(os.path.join(folder, n), "rb").read() == data for n, data in members.items()),
+               f"{what}: the members equal the stored files byte for byte")
         note(f"{what}: {len(members)} files, {len(r.content)} bytes")
     # The URL is a credential for one checkpoint: a changed token, another tenant, a bad path.
     with httpx.Client(timeout=60) as c:
