@@ -2,7 +2,7 @@
 # Installs dependencies, builds tinkerd with its tests, and runs every test suite:
 #   1. the default build (g++): every label (unit, kernels, numerics, e2e, dist);
 #   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (preset asan): unit, kernels and e2e;
-#   3. the libFuzzer targets (preset fuzz, clang): each fuzzer for TINKERD_FUZZ_SECONDS (default 60)
+#   3. the libFuzzer targets (preset fuzz, clang): each fuzzer for TINKERD_FUZZ_SECONDS (default 40)
 #      from the checked-in seed corpus.
 # Usage: scripts/test.sh [ctest args, e.g. -L numerics]. With arguments, only stage 1 runs, with
 # those arguments passed to ctest.
@@ -23,8 +23,8 @@ cmake --preset asan >/dev/null
 cmake --build --preset asan
 ctest --preset asan
 
-stage "3/3 fuzzers (${TINKERD_FUZZ_SECONDS:-60} s each)"
-cmake --preset fuzz -DTINKERD_FUZZ_SECONDS="${TINKERD_FUZZ_SECONDS:-60}" >/dev/null
+stage "3/3 fuzzers (${TINKERD_FUZZ_SECONDS:-40} s each)"
+cmake --preset fuzz -DTINKERD_FUZZ_SECONDS="${TINKERD_FUZZ_SECONDS:-40}" >/dev/null
 cmake --build --preset fuzz
 ctest --preset fuzz
 echo "== [test.sh] all stages passed in ${SECONDS} s"
