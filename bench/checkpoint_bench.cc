@@ -9,8 +9,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "runner/model_runner.h"
-#include "runner/util/log.h"
 #include "runner/util/cpu_environment.h"
+#include "runner/util/log.h"
 
 ABSL_FLAG(int, rounds, 5, "save/load rounds per configuration");
 ABSL_FLAG(std::string, dir, "", "where to write (default: a fresh temp directory)");

@@ -13,8 +13,8 @@
 #include "bench/overhead_util.h"
 #include "client/client.h"
 #include "runner/model_runner.h"
-#include "runner/util/log.h"
 #include "runner/util/cpu_environment.h"
+#include "runner/util/log.h"
 #include "server/server.h"
 
 ABSL_FLAG(int, steps, 10, "timed steps (after one warm-up step)");

@@ -18,8 +18,8 @@
 #include "absl/flags/parse.h"
 #include "bench/overhead_util.h"
 #include "runner/model_runner.h"
-#include "runner/util/log.h"
 #include "runner/util/cpu_environment.h"
+#include "runner/util/log.h"
 #include "server/server.h"
 #include "tinker_public/tinker_public.pb.h"
 

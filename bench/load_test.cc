@@ -17,8 +17,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "runner/util/log.h"
 #include "runner/util/cpu_environment.h"
+#include "runner/util/log.h"
 #include "server/server.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 

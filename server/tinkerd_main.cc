@@ -14,8 +14,8 @@
 #include "absl/flags/usage.h"
 #include "runner/dist/c10d_collectives.h"
 #include "runner/dist/dist_config.h"
-#include "runner/util/log.h"
 #include "runner/util/cpu_environment.h"
+#include "runner/util/log.h"
 #include "server/replicated_runner.h"
 #include "server/server.h"
 

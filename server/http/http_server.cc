@@ -157,16 +157,22 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     }
   }
 
+  // The status line and headers every answer carries; the body is the caller's.
+  template <typename Body>
+  void Head(bhttp::response<Body>& m, Response& r) {
+    m.version(version_);
+    m.result(static_cast<unsigned>(r.status));
+    m.set(bhttp::field::server, "tinkerd");
+    m.set(bhttp::field::content_type, r.content_type);
+    for (auto& [k, v] : r.headers) m.set(k, v);
+    m.keep_alive(keep_alive_ && !server_->stopped.load());
+  }
+
   void Write(Response r) {
     if (r.tar != nullptr) return WriteTar(std::move(r));
     response_ = {};
-    response_.version(version_);
-    response_.result(static_cast<unsigned>(r.status));
-    response_.set(bhttp::field::server, "tinkerd");
-    response_.set(bhttp::field::content_type, r.content_type);
-    for (auto& [k, v] : r.headers) response_.set(k, v);
+    Head(response_, r);
     response_.body() = std::move(r.body);
-    response_.keep_alive(keep_alive_ && !server_->stopped.load());
     response_.prepare_payload();
     Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
     bhttp::async_write(stream_, response_,
@@ -174,15 +180,9 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   }
 
   void WriteTar(Response r) {
-    tar_response_.emplace();
-    auto& m = *tar_response_;
-    m.version(version_);
-    m.result(static_cast<unsigned>(r.status));
-    m.set(bhttp::field::server, "tinkerd");
-    m.set(bhttp::field::content_type, r.content_type);
-    for (auto& [k, v] : r.headers) m.set(k, v);
+    auto& m = tar_response_.emplace();
+    Head(m, r);
     m.body() = std::move(r.tar);
-    m.keep_alive(keep_alive_ && !server_->stopped.load());
     m.prepare_payload();
     // One deadline for the whole transfer: the idle timeout plus a second per 64 KiB, so a
     // large archive is not cut for its size on a slow link, and a reader that stalls is still
