@@ -62,7 +62,9 @@ if a:
           f"({a['mixed_tokens_per_s'] / a['apart_tokens_per_s']:.2f}x); greedy tokens equal "
           f"{a['greedy_equal']}/{a['count']} (unlike the base model's: {a['unlike_base']}/{a['count']})")
 s = r["beside"]
+def of(x, alone):  # alone is 0 where BATCHES left out the beside batch
+    return f"{x / alone:.2f} of alone" if alone > 0 else "alone not measured"
 print(f"beside training (batch {s['batch']}): decode {s['decode_tokens_per_s']:.1f} tokens/s "
-      f"({s['decode_tokens_per_s'] / s['decode_alone_tokens_per_s']:.2f} of alone), training "
-      f"{s['train_tokens_per_s']:.1f} tokens/s ({s['train_tokens_per_s'] / s['train_alone_tokens_per_s']:.2f} of alone)")
+      f"({of(s['decode_tokens_per_s'], s['decode_alone_tokens_per_s'])}), training "
+      f"{s['train_tokens_per_s']:.1f} tokens/s ({of(s['train_tokens_per_s'], s['train_alone_tokens_per_s'])})")
 PY

@@ -93,8 +93,9 @@ at::Tensor TrainerAttention(const DecodeAttentionParams& p) {
 }
 
 TEST(DecodeAttention, MatchesFullSoftmaxAndTheTrainerKernelFloat64) {
-  // d = 8 takes the eight-lane dot product only; d = 13 its remainder too.
-  for (int64_t d : {8, 13}) {
+  // d = 8 takes the sixteen-lane dot product's remainder loop only, d = 16 its lanes only, d = 21
+  // both. Pieces of more than four rows also take the prefetching branch.
+  for (int64_t d : {8, 16, 21}) {
     for (int64_t window : {0, 5, 35}) {
       const DecodeAttentionParams p = MakeCase(d, window, at::kDouble, at::kCPU, 21);
       const at::Tensor out = kernels::DecodeAttention(p);
