@@ -110,8 +110,8 @@ inline A Dot(const A* __restrict q, const T* __restrict k, int64_t d) {
 
 // A task reads one kv head's d elements from each cached row, rows K · d apart: the hardware
 // prefetcher does not run ahead of that stride, and the loop waited on memory for most of its
-// time. Asking for the row kAhead rows on while this one is used took the batch-64 decode from
-// about 780 to 1,130 tokens/s on a 2-vCPU EPYC (sample_bench; 2 rows ahead 976, 8 rows 1,030).
+// time. Asking for the row kAhead rows on took the batch-64 decode (128 tokens) from about 800
+// to 1,130 tokens/s on a 2-vCPU EPYC; 2 rows ahead gave 976, 8 rows 1,030 (bench/RESULTS.md).
 constexpr int64_t kAhead = 4;
 
 template <typename T>
