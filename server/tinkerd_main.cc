@@ -68,6 +68,14 @@ ABSL_FLAG(int, http_future_keep_s, 600, "how long a finished future's result sta
 ABSL_FLAG(int, http_session_idle_s, 0,
           "a Tinker session without a heartbeat for this long ends and its models are deleted "
           "(checkpoints stay); 0: never (the SDK heartbeats every 10 s)");
+ABSL_FLAG(int, http_archive_url_ttl_s, 900,
+          "how long a checkpoint's download URL (get_checkpoint_archive_url) works");
+ABSL_FLAG(int, http_archive_downloads, 8,
+          "checkpoint downloads streaming at once; past them a download answers 503 with "
+          "Retry-After");
+ABSL_FLAG(std::string, http_public_url, "",
+          "this server's URL as clients reach it (say https://tinkerd.example.org behind a proxy "
+          "that ends TLS), the start of checkpoint download URLs; empty: the request's Host");
 ABSL_FLAG(int, sample_max_sequences, 256,
           "samples decoding at once, over all requests; past it Sample answers RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, sample_kv_cache_mb, 2048,
@@ -206,6 +214,9 @@ int main(int argc, char** argv) {
   sc.tinker_http.futures.long_poll = absl::Seconds(absl::GetFlag(FLAGS_http_long_poll_s));
   sc.tinker_http.futures.keep = absl::Seconds(absl::GetFlag(FLAGS_http_future_keep_s));
   sc.tinker_http.session_idle = absl::Seconds(absl::GetFlag(FLAGS_http_session_idle_s));
+  sc.tinker_http.archive.url_ttl = absl::Seconds(absl::GetFlag(FLAGS_http_archive_url_ttl_s));
+  sc.tinker_http.archive.max_downloads = absl::GetFlag(FLAGS_http_archive_downloads);
+  sc.tinker_http.archive.public_url = absl::GetFlag(FLAGS_http_public_url);
   sc.sampling.engine.max_sequences = absl::GetFlag(FLAGS_sample_max_sequences);
   sc.sampling.engine.kv_cache_bytes = int64_t{absl::GetFlag(FLAGS_sample_kv_cache_mb)} << 20;
   sc.sampling.sampler_idle = absl::Seconds(absl::GetFlag(FLAGS_sampler_idle_s));

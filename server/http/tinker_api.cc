@@ -36,16 +36,30 @@ absl::Status TinkerApiConfig::Validate() const {
     return absl::InvalidArgumentError("http: long poll must be in (0, 45) s");
   }
   if (max_body_bytes < 1024) return absl::InvalidArgumentError("http: max body < 1 KiB");
+  if (archive.url_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("http: archive URL lifetime must be > 0");
+  }
+  if (archive.max_downloads < 1) {
+    return absl::InvalidArgumentError("http: archive downloads must be >= 1");
+  }
+  if (!archive.public_url.empty() && !absl::StartsWith(archive.public_url, "http://") &&
+      !absl::StartsWith(archive.public_url, "https://")) {
+    return absl::InvalidArgumentError(
+        "http: public URL must start with http:// or https:// (say, https://tinkerd.example.org)");
+  }
   return absl::OkStatus();
 }
 
 std::string TinkerApiConfig::DebugString() const {
   if (listen.empty()) return "http=off";
   return absl::StrFormat(
-      "http=%s http_threads=%d served_model_name=%s long_poll=%s keep=%s session_idle=%s", listen,
-      threads, served_model_name, absl::FormatDuration(futures.long_poll),
+      "http=%s http_threads=%d served_model_name=%s long_poll=%s keep=%s session_idle=%s "
+      "archive_url_ttl=%s archive_downloads=%d public_url=%s",
+      listen, threads, served_model_name, absl::FormatDuration(futures.long_poll),
       absl::FormatDuration(futures.keep),
-      session_idle > absl::ZeroDuration() ? absl::FormatDuration(session_idle) : "off");
+      session_idle > absl::ZeroDuration() ? absl::FormatDuration(session_idle) : "off",
+      absl::FormatDuration(archive.url_ttl), archive.max_downloads,
+      archive.public_url.empty() ? "(from Host)" : archive.public_url);
 }
 
 TinkerApi::TinkerApi(Ops* ops, Sampling* sampling, ApiKeys keys, TinkerApiConfig config,

@@ -101,7 +101,7 @@ class TinkerApi {
   void TrainingRuns(const std::string& tenant, const Request& req, const std::string& endpoint,
                     Respond respond);
   // A checkpoint's download URL, {"url", "expires"}: GET archives/{token} on this server, valid
-  // for kArchiveUrlTtl, answers the checkpoint's files as a tar archive streamed from disk.
+  // for the configured lifetime (ArchiveConfig), answers the checkpoint's files as a tar archive streamed from disk.
   void ArchiveUrl(const std::string& tenant, const Request& req, const std::string& uri,
                   Respond respond);
   void Archive(const std::string& method, const std::string& token, Respond respond);

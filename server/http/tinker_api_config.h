@@ -15,6 +15,17 @@ struct FuturesConfig {
   size_t max_entries = 100000;  // finished ones are dropped oldest first past this
 };
 
+// Checkpoint downloads (RestClient.get_checkpoint_archive_url).
+struct ArchiveConfig {
+  // How long an archive URL works (the SDK assumes 15 minutes when told nothing).
+  absl::Duration url_ttl = absl::Minutes(15);
+  // Downloads streaming at once: each holds its files open, a connection and a 256 KiB chunk.
+  int max_downloads = 8;
+  // The server's URL as clients reach it, e.g. https://tinkerd.example.org behind a proxy that
+  // ends TLS; archive URLs start with it. Empty: the request's Host and the connection's scheme.
+  std::string public_url;
+};
+
 struct TinkerApiConfig {
   std::string listen;  // host:port; empty: the HTTP API is off
   int threads = 2;
@@ -27,6 +38,7 @@ struct TinkerApiConfig {
   // A session not heartbeating for this long ends, and its models are deleted (their
   // unapplied gradients with them; checkpoints stay). Zero: sessions never expire.
   absl::Duration session_idle = absl::ZeroDuration();
+  ArchiveConfig archive;
 
   absl::Status Validate() const;
   std::string DebugString() const;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
 #include "server/http/tar_body.h"
 #include "server/http/tinker_api.h"
 #include "server/http/tinker_json.h"
@@ -19,12 +20,8 @@ namespace {
 
 using Json = TinkerApi::Json;
 
-// As long as the hosted service's URLs live (the SDK assumes 15 minutes when told nothing).
-constexpr absl::Duration kArchiveUrlTtl = absl::Minutes(15);
 // URLs remembered per tenant (a tenant's oldest goes first), so none can push out another's.
 constexpr size_t kMaxArchiveGrantsPerTenant = 256;
-// Downloads streaming at once: each holds its files open, a connection and a 256 KiB chunk.
-constexpr int kMaxArchiveDownloads = 8;
 constexpr char kApiPrefix[] = "/api/v1/";
 
 absl::StatusOr<std::string> Token() {
@@ -60,12 +57,13 @@ void TinkerApi::ArchiveUrl(const std::string& tenant, const Request& req, const 
   // Checked now, so that a URL is given only for a checkpoint that exists and is this tenant's.
   auto files = ops_->CheckpointFiles(tenant, uri);
   if (!files.ok()) return respond(Error(files.status()));
-  if (!UsableHost(req.host)) {
+  const ArchiveConfig& conf = config_.archive;
+  if (conf.public_url.empty() && !UsableHost(req.host)) {
     return respond(Error(400, "Host: missing or not a host name; the archive URL is made of it"));
   }
   auto token = Token();
   if (!token.ok()) return respond(Error(token.status()));
-  const absl::Time expires = absl::Now() + kArchiveUrlTtl;
+  const absl::Time expires = absl::Now() + conf.url_ttl;
   {
     absl::MutexLock lock(&mu_);
     archives_[*token] = ArchiveGrant{tenant, uri, expires};
@@ -76,10 +74,13 @@ void TinkerApi::ArchiveUrl(const std::string& tenant, const Request& req, const 
       mine.pop_front();
     }
   }
-  // The prefix of base_url's path, if any, before /api/v1/.
-  const std::string prefix = req.path.substr(0, req.path.find(kApiPrefix));
-  respond(NoStore(JsonResponse(Json{{"url", absl::StrCat(req.tls ? "https://" : "http://", req.host,
-                                                         prefix, kApiPrefix, "archives/", *token)},
+  // Without a public URL: the scheme and host this request came by, and the prefix of
+  // base_url's path, if any, before /api/v1/.
+  const std::string base = conf.public_url.empty()
+                               ? absl::StrCat(req.tls ? "https://" : "http://", req.host,
+                                              req.path.substr(0, req.path.find(kApiPrefix)))
+                               : std::string(absl::StripSuffix(conf.public_url, "/"));
+  respond(NoStore(JsonResponse(Json{{"url", absl::StrCat(base, kApiPrefix, "archives/", *token)},
                                     {"expires", IsoTime(expires)}})));
 }
 
@@ -98,9 +99,9 @@ void TinkerApi::Archive(const std::string& method, const std::string& token, Res
   }
   auto files = ops_->CheckpointFiles(grant.tenant, grant.uri);
   if (!files.ok()) return respond(Error(files.status()));
-  if (archive_downloads_->fetch_add(1) >= kMaxArchiveDownloads) {
+  if (archive_downloads_->fetch_add(1) >= config_.archive.max_downloads) {
     archive_downloads_->fetch_sub(1);
-    Response busy = Error(503, absl::StrCat("archive: ", kMaxArchiveDownloads,
+    Response busy = Error(503, absl::StrCat("archive: ", config_.archive.max_downloads,
                                             " downloads are running; retry shortly"));
     busy.headers.emplace_back("Retry-After", "5");
     return respond(std::move(busy));

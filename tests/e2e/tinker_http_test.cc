@@ -46,6 +46,7 @@ class TinkerHttp : public ::testing::Test {
     sc.tinker_http.futures.long_poll = long_poll;
     sc.tinker_http.futures.keep = keep_;
     sc.tinker_http.futures.max_entries = max_futures_;
+    sc.tinker_http.archive = archive_;
     sc.sampling.max_samplers_per_tenant = max_samplers_;
     live_ = std::make_unique<LiveServer>(sc);
     port_ = live_->server->tinker_http_port();
@@ -166,6 +167,7 @@ class TinkerHttp : public ::testing::Test {
   absl::Duration keep_ = absl::Minutes(10);
   size_t max_futures_ = 100000;
   int max_samplers_ = 32;
+  http::ArchiveConfig archive_;
   TempDir keys_dir_;
   std::unique_ptr<LiveServer> live_;
   int port_ = 0;
@@ -501,6 +503,45 @@ TEST_F(TinkerHttp, CheckpointsSaveLoadAndDescribeThemselves) {
   Reply unloaded = Call("unload_model", {{"model_id", copy}});
   EXPECT_EQ(unloaded.json().value("model_id", ""), copy) << unloaded.body;
   EXPECT_FALSE(live_->server->scheduler()->HasModel(copy));
+}
+
+TEST_F(TinkerHttp, AnArchiveUrlStartsWithThePublicUrlAndAnswers410OnceItExpires) {
+  archive_.url_ttl = absl::Seconds(2);
+  archive_.public_url = "https://tinkerd.example.org/team/";
+  Start(absl::Seconds(30));
+  const std::string model = CreateModel();
+  ASSERT_EQ(Call("save_weights", {{"model_id", model}, {"seq_id", 1}, {"path", "ck"}}).status, 200);
+  const std::string endpoint = "/api/v1/training_runs/" + model + "/checkpoints/weights/ck/archive";
+  Reply grant = Send("GET", endpoint, "");
+  ASSERT_EQ(grant.status, 200) << grant.body;
+  // Behind a proxy the URL is the public one (its trailing slash dropped), whatever Host said.
+  const std::string url = grant.json().value("url", "");
+  const std::string prefix = "https://tinkerd.example.org/team/api/v1/archives/";
+  ASSERT_TRUE(absl::StartsWith(url, prefix)) << url;
+  const std::string path = "/api/v1/archives/" + url.substr(prefix.size());
+
+  // Until it expires the URL downloads the archive; then 410 with a body saying so, never 404.
+  // Polled against the clock: the server's check is what is under test, not a sleep's length.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  Reply r;
+  int downloads = 0;
+  while (absl::Now() < deadline) {
+    r = Send("GET", path, "", "", /*key=*/"");
+    if (r.status != 200) break;
+    ++downloads;
+    EXPECT_EQ(r.content_type, "application/x-tar");
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(r.status, 410) << r.body;
+  EXPECT_TRUE(absl::StrContains(r.json().value("detail", r.body), "expired")) << r.body;
+  EXPECT_GT(absl::Now() + absl::Seconds(28), deadline)
+      << "expired early, after " << downloads << " downloads";
+  // A new URL for the same checkpoint works again.
+  Reply again = Send("GET", endpoint, "");
+  ASSERT_EQ(again.status, 200) << again.body;
+  const std::string fresh = again.json().value("url", "");
+  ASSERT_TRUE(absl::StartsWith(fresh, prefix)) << fresh;
+  EXPECT_EQ(Send("GET", "/api/v1/archives/" + fresh.substr(prefix.size()), "", "", "").status, 200);
 }
 
 TEST_F(TinkerHttp, ASessionWithoutHeartbeatsEndsAndItsModelsGoButItsCheckpointsStay) {
