@@ -188,6 +188,20 @@ absl::StatusOr<std::vector<CheckpointEntry>> Ops::Checkpoints(const std::string&
   return out;
 }
 
+std::vector<std::string> Ops::CheckpointedModels(const std::string& tenant) const {
+  std::vector<std::string> ids;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(TenantRoot(tenant), ec)) {
+    const std::string id = e.path().filename().string();
+    // A real folder named as a model id could be: links and stray files are not the tenant's.
+    if (e.is_directory(ec) && !e.is_symlink(ec) && ValidateCheckpointName(id, "model_id").ok()) {
+      ids.push_back(id);
+    }
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
 absl::StatusOr<v1::ListCheckpointsResponse> Ops::ListCheckpoints(const std::string& tenant,
                                                                  const std::string& model_id) {
   auto entries = Checkpoints(tenant, model_id);

@@ -62,6 +62,8 @@ class Ops {
   // The same, with times and sizes: training checkpoints, then sampler ones, each by name.
   absl::StatusOr<std::vector<CheckpointEntry>> Checkpoints(const std::string& tenant,
                                                            const std::string& model_id);
+  // The models `tenant` has checkpoints of, existing or deleted since, by id.
+  std::vector<std::string> CheckpointedModels(const std::string& tenant) const;
   absl::Status DeleteCheckpoint(const std::string& tenant, const std::string& path);
   // The regular files of a checkpoint of this tenant (tinker://model/kind/name), sorted by name;
   // symbolic links and what they point at are left out.

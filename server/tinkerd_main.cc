@@ -65,6 +65,10 @@ ABSL_FLAG(int, http_long_poll_s, 30,
           "how long retrieve_future waits for a result before answering try_again (< 45, the "
           "SDK's timeout)");
 ABSL_FLAG(int, http_future_keep_s, 600, "how long a finished future's result stays retrievable");
+ABSL_FLAG(int64_t, http_peek_bytes, 1 << 20,
+          "a result this large or larger is first announced by its size to a client that allows "
+          "it (retrieve_future's allow_metadata_only), which then fetches it within its budget of "
+          "bytes in flight; 0: results are always sent whole");
 ABSL_FLAG(int, http_session_idle_s, 0,
           "a Tinker session without a heartbeat for this long ends and its models are deleted "
           "(checkpoints stay); 0: never (the SDK heartbeats every 10 s)");
@@ -213,6 +217,7 @@ int main(int argc, char** argv) {
   sc.tinker_http.max_body_bytes = sc.max_message_bytes;
   sc.tinker_http.futures.long_poll = absl::Seconds(absl::GetFlag(FLAGS_http_long_poll_s));
   sc.tinker_http.futures.keep = absl::Seconds(absl::GetFlag(FLAGS_http_future_keep_s));
+  sc.tinker_http.peek_bytes = absl::GetFlag(FLAGS_http_peek_bytes);
   sc.tinker_http.session_idle = absl::Seconds(absl::GetFlag(FLAGS_http_session_idle_s));
   sc.tinker_http.archive.url_ttl = absl::Seconds(absl::GetFlag(FLAGS_http_archive_url_ttl_s));
   sc.tinker_http.archive.max_downloads = absl::GetFlag(FLAGS_http_archive_downloads);

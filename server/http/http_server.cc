@@ -124,7 +124,9 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     Request req;
     req.method = std::string(msg.method_string());
     const auto target = msg.target();
-    req.path = std::string(target.substr(0, target.find('?')));
+    const size_t mark = target.find('?');
+    req.path = std::string(target.substr(0, mark));
+    if (mark != target.npos) req.query = std::string(target.substr(mark + 1));
     const auto type = msg[bhttp::field::content_type];
     const auto encoding = msg[bhttp::field::content_encoding];
     absl::string_view type_view(type.data(), type.size());

@@ -19,6 +19,7 @@ namespace tinkerd::http {
 struct Request {
   std::string method;            // "GET", "POST", ...
   std::string path;              // the target without its query string
+  std::string query;             // what follows '?' in the target, as sent (empty without)
   std::string content_type;      // without parameters, lower case
   std::string content_encoding;  // empty for identity
   std::string api_key;           // X-API-Key

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <random>
 
@@ -36,6 +37,7 @@ absl::Status TinkerApiConfig::Validate() const {
     return absl::InvalidArgumentError("http: long poll must be in (0, 45) s");
   }
   if (max_body_bytes < 1024) return absl::InvalidArgumentError("http: max body < 1 KiB");
+  if (peek_bytes < 0) return absl::InvalidArgumentError("http: peek bytes must be >= 0");
   if (archive.url_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("http: archive URL lifetime must be > 0");
   }
@@ -53,10 +55,10 @@ absl::Status TinkerApiConfig::Validate() const {
 std::string TinkerApiConfig::DebugString() const {
   if (listen.empty()) return "http=off";
   return absl::StrFormat(
-      "http=%s http_threads=%d served_model_name=%s long_poll=%s keep=%s session_idle=%s "
-      "archive_url_ttl=%s archive_downloads=%d public_url=%s",
+      "http=%s http_threads=%d served_model_name=%s long_poll=%s keep=%s peek_bytes=%d "
+      "session_idle=%s archive_url_ttl=%s archive_downloads=%d public_url=%s",
       listen, threads, served_model_name, absl::FormatDuration(futures.long_poll),
-      absl::FormatDuration(futures.keep),
+      absl::FormatDuration(futures.keep), peek_bytes,
       session_idle > absl::ZeroDuration() ? absl::FormatDuration(session_idle) : "off",
       absl::FormatDuration(archive.url_ttl), archive.max_downloads,
       archive.public_url.empty() ? "(from Host)" : archive.public_url);
@@ -79,6 +81,7 @@ void TinkerApi::StartReaper() {
 void TinkerApi::Reap() {
   const absl::Time cutoff = absl::Now() - config_.session_idle;
   std::vector<std::pair<std::string, Session>> ended;
+  std::vector<std::pair<std::string, std::string>> samplers;  // tenant, sampler_id
   {
     absl::MutexLock lock(&mu_);
     for (auto it = sessions_.begin(); it != sessions_.end();) {
@@ -92,7 +95,12 @@ void TinkerApi::Reap() {
         for (auto a = sampling_sessions_.lower_bound(prefix);
              a != sampling_sessions_.end() && absl::StartsWith(a->first, prefix);) {
           // One being made has callers waiting: it goes when it is answered.
-          a = a->second.sampler_id.empty() ? std::next(a) : sampling_sessions_.erase(a);
+          if (a->second.sampler_id.empty()) {
+            ++a;
+            continue;
+          }
+          samplers.emplace_back(it->second.tenant, a->second.sampler_id);
+          a = sampling_sessions_.erase(a);
         }
         ended_.insert(it->second.tenant + '\n' + it->first);
         ended_order_.push_back(it->second.tenant + '\n' + it->first);
@@ -114,6 +122,11 @@ void TinkerApi::Reap() {
       ops_->DeleteModel(session.tenant, model,
                         [](const absl::StatusOr<v1::DeleteModelResponse>&) {});
     }
+  }
+  // Their samplers go too (their memory counts against the tenant's budget); samples already
+  // running finish on the policy they hold.
+  for (const auto& [tenant, sampler] : samplers) {
+    sampling_->DeleteSampler(tenant, sampler).IgnoreError();
   }
   StartReaper();
 }
@@ -144,14 +157,18 @@ void TinkerApi::Handle(Request req, Respond respond) {
   };
   const bool finish_session =
       absl::StartsWith(endpoint, "sessions/") && absl::EndsWith(endpoint, "/finish");
+  const bool sessions =
+      !finish_session && (endpoint == "sessions" || absl::StartsWith(endpoint, "sessions/"));
   const bool runs = endpoint == "training_runs" || absl::StartsWith(endpoint, "training_runs/");
   const bool archive = absl::StartsWith(endpoint, "archives/");
   const bool known = kPost.count(endpoint) || endpoint == "forward_backward" || runs ||
                      endpoint == "healthz" || endpoint == "get_server_capabilities" ||
-                     finish_session || absl::StartsWith(endpoint, "samplers/") || archive;
+                     endpoint == "checkpoints" || finish_session || sessions ||
+                     absl::StartsWith(endpoint, "samplers/") || archive;
   // Counted by route: never a client's text (an unknown path, an id inside a path) as a label.
   std::string route = known ? endpoint : "unknown";
   if (finish_session) route = "sessions/finish";
+  if (sessions) route = endpoint == "sessions" ? "sessions" : "sessions/session";
   if (absl::StartsWith(endpoint, "samplers/")) route = "samplers";
   if (archive) route = "archives";
   if (runs) {
@@ -187,6 +204,11 @@ void TinkerApi::Handle(Request req, Respond respond) {
   }
 
   if (runs) return TrainingRuns(*tenant, req, endpoint, std::move(respond));
+  if (sessions || endpoint == "checkpoints") {
+    if (req.method != "GET") return respond(Error(405, absl::StrCat(endpoint, ": use GET")));
+    if (sessions) return Sessions(*tenant, req, endpoint, std::move(respond));
+    return UserCheckpoints(*tenant, req, std::move(respond));
+  }
   const bool get = endpoint == "get_server_capabilities" || absl::StartsWith(endpoint, "samplers/");
   if (req.method != (get ? "GET" : "POST")) {
     return respond(Error(405, absl::StrCat(endpoint, ": use ", get ? "GET" : "POST")));
@@ -342,7 +364,8 @@ void TinkerApi::CreateSession(const std::string& tenant, const Json& body, Respo
     if (sessions_.size() >= config_.max_sessions) {
       return respond(Error(429, "too many open sessions; retry later"));
     }
-    sessions_[id] = Session{tenant, absl::Now(), {}};
+    const absl::Time now = absl::Now();
+    sessions_[id] = Session{tenant, now, now, {}};
   }
   respond(JsonResponse(Json{{"type", "create_session"}, {"session_id", id}}));
 }
@@ -666,6 +689,34 @@ Json CheckpointJson(const CheckpointEntry& c) {
               {"tinker_path", c.path}, {"size_bytes", c.size_bytes}, {"public", false}};
 }
 
+// The page of `items` that the request's query asks for, as {key: [...], "cursor"}.
+absl::StatusOr<Json> Paged(const Request& req, const char* key, Json items) {
+  auto page = PageFromQuery(req.query);
+  if (!page.ok()) return page.status();
+  const int64_t total = static_cast<int64_t>(items.size());
+  const int64_t from = std::min(page->offset, total);
+  const int64_t limit = page->limit.value_or(std::max<int64_t>(total, 1));
+  Json slice = Json::array();
+  for (int64_t i = from; i < std::min(total, from + limit); ++i) {
+    slice.push_back(std::move(items[static_cast<size_t>(i)]));
+  }
+  return Json{{key, std::move(slice)},
+              {"cursor", {{"offset", page->offset}, {"limit", limit}, {"total_count", total}}}};
+}
+
+// The RestClient's access_scope: every session and checkpoint a tenant can reach is its own.
+absl::Status CheckScope(const Request& req) {
+  for (absl::string_view pair : absl::StrSplit(req.query, '&', absl::SkipEmpty())) {
+    if (!absl::StartsWith(pair, "access_scope=")) continue;
+    const absl::string_view scope = pair.substr(sizeof("access_scope=") - 1);
+    if (scope != "owned" && scope != "accessible") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("access_scope: must be 'owned' or 'accessible', not '", Echo(scope), "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Json> TinkerApi::TrainingRun(const std::string& tenant,
@@ -712,14 +763,14 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
     return respond(Error(405, absl::StrCat(endpoint, ": use ", del ? "DELETE" : "GET")));
   }
   if (parts.size() == 1) {
+    if (auto st = CheckScope(req); !st.ok()) return respond(Error(st));
     Json runs = Json::array();
     const v1::ListModelsResponse models = ops_->ListModels(tenant);
     for (const v1::ModelInfo& m : models.models()) {
       if (auto run = TrainingRun(tenant, m.model_id()); run.ok()) runs.push_back(*run);
     }
-    const int64_t n = static_cast<int64_t>(runs.size());
-    return respond(JsonResponse(Json{
-        {"training_runs", runs}, {"cursor", {{"offset", 0}, {"limit", n}, {"total_count", n}}}}));
+    auto page = Paged(req, "training_runs", std::move(runs));
+    return respond(page.ok() ? JsonResponse(*page) : Error(page.status()));
   }
   const std::string model_id = Resolve(tenant, parts[1]);
   if (parts.size() == 2) {
@@ -736,6 +787,73 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
   const absl::Status st = ops_->DeleteCheckpoint(
       tenant, absl::StrCat("tinker://", model_id, "/", parts[3], "/", parts[4]));
   respond(st.ok() ? JsonResponse(Json::object()) : Error(st));
+}
+
+void TinkerApi::Sessions(const std::string& tenant, const Request& req, const std::string& endpoint,
+                         Respond respond) {
+  if (auto st = CheckScope(req); !st.ok()) return respond(Error(st));
+  if (endpoint == "sessions") {
+    std::vector<std::pair<absl::Time, std::string>> open;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, session] : sessions_) {
+        if (session.tenant == tenant) open.emplace_back(session.created, id);
+      }
+    }
+    std::sort(open.begin(), open.end(), std::greater<>());  // newest first
+    Json ids = Json::array();
+    for (const auto& [created, id] : open) ids.push_back(id);
+    auto page = Paged(req, "sessions", std::move(ids));
+    return respond(page.ok() ? JsonResponse(*page) : Error(page.status()));
+  }
+  const std::string id = endpoint.substr(sizeof("sessions/") - 1);
+  if (absl::StrContains(id, '/')) {
+    return respond(Error(404, absl::StrCat("no endpoint GET /api/v1/", Echo(endpoint))));
+  }
+  std::vector<std::string> models, samplers;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end() || it->second.tenant != tenant) {
+      const bool ended = ended_.count(tenant + '\n' + id) > 0;
+      return respond(Error(ended ? 410 : 404,
+                           absl::StrCat("session_id: ", ended ? "session '" : "no session '",
+                                        Echo(id), ended ? "' ended after no heartbeat" : "'")));
+    }
+    models = it->second.models;
+    const std::string prefix = tenant + '\n' + id + ':';
+    for (auto s = sampling_sessions_.lower_bound(prefix);
+         s != sampling_sessions_.end() && absl::StartsWith(s->first, prefix); ++s) {
+      if (!s->second.sampler_id.empty()) samplers.push_back(s->second.sampler_id);
+    }
+  }
+  // Only what still exists: unloaded models and deleted or evicted samplers are left out.
+  Json run_ids = Json::array(), sampler_ids = Json::array();
+  for (const std::string& m : models) {
+    if (ops_->GetInfo(tenant, m).ok()) run_ids.push_back(m);
+  }
+  for (const std::string& s : samplers) {
+    if (sampling_->GetSampler(tenant, s).ok()) sampler_ids.push_back(s);
+  }
+  respond(JsonResponse(Json{{"training_run_ids", run_ids}, {"sampler_ids", sampler_ids}}));
+}
+
+void TinkerApi::UserCheckpoints(const std::string& tenant, const Request& req, Respond respond) {
+  if (auto st = CheckScope(req); !st.ok()) return respond(Error(st));
+  std::vector<CheckpointEntry> all;
+  for (const std::string& model : ops_->CheckpointedModels(tenant)) {
+    auto checkpoints = ops_->Checkpoints(tenant, model);
+    if (!checkpoints.ok()) continue;  // the folder went meanwhile
+    all.insert(all.end(), checkpoints->begin(), checkpoints->end());
+  }
+  // Newest first, as the SDK documents; ties by path, so that pages do not overlap.
+  std::sort(all.begin(), all.end(), [](const CheckpointEntry& a, const CheckpointEntry& b) {
+    return a.time != b.time ? a.time > b.time : a.path < b.path;
+  });
+  Json list = Json::array();
+  for (const CheckpointEntry& c : all) list.push_back(CheckpointJson(c));
+  auto page = Paged(req, "checkpoints", std::move(list));
+  respond(page.ok() ? JsonResponse(*page) : Error(page.status()));
 }
 
 void TinkerApi::RetrieveFutures(const std::string& tenant, const Json& body, Respond respond) {
@@ -775,8 +893,18 @@ void TinkerApi::RetrieveFutures(const std::string& tenant, const Json& body, Res
 void TinkerApi::RetrieveFuture(const std::string& tenant, const Json& body, Respond respond) {
   Fields f(body);
   const std::string request_id = f.Str("request_id");
-  f.OptBool("allow_metadata_only");  // results are always sent whole
+  const bool peek = f.OptBool("allow_metadata_only").value_or(false);
   if (!f.status().ok()) return respond(Error(f.status()));
+  if (peek && config_.peek_bytes > 0) {
+    // Only results are this large: try_again and error answers are a few hundred bytes.
+    respond = [respond = std::move(respond), min = config_.peek_bytes](Response r) {
+      if (r.status != 200 || static_cast<int64_t>(r.body.size()) < min) {
+        return respond(std::move(r));
+      }
+      respond(JsonResponse(
+          Json{{"status", "complete_metadata"}, {"response_payload_size", r.body.size()}}));
+    };
+  }
   futures_.Poll(tenant, request_id, std::move(respond));
 }
 

@@ -55,7 +55,7 @@ class TinkerApi {
  private:
   struct Session {
     std::string tenant;
-    absl::Time last_heartbeat;
+    absl::Time created, last_heartbeat;
     std::vector<std::string> models;  // made in this session
   };
   using JsonHandler = void (TinkerApi::*)(const std::string& tenant, const Json& body,
@@ -101,10 +101,18 @@ class TinkerApi {
   void TrainingRuns(const std::string& tenant, const Request& req, const std::string& endpoint,
                     Respond respond);
   // A checkpoint's download URL, {"url", "expires"}: GET archives/{token} on this server, valid
-  // for the configured lifetime (ArchiveConfig), answers the checkpoint's files as a tar archive streamed from disk.
+  // for the configured lifetime (ArchiveConfig), answers the checkpoint's files as a tar archive
+  // streamed from disk.
   void ArchiveUrl(const std::string& tenant, const Request& req, const std::string& uri,
                   Respond respond);
   void Archive(const std::string& method, const std::string& token, Respond respond);
+  // The RestClient's views of the tenant's sessions and checkpoints: GET sessions (the open
+  // sessions' ids, newest first), GET sessions/{id} (the models and samplers made in it that
+  // still exist), GET checkpoints (every checkpoint of every model the tenant has or had,
+  // newest first). Listings are paged by the query's limit and offset (PageFromQuery).
+  void Sessions(const std::string& tenant, const Request& req, const std::string& endpoint,
+                Respond respond);
+  void UserCheckpoints(const std::string& tenant, const Request& req, Respond respond);
   // A training run's JSON, or NOT_FOUND.
   absl::StatusOr<Json> TrainingRun(const std::string& tenant, const std::string& model_id);
   // Tinker's protobuf ForwardBackwardRequest (forward_only selects forward).

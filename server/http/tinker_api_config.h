@@ -34,6 +34,10 @@ struct TinkerApiConfig {
   std::string served_model_name;
   int64_t max_body_bytes = 256 << 20;
   FuturesConfig futures;
+  // A result of at least this many bytes is first answered {"status": "complete_metadata",
+  // "response_payload_size"} to a retrieve_future that allows it: the SDK then waits until the
+  // size fits its budget of response bytes in flight and polls again for the body. 0: off.
+  int64_t peek_bytes = 1 << 20;
   size_t max_sessions = 100000;
   // A session not heartbeating for this long ends, and its models are deleted (their
   // unapplied gradients with them; checkpoints stay). Zero: sessions never expire.

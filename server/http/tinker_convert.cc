@@ -8,8 +8,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "runner/util/echo.h"
 #include "server/http/json_fields.h"
 
@@ -376,6 +378,38 @@ absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::Sampling
     out->add_stop()->add_tokens(t.get<int64_t>());  // each id stops on its own
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<Page> PageFromQuery(absl::string_view query) {
+  Page page;
+  bool seen_limit = false, seen_offset = false;
+  for (absl::string_view pair : absl::StrSplit(query, '&', absl::SkipEmpty())) {
+    const size_t eq = pair.find('=');
+    const absl::string_view key = pair.substr(0, eq);
+    const absl::string_view value = eq == pair.npos ? "" : pair.substr(eq + 1);
+    const bool limit = key == "limit";
+    if (!limit && key != "offset") continue;
+    bool& seen = limit ? seen_limit : seen_offset;
+    if (seen) return Invalid(std::string(key), "given twice");
+    seen = true;
+    int64_t n = 0;
+    const bool digits = !value.empty() && value.size() <= 18 &&
+                        std::all_of(value.begin(), value.end(), absl::ascii_isdigit);
+    if (digits) n = std::stoll(std::string(value));
+    if (limit && (!digits || n < 1 || n > kMaxPageLimit)) {
+      return Invalid("limit", absl::StrCat("must be an integer in [1, ", kMaxPageLimit, "], not '",
+                                           Echo(value), "'"));
+    }
+    if (!limit && !digits) {
+      return Invalid("offset", absl::StrCat("must be an integer >= 0, not '", Echo(value), "'"));
+    }
+    if (limit) {
+      page.limit = n;
+    } else {
+      page.offset = n;
+    }
+  }
+  return page;
 }
 
 }  // namespace tinkerd::http

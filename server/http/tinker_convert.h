@@ -8,9 +8,13 @@
 // the result.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
+
+#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 #include "tinker_public/tinker_public.pb.h"
@@ -60,5 +64,16 @@ void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
 // must be integers`. Ranges (vocabulary, context) are the sampler's to check.
 absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out);
 absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::SamplingParams* out);
+
+// A listing's page from its query string (`limit=20&offset=40`, as the RestClient sends it). Other
+// parameters are ignored; each of limit and offset at most once, a decimal integer with limit in
+// [1, kMaxPageLimit] and offset >= 0. No limit: every item. Errors are INVALID_ARGUMENT naming the
+// parameter, e.g. `limit: must be an integer in [1, 1000], not 'x'`.
+struct Page {
+  int64_t offset = 0;
+  std::optional<int64_t> limit;
+};
+inline constexpr int64_t kMaxPageLimit = 1000;
+absl::StatusOr<Page> PageFromQuery(absl::string_view query);
 
 }  // namespace tinkerd::http

@@ -5,9 +5,12 @@
 
 #include <fstream>
 #include <map>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "tests/e2e/e2e_util.h"
 #include "tinker_public/tinker_public.pb.h"
 
@@ -47,6 +50,7 @@ class TinkerHttp : public ::testing::Test {
     sc.tinker_http.futures.keep = keep_;
     sc.tinker_http.futures.max_entries = max_futures_;
     sc.tinker_http.archive = archive_;
+    sc.tinker_http.peek_bytes = peek_bytes_;
     sc.sampling.max_samplers_per_tenant = max_samplers_;
     live_ = std::make_unique<LiveServer>(sc);
     port_ = live_->server->tinker_http_port();
@@ -71,15 +75,19 @@ class TinkerHttp : public ::testing::Test {
     return Send("POST", "/api/v1/" + endpoint, body.dump(), "application/json", key);
   }
 
-  // Polls a future until it has an answer (the server long-polls; no sleeping here).
+  // Polls a future until it has an answer (the server long-polls; no sleeping here), as the SDK
+  // does: a result announced by its size (complete_metadata) is polled again without the peek.
   Reply Await(const std::string& request_id, const std::string& key = kAlice) {
+    bool peek = true;
     for (int i = 0; i < 100; ++i) {
       Reply r =
-          Post("retrieve_future", {{"request_id", request_id}, {"allow_metadata_only", true}}, key);
-      if (r.status != 200 || r.content_type != "application/json" ||
-          r.json().value("type", "") != "try_again") {
-        return r;
+          Post("retrieve_future", {{"request_id", request_id}, {"allow_metadata_only", peek}}, key);
+      const bool json = r.status == 200 && r.content_type == "application/json";
+      if (json && peek && r.json().value("status", "") == "complete_metadata") {
+        peek = false;
+        continue;
       }
+      if (!json || r.json().value("type", "") != "try_again") return r;
     }
     ADD_FAILURE() << "future " << request_id << " never finished";
     return {};
@@ -168,6 +176,7 @@ class TinkerHttp : public ::testing::Test {
   size_t max_futures_ = 100000;
   int max_samplers_ = 32;
   http::ArchiveConfig archive_;
+  int64_t peek_bytes_ = 1 << 20;
   TempDir keys_dir_;
   std::unique_ptr<LiveServer> live_;
   int port_ = 0;
@@ -548,6 +557,13 @@ TEST_F(TinkerHttp, ASessionWithoutHeartbeatsEndsAndItsModelsGoButItsCheckpointsS
   Start(absl::Seconds(30), /*keys=*/true, /*session_idle=*/absl::Milliseconds(400));
   const std::string quiet = Session(), alive = Session();
   const std::string gone = CreateModel(5, quiet), kept = CreateModel(5, alive);
+  auto sampler = [&](const std::string& session) {
+    Reply r = SamplingSession(session, 0);
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json().value("sampling_session_id", "");
+  };
+  const std::string gone_sampler = sampler(quiet), kept_sampler = sampler(alive);
+  ASSERT_EQ(Send("GET", "/api/v1/samplers/" + gone_sampler, "").status, 200);
   Reply saved = Call("save_weights", {{"model_id", gone}, {"seq_id", 1}, {"path", "ck"}});
   ASSERT_EQ(saved.status, 200) << saved.body;
   // Wait for the condition, heartbeating `alive` meanwhile (its model is the control).
@@ -564,12 +580,129 @@ TEST_F(TinkerHttp, ASessionWithoutHeartbeatsEndsAndItsModelsGoButItsCheckpointsS
   EXPECT_TRUE(absl::StartsWith(late.json().value("detail", ""), "session_id:")) << late.body;
   EXPECT_EQ(Post("session_heartbeat", {{"session_id", quiet}}, kBob).status, 404);
   EXPECT_EQ(Post("session_heartbeat", {{"session_id", "session-made-up"}}).status, 404);
+  EXPECT_EQ(Send("GET", "/api/v1/sessions/" + quiet, "").status, 410);
+  // Its samplers went with it (their memory counts against the tenant); the live session's stay.
+  EXPECT_EQ(Send("GET", "/api/v1/samplers/" + gone_sampler, "").status, 404);
+  EXPECT_EQ(Send("GET", "/api/v1/samplers/" + kept_sampler, "").status, 200);
   // The checkpoint outlives the session: a live session makes a model from it.
   Reply restored = Call("load_weights", {{"session_id", alive},
                                          {"model_seq_id", 1},
                                          {"path", saved.json()["path"]},
                                          {"optimizer", false}});
   EXPECT_FALSE(restored.json().value("model_id", "").empty()) << restored.body;
+}
+
+TEST_F(TinkerHttp, TheRestClientsListingsArePagedNewestFirstAndPerTenant) {
+  const std::string older = Session(), newer = Session();
+  const std::string m1 = CreateModel(5, older), m2 = CreateModel(6, newer);
+  for (const auto& [model, endpoint, name] : {std::tuple{m1, "save_weights", "a"},
+                                              {m1, "save_weights_for_sampler", "b"},
+                                              {m2, "save_weights", "c"}}) {
+    ASSERT_EQ(
+        Call(endpoint, {{"model_id", model}, {"seq_id", NextSeqId(model)}, {"path", name}}).status,
+        200);
+  }
+  auto get = [&](const std::string& path, const std::string& key = kAlice) {
+    return Send("GET", "/api/v1/" + path, "", "", key);
+  };
+
+  // Sessions: newest first, one a page.
+  Reply first = get("sessions?limit=1&offset=0&access_scope=owned");
+  ASSERT_EQ(first.status, 200) << first.body;
+  EXPECT_EQ(first.json()["sessions"], Json::array({newer})) << first.body;
+  EXPECT_EQ(first.json()["cursor"].value("total_count", 0), 2);
+  EXPECT_EQ(get("sessions?offset=1&limit=1").json()["sessions"], Json::array({older}));
+  EXPECT_EQ(get("sessions?offset=7&limit=1").json()["sessions"], Json::array());
+  EXPECT_EQ(get("sessions", kBob).json()["sessions"], Json::array());  // bob has none
+
+  // A session's models and samplers: what was made in it and still exists.
+  const std::string sampler = SamplingSession(older, 0).json().value("sampling_session_id", "");
+  ASSERT_FALSE(sampler.empty());
+  Reply session = get("sessions/" + older);
+  ASSERT_EQ(session.status, 200) << session.body;
+  EXPECT_EQ(session.json()["training_run_ids"], Json::array({m1})) << session.body;
+  EXPECT_EQ(session.json()["sampler_ids"], Json::array({sampler})) << session.body;
+  EXPECT_EQ(get("sessions/" + newer).json()["sampler_ids"], Json::array());
+  EXPECT_EQ(get("sessions/" + older, kBob).status, 404);
+
+  // Training runs, paged: the pages hold each run once.
+  std::set<std::string> runs;
+  for (int offset : {0, 1}) {
+    Reply page = get(absl::StrCat("training_runs?limit=1&offset=", offset));
+    ASSERT_EQ(page.json()["training_runs"].size(), 1u) << page.body;
+    EXPECT_EQ(page.json()["cursor"].value("total_count", 0), 2) << page.body;
+    runs.insert(page.json()["training_runs"][0].value("training_run_id", ""));
+  }
+  EXPECT_EQ(runs, (std::set<std::string>{m1, m2}));
+
+  // The user's checkpoints, of every model, newest first; a model unloaded keeps them listed.
+  ASSERT_EQ(Call("unload_model", {{"model_id", m2}}).status, 200);
+  EXPECT_EQ(get("sessions/" + newer).json()["training_run_ids"], Json::array());
+  Reply all = get("checkpoints");
+  ASSERT_EQ(all.status, 200) << all.body;
+  const Json list = all.json()["checkpoints"];
+  ASSERT_EQ(list.size(), 3u) << all.body;
+  std::vector<std::string> paths;
+  for (size_t i = 0; i < list.size(); ++i) {
+    paths.push_back(list[i].value("tinker_path", ""));
+    if (i > 0) {
+      EXPECT_GE(list[i - 1].value("time", ""), list[i].value("time", "")) << all.body;
+    }
+  }
+  EXPECT_EQ(std::set<std::string>(paths.begin(), paths.end()),
+            (std::set<std::string>{"tinker://" + m1 + "/weights/a",
+                                   "tinker://" + m1 + "/sampler_weights/b",
+                                   "tinker://" + m2 + "/weights/c"}));
+  Json pages = get("checkpoints?limit=2").json()["checkpoints"];
+  const Json rest = get("checkpoints?limit=2&offset=2").json()["checkpoints"];
+  pages.insert(pages.end(), rest.begin(), rest.end());
+  EXPECT_EQ(pages, list);
+  EXPECT_EQ(get("checkpoints", kBob).json()["checkpoints"], Json::array());
+
+  // Bad pages and scopes are named; a listing is GET only; a session's other paths are unknown.
+  for (const auto& [query, field] : {std::pair{"limit=0", "limit:"},
+                                     {"limit=1001", "limit:"},
+                                     {"limit=x", "limit:"},
+                                     {"offset=-1", "offset:"},
+                                     {"limit=1&limit=2", "limit:"},
+                                     {"access_scope=all", "access_scope:"}}) {
+    for (const char* listing : {"sessions?", "checkpoints?", "training_runs?"}) {
+      Reply bad = get(absl::StrCat(listing, query));
+      EXPECT_EQ(bad.status, 400) << listing << query;
+      EXPECT_TRUE(absl::StartsWith(bad.json().value("detail", ""), field)) << bad.body;
+    }
+  }
+  EXPECT_EQ(Send("POST", "/api/v1/sessions", "{}").status, 405);
+  EXPECT_EQ(get("sessions/" + older + "/project").status, 404);
+}
+
+TEST_F(TinkerHttp, ALargeResultIsFirstAnnouncedByItsSizeWhenTheClientAllowsIt) {
+  peek_bytes_ = 16;
+  Start(absl::Seconds(30));
+  const std::string model = CreateModel();
+  const std::string id = SubmitBatch(TinkerBatch(model, 1, Batch(1))).json()["request_id"];
+  auto poll = [&](bool allow) {
+    return Post("retrieve_future", {{"request_id", id}, {"allow_metadata_only", allow}});
+  };
+  ASSERT_EQ(Await(id).status, 200);  // finished
+  Reply peek = poll(true);
+  ASSERT_EQ(peek.status, 200) << peek.body;
+  ASSERT_EQ(peek.json().value("status", ""), "complete_metadata") << peek.body;
+  const size_t size = peek.json().value("response_payload_size", size_t{0});
+  Reply whole = poll(false);
+  ASSERT_EQ(whole.status, 200);
+  EXPECT_EQ(whole.content_type, "application/x-protobuf") << whole.body;
+  EXPECT_EQ(whole.body.size(), size);
+  EXPECT_GT(size, 16u);
+  tinker_public::ForwardBackwardOutput out;
+  EXPECT_TRUE(out.ParseFromString(whole.body));
+  // Control: the same result under a threshold above its size is sent whole at once.
+  peek_bytes_ = static_cast<int64_t>(size) + 1;
+  Start(absl::Seconds(30));
+  const std::string other = CreateModel();
+  Reply direct = Await(SubmitBatch(TinkerBatch(other, 1, Batch(1))).json()["request_id"]);
+  EXPECT_EQ(direct.content_type, "application/x-protobuf");
+  EXPECT_EQ(direct.body.size(), size);
 }
 
 TEST_F(TinkerHttp, ManyClientsLongPollingWithRetriesLoseNothingAndApplyNothingTwice) {

@@ -1,4 +1,5 @@
-// Fuzzes the Tinker HTTP API's asample body as its handler reads it: arbitrary bytes parsed as JSON
+// Fuzzes the Tinker HTTP API's asample body as its handler reads it (and the same bytes as a
+// listing's query string, PageFromQuery): arbitrary bytes parsed as JSON
 // (without exceptions, as the server parses), the request's own fields read (Fields), then its
 // prompt and sampling_params decoded (PromptFromTinker, SamplingParamsFromTinker). Properties,
 // besides no crash, no exception (one, from an unchecked field type, once ended the server) and no
@@ -31,6 +32,20 @@ void CheckRefusal(const absl::Status& s, const char* field) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
+  // The same bytes as a listing's query string (GET training_runs?limit=..&offset=..).
+  auto page =
+      tinkerd::http::PageFromQuery(absl::string_view(reinterpret_cast<const char*>(bytes), size));
+  if (page.ok()) {
+    FUZZ_CHECK(page->offset >= 0, "a negative offset accepted");
+    FUZZ_CHECK(!page->limit || (*page->limit >= 1 && *page->limit <= tinkerd::http::kMaxPageLimit),
+               "a limit out of range accepted");
+  } else {
+    FUZZ_CHECK(page.status().code() == absl::StatusCode::kInvalidArgument, "a page refusal");
+    FUZZ_CHECK(absl::StartsWith(page.status().message(), "limit") ||
+                   absl::StartsWith(page.status().message(), "offset"),
+               "a page refusal that does not name its parameter");
+  }
+
   const Json body = Json::parse(bytes, bytes + size, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) return 0;
   tinkerd::http::Fields f(body);

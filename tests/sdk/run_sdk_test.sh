@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # ctest wrapper: drives a real tinkerd through its Tinker HTTP API with the official Tinker Python SDK.
-# Usage: tests/sdk/run_sdk_test.sh TINKERD_BINARY SDK_VERSION
+# Usage: tests/sdk/run_sdk_test.sh TINKERD_BINARY SDK_VERSION [PEEK_BYTES]
 #   1. gets a venv with tinker==SDK_VERSION (scripts/tinker-sdk-venv.sh; exit 77 = SKIP when PyPI
 #      cannot be reached);
 #   2. starts TINKERD_BINARY on free ports (127.0.0.1:0) with the embedded default model, a fresh
 #      checkpoint root and an API-key file with two tenants;
 #   3. runs tests/sdk/tinker_flow.py against it. The exit code is the flow's.
+# PEEK_BYTES is the server's --http_peek_bytes (default 1 MiB): 1 makes every result go through
+# retrieve_future's metadata-only peek.
 # The server is stopped on every exit path; its log is printed when the flow fails.
 # Environment: TINKERD_SDK_KEEP_TMP=1 keeps the temporary directory (keys, checkpoints, logs);
 # TINKERD_SDK_START_TIMEOUT (seconds, default 120); TINKER_FLOW_* are passed to the flow.
 set -uo pipefail
 
-if (($# != 2)); then
-  echo "usage: $0 TINKERD_BINARY SDK_VERSION" >&2
+if (($# < 2 || $# > 3)); then
+  echo "usage: $0 TINKERD_BINARY SDK_VERSION [PEEK_BYTES]" >&2
   exit 2
 fi
 binary=$1
 version=$2
+peek_bytes=${3:-1048576}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 start_timeout=${TINKERD_SDK_START_TIMEOUT:-120}
@@ -94,7 +97,8 @@ chmod 600 "$tmp/api_keys"
 mkdir -p "$tmp/checkpoints"
 
 "$binary" --base_model=embedded:default --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 \
-  --checkpoint_root="$tmp/checkpoints" --api_keys_file="$tmp/api_keys" >"$log" 2>&1 &
+  --checkpoint_root="$tmp/checkpoints" --api_keys_file="$tmp/api_keys" \
+  --http_peek_bytes="$peek_bytes" >"$log" 2>&1 &
 server_pid=$!
 
 # Wait for the port line: poll the log (and that the server is still alive), bounded.
@@ -125,6 +129,7 @@ env -u TINKER_PROJECT_ID -u TINKER_CREDENTIAL_CMD -u TINKER_TAGS \
   TINKER_API_KEY="$alice_key" \
   TINKERD_OTHER_API_KEY="$bob_key" \
   TINKERD_CHECKPOINT_ROOT="$tmp/checkpoints" \
+  TINKERD_PEEK_BYTES="$peek_bytes" \
   TINKER_TELEMETRY=0 \
   NO_PROXY="127.0.0.1,localhost" no_proxy="127.0.0.1,localhost" \
   HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 PYTHONUNBUFFERED=1 \

@@ -12,6 +12,7 @@ Optional:
   TINKER_FLOW_VOCAB=N    token ids used are < N (default 256; the embedded default model has 512)
   TINKER_FLOW_LR=x       learning rate of the SFT check (default 1e-2)
   TINKER_FLOW_TIMEOUT=s  per-check timeout in seconds (default 300)
+  TINKERD_PEEK_BYTES=N   the server's --http_peek_bytes (default 1 MiB, as the server's)
 
 Only public SDK calls are used (`tinker.ServiceClient`, training/sampling clients, `tinker.types`),
 plus raw HTTP through httpx (a dependency of the SDK) for the wire-level checks. Written to run with
@@ -689,6 +690,85 @@ def check_s() -> None:
         expect_error(r, 404, "tenant B's GET samplers/<A's>", need_detail=True)
 
 
+def check_u() -> None:
+    rest = S.svc.create_rest_client()
+    # Training runs, one a page: every run once, the flow's model among them.
+    first = _res(rest.list_training_runs(limit=1, offset=0))
+    total = first.cursor.total_count if first.cursor else -1
+    ok(len(first.training_runs) == 1 and total >= 2,
+       f"list_training_runs(limit=1): one run of {total}")
+    ids = []
+    for offset in range(total):
+        ids += [r.training_run_id for r in _res(rest.list_training_runs(limit=1, offset=offset)).training_runs]
+    ok(len(ids) == total == len(set(ids)) and S.model_id in ids,
+       f"{total} pages of one hold every run once, the flow's model {S.model_id!r} among them")
+    ok(_res(rest.list_training_runs(limit=5, offset=total)).training_runs == [],
+       "a page past the end is empty")
+
+    # The user's checkpoints, of every run, newest first, paged.
+    listed = _res(rest.list_user_checkpoints(limit=100)).checkpoints
+    paths = [c.tinker_path for c in listed]
+    ok(S.ck1 in paths and S.sampler_path in paths,  # type: ignore[attr-defined]
+       f"list_user_checkpoints lists ck1 and sampler-1 among {len(paths)}")
+    times = [c.time for c in listed]
+    ok(times == sorted(times, reverse=True), "newest first")
+    paged = []
+    for offset in range(len(paths)):
+        paged += [c.tinker_path for c in _res(rest.list_user_checkpoints(limit=1, offset=offset)).checkpoints]
+    ok(paged == paths, f"pages of one give the same {len(paths)} checkpoints in the same order")
+
+    # Sessions: exactly one of alice's sessions made the flow's model; bob sees none of them.
+    sessions = _res(rest.list_sessions(limit=100)).sessions
+    made = [sid for sid in sessions if S.model_id in _res(rest.get_session(sid)).training_run_ids]
+    ok(len(made) == 1, f"get_session: one of alice's {len(sessions)} sessions made the model")
+    bob = service_client(OTHER_API_KEY).create_rest_client() if OTHER_API_KEY else None
+    if bob is None:
+        note("TINKERD_OTHER_API_KEY not set: isolation of listings not checked")
+        return
+    ok(not set(_res(bob.list_sessions(limit=100)).sessions) & set(sessions),
+       "bob's list_sessions shows none of alice's sessions")
+    ok(not set(c.tinker_path for c in _res(bob.list_user_checkpoints()).checkpoints) & set(paths),
+       "bob's list_user_checkpoints shows none of alice's checkpoints")
+    expect_error(http("GET", f"/api/v1/sessions/{made[0]}", key=OTHER_API_KEY), 404,
+                 "bob's get_session of alice's session")
+
+
+def check_p() -> None:
+    # Over raw HTTP, as the SDK polls: allowed to, a server started with --http_peek_bytes=N
+    # first announces a result of N bytes or more by its size; then the result comes whole.
+    peek = int(os.environ.get("TINKERD_PEEK_BYTES", str(1 << 20)))
+    sid = json_of(http("POST", "/api/v1/create_session",
+                       json_body={"tags": [], "sdk_version": "raw", "type": "create_session"}),
+                  "create_session")["session_id"]
+    rid = json_of(http("POST", "/api/v1/create_model",
+                       json_body={"session_id": sid, "model_seq_id": 0, "base_model": S.model_name,
+                                  "lora_config": {"rank": 4}, "type": "create_model"}),
+                  "create_model")["request_id"]
+
+    def poll(allow: bool) -> httpx.Response:
+        return http("POST", "/api/v1/retrieve_future", timeout=45,
+                    json_body={"request_id": rid, "allow_metadata_only": allow})
+
+    deadline = time.monotonic() + 120
+    first = poll(True)
+    while json_of(first, "retrieve_future").get("type") == "try_again" and time.monotonic() < deadline:
+        first = poll(True)
+    whole = poll(False)
+    model_id = json_of(whole, "retrieve_future without the peek").get("model_id")
+    ok(isinstance(model_id, str) and model_id, f"without the peek the result comes whole: {whole.text}")
+    size = len(whole.content)
+    if size >= peek:
+        body = json_of(first, "the peek")
+        ok(body == {"status": "complete_metadata", "response_payload_size": size},
+           f"with the peek allowed, the {size}-byte result was announced by its size "
+           f"(server threshold {peek} bytes): {body}")
+    else:
+        ok(first.content == whole.content,
+           f"a result under the server's threshold ({peek} bytes) comes whole at once")
+    json_of(http("POST", "/api/v1/unload_model", json_body={"model_id": model_id, "type": "unload_model"}),
+            "unload_model")
+
+
 def check_g() -> None:
     if not OTHER_API_KEY:
         raise Skipped("TINKERD_OTHER_API_KEY not set")
@@ -915,6 +995,9 @@ def main() -> None:
     run_check("r", "RestClient: checkpoint archive URLs and their downloads", check_r, needs=("f",))
     run_check("s", "sampling: sample, compute_logprobs, exports, snapshots, errors", check_s,
               needs=("f",))
+    run_check("u", "RestClient listings: training runs, user checkpoints, sessions, paged",
+              check_u, needs=("f",))
+    run_check("p", "retrieve_future's metadata-only peek", check_p, needs=("a",))
     run_check("g", "isolation between tenants", check_g, needs=("e",))
     run_check("h", "raw HTTP: config, errors, JSON shapes, a raw model lifecycle", check_h)
     run_check("i", "a SIGKILLed client; create_training_client_from_state trains on", check_i)

@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -392,6 +393,33 @@ TEST(TinkerConvert, OutputOfNoDatums) {
   EXPECT_EQ(Elements<int64_t>(out.loss_fn_outputs(0).fields().at("logprobs").offsets()),
             (std::vector<int64_t>{0}));
   EXPECT_EQ(out.loss_fn_outputs(0).fields().at("logprobs").data(), "");
+}
+
+TEST(TinkerConvert, APageIsReadFromTheQueryAndEachBadValueIsNamed) {
+  auto page = PageFromQuery("access_scope=owned&limit=20&offset=40");
+  ASSERT_TRUE(page.ok()) << page.status();
+  EXPECT_EQ(page->offset, 40);
+  EXPECT_EQ(page->limit, 20);
+  page = PageFromQuery("");
+  ASSERT_TRUE(page.ok());
+  EXPECT_EQ(page->offset, 0);
+  EXPECT_FALSE(page->limit.has_value());  // every item
+  EXPECT_EQ(PageFromQuery("limit=1000")->limit, kMaxPageLimit);
+  for (const auto& [query, field] : std::vector<std::pair<std::string, std::string>>{
+           {"limit=0", "limit: "},
+           {"limit=1001", "limit: "},
+           {"limit=", "limit: "},
+           {"limit=2x", "limit: "},
+           {"limit=99999999999999999999", "limit: "},
+           {"offset=-1", "offset: "},
+           {"offset", "offset: "},
+           {"offset=1&offset=2", "offset: given twice"},
+       }) {
+    auto bad = PageFromQuery(query);
+    ASSERT_FALSE(bad.ok()) << query;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << query;
+    EXPECT_EQ(bad.status().message().substr(0, field.size()), field) << bad.status();
+  }
 }
 
 }  // namespace
