@@ -61,7 +61,7 @@ bool Futures::Known(const std::string& tenant, const std::string& request_id) co
 }
 
 void Futures::Drop(const std::string& tenant, const std::string& request_id) {
-  std::map<uint64_t, Respond> polls;
+  std::map<uint64_t, Parked> polls;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(Key(tenant, request_id));
@@ -69,21 +69,25 @@ void Futures::Drop(const std::string& tenant, const std::string& request_id) {
     polls.swap(it->second.polls);
     entries_.erase(it);
   }
-  for (auto& [id, respond] : polls) respond(Unavailable());
+  for (auto& [id, poll] : polls) poll.respond(Unavailable());
 }
 
 void Futures::Finish(const std::string& tenant, const std::string& request_id, Response answer,
                      bool failed) {
-  std::map<uint64_t, Respond> polls;
+  std::vector<std::pair<Respond, Response>> polls;
   std::vector<std::pair<Respond, Response>> topic_polls;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(Key(tenant, request_id));
     if (it == entries_.end() || it->second.answer) return;
     it->second.answer = answer;
+    it->second.failed = failed;
     it->second.finished = absl::Now();
     finished_.emplace_back(it->second.finished, it->first);
-    polls.swap(it->second.polls);
+    for (auto& [id, poll] : it->second.polls) {
+      polls.emplace_back(std::move(poll.respond), Answer(it->second, poll.peek_bytes));
+    }
+    it->second.polls.clear();
     if (!it->second.topic.empty()) {
       const std::string key = Key(tenant, it->second.topic);
       Topic& topic = topics_[key];
@@ -104,7 +108,7 @@ void Futures::Finish(const std::string& tenant, const std::string& request_id, R
     }
     ExpireLocked(/*adding=*/0);  // the answer just given stays, even at max_entries
   }
-  for (auto& [id, respond] : polls) respond(answer);
+  for (auto& [respond, r] : polls) respond(std::move(r));
   for (auto& [respond, r] : topic_polls) respond(std::move(r));
 }
 
@@ -177,7 +181,18 @@ void Futures::ExpireFinishedPoll(const std::string& key, uint64_t poll_id, int64
   respond(FinishedAnswer({}, after_cursor));
 }
 
-void Futures::Poll(const std::string& tenant, const std::string& request_id, Respond respond) {
+Response Futures::Answer(const Entry& e, int64_t peek_bytes) {
+  const size_t size = e.answer->body.size();
+  if (e.failed || peek_bytes <= 0 || size < static_cast<uint64_t>(peek_bytes)) return *e.answer;
+  return Response{
+      200,
+      "application/json",
+      nlohmann::json{{"status", "complete_metadata"}, {"response_payload_size", size}}.dump(),
+      {}};
+}
+
+void Futures::Poll(const std::string& tenant, const std::string& request_id, Respond respond,
+                   int64_t peek_bytes) {
   const std::string key = Key(tenant, request_id);
   std::optional<Response> now;  // answered outside the lock
   uint64_t poll_id = 0;
@@ -185,7 +200,7 @@ void Futures::Poll(const std::string& tenant, const std::string& request_id, Res
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(key);
     if (it != entries_.end() && it->second.answer) {
-      now = *it->second.answer;
+      now = Answer(it->second, peek_bytes);
     } else if (it == entries_.end() || closed_) {
       now = Response{404,
                      "application/json",
@@ -193,7 +208,7 @@ void Futures::Poll(const std::string& tenant, const std::string& request_id, Res
                      {}};
     } else {
       poll_id = next_poll_++;
-      it->second.polls.emplace(poll_id, std::move(respond));
+      it->second.polls.emplace(poll_id, Parked{std::move(respond), peek_bytes});
     }
   }
   if (now) return respond(*std::move(now));
@@ -208,7 +223,7 @@ void Futures::Expire(const std::string& key, uint64_t poll_id, std::string reque
     if (it == entries_.end()) return;
     auto p = it->second.polls.find(poll_id);
     if (p == it->second.polls.end()) return;  // answered meanwhile
-    respond = std::move(p->second);
+    respond = std::move(p->second.respond);
     it->second.polls.erase(p);
   }
   Response r;
@@ -224,7 +239,7 @@ void Futures::Close() {
     absl::MutexLock lock(&mu_);
     closed_ = true;
     for (auto& [key, e] : entries_) {
-      for (auto& [id, respond] : e.polls) polls.push_back(std::move(respond));
+      for (auto& [id, poll] : e.polls) polls.push_back(std::move(poll.respond));
     }
     for (auto& [key, topic] : topics_) {
       for (auto& [id, poll] : topic.polls) polls.push_back(std::move(poll.second));

@@ -47,8 +47,12 @@ class Futures {
               bool failed = false);
   // Whether `tenant` has future `request_id`, pending or finished and not yet expired.
   bool Known(const std::string& tenant, const std::string& request_id) const;
-  // Answers with the future's answer when it has one, else parks the poll.
-  void Poll(const std::string& tenant, const std::string& request_id, Respond respond);
+  // Answers with the future's answer when it has one, else parks the poll. With peek_bytes > 0
+  // (the client allows a metadata-only answer), a result of at least that many bytes is answered
+  // {"status": "complete_metadata", "response_payload_size"} instead, and stays for the next poll;
+  // failures and try_again are always sent whole.
+  void Poll(const std::string& tenant, const std::string& request_id, Respond respond,
+            int64_t peek_bytes = 0);
   // Answers {"completions": [...], "cursor": c} with the topic's futures that finished after
   // `after_cursor`, each {"state": "finished" | "failed", "request_id", and for a finished one
   // "response_payload_uncompressed_size"}; those at or before it are forgotten (the client has
@@ -62,12 +66,19 @@ class Futures {
   size_t size() const;
 
  private:
+  struct Parked {
+    Respond respond;
+    int64_t peek_bytes;
+  };
   struct Entry {
     std::optional<Response> answer;
+    bool failed = false;
     absl::Time finished;
-    std::map<uint64_t, Respond> polls;  // parked, by poll id
+    std::map<uint64_t, Parked> polls;  // by poll id
     std::string topic;
   };
+  // What a poll gets for a finished future (see Poll's peek_bytes).
+  static Response Answer(const Entry& e, int64_t peek_bytes);
   struct Completion {
     int64_t cursor;
     absl::Time finished;

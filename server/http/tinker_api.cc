@@ -115,6 +115,11 @@ void TinkerApi::Reap() {
       }
     }
   }
+  // Samplers first: their memory counts against the tenant's budget, and once the models are
+  // gone nothing of the session is left. Samples already running finish on the policy they hold.
+  for (const auto& [tenant, sampler] : samplers) {
+    sampling_->DeleteSampler(tenant, sampler).IgnoreError();
+  }
   for (auto& [id, session] : ended) {
     TLOG_INFO("http: session {} sent no heartbeat for {}: ended, its {} model(s) deleted", id,
               absl::FormatDuration(config_.session_idle), session.models.size());
@@ -122,11 +127,6 @@ void TinkerApi::Reap() {
       ops_->DeleteModel(session.tenant, model,
                         [](const absl::StatusOr<v1::DeleteModelResponse>&) {});
     }
-  }
-  // Their samplers go too (their memory counts against the tenant's budget); samples already
-  // running finish on the policy they hold.
-  for (const auto& [tenant, sampler] : samplers) {
-    sampling_->DeleteSampler(tenant, sampler).IgnoreError();
   }
   StartReaper();
 }
@@ -205,9 +205,17 @@ void TinkerApi::Handle(Request req, Respond respond) {
 
   if (runs) return TrainingRuns(*tenant, req, endpoint, std::move(respond));
   if (sessions || endpoint == "checkpoints") {
+    // Paths under a session that this server does not serve (project, trace_export) are unknown
+    // whatever the method.
+    if (sessions && std::count(endpoint.begin(), endpoint.end(), '/') > 1) {
+      return respond(
+          Error(404, absl::StrCat("no endpoint ", Echo(req.method), " ", Echo(req.path))));
+    }
     if (req.method != "GET") return respond(Error(405, absl::StrCat(endpoint, ": use GET")));
-    if (sessions) return Sessions(*tenant, req, endpoint, std::move(respond));
-    return UserCheckpoints(*tenant, req, std::move(respond));
+    auto page = PageFromQuery(req.query);  // access_scope too, for a single item
+    if (!page.ok()) return respond(Error(page.status()));
+    if (sessions) return Sessions(*tenant, *page, endpoint, std::move(respond));
+    return UserCheckpoints(*tenant, *page, std::move(respond));
   }
   const bool get = endpoint == "get_server_capabilities" || absl::StartsWith(endpoint, "samplers/");
   if (req.method != (get ? "GET" : "POST")) {
@@ -689,32 +697,17 @@ Json CheckpointJson(const CheckpointEntry& c) {
               {"tinker_path", c.path}, {"size_bytes", c.size_bytes}, {"public", false}};
 }
 
-// The page of `items` that the request's query asks for, as {key: [...], "cursor"}.
-absl::StatusOr<Json> Paged(const Request& req, const char* key, Json items) {
-  auto page = PageFromQuery(req.query);
-  if (!page.ok()) return page.status();
+// The page of `items` that `page` asks for, as {key: [...], "cursor"}.
+Json Paged(const Page& page, const char* key, Json items) {
   const int64_t total = static_cast<int64_t>(items.size());
-  const int64_t from = std::min(page->offset, total);
-  const int64_t limit = page->limit.value_or(std::max<int64_t>(total, 1));
+  const int64_t from = std::min(page.offset, total);
+  const int64_t limit = page.limit.value_or(std::max<int64_t>(total, 1));
   Json slice = Json::array();
   for (int64_t i = from; i < std::min(total, from + limit); ++i) {
     slice.push_back(std::move(items[static_cast<size_t>(i)]));
   }
   return Json{{key, std::move(slice)},
-              {"cursor", {{"offset", page->offset}, {"limit", limit}, {"total_count", total}}}};
-}
-
-// The RestClient's access_scope: every session and checkpoint a tenant can reach is its own.
-absl::Status CheckScope(const Request& req) {
-  for (absl::string_view pair : absl::StrSplit(req.query, '&', absl::SkipEmpty())) {
-    if (!absl::StartsWith(pair, "access_scope=")) continue;
-    const absl::string_view scope = pair.substr(sizeof("access_scope=") - 1);
-    if (scope != "owned" && scope != "accessible") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("access_scope: must be 'owned' or 'accessible', not '", Echo(scope), "'"));
-    }
-  }
-  return absl::OkStatus();
+              {"cursor", {{"offset", page.offset}, {"limit", limit}, {"total_count", total}}}};
 }
 
 }  // namespace
@@ -762,15 +755,15 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
   if (method != (del ? "DELETE" : "GET")) {
     return respond(Error(405, absl::StrCat(endpoint, ": use ", del ? "DELETE" : "GET")));
   }
+  auto page = PageFromQuery(req.query);  // access_scope too, for a single run
+  if (!page.ok()) return respond(Error(page.status()));
   if (parts.size() == 1) {
-    if (auto st = CheckScope(req); !st.ok()) return respond(Error(st));
     Json runs = Json::array();
     const v1::ListModelsResponse models = ops_->ListModels(tenant);
     for (const v1::ModelInfo& m : models.models()) {
       if (auto run = TrainingRun(tenant, m.model_id()); run.ok()) runs.push_back(*run);
     }
-    auto page = Paged(req, "training_runs", std::move(runs));
-    return respond(page.ok() ? JsonResponse(*page) : Error(page.status()));
+    return respond(JsonResponse(Paged(*page, "training_runs", std::move(runs))));
   }
   const std::string model_id = Resolve(tenant, parts[1]);
   if (parts.size() == 2) {
@@ -789,9 +782,8 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
   respond(st.ok() ? JsonResponse(Json::object()) : Error(st));
 }
 
-void TinkerApi::Sessions(const std::string& tenant, const Request& req, const std::string& endpoint,
+void TinkerApi::Sessions(const std::string& tenant, const Page& page, const std::string& endpoint,
                          Respond respond) {
-  if (auto st = CheckScope(req); !st.ok()) return respond(Error(st));
   if (endpoint == "sessions") {
     std::vector<std::pair<absl::Time, std::string>> open;
     {
@@ -803,13 +795,9 @@ void TinkerApi::Sessions(const std::string& tenant, const Request& req, const st
     std::sort(open.begin(), open.end(), std::greater<>());  // newest first
     Json ids = Json::array();
     for (const auto& [created, id] : open) ids.push_back(id);
-    auto page = Paged(req, "sessions", std::move(ids));
-    return respond(page.ok() ? JsonResponse(*page) : Error(page.status()));
+    return respond(JsonResponse(Paged(page, "sessions", std::move(ids))));
   }
   const std::string id = endpoint.substr(sizeof("sessions/") - 1);
-  if (absl::StrContains(id, '/')) {
-    return respond(Error(404, absl::StrCat("no endpoint GET /api/v1/", Echo(endpoint))));
-  }
   std::vector<std::string> models, samplers;
   {
     absl::MutexLock lock(&mu_);
@@ -838,8 +826,7 @@ void TinkerApi::Sessions(const std::string& tenant, const Request& req, const st
   respond(JsonResponse(Json{{"training_run_ids", run_ids}, {"sampler_ids", sampler_ids}}));
 }
 
-void TinkerApi::UserCheckpoints(const std::string& tenant, const Request& req, Respond respond) {
-  if (auto st = CheckScope(req); !st.ok()) return respond(Error(st));
+void TinkerApi::UserCheckpoints(const std::string& tenant, const Page& page, Respond respond) {
   std::vector<CheckpointEntry> all;
   for (const std::string& model : ops_->CheckpointedModels(tenant)) {
     auto checkpoints = ops_->Checkpoints(tenant, model);
@@ -852,8 +839,7 @@ void TinkerApi::UserCheckpoints(const std::string& tenant, const Request& req, R
   });
   Json list = Json::array();
   for (const CheckpointEntry& c : all) list.push_back(CheckpointJson(c));
-  auto page = Paged(req, "checkpoints", std::move(list));
-  respond(page.ok() ? JsonResponse(*page) : Error(page.status()));
+  respond(JsonResponse(Paged(page, "checkpoints", std::move(list))));
 }
 
 void TinkerApi::RetrieveFutures(const std::string& tenant, const Json& body, Respond respond) {
@@ -895,17 +881,7 @@ void TinkerApi::RetrieveFuture(const std::string& tenant, const Json& body, Resp
   const std::string request_id = f.Str("request_id");
   const bool peek = f.OptBool("allow_metadata_only").value_or(false);
   if (!f.status().ok()) return respond(Error(f.status()));
-  if (peek && config_.peek_bytes > 0) {
-    // Only results are this large: try_again and error answers are a few hundred bytes.
-    respond = [respond = std::move(respond), min = config_.peek_bytes](Response r) {
-      if (r.status != 200 || static_cast<int64_t>(r.body.size()) < min) {
-        return respond(std::move(r));
-      }
-      respond(JsonResponse(
-          Json{{"status", "complete_metadata"}, {"response_payload_size", r.body.size()}}));
-    };
-  }
-  futures_.Poll(tenant, request_id, std::move(respond));
+  futures_.Poll(tenant, request_id, std::move(respond), peek ? config_.peek_bytes : 0);
 }
 
 }  // namespace tinkerd::http

@@ -31,6 +31,7 @@
 #include "server/http/futures.h"
 #include "server/http/http_server.h"
 #include "server/http/tinker_api_config.h"
+#include "server/http/tinker_convert.h"
 #include "server/ops.h"
 #include "server/sampling.h"
 
@@ -110,9 +111,9 @@ class TinkerApi {
   // sessions' ids, newest first), GET sessions/{id} (the models and samplers made in it that
   // still exist), GET checkpoints (every checkpoint of every model the tenant has or had,
   // newest first). Listings are paged by the query's limit and offset (PageFromQuery).
-  void Sessions(const std::string& tenant, const Request& req, const std::string& endpoint,
+  void Sessions(const std::string& tenant, const Page& page, const std::string& endpoint,
                 Respond respond);
-  void UserCheckpoints(const std::string& tenant, const Request& req, Respond respond);
+  void UserCheckpoints(const std::string& tenant, const Page& page, Respond respond);
   // A training run's JSON, or NOT_FOUND.
   absl::StatusOr<Json> TrainingRun(const std::string& tenant, const std::string& model_id);
   // Tinker's protobuf ForwardBackwardRequest (forward_only selects forward).

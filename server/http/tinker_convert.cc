@@ -8,7 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -382,30 +384,39 @@ absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::Sampling
 
 absl::StatusOr<Page> PageFromQuery(absl::string_view query) {
   Page page;
-  bool seen_limit = false, seen_offset = false;
+  bool seen_limit = false, seen_offset = false, seen_scope = false;
   for (absl::string_view pair : absl::StrSplit(query, '&', absl::SkipEmpty())) {
     const size_t eq = pair.find('=');
     const absl::string_view key = pair.substr(0, eq);
     const absl::string_view value = eq == pair.npos ? "" : pair.substr(eq + 1);
-    const bool limit = key == "limit";
-    if (!limit && key != "offset") continue;
-    bool& seen = limit ? seen_limit : seen_offset;
-    if (seen) return Invalid(std::string(key), "given twice");
-    seen = true;
-    int64_t n = 0;
-    const bool digits = !value.empty() && value.size() <= 18 &&
-                        std::all_of(value.begin(), value.end(), absl::ascii_isdigit);
-    if (digits) n = std::stoll(std::string(value));
-    if (limit && (!digits || n < 1 || n > kMaxPageLimit)) {
-      return Invalid("limit", absl::StrCat("must be an integer in [1, ", kMaxPageLimit, "], not '",
-                                           Echo(value), "'"));
+    bool* seen = key == "limit"          ? &seen_limit
+                 : key == "offset"       ? &seen_offset
+                 : key == "access_scope" ? &seen_scope
+                                         : nullptr;
+    if (seen == nullptr) continue;
+    if (*seen) return Invalid(std::string(key), "given twice");
+    *seen = true;
+    if (seen == &seen_scope) {
+      if (value != "owned" && value != "accessible") {
+        return Invalid("access_scope",
+                       absl::StrCat("must be 'owned' or 'accessible', not '", Echo(value), "'"));
+      }
+      continue;
     }
-    if (!limit && !digits) {
-      return Invalid("offset", absl::StrCat("must be an integer >= 0, not '", Echo(value), "'"));
-    }
-    if (limit) {
+    // Digits only: SimpleAtoi would also take a sign and surrounding spaces.
+    int64_t n = -1;
+    const bool digits =
+        !value.empty() && absl::c_all_of(value, absl::ascii_isdigit) && absl::SimpleAtoi(value, &n);
+    if (seen == &seen_limit) {
+      if (!digits || n < 1 || n > kMaxPageLimit) {
+        return Invalid("limit", absl::StrCat("must be an integer in [1, ", kMaxPageLimit,
+                                             "], not '", Echo(value), "'"));
+      }
       page.limit = n;
     } else {
+      if (!digits) {
+        return Invalid("offset", absl::StrCat("must be an integer >= 0, not '", Echo(value), "'"));
+      }
       page.offset = n;
     }
   }

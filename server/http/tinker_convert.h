@@ -65,10 +65,11 @@ void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
 absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out);
 absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::SamplingParams* out);
 
-// A listing's page from its query string (`limit=20&offset=40`, as the RestClient sends it). Other
-// parameters are ignored; each of limit and offset at most once, a decimal integer with limit in
-// [1, kMaxPageLimit] and offset >= 0. No limit: every item. Errors are INVALID_ARGUMENT naming the
-// parameter, e.g. `limit: must be an integer in [1, 1000], not 'x'`.
+// A listing's page from its query string (`limit=20&offset=40&access_scope=owned`, as the
+// RestClient sends it). Other parameters are ignored; each of these at most once: limit a decimal
+// integer in [1, kMaxPageLimit], offset one >= 0, access_scope "owned" or "accessible" (the same
+// here: a tenant reaches only its own). No limit: every item. Errors are INVALID_ARGUMENT naming
+// the parameter, e.g. `limit: must be an integer in [1, 1000], not 'x'`.
 struct Page {
   int64_t offset = 0;
   std::optional<int64_t> limit;

@@ -60,15 +60,17 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
   v1::CreateSamplerRequest req;
   if (model_path) req.set_path(*model_path);
   sampling_->CreateSampler(
-      tenant, req, [this, key, session_id, answer](absl::StatusOr<v1::SamplerInfo> info) {
+      tenant, req, [this, tenant, key, session_id, answer](absl::StatusOr<v1::SamplerInfo> info) {
         std::vector<Respond> waiting;
+        bool ended = false;
         {
           absl::MutexLock lock(&mu_);
+          ended = info.ok() && !sessions_.count(session_id);
           auto it = sampling_sessions_.find(key);
           if (it != sampling_sessions_.end()) {
             waiting.swap(it->second.waiting);
             // Kept for resends while the session lives; a failure is not: a resend tries again.
-            if (info.ok() && sessions_.count(session_id)) {
+            if (info.ok() && !ended) {
               it->second.sampler_id = info->sampler_id();
             } else {
               sampling_sessions_.erase(it);
@@ -76,7 +78,13 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
           }
         }
         Response r;
-        if (info.ok()) {
+        if (ended) {
+          // The session ended (no heartbeats) while its sampler was made: it goes as the
+          // session's other samplers went.
+          sampling_->DeleteSampler(tenant, info->sampler_id()).IgnoreError();
+          r = Error(410, absl::StrCat("session_id: session '", Echo(session_id),
+                                      "' ended while its sampler was made; create a new session"));
+        } else if (info.ok()) {
           r = answer(info->sampler_id());
         } else {
           // Sampling names the export `path`; the Tinker request calls it model_path.

@@ -674,6 +674,11 @@ TEST_F(TinkerHttp, TheRestClientsListingsArePagedNewestFirstAndPerTenant) {
   }
   EXPECT_EQ(Send("POST", "/api/v1/sessions", "{}").status, 405);
   EXPECT_EQ(get("sessions/" + older + "/project").status, 404);
+  EXPECT_EQ(Send("POST", "/api/v1/sessions/" + older + "/trace_export", "{}").status, 404);
+  // A single item checks its access_scope too.
+  EXPECT_EQ(get("sessions/" + older + "?access_scope=all").status, 400);
+  EXPECT_EQ(get("training_runs/" + m1 + "?access_scope=all").status, 400);
+  EXPECT_EQ(get("training_runs/" + m1 + "?access_scope=accessible").status, 200);
 }
 
 TEST_F(TinkerHttp, ALargeResultIsFirstAnnouncedByItsSizeWhenTheClientAllowsIt) {
@@ -700,9 +705,19 @@ TEST_F(TinkerHttp, ALargeResultIsFirstAnnouncedByItsSizeWhenTheClientAllowsIt) {
   peek_bytes_ = static_cast<int64_t>(size) + 1;
   Start(absl::Seconds(30));
   const std::string other = CreateModel();
-  Reply direct = Await(SubmitBatch(TinkerBatch(other, 1, Batch(1))).json()["request_id"]);
-  EXPECT_EQ(direct.content_type, "application/x-protobuf");
+  const std::string other_id = SubmitBatch(TinkerBatch(other, 1, Batch(1))).json()["request_id"];
+  ASSERT_EQ(Await(other_id).status, 200);  // finished
+  Reply direct = Post("retrieve_future", {{"request_id", other_id}, {"allow_metadata_only", true}});
+  EXPECT_EQ(direct.content_type, "application/x-protobuf") << direct.body;
   EXPECT_EQ(direct.body.size(), size);
+  // A failure is sent whole, however long its message: the peek is for results.
+  peek_bytes_ = 1;
+  Start(absl::Seconds(30));
+  Reply failed = SubmitBatch(TinkerBatch("model-none", 1, Batch(1)));
+  ASSERT_EQ(failed.status, 200) << failed.body;
+  Reply error = Await(failed.json()["request_id"]);
+  EXPECT_TRUE(error.json().contains("error")) << error.body;
+  EXPECT_EQ(error.json().value("category", ""), "user") << error.body;
 }
 
 TEST_F(TinkerHttp, ManyClientsLongPollingWithRetriesLoseNothingAndApplyNothingTwice) {

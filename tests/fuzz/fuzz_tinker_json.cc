@@ -42,7 +42,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   } else {
     FUZZ_CHECK(page.status().code() == absl::StatusCode::kInvalidArgument, "a page refusal");
     FUZZ_CHECK(absl::StartsWith(page.status().message(), "limit") ||
-                   absl::StartsWith(page.status().message(), "offset"),
+                   absl::StartsWith(page.status().message(), "offset") ||
+                   absl::StartsWith(page.status().message(), "access_scope"),
                "a page refusal that does not name its parameter");
   }
 

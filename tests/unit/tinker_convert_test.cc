@@ -405,6 +405,7 @@ TEST(TinkerConvert, APageIsReadFromTheQueryAndEachBadValueIsNamed) {
   EXPECT_EQ(page->offset, 0);
   EXPECT_FALSE(page->limit.has_value());  // every item
   EXPECT_EQ(PageFromQuery("limit=1000")->limit, kMaxPageLimit);
+  EXPECT_TRUE(PageFromQuery("access_scope=accessible&other=x&limit=1").ok());
   for (const auto& [query, field] : std::vector<std::pair<std::string, std::string>>{
            {"limit=0", "limit: "},
            {"limit=1001", "limit: "},
@@ -414,6 +415,9 @@ TEST(TinkerConvert, APageIsReadFromTheQueryAndEachBadValueIsNamed) {
            {"offset=-1", "offset: "},
            {"offset", "offset: "},
            {"offset=1&offset=2", "offset: given twice"},
+           {"offset=+1", "offset: "},
+           {"access_scope=all", "access_scope: "},
+           {"access_scope=owned&access_scope=owned", "access_scope: given twice"},
        }) {
     auto bad = PageFromQuery(query);
     ASSERT_FALSE(bad.ok()) << query;
