@@ -382,22 +382,28 @@ void TinkerApi::SessionHeartbeat(const std::string& tenant, const Json& body, Re
   Fields f(body);
   const std::string id = f.Str("session_id");
   if (!f.status().ok()) return respond(Error(f.status()));
+  Response missing;
   {
     absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(id);
-    if ((it == sessions_.end() || it->second.tenant != tenant) &&
-        ended_.count(tenant + '\n' + id)) {
-      // 410 tells the SDK (0.38) the session is over, and it stops heartbeating.
-      return respond(Error(
-          410, absl::StrCat("session_id: session '", Echo(id), "' ended after no heartbeat for ",
-                            absl::FormatDuration(config_.session_idle), "; create a new session")));
-    }
-    if (it == sessions_.end() || it->second.tenant != tenant) {
-      return respond(Error(404, absl::StrCat("session_id: no session '", Echo(id), "'")));
-    }
-    it->second.last_heartbeat = absl::Now();
+    Session* session = FindSessionLocked(tenant, id, &missing);
+    if (session != nullptr) session->last_heartbeat = absl::Now();
   }
-  respond(JsonResponse(Json{{"type", "session_heartbeat"}}));
+  // Answered outside mu_: a response runs the metrics and the connection's write.
+  respond(missing.status != 200 ? std::move(missing)
+                                : JsonResponse(Json{{"type", "session_heartbeat"}}));
+}
+
+TinkerApi::Session* TinkerApi::FindSessionLocked(const std::string& tenant, const std::string& id,
+                                                 Response* missing) {
+  auto it = sessions_.find(id);
+  if (it != sessions_.end() && it->second.tenant == tenant) return &it->second;
+  *missing =
+      ended_.count(tenant + '\n' + id)
+          ? Error(410, absl::StrCat(
+                           "session_id: session '", Echo(id), "' ended after no heartbeat for ",
+                           absl::FormatDuration(config_.session_idle), "; create a new session"))
+          : Error(404, absl::StrCat("session_id: no session '", Echo(id), "'"));
+  return nullptr;
 }
 
 void TinkerApi::FinishSession(const std::string&, const Json&, Respond respond) {
@@ -799,22 +805,18 @@ void TinkerApi::Sessions(const std::string& tenant, const Page& page, const std:
   }
   const std::string id = endpoint.substr(sizeof("sessions/") - 1);
   std::vector<std::string> models, samplers;
+  Response missing;
   {
     absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(id);
-    if (it == sessions_.end() || it->second.tenant != tenant) {
-      const bool ended = ended_.count(tenant + '\n' + id) > 0;
-      return respond(Error(ended ? 410 : 404,
-                           absl::StrCat("session_id: ", ended ? "session '" : "no session '",
-                                        Echo(id), ended ? "' ended after no heartbeat" : "'")));
-    }
-    models = it->second.models;
+    const Session* session = FindSessionLocked(tenant, id, &missing);
+    if (session != nullptr) models = session->models;
     const std::string prefix = tenant + '\n' + id + ':';
     for (auto s = sampling_sessions_.lower_bound(prefix);
          s != sampling_sessions_.end() && absl::StartsWith(s->first, prefix); ++s) {
       if (!s->second.sampler_id.empty()) samplers.push_back(s->second.sampler_id);
     }
   }
+  if (missing.status != 200) return respond(std::move(missing));
   // Only what still exists: unloaded models and deleted or evicted samplers are left out.
   Json run_ids = Json::array(), sampler_ids = Json::array();
   for (const std::string& m : models) {

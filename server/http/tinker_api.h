@@ -141,6 +141,10 @@ class TinkerApi {
              const std::string& model_id);
   // Ends the sessions idle past config.session_idle and deletes their models; then again later.
   void Reap();
+  // The tenant's open session `id`, or null with `missing` set to the answer: 410 for one that
+  // ended for want of heartbeats (SDK 0.38 then stops heartbeating), 404 otherwise.
+  Session* FindSessionLocked(const std::string& tenant, const std::string& id, Response* missing)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND unless `session_id` is a session of `tenant`.
   absl::Status CheckSession(const std::string& tenant, const std::string& session_id);
 
