@@ -29,6 +29,7 @@ import time
 # The same OpenMP wait policy tinkerd runs with (runner/util/cpu_environment.h), set before
 # torch loads libgomp, so that the comparison measures the code, not the threads' spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "kernels/attention.h"
+#include "kernels/cpu_clones.h"
 
 namespace tinkerd::kernels {
 namespace {
@@ -81,16 +82,7 @@ at::Tensor RowsDense(const at::Tensor& t) {
   return dense ? t : t.contiguous();
 }
 
-// The loop below is most of a decode step's time outside the matmuls, and a build for baseline
-// x86-64 runs it in SSE2 without FMA. GCC builds it also for AVX-512 and for AVX2 with FMA, and the
-// loader picks the widest the CPU runs, once per process: a machine always takes the same path,
-// so its results do not change from step to step or with the batch (clang cannot clone templates).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TINKERD_CPU_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define TINKERD_CPU_CLONES
-#endif
+// The loop below is most of a decode step's time outside the matmuls: see cpu_clones.h.
 
 // q·k in sixteen independent partial sums, added pairwise: the compiler may keep them in vector
 // registers, which a single running sum would forbid (it cannot reorder floating-point additions).

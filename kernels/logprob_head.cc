@@ -6,6 +6,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/gemv.h"
+
 namespace tinkerd::kernels {
 namespace {
 
@@ -194,13 +196,13 @@ at::Tensor HeadLogits(const LogprobHeadParams& p) {
     at::Tensor u_tr, B_Vr;
   };
   std::vector<Adapted> adapted;
-  if (hd.lora()) adapted.push_back({0, T, at::mm(hd.h_TD, hd.A_rD.t()).mul_(hd.s), hd.B_Vr});
+  if (hd.lora()) adapted.push_back({0, T, LinearProduct(hd.h_TD, hd.A_rD).mul_(hd.s), hd.B_Vr});
   int64_t row = 0;
   for (const LoraRun& run : p.lora_runs) {
     if (run.A_rI.defined()) {
       const at::Tensor h = hd.h_TD.narrow(0, row, run.rows);
       adapted.push_back(
-          {row, run.rows, at::mm(h, run.A_rI.to(dt).t()).mul_(run.scale), run.B_Or.to(dt)});
+          {row, run.rows, LinearProduct(h, run.A_rI.to(dt)).mul_(run.scale), run.B_Or.to(dt)});
     }
     row += run.rows;
   }
@@ -209,9 +211,9 @@ at::Tensor HeadLogits(const LogprobHeadParams& p) {
   std::vector<at::Tensor> chunks;
   for (int64_t v0 = 0; v0 < V; v0 += hd.chunk_v) {
     const int64_t vc = std::min(hd.chunk_v, V - v0);
-    at::Tensor z = at::mm(hd.h_TD, hd.W_VD.narrow(0, v0, vc).t());
+    at::Tensor z = LinearProduct(hd.h_TD, hd.W_VD.narrow(0, v0, vc));
     for (const Adapted& a : adapted) {
-      z.narrow(0, a.row, a.rows).add_(at::mm(a.u_tr, a.B_Vr.narrow(0, v0, vc).t()));
+      z.narrow(0, a.row, a.rows).add_(LinearProduct(a.u_tr, a.B_Vr.narrow(0, v0, vc)));
     }
     chunks.push_back(z.to(acc));
   }

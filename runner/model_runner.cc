@@ -239,13 +239,16 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     impl->rope = std::make_shared<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
-    const char* wait_policy = std::getenv("OMP_WAIT_POLICY");  // see util/cpu_environment.h
+    // See util/cpu_environment.h.
+    const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+    const char* spin_count = std::getenv("GOMP_SPINCOUNT");
     const std::string blas_core = BlasCore();
     TLOG_INFO(
         "runner: {} | {} | memory budget for models {} | intra-op threads {}, "
-        "OMP_WAIT_POLICY={}, OpenBLAS kernels {}",
+        "OMP_WAIT_POLICY={}, GOMP_SPINCOUNT={}, OpenBLAS kernels {}",
         config.DebugString(), impl->model_config.DebugString(), Bytes(impl->memory_budget),
         at::get_num_threads(), wait_policy != nullptr ? wait_policy : "(unset)",
+        spin_count != nullptr ? spin_count : "(unset)",
         blas_core.empty() ? "(not OpenBLAS)" : blas_core);
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
   });

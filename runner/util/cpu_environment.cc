@@ -26,6 +26,12 @@ const char* CoreForThisCpu() {
   return "";
 }
 
+// About 30 µs of spinning (libgomp counts about 100,000 spins a millisecond): a decode step's
+// products follow each other microseconds apart, and a worker woken from sleep for each took a
+// batch-8 decode from 1,250 to 790 tokens/s; longer spins took training and prefill time from
+// OpenBLAS's pool (bench/RESULTS.md, stop 28).
+constexpr char kSpinCount[] = "3000";
+
 }  // namespace
 
 std::string BlasCore() {
@@ -38,8 +44,9 @@ std::string BlasCore() {
 
 void PrepareCpuEnvironment(char** argv) {
   bool changed = false;
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {
     changed |= setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0) == 0;
+    changed |= setenv("GOMP_SPINCOUNT", kSpinCount, /*overwrite=*/0) == 0;
   }
   const char* better = CoreForThisCpu();
   if (std::getenv("OPENBLAS_CORETYPE") == nullptr && *better != '\0' &&
@@ -48,8 +55,10 @@ void PrepareCpuEnvironment(char** argv) {
   }
   if (!changed) return;
   execv("/proc/self/exe", argv);
-  std::fprintf(stderr, "could not re-execute with OMP_WAIT_POLICY and OPENBLAS_CORETYPE set (%s)\n",
-               std::strerror(errno));
+  std::fprintf(
+      stderr,
+      "could not re-execute with OMP_WAIT_POLICY, GOMP_SPINCOUNT and OPENBLAS_CORETYPE set (%s)\n",
+      std::strerror(errno));
 }
 
 }  // namespace tinkerd

@@ -1,11 +1,13 @@
 // Two settings that the CPU libraries read once, while they are loaded, before main: so this sets
 // them and re-executes the program (/proc/self/exe, same argv and pid, the new environment).
 //
-// OMP_WAIT_POLICY=PASSIVE, unless the operator chose a policy: LibTorch's OpenMP workers spin for
-// a while after each parallel region, and tinkerd runs training, sampling and its front ends on
-// threads of their own, and OpenBLAS keeps a pool of its own, so a spinning worker holds the core
-// the next op needs. On the 2-core CI machine spinning made a prefill 4x slower (bench/RESULTS.md,
-// stop 22).
+// OMP_WAIT_POLICY=PASSIVE with GOMP_SPINCOUNT=3000, unless the operator set either: LibTorch's
+// OpenMP workers spin for 3 ms by default after each parallel region, and tinkerd runs training,
+// sampling and its front ends on threads of their own, and OpenBLAS keeps a pool of its own, so a
+// spinning worker holds the core the next op needs. On the 2-core CI machine spinning made a
+// prefill 4x slower (bench/RESULTS.md, stop 22). Not sleeping at once matters too: the CPU
+// kernels' parallel loops (a decode step runs ~45 of them) wait for a sleeping worker to wake.
+// The spin count is libgomp's (the OpenMP runtime of LibTorch built with GCC); others ignore it.
 //
 // OPENBLAS_CORETYPE, unless the operator set it, only when OpenBLAS chose its generic Prescott
 // (SSE3) kernels on a CPU with AVX: it does so on virtual machines whose CPU model it does not

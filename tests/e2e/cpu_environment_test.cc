@@ -1,7 +1,7 @@
-// The real tinkerd's start-up environment (runner/util/cpu_environment.h): with OMP_WAIT_POLICY
-// and OPENBLAS_CORETYPE unset it re-executes itself with passive OpenMP waits and, on a CPU with
-// AVX, never runs OpenBLAS's generic Prescott kernels; values the operator set are kept. The
-// runner's start-up line says what is in effect.
+// The real tinkerd's start-up environment (runner/util/cpu_environment.h): with OMP_WAIT_POLICY,
+// GOMP_SPINCOUNT and OPENBLAS_CORETYPE unset it re-executes itself with short OpenMP spins before
+// sleeping and, on a CPU with AVX, never runs OpenBLAS's generic Prescott kernels; values the
+// operator set are kept. The runner's start-up line says what is in effect.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -64,10 +64,11 @@ std::string Value(const std::string& line, const std::string& key) {
 }
 
 TEST(CpuEnvironment, TinkerdSetsWhatTheCpuLibrariesReadAsTheyLoad) {
-  const std::string chosen =
-      RunnerLine({{"OMP_WAIT_POLICY", nullptr}, {"OPENBLAS_CORETYPE", nullptr}});
+  const std::string chosen = RunnerLine(
+      {{"OMP_WAIT_POLICY", nullptr}, {"GOMP_SPINCOUNT", nullptr}, {"OPENBLAS_CORETYPE", nullptr}});
   ASSERT_NE(chosen, "") << "no runner start-up line";
   EXPECT_EQ(Value(chosen, "OMP_WAIT_POLICY="), "PASSIVE") << chosen;
+  EXPECT_EQ(Value(chosen, "GOMP_SPINCOUNT="), "3000") << chosen;
   const std::string kernels = Value(chosen, "OpenBLAS kernels ");
   ASSERT_NE(kernels, "") << chosen;
   __builtin_cpu_init();
@@ -75,9 +76,16 @@ TEST(CpuEnvironment, TinkerdSetsWhatTheCpuLibrariesReadAsTheyLoad) {
     EXPECT_NE(absl::AsciiStrToLower(kernels), "prescott") << chosen;
   }
   // The operator's values are kept, and the line names what runs (the control: Prescott shows).
-  const std::string kept =
-      RunnerLine({{"OMP_WAIT_POLICY", "ACTIVE"}, {"OPENBLAS_CORETYPE", "Prescott"}});
+  const std::string kept = RunnerLine({{"OMP_WAIT_POLICY", "ACTIVE"},
+                                       {"GOMP_SPINCOUNT", nullptr},
+                                       {"OPENBLAS_CORETYPE", "Prescott"}});
   EXPECT_EQ(Value(kept, "OMP_WAIT_POLICY="), "ACTIVE") << kept;
+  EXPECT_EQ(Value(kept, "GOMP_SPINCOUNT="), "(unset)") << kept;
+  // A spin count alone is the operator's choice of waiting too: neither variable is added.
+  const std::string spins = RunnerLine(
+      {{"OMP_WAIT_POLICY", nullptr}, {"GOMP_SPINCOUNT", "50000"}, {"OPENBLAS_CORETYPE", nullptr}});
+  EXPECT_EQ(Value(spins, "GOMP_SPINCOUNT="), "50000") << spins;
+  EXPECT_EQ(Value(spins, "OMP_WAIT_POLICY="), "(unset)") << spins;
   if (kernels != "(not OpenBLAS)") {
     EXPECT_EQ(absl::AsciiStrToLower(Value(kept, "OpenBLAS kernels ")), "prescott") << kept;
   }

@@ -1,0 +1,136 @@
+#include "kernels/gemv.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <array>
+#include <cstring>
+
+#include "kernels/cpu_clones.h"
+
+namespace tinkerd::kernels {
+namespace {
+
+// Sixteen floats, one AVX-512 register; the compiler lowers it to two AVX2 or four SSE registers
+// on the other clones. V16u reads one from any float address (GCC's idiom for unaligned loads).
+using V16 = float __attribute__((vector_size(64)));
+using V16u = float __attribute__((vector_size(64), aligned(4), may_alias));
+using V8 = float __attribute__((vector_size(32)));
+using V4 = float __attribute__((vector_size(16)));
+
+// The sixteen partial sums added pairwise: halves, then halves of those, in registers.
+inline float Total(const V16& v) {
+  V8 lo8, hi8;
+  std::memcpy(&lo8, &v, sizeof lo8);
+  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + sizeof lo8, sizeof hi8);
+  const V8 s8 = lo8 + hi8;
+  V4 lo4, hi4;
+  std::memcpy(&lo4, &s8, sizeof lo4);
+  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof lo4, sizeof hi4);
+  const V4 s4 = lo4 + hi4;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// y[r][c] for R rows of x (ldx apart) and C rows of w (I apart), into y (ldy apart). R · C
+// accumulators stay in registers: 4 × 4 takes 16 of AVX-512's 32, with the 4 weight vectors and
+// one row of x beside them.
+template <int R, int C>
+TINKERD_CPU_CLONES void Block(const float* x, int64_t ldx, const float* w, int64_t I, float* y,
+                              int64_t ldy) {
+  V16 acc[R][C] = {};
+  int64_t i = 0;
+  for (; i + 16 <= I; i += 16) {
+    V16 w16[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) w16[c] = *reinterpret_cast<const V16u*>(w + c * I + i);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const V16 x16 = *reinterpret_cast<const V16u*>(x + r * ldx + i);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] += x16 * w16[c];
+    }
+  }
+  if (i < I) {  // the last I mod 16 elements, zero-padded to sixteen
+    V16 x16 = {}, w16 = {};
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(&x16, x + r * ldx + i, (I - i) * sizeof(float));
+      for (int c = 0; c < C; ++c) {
+        std::memcpy(&w16, w + c * I + i, (I - i) * sizeof(float));
+        acc[r][c] += x16 * w16;
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = Total(acc[r][c]);
+  }
+}
+
+using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+
+constexpr int kRows = 4, kCols = 4;
+
+template <int R>
+constexpr std::array<BlockFn, kCols> BlocksOfRows() {
+  return {&Block<R, 1>, &Block<R, 2>, &Block<R, 3>, &Block<R, 4>};
+}
+
+// kBlocks[R − 1][C − 1] is Block<R, C>.
+constexpr std::array<std::array<BlockFn, kCols>, kRows> kBlocks = {
+    BlocksOfRows<1>(), BlocksOfRows<2>(), BlocksOfRows<3>(), BlocksOfRows<4>()};
+
+}  // namespace
+
+bool GemvServes(const at::Tensor& x_NI, const at::Tensor& w_OI) {
+  static const bool avx512 = [] {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+#else
+    return false;
+#endif
+  }();
+  if (!avx512) return false;
+  const bool grad = c10::GradMode::is_enabled() && (x_NI.requires_grad() || w_OI.requires_grad());
+  return !grad && x_NI.device().is_cpu() && w_OI.device().is_cpu() &&
+         x_NI.scalar_type() == at::kFloat && w_OI.scalar_type() == at::kFloat && x_NI.dim() == 2 &&
+         w_OI.dim() == 2 && x_NI.size(1) == w_OI.size(1) && x_NI.size(0) <= kGemvMaxRows;
+}
+
+at::Tensor Gemv(const GemvParams& p) {
+  TORCH_CHECK(p.x_NI.dim() == 2 && p.w_OI.dim() == 2 && p.x_NI.size(1) == p.w_OI.size(1),
+              "gemv: x [N, I] and w [O, I] do not match");
+  TORCH_CHECK(p.x_NI.scalar_type() == at::kFloat && p.w_OI.scalar_type() == at::kFloat &&
+                  p.x_NI.device().is_cpu() && p.w_OI.device().is_cpu(),
+              "gemv: float32 on the CPU only");
+  const at::Tensor x = p.x_NI.stride(1) == 1 ? p.x_NI : p.x_NI.contiguous();
+  const at::Tensor w = p.w_OI.contiguous();
+  const int64_t N = x.size(0), I = x.size(1), O = w.size(0), ldx = x.stride(0);
+  at::Tensor y_NO = at::empty({N, O}, x.options());
+  if (N == 0 || O == 0) return y_NO;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y_NO.data_ptr<float>();
+  // Tasks of whole column blocks, each at least 256 KiB of weights, so that a thread streams a
+  // long run of rows.
+  const int64_t blocks = (O + kCols - 1) / kCols;
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 16) / (kCols * std::max<int64_t>(I, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t o = b * kCols, cols = std::min<int64_t>(kCols, O - o);
+      for (int64_t n = 0; n < N; n += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, N - n);
+        kBlocks[rows - 1][cols - 1](xp + n * ldx, ldx, wp + o * I, I, yp + n * O + o, O);
+      }
+    }
+  });
+  return y_NO;
+}
+
+at::Tensor LinearProduct(const at::Tensor& x_NI, const at::Tensor& w_OI) {
+  return GemvServes(x_NI, w_OI) ? Gemv({x_NI, w_OI}) : at::mm(x_NI, w_OI.t());
+}
+
+}  // namespace tinkerd::kernels

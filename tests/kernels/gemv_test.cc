@@ -1,0 +1,131 @@
+// kernels/gemv against a float64 loop within the derived bound, with broken controls; a row's
+// result the same to the bit alone, in any batch and on any thread count; and the products it
+// leaves to LibTorch. Gemv runs on the CPU only, whatever the test device.
+//
+// The bound. y[n, o] is sixteen partial sums of ceil(I/16) products each, then four rounds of
+// pairwise additions. Along the way each product is rounded at most twice per step (once with a
+// fused multiply-add) and each addition once, so with u = 2^-24 (float32) and first order in u:
+//   |y − y_exact| <= (2·ceil(I/16) + 4) · u · Σ_i |x_ni · w_oi|
+// The float64 reference is exact to far below that.
+//
+// Shape suffixes: N rows, I in features, O out features.
+#include "kernels/gemv.h"
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "tests/kernels/kernel_test_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+constexpr double kU = 1.0 / (1 << 24);
+
+// The largest ratio |got − want| / bound over the outputs, the bound as derived above.
+double WorstOverBound(const at::Tensor& got_NO, const at::Tensor& want_NO, const at::Tensor& x_NI,
+                      const at::Tensor& w_OI) {
+  const int64_t I = x_NI.size(1);
+  const double steps = 2.0 * static_cast<double>((I + 15) / 16) + 4.0;
+  const at::Tensor magnitude = at::mm(x_NI.to(at::kDouble).abs(), w_OI.to(at::kDouble).abs().t());
+  const at::Tensor bound = magnitude * (steps * kU) + 1e-300;
+  return ((got_NO.to(at::kDouble) - want_NO).abs() / bound).max().item<double>();
+}
+
+at::Tensor Reference(const at::Tensor& x_NI, const at::Tensor& w_OI) {
+  return at::mm(x_NI.to(at::kDouble), w_OI.to(at::kDouble).t());
+}
+
+TEST(Gemv, MatchesFloat64WithinTheDerivedBound) {
+  at::NoGradGuard no_grad;
+  uint64_t seed = 100;
+  for (int64_t N : {1, 3, 4, 5, 13}) {
+    for (int64_t O : {1, 3, 4, 9}) {
+      for (int64_t I : {5, 16, 37, 96}) {
+        const at::Tensor x = Randn({N, I}, ++seed).to(at::kFloat);
+        const at::Tensor w = Randn({O, I}, ++seed).to(at::kFloat);
+        const at::Tensor y = kernels::Gemv({x, w});
+        ASSERT_EQ(y.sizes(), (at::IntArrayRef{N, O}));
+        EXPECT_LE(WorstOverBound(y, Reference(x, w), x, w), 1.0)
+            << "N " << N << " O " << O << " I " << I;
+        // Controls: the outputs of the neighbouring weight row, and (with a tail) the product
+        // without the last I mod 16 elements, are rejected by the same bound.
+        if (O > 1) {
+          const at::Tensor shifted = Reference(x, w.roll(1, 0));
+          EXPECT_GT(WorstOverBound(y, shifted, x, w), 1.0) << "N " << N << " O " << O;
+        }
+        if (I % 16 != 0) {
+          const int64_t kept = I - I % 16;
+          const at::Tensor no_tail = Reference(x.narrow(1, 0, kept), w.narrow(1, 0, kept));
+          EXPECT_GT(WorstOverBound(y, no_tail, x, w), 1.0) << "N " << N << " I " << I;
+        }
+      }
+    }
+  }
+}
+
+TEST(Gemv, ReadsRowsWithAStride) {
+  at::NoGradGuard no_grad;
+  // x's rows 40 floats apart, 33 of them used: a narrowed activation.
+  const at::Tensor wide = Randn({6, 40}, 7).to(at::kFloat);
+  const at::Tensor x = wide.narrow(1, 3, 33);
+  ASSERT_FALSE(x.is_contiguous());
+  const at::Tensor w = Randn({11, 33}, 8).to(at::kFloat);
+  EXPECT_LE(WorstOverBound(kernels::Gemv({x, w}), Reference(x, w), x, w), 1.0);
+}
+
+TEST(Gemv, ARowIsTheSameToTheBitInAnyBatchAndOnAnyThreadCount) {
+  at::NoGradGuard no_grad;
+  const at::Tensor x = Randn({kernels::kGemvMaxRows, 300}, 11).to(at::kFloat);
+  const at::Tensor w = Randn({301, 300}, 12).to(at::kFloat);
+  const at::Tensor all = kernels::Gemv({x, w});
+  for (int64_t n : {int64_t{0}, int64_t{5}, kernels::kGemvMaxRows - 1}) {
+    EXPECT_TRUE(at::equal(kernels::Gemv({x.narrow(0, n, 1), w}), all.narrow(0, n, 1))) << n;
+  }
+  EXPECT_TRUE(at::equal(kernels::Gemv({x.narrow(0, 3, 7), w}), all.narrow(0, 3, 7)));
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const at::Tensor one_thread = kernels::Gemv({x, w});
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(one_thread, all));
+  // Control: the comparison tells a one-ulp difference apart.
+  at::Tensor nudged = all.clone();
+  nudged[0][0] = std::nextafter(nudged[0][0].item<float>(), 1e9f);
+  EXPECT_FALSE(at::equal(nudged, all));
+}
+
+TEST(Gemv, ServesFewFloat32RowsOutsideAutogradOnly) {
+  const at::Tensor x = Randn({8, 32}, 21).to(at::kFloat);
+  const at::Tensor w = Randn({16, 32}, 22).to(at::kFloat);
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") != 0;  // where it serves at all
+#else
+  const bool avx512 = false;
+#endif
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_EQ(kernels::GemvServes(x, w), avx512);
+    EXPECT_EQ(kernels::GemvServes(x.requires_grad_(true), w), avx512);
+    x.requires_grad_(false);
+    EXPECT_FALSE(kernels::GemvServes(x.to(at::kDouble), w.to(at::kDouble)));
+    EXPECT_FALSE(kernels::GemvServes(x.to(at::kBFloat16), w.to(at::kBFloat16)));
+    const at::Tensor many = Randn({kernels::kGemvMaxRows + 1, 32}, 23).to(at::kFloat);
+    EXPECT_FALSE(kernels::GemvServes(many, w));
+  }
+  // Under autograd a product that needs a gradient is LibTorch's, and records one.
+  const at::Tensor xg = x.clone().requires_grad_(true);
+  EXPECT_FALSE(kernels::GemvServes(xg, w));
+  const at::Tensor y = kernels::LinearProduct(xg, w);
+  EXPECT_TRUE(y.requires_grad());
+  y.sum().backward();
+  EXPECT_LE(RelErr(xg.grad(), w.sum(0).expand({8, 32})), 1e-6);
+  // LinearProduct by Gemv equals the BLAS's product within the bound.
+  at::NoGradGuard no_grad;
+  EXPECT_LE(WorstOverBound(kernels::LinearProduct(x, w), Reference(x, w), x, w), 1.0);
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
