@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 

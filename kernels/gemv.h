@@ -7,7 +7,8 @@
 //
 // Each y[n, o] is summed in the same order whatever the other rows are: sixteen partial sums
 // over i in steps of 16 (the last I mod 16 elements in the first lanes), then added pairwise. A
-// row's result does not change with the batch it is decoded in.
+// row's result does not change with the batch it is decoded in (up to kGemvMaxRows rows) or with
+// the number of threads.
 //
 // Shape suffixes: N rows, I in features, O out features.
 #pragma once
