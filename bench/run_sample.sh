@@ -46,12 +46,15 @@ for line in open("/proc/cpuinfo"):
 print()
 print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, {platform.platform()}; {r['threads']} threads")
 print()
-print("| decode batch | tinkerd tokens/s | eager tokens/s | tinkerd / eager | greedy tokens equal |")
-print("|---:|---:|---:|---:|---:|")
+print("| decode batch | tinkerd tokens/s | eager tokens/s | tinkerd / eager "
+      "| steady: tinkerd | steady: eager | steady: tinkerd / eager | greedy tokens equal |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|")
 for b, t in sorted(r["decode_tokens_per_s"].items(), key=lambda kv: int(kv[0])):
     x = e["decode_tokens_per_s"][b]
+    st, sx = r["steady_decode_tokens_per_s"][b], e["steady_decode_tokens_per_s"][b]
     same = sum(a == c for a, c in zip(r["greedy_tokens"][b], e["greedy_tokens"][b]))
-    print(f"| {b} | {t:.1f} | {x:.1f} | {t / x:.2f}x | {same}/{len(r['greedy_tokens'][b])} |")
+    print(f"| {b} | {t:.1f} | {x:.1f} | {t / x:.2f}x | {st:.1f} | {sx:.1f} | {st / sx:.2f}x "
+          f"| {same}/{len(r['greedy_tokens'][b])} |")
 print()
 print(f"time to first token: tinkerd {r['ttft_s']:.3f} s, eager {e['ttft_s']:.3f} s "
       f"(tinkerd / eager time {r['ttft_s'] / e['ttft_s']:.2f})")

@@ -80,10 +80,12 @@ using PolicyPtr = std::shared_ptr<const tinkerd::Policy>;
 
 // Runs one greedy sample of `max_tokens` per prompt to completion, prompt i from policies[i]
 // (policies[0] when there are fewer); returns seconds, and the tokens of every sample in `tokens`
-// when given.
+// when given. `steady`, when given, gets the seconds after the first step (the prefill, the first
+// token and one decode step): max_tokens - 2 decode steps timed alone, without the prefill's
+// variance.
 double Run(tinkerd::SampleEngine& engine, const std::vector<PolicyPtr>& policies,
            const std::vector<std::vector<int64_t>>& prompts, int64_t max_tokens,
-           std::vector<std::vector<int64_t>>* tokens = nullptr) {
+           std::vector<std::vector<int64_t>>* tokens = nullptr, double* steady = nullptr) {
   std::vector<std::vector<int64_t>> out(prompts.size());
   const Clock::time_point t0 = Clock::now();
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -100,9 +102,11 @@ double Run(tinkerd::SampleEngine& engine, const std::vector<PolicyPtr>& policies
       std::exit(1);
     }
   }
-  while (engine.Step()) {
-  }
+  bool more = engine.Step();
+  const Clock::time_point t1 = Clock::now();
+  while (more) more = engine.Step();
   const double s = Since(t0);
+  if (steady != nullptr) *steady = Since(t1);
   if (tokens != nullptr) *tokens = std::move(out);
   return s;
 }
@@ -185,23 +189,29 @@ int main(int argc, char** argv) {
               static_cast<long long>(prompt_len), static_cast<long long>(max_tokens),
               static_cast<long long>(reps));
   nlohmann::json decode = nlohmann::json::object();
+  nlohmann::json steady_decode = nlohmann::json::object();
   nlohmann::json first_tokens = nlohmann::json::object();
   for (int64_t b : batches) {
     const std::vector<std::vector<int64_t>> batch(prompts.begin(), prompts.begin() + b);
-    std::vector<double> one, full;
+    std::vector<double> one, full, steady;
     std::vector<std::vector<int64_t>> tokens;
     for (int64_t r = 0; r < reps; ++r) {
       one.push_back(Run(engine, {*base}, batch, 1));
-      full.push_back(Run(engine, {*base}, batch, max_tokens, &tokens));
+      full.push_back(Run(engine, {*base}, batch, max_tokens, &tokens, &steady.emplace_back()));
     }
     const double s = Median(full) - Median(one);
     const double tps = static_cast<double>(b * (max_tokens - 1)) / s;
-    std::printf("  batch %3lld: %8.1f tokens/s (prefill + first token %.3f s, all %.3f s)\n",
-                static_cast<long long>(b), tps, Median(one), Median(full));
+    const double steady_tps = static_cast<double>(b * (max_tokens - 2)) / Median(steady);
+    std::printf(
+        "  batch %3lld: %8.1f tokens/s (prefill + first token %.3f s, all %.3f s); "
+        "steps after the first: %.1f tokens/s\n",
+        static_cast<long long>(b), tps, Median(one), Median(full), steady_tps);
     decode[std::to_string(b)] = tps;
+    steady_decode[std::to_string(b)] = steady_tps;
     first_tokens[std::to_string(b)] = tokens[0];
   }
   result["decode_tokens_per_s"] = decode;
+  result["steady_decode_tokens_per_s"] = steady_decode;
   result["greedy_tokens"] = first_tokens;
 
   std::vector<double> ttft;

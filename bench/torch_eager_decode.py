@@ -12,7 +12,9 @@ is prefilled in one causal forward, then decoded one token per step for every sa
           LM head, log_softmax (a sampler reports each token's logprob) and argmax.
 
 decode tokens/s = B * (max_tokens - 1) / (T(max_tokens) - T(1)), as in sample_bench: the prefill and
-the first token it yields are not counted. Prints readable lines and one JSON line.
+the first token it yields are not counted. Steady decode tokens/s = B * (max_tokens - 2) / the time
+after the first decode step's token, timed directly (no prefill's variance in it), also as there.
+Prints readable lines and one JSON line.
 
 Use Debian's interpreter: /usr/bin/python3 bench/torch_eager_decode.py --out_dir /tmp/tinkerd_sample
 """
@@ -97,8 +99,9 @@ class Decoder:
             h = h + F.linear(F.silu(F.linear(x, L["gate"])) * F.linear(x, L["up"]), L["down"])
         return F.linear(rms_norm(h[:, -1], self.norm, self.eps), self.lm_head)
 
-    def generate(self, prompts, max_tokens):
-        """Greedy; returns the tokens [B, max_tokens] and their logprobs."""
+    def generate(self, prompts, max_tokens, marks=None):
+        """Greedy; returns the tokens [B, max_tokens] and their logprobs. `marks`, when given, gets
+        the time after the first decode step's token is chosen, as sample_bench's steady timing."""
         ids = torch.tensor(prompts, dtype=torch.long)
         b, p = ids.shape
         caches = [(torch.empty(b, self.kv_heads, p + max_tokens, self.hd),
@@ -110,6 +113,8 @@ class Decoder:
             nxt = torch.argmax(logp, dim=-1)
             tokens.append(nxt)
             logprobs.append(logp.gather(1, nxt.unsqueeze(1)))
+            if t == 1 and marks is not None:
+                marks.append(time.perf_counter())
             if t + 1 < max_tokens:
                 logits = self.forward(nxt.unsqueeze(1), p + t, caches)
         return torch.stack(tokens, dim=1), torch.cat(logprobs, dim=1)
@@ -132,23 +137,30 @@ def main():
         data = json.load(f)
     prompts = data["prompts"]
     result = {"threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
-              "decode_tokens_per_s": {}, "greedy_tokens": {}}
+              "decode_tokens_per_s": {}, "steady_decode_tokens_per_s": {},
+              "greedy_tokens": {}}
     with torch.no_grad():
         model.generate(prompts[:1], 4)  # warm-up
         for b in (int(x) for x in args.batches.split(",")):
-            one, full = [], []
+            one, full, steady = [], [], []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
                 model.generate(prompts[:b], 1)
                 one.append(time.perf_counter() - t0)
+                marks = []
                 t0 = time.perf_counter()
-                tokens, _ = model.generate(prompts[:b], args.max_tokens)
-                full.append(time.perf_counter() - t0)
+                tokens, _ = model.generate(prompts[:b], args.max_tokens, marks)
+                t1 = time.perf_counter()
+                full.append(t1 - t0)
+                steady.append(t1 - marks[0])
             s = statistics.median(full) - statistics.median(one)
             tps = b * (args.max_tokens - 1) / s
+            steady_tps = b * (args.max_tokens - 2) / statistics.median(steady)
             print(f"  batch {b:3d}: {tps:8.1f} tokens/s (prefill + first token "
-                  f"{statistics.median(one):.3f} s, all {statistics.median(full):.3f} s)")
+                  f"{statistics.median(one):.3f} s, all {statistics.median(full):.3f} s); "
+                  f"steps after the first: {steady_tps:.1f} tokens/s")
             result["decode_tokens_per_s"][str(b)] = tps
+            result["steady_decode_tokens_per_s"][str(b)] = steady_tps
             result["greedy_tokens"][str(b)] = tokens[0].tolist()
         ttft = []
         for _ in range(args.reps):

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels/attention.h"
 #include "kernels/cpu_clones.h"
@@ -100,10 +101,40 @@ inline A Dot(const A* __restrict q, const T* __restrict k, int64_t d) {
   return part[0];
 }
 
-// A task reads one kv head's d elements from each cached row, rows K · d apart: the hardware
-// prefetcher does not run ahead of that stride, and the loop waited on memory for most of its
-// time. Asking for the row kAhead rows on took the batch-64 decode (128 tokens) from about 800
-// to 1,130 tokens/s on a 2-vCPU EPYC; 2 rows ahead gave 976, 8 rows 1,030 (bench/RESULTS.md).
+// Sixteen floats, one AVX-512 register (two AVX2 or four SSE registers on the other clones);
+// V16u reads one from any float address.
+using V16 = float __attribute__((vector_size(64)));
+using V16u = float __attribute__((vector_size(64), aligned(4), may_alias));
+using V8 = float __attribute__((vector_size(32)));
+using V4 = float __attribute__((vector_size(16)));
+
+// The same sums in the same order for float, written in vector types: GCC kept the generic loop's
+// sixteen sums in memory and added them one at a time, which took more of the loop than the
+// products did.
+template <>
+inline float Dot<float, float>(const float* __restrict q, const float* __restrict k, int64_t d) {
+  V16 part = {};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    part += *reinterpret_cast<const V16u*>(q + i) * *reinterpret_cast<const V16u*>(k + i);
+  }
+  for (; i < d; ++i) part[0] += q[i] * k[i];
+  V8 lo8, hi8;
+  std::memcpy(&lo8, &part, sizeof lo8);
+  std::memcpy(&hi8, reinterpret_cast<const char*>(&part) + sizeof lo8, sizeof hi8);
+  const V8 s8 = lo8 + hi8;
+  V4 lo4, hi4;
+  std::memcpy(&lo4, &s8, sizeof lo4);
+  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof lo4, sizeof hi4);
+  const V4 s4 = lo4 + hi4;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// A task reads its kv heads' elements of each cached row, rows K · d apart. When that was one
+// head's d elements, the hardware prefetcher did not run ahead of the stride, and the loop waited
+// on memory for most of its time. Asking for the row kAhead rows on took the batch-64 decode (128
+// tokens) from about 800 to 1,130 tokens/s on a 2-vCPU EPYC; 2 rows ahead gave 976, 8 rows 1,030
+// (bench/RESULTS.md).
 constexpr int64_t kAhead = 4;
 
 template <typename T>
@@ -121,54 +152,59 @@ inline void Axpy(A w, const T* __restrict v, A* __restrict o, int64_t d) {
   for (; i < d; ++i) o[i] += w * static_cast<A>(v[i]);
 }
 
-// One task: the G query heads of one sequence that read one kv head, over its visible keys
-// [first, first + visible). q_Gd is already scaled; scores holds G · visible, o G · d, sum G.
+// One task: the G query heads of one sequence that read each of its kv heads [kv0, kv0 + nkv),
+// over its visible keys [first, first + visible). q_Nd is already scaled, N = nkv · G heads;
+// scores holds N · visible, o N · d, sum N.
 template <typename T, typename A>
 struct Task {
-  const A* q_Gd;
+  const A* q_Nd;
   const std::vector<Piece<T>>* pieces;
-  int64_t G, d, kv, first, visible;
+  int64_t G, d, kv0, nkv, first, visible;
   A* scores;
   A* o;
   A* sum;
-  T* out_Gd;
+  T* out_Nd;
 };
 
 template <typename T, typename A>
 TINKERD_CPU_CLONES void Attend(const Task<T, A>& t) {
-  const int64_t G = t.G, d = t.d, visible = t.visible;
-  // Scores, laid out [G, visible]; then each head's softmax in place.
+  const int64_t G = t.G, d = t.d, visible = t.visible, N = t.nkv * G, span = t.nkv * d;
+  // Scores, laid out [N, visible]; then each head's softmax in place.
   int64_t j = 0;
   for (const Piece<T>& piece : *t.pieces) {
     for (int64_t r = std::max<int64_t>(0, t.first - j); r < piece.n; ++r) {
-      const T* k = piece.k + r * piece.k_row + t.kv * d;
-      if (r + kAhead < piece.n) Prefetch(k + kAhead * piece.k_row, d);
-      for (int64_t g = 0; g < G; ++g) {
-        t.scores[g * visible + j + r - t.first] = Dot(&t.q_Gd[g * d], k, d);
+      const T* row = piece.k + r * piece.k_row + t.kv0 * d;
+      if (r + kAhead < piece.n) Prefetch(row + kAhead * piece.k_row, span);
+      for (int64_t kv = 0, h = 0; kv < t.nkv; ++kv) {
+        for (int64_t g = 0; g < G; ++g, ++h) {
+          t.scores[h * visible + j + r - t.first] = Dot(&t.q_Nd[h * d], row + kv * d, d);
+        }
       }
     }
     j += piece.n;
   }
-  for (int64_t g = 0; g < G; ++g) {
-    A* row = &t.scores[g * visible];
-    const A top = *std::max_element(row, row + visible);
-    t.sum[g] = 0;
-    for (int64_t c = 0; c < visible; ++c) t.sum[g] += (row[c] = std::exp(row[c] - top));
+  for (int64_t h = 0; h < N; ++h) {
+    A* scores = &t.scores[h * visible];
+    const A top = *std::max_element(scores, scores + visible);
+    t.sum[h] = 0;
+    for (int64_t c = 0; c < visible; ++c) t.sum[h] += (scores[c] = std::exp(scores[c] - top));
   }
-  std::fill(t.o, t.o + G * d, A(0));
+  std::fill(t.o, t.o + N * d, A(0));
   j = 0;
   for (const Piece<T>& piece : *t.pieces) {
     for (int64_t r = std::max<int64_t>(0, t.first - j); r < piece.n; ++r) {
-      const T* v = piece.v + r * piece.v_row + t.kv * d;
-      if (r + kAhead < piece.n) Prefetch(v + kAhead * piece.v_row, d);
-      for (int64_t g = 0; g < G; ++g) {
-        Axpy(t.scores[g * visible + j + r - t.first], v, &t.o[g * d], d);
+      const T* row = piece.v + r * piece.v_row + t.kv0 * d;
+      if (r + kAhead < piece.n) Prefetch(row + kAhead * piece.v_row, span);
+      for (int64_t kv = 0, h = 0; kv < t.nkv; ++kv) {
+        for (int64_t g = 0; g < G; ++g, ++h) {
+          Axpy(t.scores[h * visible + j + r - t.first], row + kv * d, &t.o[h * d], d);
+        }
       }
     }
     j += piece.n;
   }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < d; ++i) t.out_Gd[g * d + i] = static_cast<T>(t.o[g * d + i] / t.sum[g]);
+  for (int64_t h = 0; h < N; ++h) {
+    for (int64_t i = 0; i < d; ++i) t.out_Nd[h * d + i] = static_cast<T>(t.o[h * d + i] / t.sum[h]);
   }
 }
 
@@ -191,18 +227,25 @@ void Cpu(const DecodeAttentionParams& p, double scale, at::Tensor& out_SHd) {
       lengths[s] += k.size(0);
     }
   }
+  // A task per sequence reads its cached rows whole, K · d contiguous elements each; a task per
+  // (sequence, kv head) reads d of every K · d, and the batch-64 decode ran about 15% slower that
+  // way (bench/RESULTS.md). Per kv head only when the sequences are too few to keep every thread
+  // busy. Each head's sums run in the same order either way.
+  const int64_t nkv = S >= 2 * at::get_num_threads() ? K : 1;
   const T* q_all = q_SHd.data_ptr<T>();
   T* out_all = out_SHd.data_ptr<T>();
-  at::parallel_for(0, S * K, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> q(G * d), o(G * d), scores, sum(G);
+  at::parallel_for(0, S * (K / nkv), 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> q(nkv * G * d), o(nkv * G * d), scores, sum(nkv * G);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / K, kv = task % K, L = lengths[s];
+      const int64_t s = task / (K / nkv), kv0 = task % (K / nkv) * nkv, L = lengths[s];
       const int64_t first = p.window > 0 ? std::max<int64_t>(0, L - p.window) : 0;
-      const T* q_Gd = q_all + (s * H + kv * G) * d;
-      for (int64_t i = 0; i < G * d; ++i) q[i] = static_cast<A>(q_Gd[i]) * static_cast<A>(scale);
-      scores.resize(G * (L - first));
-      Attend<T, A>({q.data(), &pieces[s], G, d, kv, first, L - first, scores.data(), o.data(),
-                    sum.data(), out_all + (s * H + kv * G) * d});
+      const T* q_Nd = q_all + (s * H + kv0 * G) * d;
+      for (int64_t i = 0; i < nkv * G * d; ++i) {
+        q[i] = static_cast<A>(q_Nd[i]) * static_cast<A>(scale);
+      }
+      scores.resize(nkv * G * (L - first));
+      Attend<T, A>({q.data(), &pieces[s], G, d, kv0, nkv, first, L - first, scores.data(), o.data(),
+                    sum.data(), out_all + (s * H + kv0 * G) * d});
     }
   });
 }

@@ -113,6 +113,12 @@ void Metrics::AddRunningSamples(int64_t delta) {
   sample_sequences_running_ += delta;
 }
 
+void Metrics::SetSamplers(int64_t count, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  samplers_ = count;
+  sampler_bytes_ = bytes;
+}
+
 void Metrics::AddOptimStep(bool skipped) {
   absl::MutexLock lock(&mu_);
   ++steps_;
@@ -189,6 +195,14 @@ std::string Metrics::Render(int64_t queue_depth, bool serving) const {
       "# HELP tinkerd_sample_sequences_running Samples admitted and not ended.\n"
       "# TYPE tinkerd_sample_sequences_running gauge\ntinkerd_sample_sequences_running ",
       sample_sequences_running_, "\n");
+  absl::StrAppend(&out,
+                  "# HELP tinkerd_samplers Samplers held (frozen policies), every tenant's.\n"
+                  "# TYPE tinkerd_samplers gauge\ntinkerd_samplers ",
+                  samplers_, "\n");
+  absl::StrAppend(&out,
+                  "# HELP tinkerd_sampler_bytes Memory the samplers hold beyond the base model's "
+                  "weights.\n# TYPE tinkerd_sampler_bytes gauge\ntinkerd_sampler_bytes ",
+                  sampler_bytes_, "\n");
   absl::StrAppend(&out, "# TYPE tinkerd_serving gauge\ntinkerd_serving ", serving ? 1 : 0, "\n");
   return out;
 }

@@ -29,6 +29,8 @@ class Metrics {
   void AddSampled(int64_t sequences, int64_t tokens);
   // Samples in the engine: + when a request is offered to it, - when it is refused or has ended.
   void AddRunningSamples(int64_t delta);
+  // The samplers held (frozen policies) and their memory beyond the base model's weights.
+  void SetSamplers(int64_t count, int64_t bytes);
   void ObserveCheckpoint(const std::string& op, double seconds);
   // Text exposition format 0.0.4; `queue_depth` is read at render time.
   std::string Render(int64_t queue_depth, bool serving) const;
@@ -57,6 +59,8 @@ class Metrics {
   int64_t sampled_sequences_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sampled_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sample_sequences_running_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t samplers_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sampler_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // GET /metrics, /healthz (the process answers), /readyz (200 only while serving) on `port`

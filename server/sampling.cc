@@ -63,11 +63,33 @@ Sampling::Sampling(Ops* ops, SamplingConfig config)
   auto base = ops_->runner()->local()->FreezePolicy("");
   base_ = base.ok() ? *base : nullptr;  // the base's policy shares its tensors: it cannot fail
   ops_->scheduler()->SetBackground([this] { return engine_->Step(); });
+  expirer_ = std::thread([this] {
+    const absl::Duration every =
+        std::clamp(config_.sampler_idle / 4, absl::Milliseconds(50), absl::Minutes(1));
+    absl::MutexLock lock(&mu_);
+    while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), every)) {
+      std::vector<std::shared_ptr<const Policy>> expired = ExpireLocked();
+      mu_.Unlock();
+      expired.clear();  // the weights are freed outside the lock
+      mu_.Lock();
+    }
+  });
 }
 
-Sampling::~Sampling() = default;
+Sampling::~Sampling() {
+  StopExpirer();
+}
+
+void Sampling::StopExpirer() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (expirer_.joinable()) expirer_.join();
+}
 
 void Sampling::Stop() {
+  StopExpirer();
   loader_.Stop();
   engine_->FailAll(absl::UnavailableError("server is shutting down"));
 }
@@ -91,11 +113,29 @@ absl::StatusOr<SampleRequest> Sampling::Decode(const v1::SampleRequest& req) {
   return r;
 }
 
-void Sampling::ExpireLocked() {
+std::vector<std::shared_ptr<const Policy>> Sampling::ExpireLocked() {
   const absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<const Policy>> expired;
   for (auto it = samplers_.begin(); it != samplers_.end();) {
-    it = now - it->second.used > config_.sampler_idle ? samplers_.erase(it) : std::next(it);
+    if (now - it->second.used <= config_.sampler_idle) {
+      ++it;
+      continue;
+    }
+    TLOG_INFO("sampling: {} unused for {}: deleted", it->first,
+              absl::FormatDuration(config_.sampler_idle));
+    expired.push_back(std::move(it->second.policy));
+    it = samplers_.erase(it);
   }
+  if (!expired.empty()) PublishLocked();
+  return expired;
+}
+
+void Sampling::PublishLocked() {
+  Metrics* metrics = ops_->metrics();
+  if (metrics == nullptr) return;
+  int64_t bytes = 0;
+  for (const auto& [id, sampler] : samplers_) bytes += sampler.policy->bytes;
+  metrics->SetSamplers(std::ssize(samplers_), bytes);
 }
 
 absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
@@ -116,10 +156,12 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
   info.set_model_id(req.model_id());
   info.set_path(req.path());
   info.set_step((*policy)->step);
+  std::vector<std::shared_ptr<const Policy>> expired;  // freed once mu_ is released
   absl::MutexLock lock(&mu_);
-  ExpireLocked();
+  expired = ExpireLocked();
   RETURN_IF_ERROR(EvictFor(tenant, (*policy)->bytes));
   samplers_[info.sampler_id()] = {tenant, *std::move(policy), info, absl::Now()};
+  PublishLocked();
   return info;
 }
 
@@ -214,8 +256,9 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
 
 absl::StatusOr<v1::SamplerInfo> Sampling::GetSampler(const std::string& tenant,
                                                      const std::string& sampler_id) {
+  std::vector<std::shared_ptr<const Policy>> expired;  // freed once mu_ is released
   absl::MutexLock lock(&mu_);
-  ExpireLocked();
+  expired = ExpireLocked();
   auto it = samplers_.find(sampler_id);
   if (it == samplers_.end() || it->second.owner != tenant) {
     return absl::NotFoundError(absl::StrCat("sampler_id: no sampler '", Echo(sampler_id), "'"));
@@ -230,6 +273,7 @@ absl::Status Sampling::DeleteSampler(const std::string& tenant, const std::strin
     return absl::NotFoundError(absl::StrCat("sampler_id: no sampler '", Echo(sampler_id), "'"));
   }
   samplers_.erase(it);  // requests already admitted keep their policy until they finish
+  PublishLocked();
   return absl::OkStatus();
 }
 
@@ -238,9 +282,10 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
                        std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then) {
   if (!sampler_id.empty()) {
     std::shared_ptr<const Policy> policy;
+    std::vector<std::shared_ptr<const Policy>> expired;  // freed once mu_ is released
     {
       absl::MutexLock lock(&mu_);
-      ExpireLocked();
+      expired = ExpireLocked();
       auto it = samplers_.find(sampler_id);
       if (it != samplers_.end() && it->second.owner == tenant) {
         it->second.used = absl::Now();

@@ -10,6 +10,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -40,7 +42,7 @@ class Sampling {
   // Registers the engine's steps with the scheduler (before it starts).
   Sampling(Ops* ops, SamplingConfig config);
   ~Sampling();
-  // Fails what is admitted: call once the scheduler has stopped.
+  // Fails what is admitted and stops the idle expiry: call once the scheduler has stopped.
   void Stop();
 
   // Freezes the model's weights on the scheduler thread: between two jobs, or in the model's
@@ -83,10 +85,15 @@ class Sampling {
   void Resolve(const std::string& tenant, const std::string& sampler_id,
                const std::string& model_id,
                std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then);
+  void StopExpirer();
   void Run(std::shared_ptr<const Policy> policy, SampleRequest request,
            std::function<void(const absl::StatusOr<SampleResult>&)> done,
            SampleProgress progress = nullptr);
-  void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Deletes the samplers unused for config_.sampler_idle; returns them, for the caller to free
+  // (their weights) after it releases mu_.
+  std::vector<std::shared_ptr<const Policy>> ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The samplers' gauges (count and bytes) to the metrics, after samplers_ changed.
+  void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Ops* ops_;
   const SamplingConfig config_;
@@ -94,6 +101,10 @@ class Sampling {
   std::shared_ptr<const Policy> base_;
   absl::Mutex mu_;
   std::map<std::string, Sampler> samplers_ ABSL_GUARDED_BY(mu_);
+  // Expires idle samplers every sampler_idle / 4 (50 ms to 1 min), so that an idle server frees
+  // their memory too, not only at the next sampler call.
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread expirer_;
   Worker loader_;  // last: its thread uses the members above until it is joined
 };
 

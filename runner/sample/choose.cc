@@ -18,7 +18,11 @@ double LogSumExp(const double* z, int64_t V) {
 }
 
 Choice ChooseToken(const double* z, int64_t V, const SamplingParams& params, SplitMix64& rng) {
-  const double lse = LogSumExp(z, V);
+  return ChooseToken(z, V, LogSumExp(z, V), params, rng);
+}
+
+Choice ChooseToken(const double* z, int64_t V, double lse, const SamplingParams& params,
+                   SplitMix64& rng) {
   auto chosen = [&](int64_t v) { return Choice{v, z[v] - lse}; };
   if (params.temperature == 0) {
     return chosen(std::max_element(z, z + V) - z);

@@ -24,6 +24,9 @@ struct Choice {
 
 Choice ChooseToken(const double* logits_V, int64_t V, const SamplingParams& params,
                    SplitMix64& rng);
+// The same with the row's LogSumExp already taken (a decode step takes every row's at once).
+Choice ChooseToken(const double* logits_V, int64_t V, double lse, const SamplingParams& params,
+                   SplitMix64& rng);
 
 // log Σ_v exp(z_v), stable.
 double LogSumExp(const double* logits_V, int64_t V);

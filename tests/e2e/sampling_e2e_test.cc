@@ -282,6 +282,44 @@ double Gauge(int port, const std::string& name) {
   return at == std::string::npos ? -1 : std::stod(res->body.substr(at + name.size() + 2));
 }
 
+// A sampler unused for --sampler_idle_s is deleted, and its memory freed, while the server is
+// idle: nothing but /metrics is asked between its creation and its expiry (before, expiry ran only
+// inside sampler calls). The gauges follow samplers made and deleted.
+TEST(SamplingE2e, AnIdleSamplerIsDeletedWithoutFurtherCalls) {
+  ServerConfig sc;
+  sc.metrics_port = 0;
+  sc.sampling.sampler_idle = absl::Milliseconds(300);
+  LiveServer live(sc);
+  const int port = live.server->metrics_port();
+  EXPECT_EQ(Gauge(port, "tinkerd_samplers"), 0);
+  v1::CreateSamplerRequest create;
+  create.set_model_id(live.CreateModel());
+  v1::SamplerInfo kept, idle;
+  ASSERT_TRUE(CreateSampler(live, create, &kept).ok());
+  EXPECT_EQ(Gauge(port, "tinkerd_samplers"), 1);
+  const double one = Gauge(port, "tinkerd_sampler_bytes");
+  EXPECT_GT(one, 0) << "a LoRA sampler holds its adapter";
+  {
+    grpc::ClientContext ctx;
+    v1::SamplerRef del;
+    del.set_sampler_id(kept.sampler_id());
+    v1::DeleteSamplerResponse out;
+    ASSERT_TRUE(live.stub->DeleteSampler(&ctx, del, &out).ok());
+  }
+  EXPECT_EQ(Gauge(port, "tinkerd_samplers"), 0) << "deleted by the caller";
+  EXPECT_EQ(Gauge(port, "tinkerd_sampler_bytes"), 0);
+
+  ASSERT_TRUE(CreateSampler(live, create, &idle).ok());
+  EXPECT_EQ(Gauge(port, "tinkerd_sampler_bytes"), one);
+  WaitFor([&] { return Gauge(port, "tinkerd_samplers") == 0; }, "the idle sampler's expiry");
+  EXPECT_EQ(Gauge(port, "tinkerd_sampler_bytes"), 0);
+  // And it is gone for its owner too.
+  v1::SampleRequest req = SampleReq("", 1, 2);
+  req.set_sampler_id(idle.sampler_id());
+  v1::SampleResponse out;
+  EXPECT_EQ(Sample(live, req, &out).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
 // SampleStream's deltas concatenate to Sample's answer for the same request; a stream cancelled
 // at any point (before its first message, after some) ends with its samples freed and nothing
 // counted as sampled, and the reactor outlives none of its callbacks (this runs under ASan too).

@@ -3,6 +3,7 @@
 // packed keys; pieces shared between sequences, strided, empty and of every length.
 #include "kernels/decode_attention.h"
 
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -123,6 +124,12 @@ TEST(DecodeAttention, DevicePathMatchesTheReference) {
   for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
     const DecodeAttentionParams p = MakeCase(64, 0, dt, dev, 23);
     const at::Tensor out = kernels::DecodeAttention(p);
+    // float32 also with d = 21: the vector dot product's remainder (the bound below holds for
+    // any d <= 64).
+    if (dt == at::kFloat) {
+      const DecodeAttentionParams odd = MakeCase(21, 0, dt, dev, 24);
+      EXPECT_LT(RelErr(kernels::DecodeAttention(odd), Reference(odd)), 2e-5) << "d 21";
+    }
     // float32: a score sums d = 64 products and the output L <= 70 weighted rows, each rounding
     // at 2^-24 relative: (64 + 70) · 6e-8 ≈ 8e-6 of the largest value; 2e-5 leaves margin.
     // bfloat16: the fp32 result is rounded to bf16 once, 2^-9 ≈ 2e-3 relative; 4e-3 with margin.
@@ -130,6 +137,32 @@ TEST(DecodeAttention, DevicePathMatchesTheReference) {
     const double tol = dt == at::kFloat ? 2e-5 : dev.is_cpu() ? 4e-3 : 2e-2;
     EXPECT_LT(RelErr(out, Reference(p)), tol) << at::toString(dt);
     EXPECT_EQ(out.scalar_type(), dt);
+  }
+}
+
+TEST(DecodeAttention, TaskShapeDoesNotChangeTheResult) {
+  // With at least two sequences per thread a task reads a sequence's rows whole, all kv heads;
+  // with fewer, one kv head each. The five sequences take the first on one thread and the second
+  // on three; each head sums in one order either way, so the outputs must be bitwise equal.
+  const int threads = at::get_num_threads();
+  for (at::ScalarType dt : {at::kFloat, at::kDouble}) {
+    for (int64_t d : {21, 64}) {
+      const DecodeAttentionParams p = MakeCase(d, 0, dt, at::kCPU, 25);
+      at::set_num_threads(1);
+      const at::Tensor whole = kernels::DecodeAttention(p);
+      at::set_num_threads(3);
+      const at::Tensor per_head = kernels::DecodeAttention(p);
+      at::set_num_threads(threads);
+      EXPECT_TRUE(at::equal(whole, per_head)) << at::toString(dt) << " d " << d;
+      // Control: the comparison sees one head's output changed in its last bit.
+      at::Tensor nudged = per_head.clone();
+      const double x = nudged[4][5][d - 1].item<double>();
+      nudged[4][5][d - 1] = dt == at::kFloat
+                                ? static_cast<double>(std::nextafter(static_cast<float>(x), 1e30f))
+                                : std::nextafter(x, 1e300);
+      EXPECT_FALSE(at::equal(whole, nudged)) << at::toString(dt) << " d " << d;
+      EXPECT_LT(RelErr(whole, Reference(p)), dt == at::kFloat ? 2e-5 : kF64Tol);
+    }
   }
 }
 
