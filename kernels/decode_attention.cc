@@ -6,10 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <limits>
 
 #include "kernels/attention.h"
 #include "kernels/cpu_clones.h"
+#include "kernels/vec16.h"
 
 namespace tinkerd::kernels {
 namespace {
@@ -20,6 +21,8 @@ void Check(const DecodeAttentionParams& p) {
   TORCH_CHECK(
       static_cast<int64_t>(p.k_pieces.size()) == S && p.v_pieces.size() == p.k_pieces.size(),
       "decode attention: one list of key and of value pieces per sequence");
+  TORCH_CHECK(p.lengths.empty() || static_cast<int64_t>(p.lengths.size()) == S,
+              "decode attention: lengths must give every sequence's or none");
   TORCH_CHECK(p.window >= 0, "decode attention: negative window");
   int64_t K = 0;
   for (int64_t s = 0; s < S; ++s) {
@@ -41,8 +44,18 @@ void Check(const DecodeAttentionParams& p) {
       }
       L += k.size(0);
     }
+    if (!p.lengths.empty()) {
+      TORCH_CHECK(p.lengths[s] >= 0 && p.lengths[s] <= L, "decode attention: sequence ", s, " has ",
+                  L, " rows in its pieces, fewer than its length ", p.lengths[s]);
+      L = p.lengths[s];
+    }
     TORCH_CHECK(L > 0, "decode attention: sequence ", s, " has no keys");
   }
+}
+
+// Of sequence s's keys, those not in its first `read` rows.
+int64_t Remaining(const DecodeAttentionParams& p, size_t s, int64_t read) {
+  return p.lengths.empty() ? std::numeric_limits<int64_t>::max() : p.lengths[s] - read;
 }
 
 // Every sequence's pieces packed, and kernels::Attention with one query per sequence.
@@ -55,9 +68,10 @@ at::Tensor Packed(const DecodeAttentionParams& p) {
   for (size_t s = 0; s < p.k_pieces.size(); ++s) {
     int64_t L = 0;
     for (size_t i = 0; i < p.k_pieces[s].size(); ++i) {
-      keys.push_back(p.k_pieces[s][i]);
-      values.push_back(p.v_pieces[s][i]);
-      L += p.k_pieces[s][i].size(0);
+      const int64_t n = std::min(p.k_pieces[s][i].size(0), Remaining(p, s, L));
+      keys.push_back(p.k_pieces[s][i].narrow(0, 0, n));
+      values.push_back(p.v_pieces[s][i].narrow(0, 0, n));
+      L += n;
     }
     a.cu_seqlens_q.push_back(a.cu_seqlens_q.back() + 1);
     a.cu_seqlens_k.push_back(a.cu_seqlens_k.back() + L);
@@ -101,13 +115,6 @@ inline A Dot(const A* __restrict q, const T* __restrict k, int64_t d) {
   return part[0];
 }
 
-// Sixteen floats, one AVX-512 register (two AVX2 or four SSE registers on the other clones);
-// V16u reads one from any float address.
-using V16 = float __attribute__((vector_size(64)));
-using V16u = float __attribute__((vector_size(64), aligned(4), may_alias));
-using V8 = float __attribute__((vector_size(32)));
-using V4 = float __attribute__((vector_size(16)));
-
 // The same sums in the same order for float, written in vector types: GCC kept the generic loop's
 // sixteen sums in memory and added them one at a time, which took more of the loop than the
 // products did.
@@ -119,15 +126,7 @@ inline float Dot<float, float>(const float* __restrict q, const float* __restric
     part += *reinterpret_cast<const V16u*>(q + i) * *reinterpret_cast<const V16u*>(k + i);
   }
   for (; i < d; ++i) part[0] += q[i] * k[i];
-  V8 lo8, hi8;
-  std::memcpy(&lo8, &part, sizeof lo8);
-  std::memcpy(&hi8, reinterpret_cast<const char*>(&part) + sizeof lo8, sizeof hi8);
-  const V8 s8 = lo8 + hi8;
-  V4 lo4, hi4;
-  std::memcpy(&lo4, &s8, sizeof lo4);
-  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof lo4, sizeof hi4);
-  const V4 s4 = lo4 + hi4;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  return Total(part);
 }
 
 // A task reads its kv heads' elements of each cached row, rows K · d apart. When that was one
@@ -219,12 +218,13 @@ void Cpu(const DecodeAttentionParams& p, double scale, at::Tensor& out_SHd) {
   std::vector<int64_t> lengths(S, 0);
   for (int64_t s = 0; s < S; ++s) {
     for (size_t i = 0; i < p.k_pieces[s].size(); ++i) {
+      const int64_t n = std::min(p.k_pieces[s][i].size(0), Remaining(p, s, lengths[s]));
+      if (n == 0) continue;
       const at::Tensor k = RowsDense(p.k_pieces[s][i]), v = RowsDense(p.v_pieces[s][i]);
       held.push_back(k);
       held.push_back(v);
-      if (k.size(0) == 0) continue;
-      pieces[s].push_back({k.data_ptr<T>(), v.data_ptr<T>(), k.size(0), k.stride(0), v.stride(0)});
-      lengths[s] += k.size(0);
+      pieces[s].push_back({k.data_ptr<T>(), v.data_ptr<T>(), n, k.stride(0), v.stride(0)});
+      lengths[s] += n;
     }
   }
   // A task per sequence reads its cached rows whole, K · d contiguous elements each; a task per

@@ -24,6 +24,9 @@ struct DecodeAttentionParams {
   // Per sequence, its keys and values in position order, each piece [n, K, d] (rows of K·d
   // contiguous elements; a narrowed cache is fine). One piece may serve several sequences.
   std::vector<std::vector<at::Tensor>> k_pieces, v_pieces;
+  // Per sequence, how many keys it has: the first lengths[s] rows of its pieces, the rest unread
+  // (a sample's preallocated cache passed whole). Empty: every row of every piece.
+  std::vector<int64_t> lengths;
   int64_t window = 0;  // 0: every key is visible
   double scale = 0;    // 0: 1/sqrt(d)
 };

@@ -8,29 +8,10 @@
 #include <cstring>
 
 #include "kernels/cpu_clones.h"
+#include "kernels/vec16.h"
 
 namespace tinkerd::kernels {
 namespace {
-
-// Sixteen floats, one AVX-512 register; the compiler lowers it to two AVX2 or four SSE registers
-// on the other clones. V16u reads one from any float address (GCC's idiom for unaligned loads).
-using V16 = float __attribute__((vector_size(64)));
-using V16u = float __attribute__((vector_size(64), aligned(4), may_alias));
-using V8 = float __attribute__((vector_size(32)));
-using V4 = float __attribute__((vector_size(16)));
-
-// The sixteen partial sums added pairwise: halves, then halves of those, in registers.
-inline float Total(const V16& v) {
-  V8 lo8, hi8;
-  std::memcpy(&lo8, &v, sizeof lo8);
-  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + sizeof lo8, sizeof hi8);
-  const V8 s8 = lo8 + hi8;
-  V4 lo4, hi4;
-  std::memcpy(&lo4, &s8, sizeof lo4);
-  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof lo4, sizeof hi4);
-  const V4 s4 = lo4 + hi4;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
 
 // y[r][c] for R rows of x (ldx apart) and C rows of w (I apart), into y (ldy apart). R · C
 // accumulators stay in registers: 4 × 4 takes 16 of AVX-512's 32, with the 4 weight vectors and
@@ -53,18 +34,24 @@ TINKERD_CPU_CLONES void Block(const float* x, int64_t ldx, const float* w, int64
   }
   if (i < I) {  // the last I mod 16 elements, zero-padded to sixteen
     V16 x16 = {}, w16 = {};
+    // Unrolled, as every loop over acc: an index the compiler cannot resolve keeps acc in memory.
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       std::memcpy(&x16, x + r * ldx + i, (I - i) * sizeof(float));
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         std::memcpy(&w16, w + c * I + i, (I - i) * sizeof(float));
         acc[r][c] += x16 * w16;
       }
     }
   }
+  const V16 zero = {};
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
+    const V4 sums = Total4(acc[r][0], C > 1 ? acc[r][1 % C] : zero, C > 2 ? acc[r][2 % C] : zero,
+                           C > 3 ? acc[r][3 % C] : zero);
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = Total(acc[r][c]);
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = sums[c];
   }
 }
 

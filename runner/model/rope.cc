@@ -136,7 +136,60 @@ RopeTables RopeCache::Tables(const std::vector<int64_t>& cu_seqlens,
   return {rows.cos_Td.index_select(0, index), rows.sin_Td.index_select(0, index)};
 }
 
+namespace {
+
+// x·cos + rotate_half(x)·sin for rotate_half(x) = (−x₂, x₁), rounded as the ATen expression in
+// ApplyRope rounds it (each product, then their sum: never one FMA), so the two are bitwise equal.
+template <typename T>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void RopeRows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t H, int64_t d) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  const int64_t R = d / 2;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* c = cos + t * d;
+    const T* s = sin + t * d;
+    for (int64_t h = 0; h < H; ++h) {
+      const T* xr = x + (t * H + h) * d;
+      T* o = out + (t * H + h) * d;
+      for (int64_t j = 0; j < R; ++j) o[j] = xr[j] * c[j] + (-xr[j + R]) * s[j];
+      for (int64_t j = 0; j < R; ++j) o[j + R] = xr[j + R] * c[j + R] + xr[j] * s[j + R];
+    }
+  }
+}
+
+// Outside autograd, on the host, in float or double: one pass, where the ATen expression makes five
+// tensors (a decode step's RoPE on the batch's queries and keys was a tenth of its serial time).
+bool OnePass(const at::Tensor& x_THd, const RopeTables& tables) {
+  const at::ScalarType dt = x_THd.scalar_type();
+  for (const at::Tensor* t : {&x_THd, &tables.cos_Td, &tables.sin_Td}) {
+    if (t->requires_grad() || !t->is_cpu() || t->scalar_type() != dt) return false;
+  }
+  return (dt == at::kFloat || dt == at::kDouble) && x_THd.dim() == 3 && x_THd.size(2) % 2 == 0 &&
+         tables.cos_Td.sizes() == at::IntArrayRef{x_THd.size(0), x_THd.size(2)} &&
+         tables.sin_Td.sizes() == tables.cos_Td.sizes();
+}
+
+}  // namespace
+
 at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables) {
+  if (OnePass(x_THd, tables)) {
+    const at::Tensor x = x_THd.contiguous(), c = tables.cos_Td.contiguous();
+    const at::Tensor s = tables.sin_Td.contiguous();
+    at::Tensor out = at::empty_like(x);
+    const int64_t T = x.size(0), H = x.size(1), d = x.size(2);
+    if (x.scalar_type() == at::kFloat) {
+      RopeRows(x.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(),
+               T, H, d);
+    } else {
+      RopeRows(x.data_ptr<double>(), c.data_ptr<double>(), s.data_ptr<double>(),
+               out.data_ptr<double>(), T, H, d);
+    }
+    return out;
+  }
   const int64_t R = x_THd.size(2) / 2;
   at::Tensor x1 = x_THd.narrow(2, 0, R);
   at::Tensor x2 = x_THd.narrow(2, R, R);

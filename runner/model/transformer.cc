@@ -77,8 +77,8 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
     out_THd = kernels::Attention(attn);
   } else if (auto all = kv->extend(layer, ApplyRope(k_TKd, rope), v_TKd);
              auto* pieces = std::get_if<KvPieces>(&all)) {
-    out_THd = kernels::DecodeAttention(
-        {attn.q_THd, std::move(pieces->k), std::move(pieces->v), attn.window, attn.scale});
+    out_THd = kernels::DecodeAttention({attn.q_THd, std::move(pieces->k), std::move(pieces->v),
+                                        std::move(pieces->lengths), attn.window, attn.scale});
   } else {
     KvPacked& packed = std::get<KvPacked>(all);
     attn.k_UKd = std::move(packed.k_UKd);

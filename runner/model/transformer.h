@@ -72,6 +72,7 @@ struct KvPacked {
 // instead of being packed, which would copy the whole cache per layer and step.
 struct KvPieces {
   std::vector<std::vector<at::Tensor>> k, v;
+  std::vector<int64_t> lengths;  // per sequence, its keys: the first rows of its pieces
 };
 
 // A forward that continues sequences whose earlier tokens' keys and values are cached (sampling:

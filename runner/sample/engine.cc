@@ -315,8 +315,11 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
         k_NKd[s->cached].copy_(k[i]);
         v_NKd[s->cached].copy_(v[i]);
       }
-      all.k.push_back({job->k_LPKd[layer], s->k_LNKd[layer].narrow(0, 0, s->cached + 1)});
-      all.v.push_back({job->v_LPKd[layer], s->v_LNKd[layer].narrow(0, 0, s->cached + 1)});
+      // The sample's cache whole, its length saying which rows are filled: a view per sample,
+      // layer and step cost more than the rows it narrowed to.
+      all.k.push_back({job->k_LPKd[layer], k_NKd});
+      all.v.push_back({job->v_LPKd[layer], v_NKd});
+      all.lengths.push_back(job->prompt_length() + s->cached + 1);
     }
     return all;
   };

@@ -166,6 +166,43 @@ TEST(DecodeAttention, TaskShapeDoesNotChangeTheResult) {
   }
 }
 
+TEST(DecodeAttention, LengthsReadTheFirstRowsOfWholeCaches) {
+  // The engine passes a sample's preallocated cache whole and says how many of its rows are
+  // filled: that must equal passing the filled rows alone.
+  for (at::ScalarType dt : {at::kDouble, at::kFloat}) {
+    const DecodeAttentionParams narrowed = MakeCase(21, 0, dt, at::kCPU, 26);
+    DecodeAttentionParams whole = narrowed;
+    whole.k_pieces[2].back() = narrowed.k_pieces[2].back()._base();
+    whole.v_pieces[2].back() = narrowed.v_pieces[2].back()._base();
+    ASSERT_EQ(whole.k_pieces[2].back().size(0), 64);
+    whole.lengths = {41, 42, 70, 7, 12};
+    const at::Tensor expected = kernels::DecodeAttention(narrowed);
+    EXPECT_TRUE(at::equal(kernels::DecodeAttention(whole), expected)) << at::toString(dt);
+    // Control: one more row of the whole cache is read, and seen.
+    DecodeAttentionParams longer = whole;
+    longer.lengths[2] = 71;
+    EXPECT_FALSE(at::equal(kernels::DecodeAttention(longer), expected)) << at::toString(dt);
+    // Lengths cut a piece short, or skip one, as the rows they leave out would be.
+    DecodeAttentionParams cut = narrowed;
+    cut.lengths = {41, 42, 70, 5, 3};
+    DecodeAttentionParams explicit_rows = narrowed;
+    explicit_rows.k_pieces[3] = {narrowed.k_pieces[3][0].narrow(0, 0, 5)};
+    explicit_rows.v_pieces[3] = {narrowed.v_pieces[3][0].narrow(0, 0, 5)};
+    explicit_rows.k_pieces[4] = {narrowed.k_pieces[4][0]};
+    explicit_rows.v_pieces[4] = {narrowed.v_pieces[4][0]};
+    EXPECT_TRUE(at::equal(kernels::DecodeAttention(cut), kernels::DecodeAttention(explicit_rows)));
+    if (dt == at::kDouble) {
+      EXPECT_LT(RelErr(kernels::DecodeAttention(whole), Reference(narrowed)), kF64Tol);
+    }
+  }
+  // More than the pieces hold, or a list of lengths of the wrong size, is refused.
+  DecodeAttentionParams bad = MakeCase(8, 0, at::kDouble, at::kCPU, 27);
+  bad.lengths = {41, 42, 71, 7, 12};
+  EXPECT_THROW(kernels::DecodeAttention(bad), c10::Error);
+  bad.lengths = {41, 42, 70, 7};
+  EXPECT_THROW(kernels::DecodeAttention(bad), c10::Error);
+}
+
 TEST(DecodeAttention, RefusesMismatchedPieces) {
   DecodeAttentionParams p = MakeCase(8, 0, at::kDouble, at::kCPU, 24);
   p.v_pieces.pop_back();  // one sequence without values
