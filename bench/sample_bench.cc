@@ -6,7 +6,8 @@
 //            the first token, which it yields) is not counted;
 //   ttft     time to the first token of one --ttft_prompt_len-token prompt;
 //   beside   decode tokens/s and training tokens/s while a LoRA model trains on the same thread,
-//            one decode step between training calls as the server's scheduler alternates them,
+//            --beside_steps decode steps (default 1) between training calls, as the server's
+//            scheduler alternates them (--sample_steps_between_jobs),
 //            against each alone.
 // Writes the model (Hugging Face layout) and prompts.json under --out_dir, prints readable lines
 // and one JSON line (starts with '{').
@@ -53,6 +54,9 @@ ABSL_FLAG(int64_t, ttft_prompt_len, 2048, "prompt tokens of the time-to-first-to
 ABSL_FLAG(int64_t, reps, 3, "timed repetitions (median)");
 ABSL_FLAG(int64_t, beside_batch, 8, "decode batch while training runs beside it");
 ABSL_FLAG(int64_t, beside_max_tokens, 16, "tokens per sample decoded beside training");
+ABSL_FLAG(int64_t, beside_steps, 1,
+          "decode steps between two training calls beside training (the server's "
+          "--sample_steps_between_jobs)");
 ABSL_FLAG(int64_t, train_tokens, 256, "tokens per training call (4 sequences)");
 ABSL_FLAG(int64_t, num_threads, 2, "intra-op threads");
 ABSL_FLAG(int64_t, adapters, 8, "LoRA adapters decoded together (one sample each); 0: skip");
@@ -333,7 +337,10 @@ int main(int argc, char** argv) {
   }
   engine.Step();  // the prefill (and first token), not counted
   t0 = Clock::now();
-  while (engine.Step()) {
+  const int64_t steps_between = std::max<int64_t>(1, absl::GetFlag(FLAGS_beside_steps));
+  for (bool more = true; more;) {
+    for (int64_t k = 0; k < steps_between && more; ++k) more = engine.Step();
+    if (!more) break;
     train();
     ++calls;
   }
@@ -341,11 +348,14 @@ int main(int argc, char** argv) {
   const double decode_beside = static_cast<double>(beside * (beside_tokens - 1)) / both_s;
   const double train_beside = static_cast<double>(calls * 4 * train_len) / both_s;
   std::printf(
-      "beside training (decode batch %lld, training calls of %lld tokens, alternating):\n"
+      "beside training (decode batch %lld, training calls of %lld tokens, %lld decode "
+      "step(s) between two calls):\n"
       "  decode %.1f tokens/s (alone %.1f), training %.1f tokens/s (alone %.1f)\n",
-      static_cast<long long>(beside), static_cast<long long>(4 * train_len), decode_beside,
-      decode_alone, train_beside, train_alone);
+      static_cast<long long>(beside), static_cast<long long>(4 * train_len),
+      static_cast<long long>(steps_between), decode_beside, decode_alone, train_beside,
+      train_alone);
   result["beside"] = {{"batch", beside},
+                      {"steps_between_calls", steps_between},
                       {"decode_tokens_per_s", decode_beside},
                       {"decode_alone_tokens_per_s", decode_alone},
                       {"train_tokens_per_s", train_beside},

@@ -1,5 +1,7 @@
 #include "server/scheduler.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "runner/util/echo.h"
 #include "runner/util/log.h"
@@ -285,8 +287,9 @@ void Scheduler::Loop() {
     std::string model;
     auto [q, job] = PickLocked(&model);
     const bool past_deadline = stopping_ && absl::Now() >= stop_deadline_;
-    if (background_ready_ && !stopping_ && (job == nullptr || background_turn_)) {
-      background_ready_ = background_turn_ = false;
+    if (background_ready_ && !stopping_ && (job == nullptr || background_turns_ > 0)) {
+      background_ready_ = false;
+      background_turns_ = std::max(0, background_turns_ - 1);
       mu_.Unlock();
       for (auto& [cb, r] : calls) cb(r);
       calls.clear();
@@ -325,7 +328,7 @@ void Scheduler::Loop() {
     JobStep step = run();
     mu_.Lock();
     last_served_ = model;
-    background_turn_ = true;
+    background_turns_ = config_.steps_between_jobs;
     job->running = false;
     if (!step.done) continue;
     // Finished: cache the result, advance the model, answer every waiter (retries included).

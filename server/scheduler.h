@@ -64,6 +64,9 @@ struct SchedulerConfig {
   int max_pending_per_model = 64;
   int result_cache_per_model = 256;
   absl::Duration order_timeout = absl::Seconds(60);
+  // Background steps (decode steps) between two jobs while both have work: a queued job waits
+  // this many steps at most, and sampling gets this many steps per training job.
+  int steps_between_jobs = 1;
 };
 
 class Scheduler {
@@ -108,10 +111,11 @@ class Scheduler {
   bool RunBetweenJobs(std::function<void()> op);
 
   // Work that is no model's request: the sampler's steps. `step` runs on the scheduler thread and
-  // returns whether it has more to do; while it has, the thread alternates, at most one step
-  // between two jobs and steps back to back when no job can run. So a queued job waits at most
-  // one step, and steps go on while jobs are queued. KickBackground() says there is work again
-  // (from any thread). Set before Start(); no step runs once stopping.
+  // returns whether it has more to do; while it has, the thread alternates, at most
+  // steps_between_jobs steps between two jobs and steps back to back when no job can run. So a
+  // queued job waits at most that many steps, and steps go on while jobs are queued.
+  // KickBackground() says there is work again (from any thread). Set before Start(); no step runs
+  // once stopping.
   void SetBackground(std::function<bool()> step);
   void KickBackground();
 
@@ -168,7 +172,7 @@ class Scheduler {
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   std::function<bool()> background_;
   bool background_ready_ ABSL_GUARDED_BY(mu_) = false;
-  bool background_turn_ ABSL_GUARDED_BY(mu_) = false;  // a job ran since the last step
+  int background_turns_ ABSL_GUARDED_BY(mu_) = 0;  // steps before the next job may wait
   std::thread thread_;
 };
 

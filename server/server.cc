@@ -26,6 +26,8 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError("server: result_cache_per_model < 1");
   if (scheduler.order_timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("server: order_timeout <= 0");
+  if (scheduler.steps_between_jobs < 1)
+    return absl::InvalidArgumentError("server: sample_steps_between_jobs < 1");
   if (auto st = tinker_http.Validate(); !st.ok()) return st;
   if (sampling.engine.max_sequences < 1 || sampling.engine.kv_cache_bytes < 1)
     return absl::InvalidArgumentError("server: sample_max_sequences and sample_kv_cache_mb >= 1");
@@ -41,14 +43,15 @@ std::string ServerConfig::DebugString() const {
       "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
       "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s auth=%s tls=%s %s "
       "sample_max_sequences=%d sample_kv_cache_bytes=%d sampler_idle=%s "
-      "sampler_bytes_per_tenant=%d",
+      "sampler_bytes_per_tenant=%d sample_steps_between_jobs=%d",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       scheduler.max_pending_per_model, scheduler.result_cache_per_model,
       absl::FormatDuration(scheduler.order_timeout), checkpoint_root,
       api_keys.enabled() ? "api_keys" : "off",
       tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"),
       tinker_http.DebugString(), sampling.engine.max_sequences, sampling.engine.kv_cache_bytes,
-      absl::FormatDuration(sampling.sampler_idle), sampling.max_sampler_bytes_per_tenant);
+      absl::FormatDuration(sampling.sampler_idle), sampling.max_sampler_bytes_per_tenant,
+      scheduler.steps_between_jobs);
 }
 
 absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(

@@ -86,6 +86,9 @@ ABSL_FLAG(int, sample_kv_cache_mb, 2048,
           "KV-cache memory reserved for running samples (prompt + num_samples * max_tokens per "
           "request); past it Sample answers RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, sampler_idle_s, 3600, "a sampler unused for this long is deleted");
+ABSL_FLAG(int, sample_steps_between_jobs, 1,
+          "decode steps between two training jobs while both have work: a queued training call "
+          "waits this many steps at most");
 ABSL_FLAG(int64_t, sampler_mb_per_tenant, 8192,
           "memory a tenant's samplers may hold beyond the base model (a LoRA sampler its adapter, "
           "a full fine-tune's or a merged export's its weights); a new sampler evicts the "
@@ -202,6 +205,7 @@ int main(int argc, char** argv) {
   sc.scheduler.max_pending_per_model = absl::GetFlag(FLAGS_max_pending_per_model);
   sc.scheduler.result_cache_per_model = absl::GetFlag(FLAGS_result_cache_per_model);
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
+  sc.scheduler.steps_between_jobs = absl::GetFlag(FLAGS_sample_steps_between_jobs);
   sc.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_s));
   sc.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   sc.metrics_port = absl::GetFlag(FLAGS_metrics_port);

@@ -1,6 +1,6 @@
 // The scheduler's sharing between model requests (training) and background steps (the sampling
-// engine's decode steps), on its real thread: a queued job waits at most one step, and steps go on
-// while jobs are queued.
+// engine's decode steps), on its real thread: a queued job waits at most one step (or
+// steps_between_jobs), and steps go on while jobs are queued.
 #include "server/scheduler.h"
 
 #include <gtest/gtest.h>
@@ -15,8 +15,13 @@
 namespace tinkerd::testing {
 namespace {
 
-TEST(Scheduler, AQueuedJobWaitsAtMostOneStepAndStepsGoOnBetweenJobs) {
-  Scheduler scheduler({});
+// Runs five jobs that become runnable at once, from inside a step, while steps always have more
+// to do; returns the events from the moment they were queued: S a step began, J a job ran, Q every
+// job was queued. `steps` before it: how many steps ran back to back while no job could run.
+std::string JobsBesideSteps(int steps_between_jobs, size_t* steps_before) {
+  SchedulerConfig config;
+  config.steps_between_jobs = steps_between_jobs;
+  Scheduler scheduler(config);
   absl::Mutex mu;
   std::string events;  // S: a step began, J: a job ran, Q: every job was queued
   std::atomic<int> steps{0}, answered{0};
@@ -60,24 +65,39 @@ TEST(Scheduler, AQueuedJobWaitsAtMostOneStepAndStepsGoOnBetweenJobs) {
       });
   created.WaitForNotification();
   // Seq_ids 2.. are held for 1, which a step submits.
-  constexpr int kJobs = 5;
+  const int kJobs = 5;
   for (int64_t seq = 2; seq <= kJobs; ++seq) submit(seq);
   scheduler.KickBackground();
   // With no job runnable, steps run back to back.
   WaitFor([&] { return steps.load() >= 3; }, "steps while no job can run");
   queue = true;
   WaitFor([&] { return answered.load() == kJobs; }, "every job");
-  WaitFor([&] { return steps.load() >= 10; }, "steps after the jobs");
+  const int at_end = steps.load();
+  WaitFor([&] { return steps.load() > at_end; }, "a step after the jobs");
   scheduler.Stop(absl::Seconds(10));
 
   absl::MutexLock lock(&mu);
   const size_t q = events.find('Q');
-  ASSERT_NE(q, std::string::npos);
-  EXPECT_EQ(events.find('J'), q + 1) << events;
-  // Then jobs and steps alternate: each job waits for one step at most, and a step runs between
-  // any two jobs while steps have work.
-  EXPECT_EQ(events.substr(q + 1, 2 * kJobs), "JSJSJSJSJS") << events;
-  EXPECT_GE(q, 3u) << "steps ran back to back while no job could run: " << events;
+  *steps_before = q;
+  return q == std::string::npos ? events : events.substr(q + 1);
+}
+
+TEST(Scheduler, AQueuedJobWaitsAtMostOneStepAndStepsGoOnBetweenJobs) {
+  size_t before = 0;
+  const std::string events = JobsBesideSteps(1, &before);
+  ASSERT_NE(before, std::string::npos) << events;
+  // The first job runs at once; then jobs and steps alternate: each job waits for one step at
+  // most, and a step runs between any two jobs while steps have work.
+  EXPECT_EQ(events.substr(0, 10), "JSJSJSJSJS") << events;
+  EXPECT_GE(before, 3u) << "steps ran back to back while no job could run";
+}
+
+TEST(Scheduler, StepsBetweenJobsGiveSamplingMoreTurns) {
+  // --sample_steps_between_jobs=3: three steps between two jobs, never more.
+  size_t before = 0;
+  const std::string events = JobsBesideSteps(3, &before);
+  ASSERT_NE(before, std::string::npos) << events;
+  EXPECT_EQ(events.substr(0, 17), "JSSSJSSSJSSSJSSSJ") << events;
 }
 
 }  // namespace
