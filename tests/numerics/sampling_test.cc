@@ -422,6 +422,54 @@ TEST_F(SamplingTest, FrequenciesMatchTheSoftmax) {
   EXPECT_GT(ChiSquare(counts, p_cold, kN, &critical_cold), critical_cold);
 }
 
+// Past --sample_max_sequences or --sample_kv_cache_mb the engine refuses with
+// RESOURCE_EXHAUSTED (the front ends' 429), reserving nothing; the same request, retried once a
+// running one has ended, runs and samples what it would have alone.
+TEST_F(SamplingTest, AFullEngineRefusesAndTheRetryRunsOnceRoomIsFreed) {
+  SampleRequest r;
+  r.prompt = {4, 40, 9};
+  r.num_samples = 2;
+  r.params.max_tokens = 4;
+  r.params.temperature = 0;
+  const SampleResult alone = Run({r})[0];
+  SampleRequest one = r;
+  one.num_samples = 1;
+  const int64_t need = SampleEngine::KvBytes(*policy_, r);
+  for (const bool by_sequences : {true, false}) {
+    SCOPED_TRACE(by_sequences ? "sequences" : "KV bytes");
+    EngineLimits limits;
+    limits.max_sequences = by_sequences ? 3 : 100;
+    limits.kv_cache_bytes =
+        by_sequences ? int64_t{1} << 30 : need + SampleEngine::KvBytes(*policy_, one);
+    SampleEngine engine(limits);
+    std::vector<SampleResult> results;
+    auto keep = [&results](const absl::StatusOr<SampleResult>& res) {
+      EXPECT_TRUE(res.ok()) << res.status().message();
+      if (res.ok()) results.push_back(*res);
+    };
+    ASSERT_TRUE(engine.Admit(policy_, r, keep).ok());
+    const int64_t reserved = engine.reserved_bytes();
+    const absl::Status full = engine.Admit(policy_, r, keep);
+    EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full.message();
+    EXPECT_NE(full.message().find("retry later"), std::string::npos) << full.message();
+    EXPECT_EQ(engine.running_sequences(), 2);
+    EXPECT_EQ(engine.reserved_bytes(), reserved);
+    // Control: what still fits is admitted (the bound is the running total, not a second request).
+    EXPECT_TRUE(engine.Admit(policy_, one, keep).ok());
+    EXPECT_EQ(engine.running_sequences(), 3);
+    while (engine.Step()) {
+    }
+    EXPECT_EQ(engine.running_sequences(), 0);
+    EXPECT_EQ(engine.reserved_bytes(), 0);
+    ASSERT_TRUE(engine.Admit(policy_, r, keep).ok()) << "the retry";
+    while (engine.Step()) {
+    }
+    ASSERT_EQ(results.size(), 3u);
+    EXPECT_EQ(results[2].sequences[0].tokens, alone.sequences[0].tokens);
+    EXPECT_EQ(results[2].sequences[1].tokens, alone.sequences[1].tokens);
+  }
+}
+
 TEST_F(SamplingTest, TopKAndTopPKeepOnlyTheMostLikely) {
   SampleRequest r = Request(3, 1, 2000);
   r.params.top_k = 5;
