@@ -45,8 +45,8 @@ void Check(const DecodeAttentionParams& p) {
       L += k.size(0);
     }
     if (!p.lengths.empty()) {
-      TORCH_CHECK(p.lengths[s] >= 0 && p.lengths[s] <= L, "decode attention: sequence ", s, " has ",
-                  L, " rows in its pieces, fewer than its length ", p.lengths[s]);
+      TORCH_CHECK(p.lengths[s] >= 0 && p.lengths[s] <= L, "decode attention: sequence ", s,
+                  " has length ", p.lengths[s], ", outside [0, ", L, "], its pieces' rows");
       L = p.lengths[s];
     }
     TORCH_CHECK(L > 0, "decode attention: sequence ", s, " has no keys");

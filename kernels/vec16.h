@@ -3,6 +3,7 @@
 // always added in one order: lanes j and j + 8, then j and j + 4, then (0 + 2) + (1 + 3).
 // Shuffles, not memcpy, split the halves: a value whose address is taken is kept in memory, and
 // GCC then zeroed and reloaded a kernel's accumulators through the stack on every call.
+// __builtin_shufflevector needs GCC 12 or newer (Debian 12's), or clang.
 #pragma once
 
 namespace tinkerd::kernels {

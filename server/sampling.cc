@@ -159,13 +159,14 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
   std::vector<std::shared_ptr<const Policy>> expired;  // freed once mu_ is released
   absl::MutexLock lock(&mu_);
   expired = ExpireLocked();
-  RETURN_IF_ERROR(EvictFor(tenant, (*policy)->bytes));
+  RETURN_IF_ERROR(EvictFor(tenant, (*policy)->bytes, &expired));
   samplers_[info.sampler_id()] = {tenant, *std::move(policy), info, absl::Now()};
   PublishLocked();
   return info;
 }
 
-absl::Status Sampling::EvictFor(const std::string& tenant, int64_t bytes) {
+absl::Status Sampling::EvictFor(const std::string& tenant, int64_t bytes,
+                                std::vector<std::shared_ptr<const Policy>>* freed) {
   const int64_t budget = config_.max_sampler_bytes_per_tenant;
   if (bytes > budget) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -191,6 +192,7 @@ absl::Status Sampling::EvictFor(const std::string& tenant, int64_t bytes) {
         "deleted",
         (*lru)->first, count, held_bytes >> 20);
     held_bytes -= (*lru)->second.policy->bytes;
+    freed->push_back(std::move((*lru)->second.policy));
     samplers_.erase(*lru);
   }
   return absl::OkStatus();
@@ -267,11 +269,13 @@ absl::StatusOr<v1::SamplerInfo> Sampling::GetSampler(const std::string& tenant,
 }
 
 absl::Status Sampling::DeleteSampler(const std::string& tenant, const std::string& sampler_id) {
+  std::shared_ptr<const Policy> freed;  // freed once mu_ is released
   absl::MutexLock lock(&mu_);
   auto it = samplers_.find(sampler_id);
   if (it == samplers_.end() || it->second.owner != tenant) {
     return absl::NotFoundError(absl::StrCat("sampler_id: no sampler '", Echo(sampler_id), "'"));
   }
+  freed = std::move(it->second.policy);
   samplers_.erase(it);  // requests already admitted keep their policy until they finish
   PublishLocked();
   return absl::OkStatus();

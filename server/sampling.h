@@ -77,8 +77,10 @@ class Sampling {
   absl::StatusOr<v1::SamplerInfo> Make(const std::string& tenant,
                                        const v1::CreateSamplerRequest& req,
                                        const std::string& checkpoint_dir);
-  // Makes room for `bytes` more of `tenant`'s samplers: evicts its least recently used ones.
-  absl::Status EvictFor(const std::string& tenant, int64_t bytes)
+  // Makes room for `bytes` more of `tenant`'s samplers: evicts its least recently used ones,
+  // whose policies go to `freed` (for the caller to free once it releases mu_).
+  absl::Status EvictFor(const std::string& tenant, int64_t bytes,
+                        std::vector<std::shared_ptr<const Policy>>* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The policy `sampler_id` / `model_id` names for `tenant`, then `then` with it (on the
   // scheduler thread when a model is frozen for the request).

@@ -8,17 +8,19 @@
 
 namespace tinkerd {
 
-double LogSumExp(const double* z, int64_t V) {
-  double m = -std::numeric_limits<double>::infinity();
-  for (int64_t v = 0; v < V; ++v) m = std::max(m, z[v]);
+double LogSumExpFromExps(const double* e, int64_t V, double m) {
   if (!std::isfinite(m)) return m;
-  double sum = 0;
-  for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - m);
-  return m + std::log(sum);
-}
-
-Choice ChooseToken(const double* z, int64_t V, const SamplingParams& params, SplitMix64& rng) {
-  return ChooseToken(z, V, LogSumExp(z, V), params, rng);
+  // Eight partial sums (v mod 8), then added pairwise.
+  double part[8] = {};
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    for (int j = 0; j < 8; ++j) part[j] += e[v + j];
+  }
+  for (; v < V; ++v) part[0] += e[v];
+  for (int w = 4; w > 0; w /= 2) {
+    for (int j = 0; j < w; ++j) part[j] += part[j + w];
+  }
+  return m + std::log(part[0]);
 }
 
 Choice ChooseToken(const double* z, int64_t V, double lse, const SamplingParams& params,

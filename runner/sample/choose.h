@@ -22,13 +22,13 @@ struct Choice {
   double logprob = 0;
 };
 
-Choice ChooseToken(const double* logits_V, int64_t V, const SamplingParams& params,
-                   SplitMix64& rng);
-// The same with the row's LogSumExp already taken (a decode step takes every row's at once).
+// lse: the row's log Σ_v exp(z_v) (LogSumExpFromExps), which the logprob subtracts.
 Choice ChooseToken(const double* logits_V, int64_t V, double lse, const SamplingParams& params,
                    SplitMix64& rng);
 
-// log Σ_v exp(z_v), stable.
-double LogSumExp(const double* logits_V, int64_t V);
+// log Σ_v exp(z_v) = m + log Σ_v e_v, from m = max_v z_v and e_v = exp(z_v − m) (taken for a
+// whole step at once, vectorized, elsewhere). The sum runs in one fixed order, so a row's result
+// is the same bits whatever rows and threads share the step.
+double LogSumExpFromExps(const double* exps_V, int64_t V, double m);
 
 }  // namespace tinkerd

@@ -110,6 +110,19 @@ at::Tensor Tokens(const std::vector<int64_t>& ids, at::Device device) {
   return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).to(device);
 }
 
+// The logits' row maxima m_S and exp(z_SV − m_S), elementwise by ATen (vectorized, threaded): the
+// costly part of each row's log-sum-exp, whose sum choose.h then takes in a fixed order. One row
+// at a time in libm's scalar exp took a tenth of a batch-64 step; ATen's own logsumexp sums a long
+// row across threads, so a row's logprobs would change with the batch and the thread count.
+struct Exps {
+  at::Tensor m_S, e_SV;
+};
+
+Exps ExpsOf(const at::Tensor& z_SV) {
+  const at::Tensor m_S1 = at::amax(z_SV, 1, /*keepdim=*/true);
+  return {m_S1.squeeze(1).contiguous(), (z_SV - m_S1).exp_().contiguous()};
+}
+
 // Appends the chosen token and ends the sample on a stop sequence or at max_tokens.
 void Take(const SamplingParams& params, const Choice& c, SampledSequence& out, bool& finished) {
   out.tokens.push_back(c.token);
@@ -226,13 +239,17 @@ void SampleEngine::Prefill(const std::vector<Job*>& jobs) {
           .cpu()
           .contiguous();
   const int64_t V = z_JV.size(1);
+  const Exps exps = ExpsOf(z_JV);
   for (size_t i = 0; i < jobs.size(); ++i) {
+    const double lse =
+        LogSumExpFromExps(exps.e_SV.data_ptr<double>() + i * V, V, exps.m_S.data_ptr<double>()[i]);
     Begin(*jobs[i], hidden_TD.narrow(0, cu[i], cu[i + 1] - cu[i]), z_JV.data_ptr<double>() + i * V,
-          V);
+          V, lse);
   }
 }
 
-void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V) {
+void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V,
+                         double lse) {
   const Policy& pol = *job.policy;
   const SampleRequest& r = job.request;
   const int64_t P = job.prompt_length();
@@ -270,7 +287,7 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
       at::TensorOptions().dtype(job.k_LPKd[0].scalar_type()).device(pol.device);
   const int64_t K = pol.config.num_key_value_heads, d = pol.config.head_dim;
   for (Sample& s : job.samples) {
-    Take(r.params, ChooseToken(z_V, V, r.params, s.rng), s.out, s.finished);
+    Take(r.params, ChooseToken(z_V, V, lse, r.params, s.rng), s.out, s.finished);
     if (s.finished) continue;
     // The last token is never fed back: max_tokens - 1 rows suffice.
     for (int64_t l = 0; l < layers; ++l) {
@@ -298,6 +315,7 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     const at::Tensor k = k_SKd.contiguous(), v = v_SKd.contiguous();
     const bool host = k.is_cpu() && v.is_cpu();
     const size_t row_bytes = static_cast<size_t>(k.stride(0)) * k.element_size();
+    const bool rows_match = v.stride(0) == k.stride(0) && v.dtype() == k.dtype();
     KvPieces all;
     for (int64_t i = 0; i < S; ++i) {
       const auto& [job, s] = batch[i];
@@ -306,7 +324,7 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
       const bool rows_alike = k_NKd.dtype() == k.dtype() && v_NKd.dtype() == v.dtype() &&
                               k_NKd.is_contiguous() && v_NKd.is_contiguous() &&
                               k_NKd.stride(0) == k.stride(0) && v_NKd.stride(0) == v.stride(0);
-      if (host && rows_alike) {
+      if (host && rows_match && rows_alike) {
         std::memcpy(static_cast<char*>(k_NKd.data_ptr()) + s->cached * row_bytes,
                     static_cast<const char*>(k.data_ptr()) + i * row_bytes, row_bytes);
         std::memcpy(static_cast<char*>(v_NKd.data_ptr()) + s->cached * row_bytes,
@@ -345,10 +363,9 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     chosen[i].params = &batch[i].first->request.params;
     chosen[i].rng = batch[i].second->rng;
   }
-  // ATen's logsumexp takes exp over the step's S · V logits in vector registers and threads;
-  // one row at a time in libm's scalar exp took a tenth of a batch-64 step.
-  const at::Tensor lse_S = at::logsumexp(z_SV, 1).contiguous();
-  ChooseTokens(z_SV.data_ptr<double>(), lse_S.data_ptr<double>(), V, chosen);
+  const Exps exps = ExpsOf(z_SV);
+  ChooseTokens(z_SV.data_ptr<double>(), exps.e_SV.data_ptr<double>(), exps.m_S.data_ptr<double>(),
+               V, chosen);
   for (int64_t i = 0; i < S; ++i) {
     const auto& [job, s] = batch[i];
     ++s->cached;

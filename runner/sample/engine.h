@@ -63,9 +63,9 @@ class SampleEngine {
   struct Sample;
   // One forward over the prompts of `jobs` (one policy), then Begin for each.
   void Prefill(const std::vector<Job*>& jobs);
-  // From a job's prompt hidden states [P, D] and next-token logits [V]: its prompt logprobs, and
-  // each sample's first token and KV cache.
-  void Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V);
+  // From a job's prompt hidden states [P, D] and next-token logits z_V (lse: their log-sum-exp):
+  // its prompt logprobs, and each sample's first token and KV cache.
+  void Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V, double lse);
   // One token for each of `batch`: samples of policies sharing one base, each policy's together.
   void Decode(const std::vector<std::pair<Job*, Sample*>>& batch);
   void Release(const Job& job);
