@@ -1,8 +1,9 @@
 // The matmuls of one decode step of the bench model, by kernels::Gemv and by at::mm (LibTorch's
 // BLAS), at several batch sizes, on the same weights and threads: the figures behind
-// kGemvMaxRows (kernels/gemv.h). Per batch: the median over --reps of the step's products
-// (7 per layer and the output head), each side's weight bytes read per second, and the largest
-// relative difference between the two results (rounding only).
+// kGemvTileRows (kernels/gemv.h); batches over it show a prefill's tiles against the BLAS. Per
+// batch: the median over --reps of the step's products (7 per layer and the output head), each
+// side's weight bytes read per second, and the largest relative difference between the two results
+// (rounding only).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

@@ -59,6 +59,9 @@ ABSL_FLAG(int64_t, beside_steps, 1,
           "--sample_steps_between_jobs)");
 ABSL_FLAG(int64_t, train_tokens, 256, "tokens per training call (4 sequences)");
 ABSL_FLAG(int64_t, num_threads, 2, "intra-op threads");
+ABSL_FLAG(std::string, compute_dtype, "float32",
+          "the runner's compute dtype: float32, bfloat16, float16 or float64 (the eager side "
+          "runs float32)");
 ABSL_FLAG(int64_t, adapters, 8, "LoRA adapters decoded together (one sample each); 0: skip");
 ABSL_FLAG(uint64_t, seed, 7, "seed of the weights and prompts");
 
@@ -172,7 +175,9 @@ int main(int argc, char** argv) {
 
   tinkerd::RunnerConfig rc;
   rc.base_model_path = model_dir;
-  rc.compute_dtype = tinkerd::ComputeDType::kFloat32;
+  auto dtype = tinkerd::ParseComputeDType(absl::GetFlag(FLAGS_compute_dtype));
+  if (!dtype.ok()) return Fail("--compute_dtype", dtype.status());
+  rc.compute_dtype = *dtype;
   rc.num_threads = threads;
   auto runner_or = tinkerd::ModelRunner::Create(rc);
   if (!runner_or.ok()) return Fail("ModelRunner::Create", runner_or.status());
@@ -187,7 +192,8 @@ int main(int argc, char** argv) {
   nlohmann::json result = {{"threads", at::get_num_threads()},
                            {"prompt_len", prompt_len},
                            {"max_tokens", max_tokens},
-                           {"blas_core", tinkerd::BlasCore()}};
+                           {"blas_core", tinkerd::BlasCore()},
+                           {"compute_dtype", tinkerd::ComputeDTypeName(*dtype)}};
   Run(engine, {*base}, {prompts[0]}, 4);  // warm-up
   std::printf("decode (greedy, prompt %lld, %lld tokens per sample, median of %lld):\n",
               static_cast<long long>(prompt_len), static_cast<long long>(max_tokens),

@@ -70,7 +70,7 @@ constexpr std::array<std::array<BlockFn, kCols>, kRows> kBlocks = {
 
 }  // namespace
 
-bool GemvServes(const at::Tensor& x_NI, const at::Tensor& w_OI) {
+bool GemvRunsHere() {
   static const bool avx512 = [] {
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -79,11 +79,15 @@ bool GemvServes(const at::Tensor& x_NI, const at::Tensor& w_OI) {
     return false;
 #endif
   }();
-  if (!avx512) return false;
+  return avx512;
+}
+
+bool GemvServes(const at::Tensor& x_NI, const at::Tensor& w_OI) {
+  if (!GemvRunsHere()) return false;
   const bool grad = c10::GradMode::is_enabled() && (x_NI.requires_grad() || w_OI.requires_grad());
   return !grad && x_NI.device().is_cpu() && w_OI.device().is_cpu() &&
          x_NI.scalar_type() == at::kFloat && w_OI.scalar_type() == at::kFloat && x_NI.dim() == 2 &&
-         w_OI.dim() == 2 && x_NI.size(1) == w_OI.size(1) && x_NI.size(0) <= kGemvMaxRows;
+         w_OI.dim() == 2 && x_NI.size(1) == w_OI.size(1);
 }
 
 at::Tensor Gemv(const GemvParams& p) {
@@ -105,15 +109,18 @@ at::Tensor Gemv(const GemvParams& p) {
   const int64_t blocks = (O + kCols - 1) / kCols;
   const int64_t grain =
       std::max<int64_t>(1, (int64_t{1} << 16) / (kCols * std::max<int64_t>(I, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t o = b * kCols, cols = std::min<int64_t>(kCols, O - o);
-      for (int64_t n = 0; n < N; n += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, N - n);
-        kBlocks[rows - 1][cols - 1](xp + n * ldx, ldx, wp + o * I, I, yp + n * O + o, O);
+  for (int64_t n0 = 0; n0 < N; n0 += kGemvTileRows) {
+    const int64_t n1 = std::min(N, n0 + kGemvTileRows);
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t o = b * kCols, cols = std::min<int64_t>(kCols, O - o);
+        for (int64_t n = n0; n < n1; n += kRows) {
+          const int64_t rows = std::min<int64_t>(kRows, n1 - n);
+          kBlocks[rows - 1][cols - 1](xp + n * ldx, ldx, wp + o * I, I, yp + n * O + o, O);
+        }
       }
-    }
-  });
+    });
+  }
   return y_NO;
 }
 

@@ -3,12 +3,14 @@
 // Each weight row is read once from memory and multiplied with every row of x while it is in
 // cache; nothing is packed. A decode step at batch 8 multiplies each weight by 8 numbers, so its
 // time is the time to read the weights, and a BLAS GEMM built for large products (which copies
-// every weight into its own layout first) spends several times that.
+// every weight into its own layout first) spends several times that. Longer inputs (a prefill)
+// run as tiles of kGemvTileRows rows, each reading the weights once.
 //
 // Each y[n, o] is summed in the same order whatever the other rows are: sixteen partial sums
 // over i in steps of 16 (the last I mod 16 elements in the first lanes), then added pairwise. A
-// row's result does not change with the batch it is decoded in (up to kGemvMaxRows rows) or with
-// the number of threads.
+// row's result does not change with the batch it is decoded or prefilled in, however many rows
+// that is, or with the number of threads. That is what makes a sample's float32 tokens and
+// logprobs independent of what else the sampler runs beside it (docs/sampling.md).
 //
 // Shape suffixes: N rows, I in features, O out features.
 #pragma once
@@ -24,19 +26,22 @@ struct GemvParams {
   at::Tensor w_OI;  // contiguous
 };
 
-// The rows up to which Gemv serves. Measured (bench/gemv_bench, a decode step of the bench model
-// on 2 AVX-512 cores, against OpenBLAS's AVX2 kernels): 4.5x LibTorch's at::mm at 1 row, 2.8x at
-// 8, 1.6x at 64 and still 1.5x at 256, where it is bound by arithmetic. x is read again for each
-// block of weight rows and should stay in the L2 cache (64 rows of 4,096 floats take 1 MiB);
-// longer inputs (prefill, training) go to the BLAS.
-constexpr int64_t kGemvMaxRows = 64;
+// Rows per tile. Measured (bench/gemv_bench, a decode step of the bench model on 2 AVX-512
+// cores, against OpenBLAS's AVX2 kernels): 4.5x LibTorch's at::mm at 1 row, 2.8x at 8, 1.6x at
+// 64, where a tile's products are bound by arithmetic rather than by reading the weights. x is
+// read again for each block of weight rows and should stay in the L2 cache (64 rows of 4,096
+// floats take 1 MiB).
+constexpr int64_t kGemvTileRows = 64;
 
-// Whether Gemv serves this product: float32 on a CPU with AVX-512, at most kGemvMaxRows rows,
-// with no gradient to record (Gemv is inference only). Its 16 accumulators of 16 lanes fit
-// AVX-512's registers; on narrower CPUs they would spill, and it was measured on AVX-512 only.
+// Whether this CPU has AVX-512, which Gemv needs: its 16 accumulators of 16 lanes fit AVX-512's
+// registers; on narrower CPUs they would spill, and it was measured on AVX-512 only.
+bool GemvRunsHere();
+
+// Whether Gemv serves this product: float32 on a CPU where it runs, with no gradient to record
+// (Gemv is inference only; training's products are LibTorch's).
 bool GemvServes(const at::Tensor& x_NI, const at::Tensor& w_OI);
 
-// y_NO in float32. Requires GemvServes' dtype and device (any row count works).
+// y_NO in float32. Requires GemvServes' dtype and device.
 at::Tensor Gemv(const GemvParams& p);
 
 // x·Wᵀ, the product of a linear layer: by Gemv where it serves, else by LibTorch (at::mm).

@@ -611,12 +611,16 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
 
 namespace {
 
-// Every tensor copied (no graph); a tied head stays the embedding's alias.
-BaseWeights FrozenWeights(const BaseWeights& w, bool tied, int64_t* bytes) {
-  auto copy = [bytes](const at::Tensor& t) {
+// Every tensor copied (no graph) in the compute dtype; a tied head stays the embedding's alias.
+// Every use of a weight casts it to the compute dtype (kernels/linear.h, rms_norm.h, the head and
+// the embedding), so the copy is bitwise what the trainer reads from its fp32 masters under bf16,
+// in half their memory, and a decode step casts nothing.
+BaseWeights FrozenWeights(const BaseWeights& w, bool tied, at::ScalarType dtype, int64_t* bytes) {
+  auto copy = [dtype, bytes](const at::Tensor& t) {
     if (!t.defined()) return t;
-    *bytes += static_cast<int64_t>(t.numel() * t.element_size());
-    return t.detach().clone();
+    at::Tensor c = t.detach().to(dtype, /*non_blocking=*/false, /*copy=*/true);
+    *bytes += static_cast<int64_t>(c.nbytes());
+    return c;
   };
   BaseWeights out;
   out.embed_VD = copy(w.embed_VD);
@@ -650,13 +654,13 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
   return Guarded("freezing a policy", [&]() -> absl::StatusOr<std::shared_ptr<const Policy>> {
     policy->step = t->step;
     if (t->full) {
-      policy->weights =
-          FrozenWeights(*t->full, impl_->model_config.tie_word_embeddings, &policy->bytes);
+      policy->weights = FrozenWeights(*t->full, impl_->model_config.tie_word_embeddings,
+                                      impl_->dtype, &policy->bytes);
     } else {
       policy->weights = impl_->base;
     }
     if (t->lora) {
-      policy->lora = t->lora->Frozen();
+      policy->lora = t->lora->Frozen(impl_->dtype);
       for (const auto& [name, p] : policy->lora->Parameters()) {
         policy->bytes += static_cast<int64_t>(p.numel() * p.element_size());
       }

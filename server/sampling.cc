@@ -372,6 +372,9 @@ void Sampling::ComputeLogprobs(const std::string& tenant, const v1::ComputeLogpr
   request.params.max_tokens = 1;
   request.params.temperature = 0;
   ModelLimits limits = ops_->limits();
+  if (absl::Status st = CheckPromptFits(std::ssize(request.prompt), limits); !st.ok()) {
+    return done(st);
+  }
   if (limits.max_context_length > 0) ++limits.max_context_length;  // the dropped token's room
   if (absl::Status st = ValidateSampleRequest(request, limits, config_.request); !st.ok()) {
     return done(st);

@@ -31,6 +31,8 @@ absl::Status ServerConfig::Validate() const {
   if (auto st = tinker_http.Validate(); !st.ok()) return st;
   if (sampling.engine.max_sequences < 1 || sampling.engine.kv_cache_bytes < 1)
     return absl::InvalidArgumentError("server: sample_max_sequences and sample_kv_cache_mb >= 1");
+  if (sampling.engine.prefill_tokens_per_step < 1)
+    return absl::InvalidArgumentError("server: sample_prefill_tokens_per_step < 1");
   if (sampling.sampler_idle <= absl::ZeroDuration())
     return absl::InvalidArgumentError("server: sampler_idle_s <= 0");
   if (sampling.max_sampler_bytes_per_tenant < 1)
@@ -43,7 +45,8 @@ std::string ServerConfig::DebugString() const {
       "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
       "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s auth=%s tls=%s %s "
       "sample_max_sequences=%d sample_kv_cache_bytes=%d sampler_idle=%s "
-      "sampler_bytes_per_tenant=%d sample_steps_between_jobs=%d",
+      "sampler_bytes_per_tenant=%d sample_steps_between_jobs=%d "
+      "sample_prefill_tokens_per_step=%d",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       scheduler.max_pending_per_model, scheduler.result_cache_per_model,
       absl::FormatDuration(scheduler.order_timeout), checkpoint_root,
@@ -51,7 +54,7 @@ std::string ServerConfig::DebugString() const {
       tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"),
       tinker_http.DebugString(), sampling.engine.max_sequences, sampling.engine.kv_cache_bytes,
       absl::FormatDuration(sampling.sampler_idle), sampling.max_sampler_bytes_per_tenant,
-      scheduler.steps_between_jobs);
+      scheduler.steps_between_jobs, sampling.engine.prefill_tokens_per_step);
 }
 
 absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(

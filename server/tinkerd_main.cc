@@ -85,6 +85,9 @@ ABSL_FLAG(int, sample_max_sequences, 256,
 ABSL_FLAG(int, sample_kv_cache_mb, 2048,
           "KV-cache memory reserved for running samples (prompt + num_samples * max_tokens per "
           "request); past it Sample answers RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, sample_prefill_tokens_per_step, 8192,
+          "prompt tokens that start prefilling in one decode step (one longer prompt runs alone); "
+          "bounds a step, which a queued training call may wait for");
 ABSL_FLAG(int, sampler_idle_s, 3600, "a sampler unused for this long is deleted");
 ABSL_FLAG(int, sample_steps_between_jobs, 1,
           "decode steps between two training jobs while both have work: a queued training call "
@@ -228,6 +231,7 @@ int main(int argc, char** argv) {
   sc.tinker_http.archive.public_url = absl::GetFlag(FLAGS_http_public_url);
   sc.sampling.engine.max_sequences = absl::GetFlag(FLAGS_sample_max_sequences);
   sc.sampling.engine.kv_cache_bytes = int64_t{absl::GetFlag(FLAGS_sample_kv_cache_mb)} << 20;
+  sc.sampling.engine.prefill_tokens_per_step = absl::GetFlag(FLAGS_sample_prefill_tokens_per_step);
   sc.sampling.sampler_idle = absl::Seconds(absl::GetFlag(FLAGS_sampler_idle_s));
   sc.sampling.max_sampler_bytes_per_tenant =
       std::max<int64_t>(0, absl::GetFlag(FLAGS_sampler_mb_per_tenant)) << 20;

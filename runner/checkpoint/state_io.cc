@@ -289,7 +289,7 @@ absl::StatusOr<LoraAdapter> ReadPeftAdapter(const std::string& dir, const ModelC
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", dir, ": the adapter holds tensors this base model has no place for"));
   }
-  return adapter.Frozen();
+  return adapter.Frozen(dtype);
 }
 
 }  // namespace

@@ -79,11 +79,11 @@ const LoraPair* LoraAdapter::Find(const std::string& module) const {
   return it == pairs_.end() ? nullptr : &it->second;
 }
 
-LoraAdapter LoraAdapter::Frozen() const {
+LoraAdapter LoraAdapter::Frozen(at::ScalarType dtype) const {
   LoraAdapter copy = *this;
   for (auto& [module, pair] : copy.pairs_) {
-    pair.A_rI = pair.A_rI.detach().clone();
-    pair.B_Or = pair.B_Or.detach().clone();
+    pair.A_rI = pair.A_rI.detach().to(dtype, /*non_blocking=*/false, /*copy=*/true);
+    pair.B_Or = pair.B_Or.detach().to(dtype, /*non_blocking=*/false, /*copy=*/true);
   }
   return copy;
 }

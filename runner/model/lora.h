@@ -36,8 +36,10 @@ class LoraAdapter {
   const LoraPair* Find(const std::string& module) const;
   double scale() const { return scale_; }
 
-  // A copy holding its own tensors (no graph), which training no longer changes: for sampling.
-  LoraAdapter Frozen() const;
+  // A copy holding its own tensors (no graph) in `dtype`, which training no longer changes: for
+  // sampling. Every use casts an adapter to the compute dtype, so a copy made in that dtype is
+  // bitwise what a use of the trainable one reads.
+  LoraAdapter Frozen(at::ScalarType dtype) const;
 
   // Trainable tensors by name: "<module>.lora_A" and "<module>.lora_B".
   std::map<std::string, at::Tensor> Parameters() const;

@@ -393,8 +393,14 @@ bool SampleEngine::Report(Job& job) {
 bool SampleEngine::Step() {
   at::NoGradGuard no_grad;
   {
+    // Admitted requests start in order while their prompts fit the step's prefill budget; the
+    // first always starts, so a prompt longer than the budget runs alone.
     absl::MutexLock lock(&mu_);
-    while (!admitted_.empty()) {
+    int64_t budget = limits_.prefill_tokens_per_step;
+    for (bool first = true; !admitted_.empty(); first = false) {
+      const int64_t tokens = admitted_.front()->prompt_length();
+      if (!first && tokens > budget) break;
+      budget -= tokens;
       running_.push_back(std::move(admitted_.front()));
       admitted_.pop_front();
     }

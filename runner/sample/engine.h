@@ -42,9 +42,10 @@ class SampleEngine {
   absl::Status Admit(std::shared_ptr<const Policy> policy, SampleRequest request, Done done,
                      Progress progress = nullptr);
 
-  // On one thread at a time: prefills the requests admitted since the last step, then decodes one
-  // token for every running sample, and answers the requests whose samples all finished. Returns
-  // whether work remains (another Step would do something).
+  // On one thread at a time: prefills the requests admitted since the last step, in order, up to
+  // limits.prefill_tokens_per_step prompt tokens (the rest wait for the next steps), then decodes
+  // one token for every running sample, and answers the requests whose samples all finished.
+  // Returns whether work remains (another Step would do something).
   bool Step();
   // Fails every admitted request (shutdown). On the stepping thread, or once it has stopped.
   void FailAll(const absl::Status& status);

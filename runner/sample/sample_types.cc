@@ -25,11 +25,21 @@ absl::Status CheckTokens(const std::string& field, const std::vector<int64_t>& t
 
 }  // namespace
 
+absl::Status CheckPromptFits(int64_t tokens, const ModelLimits& model) {
+  if (model.max_context_length > 0 && tokens > model.max_context_length) {
+    return Invalid("prompt",
+                   absl::StrCat("has ", tokens, " tokens, more than the model's context of ",
+                                model.max_context_length));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateSampleRequest(const SampleRequest& r, const ModelLimits& model,
                                    const SampleLimits& limits) {
   const SamplingParams& p = r.params;
   if (r.prompt.empty()) return Invalid("prompt", "is empty");
   if (auto st = CheckTokens("prompt", r.prompt, model.vocab_size); !st.ok()) return st;
+  if (auto st = CheckPromptFits(std::ssize(r.prompt), model); !st.ok()) return st;
   if (p.max_tokens <= 0) {
     return Invalid("sampling_params.max_tokens",
                    absl::StrCat("must be positive, got ", p.max_tokens));

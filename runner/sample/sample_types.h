@@ -71,14 +71,20 @@ struct SampleLimits {
 
 // What the sampling engine holds at once (runner/sample/engine.h).
 struct EngineLimits {
-  int64_t max_sequences = 256;                // samples admitted and not finished
+  int64_t max_sequences = 256;  // samples admitted and not finished
+  // Prompt tokens that start prefilling in one step (at least one prompt, however long): a step
+  // is what a queued training call may wait for, so its prefill is bounded.
+  int64_t prefill_tokens_per_step = 8192;
   int64_t kv_cache_bytes = int64_t{2} << 30;  // reserved for their keys and values
 };
 
-// INVALID_ARGUMENT naming the field: an empty prompt or one with ids outside [0, vocab);
-// max_tokens <= 0; prompt + max_tokens beyond the context; temperature negative or not finite;
-// top_p outside (0, 1]; num_samples outside [1, max]; topk_prompt_logprobs outside [0, max];
-// an empty stop sequence or one with ids outside the vocabulary.
+// INVALID_ARGUMENT naming `prompt` when its `tokens` alone exceed the model's context.
+absl::Status CheckPromptFits(int64_t tokens, const ModelLimits& model);
+
+// INVALID_ARGUMENT naming the field: an empty prompt, one with ids outside [0, vocab) or one
+// longer than the context; max_tokens <= 0; prompt + max_tokens beyond the context; temperature
+// negative or not finite; top_p outside (0, 1]; num_samples outside [1, max]; topk_prompt_logprobs
+// outside [0, max]; an empty stop sequence or one with ids outside the vocabulary.
 absl::Status ValidateSampleRequest(const SampleRequest& request, const ModelLimits& model,
                                    const SampleLimits& limits);
 

@@ -440,9 +440,38 @@ TEST(SamplingE2e, BadRequestsAreNamedAndChangeNothing) {
     EXPECT_EQ(st.error_code(), bad.code) << bad.field << ": " << st.error_message();
     EXPECT_NE(st.error_message().find(bad.field), std::string::npos) << st.error_message();
   }
+  // A prompt longer than the context is the prompt's fault, in Sample and in ComputeLogprobs;
+  // ComputeLogprobs scores a prompt of exactly the context (the limit sits where it should).
+  const int64_t context = live.Info(model).max_context_length();
+  ASSERT_GT(context, 0);
+  auto logprobs = [&](int64_t length, v1::ComputeLogprobsResponse* out) {
+    v1::ComputeLogprobsRequest lp;
+    lp.set_model_id(model);
+    for (int64_t t = 0; t < length; ++t) {
+      lp.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(t % 7);
+    }
+    grpc::ClientContext ctx;
+    return live.stub->ComputeLogprobs(&ctx, lp, out);
+  };
+  v1::ComputeLogprobsResponse scored;
+  const grpc::Status over = logprobs(context + 1, &scored);
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << over.error_message();
+  EXPECT_EQ(over.error_message().rfind("prompt: has ", 0), 0u) << over.error_message();
+  const grpc::Status fits = logprobs(context, &scored);
+  ASSERT_TRUE(fits.ok()) << fits.error_message();
+  EXPECT_EQ(scored.logprobs_size(), context);
+  v1::SampleRequest long_prompt = SampleReq(model, 1);
+  long_prompt.mutable_prompt()->clear_chunks();
+  for (int64_t t = 0; t <= context; ++t) {
+    long_prompt.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(t % 7);
+  }
+  v1::SampleResponse out;
+  const grpc::Status too_long = Sample(live, long_prompt, &out);
+  EXPECT_EQ(too_long.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(too_long.error_message().rfind("prompt: has ", 0), 0u) << too_long.error_message();
+
   EXPECT_EQ(live.StateChecksum(model), state);
   // And the server still samples.
-  v1::SampleResponse out;
   EXPECT_TRUE(Sample(live, SampleReq(model, 1), &out).ok());
 }
 

@@ -41,7 +41,7 @@ at::Tensor Reference(const at::Tensor& x_NI, const at::Tensor& w_OI) {
 TEST(Gemv, MatchesFloat64WithinTheDerivedBound) {
   at::NoGradGuard no_grad;
   uint64_t seed = 100;
-  for (int64_t N : {1, 3, 4, 5, 13}) {
+  for (int64_t N : {1, 3, 4, 5, 13, 130}) {
     for (int64_t O : {1, 3, 4, 9}) {
       for (int64_t I : {5, 16, 37, 96}) {
         const at::Tensor x = Randn({N, I}, ++seed).to(at::kFloat);
@@ -78,33 +78,34 @@ TEST(Gemv, ReadsRowsWithAStride) {
 
 TEST(Gemv, ARowIsTheSameToTheBitInAnyBatchAndOnAnyThreadCount) {
   at::NoGradGuard no_grad;
-  const at::Tensor x = Randn({kernels::kGemvMaxRows, 300}, 11).to(at::kFloat);
+  // Two whole tiles and part of a third: rows on either side of each tile's edge.
+  const int64_t N = 2 * kernels::kGemvTileRows + 22;
+  const at::Tensor x = Randn({N, 300}, 11).to(at::kFloat);
   const at::Tensor w = Randn({301, 300}, 12).to(at::kFloat);
   const at::Tensor all = kernels::Gemv({x, w});
-  for (int64_t n : {int64_t{0}, int64_t{5}, kernels::kGemvMaxRows - 1}) {
+  for (int64_t n :
+       {int64_t{0}, int64_t{5}, kernels::kGemvTileRows - 1, kernels::kGemvTileRows, N - 1}) {
     EXPECT_TRUE(at::equal(kernels::Gemv({x.narrow(0, n, 1), w}), all.narrow(0, n, 1))) << n;
   }
   EXPECT_TRUE(at::equal(kernels::Gemv({x.narrow(0, 3, 7), w}), all.narrow(0, 3, 7)));
+  EXPECT_TRUE(at::equal(kernels::Gemv({x.narrow(0, 60, 70), w}), all.narrow(0, 60, 70)));
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   const at::Tensor one_thread = kernels::Gemv({x, w});
   at::set_num_threads(threads);
   EXPECT_TRUE(at::equal(one_thread, all));
-  // Control: the comparison tells a one-ulp difference apart.
+  // Controls: the comparison tells a one-ulp difference apart, and the BLAS's product of the same
+  // rows (what a product over 64 rows took before tiles) rounds otherwise.
   at::Tensor nudged = all.clone();
   nudged[0][0] = std::nextafter(nudged[0][0].item<float>(), 1e9f);
   EXPECT_FALSE(at::equal(nudged, all));
+  EXPECT_FALSE(at::equal(at::mm(x, w.t()), all));
 }
 
-TEST(Gemv, ServesFewFloat32RowsOutsideAutogradOnly) {
+TEST(Gemv, ServesFloat32OutsideAutogradOnly) {
   const at::Tensor x = Randn({8, 32}, 21).to(at::kFloat);
   const at::Tensor w = Randn({16, 32}, 22).to(at::kFloat);
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") != 0;  // where it serves at all
-#else
-  const bool avx512 = false;
-#endif
+  const bool avx512 = kernels::GemvRunsHere();  // where it serves at all
   {
     at::NoGradGuard no_grad;
     EXPECT_EQ(kernels::GemvServes(x, w), avx512);
@@ -112,8 +113,8 @@ TEST(Gemv, ServesFewFloat32RowsOutsideAutogradOnly) {
     x.requires_grad_(false);
     EXPECT_FALSE(kernels::GemvServes(x.to(at::kDouble), w.to(at::kDouble)));
     EXPECT_FALSE(kernels::GemvServes(x.to(at::kBFloat16), w.to(at::kBFloat16)));
-    const at::Tensor many = Randn({kernels::kGemvMaxRows + 1, 32}, 23).to(at::kFloat);
-    EXPECT_FALSE(kernels::GemvServes(many, w));
+    const at::Tensor many = Randn({kernels::kGemvTileRows * 40 + 1, 32}, 23).to(at::kFloat);
+    EXPECT_EQ(kernels::GemvServes(many, w), avx512);  // a prefill, in tiles
   }
   // Under autograd a product that needs a gradient is LibTorch's, and records one.
   const at::Tensor xg = x.clone().requires_grad_(true);

@@ -5,11 +5,13 @@
 // Shape suffixes: T tokens, D hidden, V vocab.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <numeric>
 #include <optional>
 
+#include "kernels/gemv.h"
 #include "kernels/logprob_head.h"
 #include "runner/sample/engine.h"
 #include "runner/sample/policy.h"
@@ -189,6 +191,51 @@ TEST_F(SamplingTest, SampledLogprobsEqualTheTrainersForward) {
   }
 }
 
+// compute_logprobs' top-k: at each prompt position, the k most likely next tokens and their
+// logprobs are the trainer's log-softmax after that context, most likely first. The control: the
+// distribution one position off gives other tokens or logprobs.
+TEST_F(SamplingTest, TopKPromptLogprobsAreTheTrainersMostLikelyTokens) {
+  constexpr int64_t k = 5;
+  SampleRequest r = Request(7, 1);
+  r.topk_prompt_logprobs = k;
+  const SampleResult result = Run({r})[0];
+  ASSERT_EQ(result.topk_prompt_logprobs.size(), kPrompt.size());
+  EXPECT_TRUE(result.topk_prompt_logprobs[0].empty());
+  // The trainer's k most likely (token, logprob) after the first `t` prompt tokens.
+  auto trainer_topk = [this](size_t t) {
+    const std::vector<double> logp =
+        TrainerDistribution(std::vector<int64_t>(kPrompt.begin(), kPrompt.begin() + t));
+    std::vector<std::pair<int64_t, double>> all;
+    for (size_t v = 0; v < logp.size(); ++v) all.emplace_back(static_cast<int64_t>(v), logp[v]);
+    std::stable_sort(all.begin(), all.end(),
+                     [](const auto& x, const auto& y) { return x.second > y.second; });
+    all.resize(k);
+    return all;
+  };
+  size_t off_apart = 0;
+  for (size_t t = 1; t < kPrompt.size(); ++t) {
+    const auto& got = result.topk_prompt_logprobs[t];
+    const auto want = trainer_topk(t);
+    ASSERT_EQ(got.size(), static_cast<size_t>(k)) << "position " << t;
+    for (int64_t j = 0; j < k; ++j) {
+      EXPECT_EQ(got[j].first, want[j].first) << "position " << t << " rank " << j;
+      EXPECT_NEAR(got[j].second, want[j].second, kFloat64Tol * std::abs(want[j].second))
+          << "position " << t << " rank " << j;
+    }
+    if (t > 1) {
+      const auto off = trainer_topk(t - 1);
+      for (int64_t j = 0; j < k; ++j) {
+        if (got[j].first != off[j].first ||
+            std::abs(got[j].second - off[j].second) > kFloat64Tol * std::abs(off[j].second)) {
+          ++off_apart;
+          break;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(off_apart, kPrompt.size() - 2) << "the distribution one position off must not match";
+}
+
 // The control: a decoder that forgets the cached length in its positions (RoPE from 0 for the new
 // token) gives logprobs the same comparison rejects.
 TEST_F(SamplingTest, BrokenControlDecodeAtWrongPositionIsCaught) {
@@ -267,6 +314,131 @@ TEST_F(SamplingTest, SameSeedSameTokensWhateverElseIsInTheBatch) {
   SampleRequest other = a;  // control: another seed, other tokens
   other.params.seed = 12;
   EXPECT_NE(Run({other})[0].sequences[0].tokens, alone.sequences[0].tokens);
+}
+
+// In float32 a sample's tokens and logprobs are the same to the bit whatever else the engine runs:
+// prefilled packed with a 100-token prompt and decoded beside 70 other rows, so that the products
+// span more than one of Gemv's 64-row tiles (before tiles, such a step left Gemv for the BLAS,
+// whose rounding differs: tests/kernels/gemv_test.cc). Gemv runs on CPUs with AVX-512; elsewhere
+// the BLAS takes every product and this is not promised.
+TEST_F(SamplingTest, InFloat32ASampleIsTheSameToTheBitBesideManyRows) {
+  if (!kernels::GemvRunsHere()) GTEST_SKIP() << "Gemv runs on CPUs with AVX-512 only";
+  if (TestDevice() != "cpu") GTEST_SKIP() << "on a GPU cuBLAS picks kernels by batch size";
+  runner_ = MakeRunner(dir_->Sub("model"), ComputeDType::kFloat32);
+  ASSERT_NE(runner_, nullptr);
+  ASSERT_NO_FATAL_FAILURE(TrainedLora(4, 9, 3, &model_, &policy_));
+  SampleRequest a = Request(11, 12, 2);
+  a.params.temperature = 0.9;
+  const SampleResult alone = Run({a})[0];
+
+  SampleRequest many = Request(5, 10, 70);
+  SampleRequest long_prompt = Request(6, 4);
+  long_prompt.prompt = std::vector<int64_t>(100, 77);
+  const std::vector<SampleResult> mixed = Run({many, a, long_prompt});
+  ASSERT_EQ(mixed[1].sequences.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(mixed[1].sequences[i].tokens, alone.sequences[i].tokens) << "sample " << i;
+    EXPECT_EQ(mixed[1].sequences[i].logprobs, alone.sequences[i].logprobs) << "sample " << i;
+  }
+  // Control: the same request under the base model gives other logprobs, so the comparison
+  // tells policies (and any rounding apart) from the same one.
+  auto base = runner_->FreezePolicy("");
+  ASSERT_TRUE(base.ok());
+  EXPECT_NE(Run({a}, {}, {*base})[0].sequences[0].logprobs, alone.sequences[0].logprobs);
+}
+
+// A step starts admitted prompts in order while they fit its prefill budget (the first always, so
+// a longer prompt runs alone), which bounds what a queued training call waits for; the others
+// start in the next steps and sample what they would have. The control: the default budget
+// starts all four in the first step.
+TEST_F(SamplingTest, AStepPrefillsAtMostItsBudgetOfPromptTokens) {
+  std::vector<SampleRequest> requests;
+  for (int64_t length : {7, 12, 9, 30}) {
+    SampleRequest r = Request(40 + length, 3);
+    r.prompt = std::vector<int64_t>(length, 3 + length);
+    requests.push_back(std::move(r));
+  }
+  auto first_tokens = [&](EngineLimits limits, std::vector<SampleResult>* results) {
+    SampleEngine engine(limits);
+    std::vector<int> first_step(requests.size(), 0);
+    results->assign(requests.size(), {});
+    int step = 1;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const absl::Status st = engine.Admit(
+          policy_, requests[i],
+          [results, i](const absl::StatusOr<SampleResult>& r) {
+            EXPECT_TRUE(r.ok()) << r.status().message();
+            if (r.ok()) (*results)[i] = *r;
+          },
+          [&first_step, &step, i](std::vector<SampleDelta>) {
+            if (first_step[i] == 0) first_step[i] = step;
+            return true;
+          });
+      EXPECT_TRUE(st.ok()) << st.message();
+    }
+    for (; engine.Step(); ++step) {
+    }
+    return first_step;
+  };
+  EngineLimits budget;
+  budget.prefill_tokens_per_step = 20;
+  std::vector<SampleResult> bounded, unbounded;
+  // 7 + 12 fit 20 and 9 does not; then 9, and 30 does not fit what is left; then 30 alone.
+  EXPECT_EQ(first_tokens(budget, &bounded), (std::vector<int>{1, 1, 2, 3}));
+  EXPECT_EQ(first_tokens({}, &unbounded), (std::vector<int>{1, 1, 1, 1}));  // control
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_EQ(bounded[i].sequences.size(), 1u);
+    ASSERT_EQ(unbounded[i].sequences.size(), 1u);
+    EXPECT_EQ(bounded[i].sequences[0].tokens, unbounded[i].sequences[0].tokens) << i;
+  }
+}
+
+// Continuous batching: a request admitted while another is three steps into its decode joins the
+// running batch (its prompt prefilled beside the other's decode step) and both sample what they
+// sample alone. The control: the joiner's request under the base model gives other logprobs.
+TEST_F(SamplingTest, ARequestJoiningMidDecodeSamplesWhatItWouldAlone) {
+  SampleRequest a = Request(21, 12, 2);
+  a.params.temperature = 0.8;
+  SampleRequest b = Request(22, 8);
+  b.prompt = {9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11};
+  const SampleResult alone_a = Run({a})[0];
+  const SampleResult alone_b = Run({b})[0];
+
+  SampleEngine engine({});
+  std::vector<SampleResult> together(2);
+  auto keep = [&together](int i) {
+    return [&together, i](const absl::StatusOr<SampleResult>& r) {
+      EXPECT_TRUE(r.ok()) << r.status().message();
+      if (r.ok()) together[i] = *r;
+    };
+  };
+  ASSERT_TRUE(engine.Admit(policy_, a, keep(0)).ok());
+  for (int step = 0; step < 3; ++step) ASSERT_TRUE(engine.Step());
+  ASSERT_TRUE(together[0].sequences.empty()) << "a finished before b joined";
+  ASSERT_TRUE(engine.Admit(policy_, b, keep(1)).ok());
+  while (engine.Step()) {
+  }
+  const std::vector<std::pair<const SampleResult*, const SampleResult*>> pairs = {
+      {&together[0], &alone_a}, {&together[1], &alone_b}};
+  for (const auto& [got, want] : pairs) {
+    ASSERT_EQ(got->sequences.size(), want->sequences.size());
+    for (size_t i = 0; i < want->sequences.size(); ++i) {
+      EXPECT_EQ(got->sequences[i].tokens, want->sequences[i].tokens) << i;
+      ASSERT_EQ(got->sequences[i].logprobs.size(), want->sequences[i].logprobs.size());
+      for (size_t t = 0; t < want->sequences[i].logprobs.size(); ++t) {
+        EXPECT_NEAR(got->sequences[i].logprobs[t], want->sequences[i].logprobs[t], kFloat64Tol)
+            << "sample " << i << " token " << t;
+      }
+    }
+  }
+  auto base = runner_->FreezePolicy("");
+  ASSERT_TRUE(base.ok());
+  const std::vector<double> under_base = Run({b}, {}, {*base})[0].sequences[0].logprobs;
+  double apart = 0;
+  for (size_t t = 0; t < under_base.size(); ++t) {
+    apart = std::max(apart, std::abs(under_base[t] - alone_b.sequences[0].logprobs[t]));
+  }
+  EXPECT_GT(apart, kFloat64Tol);
 }
 
 // A decode step over the base model and two LoRA adapters of different ranks (attention, MLP and
@@ -546,39 +718,56 @@ class SamplingPrecisionTest : public SamplingTest, public ::testing::WithParamIn
     ASSERT_NO_FATAL_FAILURE(TrainedLora(4, 9, 3, &model_, &policy_));
   }
 
-  // Forward's logprob of each token of `sequence` after the first, as a client gets it.
-  std::vector<double> ForwardLogprobs(const std::vector<int64_t>& sequence) const {
+  // Forward's logprob of each token of `sequence` after the first, as a client of `model` gets it.
+  std::vector<double> ForwardLogprobs(const std::vector<int64_t>& sequence,
+                                      const std::string& model) const {
     Datum d;
     d.tokens.assign(sequence.begin(), sequence.end() - 1);
     d.loss_fn_inputs["target_tokens"] = TensorData::Int64({sequence.begin() + 1, sequence.end()});
     d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
-    auto fwd = runner_->Forward(model_, {d}, "cross_entropy", {});
+    auto fwd = runner_->Forward(model, {d}, "cross_entropy", {});
     EXPECT_TRUE(fwd.ok()) << fwd.status().message();
     if (!fwd.ok()) return {};
     return {fwd->outputs[0].logprobs.begin(), fwd->outputs[0].logprobs.end()};
   }
+  std::vector<double> ForwardLogprobs(const std::vector<int64_t>& sequence) const {
+    return ForwardLogprobs(sequence, model_);
+  }
+
+  // Samples 4 × 16 tokens after kPrompt from `policy` (frozen from `model`) with the prompt's
+  // logprobs, and checks the sampler's logprobs against Forward's within the precision's bounds;
+  // the control, each token scored one position later, must exceed them. Returns the sample.
+  SampleResult ExpectSampledLogprobsWithinBounds(const std::string& model,
+                                                 const std::shared_ptr<const Policy>& policy);
 };
 
-TEST_P(SamplingPrecisionTest, SampledLogprobsEqualForwardsWithinTheDerivedBound) {
+SampleResult SamplingPrecisionTest::ExpectSampledLogprobsWithinBounds(
+    const std::string& model, const std::shared_ptr<const Policy>& policy) {
   const Precision c = GetParam();
   SampleRequest r = Request(7, 16, 4);
   r.prompt_logprobs = true;
-  const SampleResult result = Run({r})[0];
-  ASSERT_EQ(result.sequences.size(), 4u);
+  const SampleResult result = Run({r}, {}, {policy})[0];
+  EXPECT_EQ(result.sequences.size(), 4u);
   const size_t P = kPrompt.size();
   std::vector<double> apart, shifted;
   for (const SampledSequence& s : result.sequences) {
-    ASSERT_EQ(s.tokens.size(), 16u);
-    const std::vector<double> f = ForwardLogprobs(Concat(kPrompt, s.tokens));
-    ASSERT_EQ(f.size(), P - 1 + s.tokens.size());
+    EXPECT_EQ(s.tokens.size(), 16u);
+    const std::vector<double> f = ForwardLogprobs(Concat(kPrompt, s.tokens), model);
+    if (f.size() != P - 1 + s.tokens.size() || s.logprobs.size() != s.tokens.size()) {
+      ADD_FAILURE() << "Forward scored " << f.size() << " tokens";
+      return result;
+    }
     for (size_t t = 0; t < s.tokens.size(); ++t) {
       apart.push_back(std::abs(s.logprobs[t] - f[P - 1 + t]));
       if (P + t < f.size()) shifted.push_back(std::abs(s.logprobs[t] - f[P + t]));
     }
   }
   // compute_logprobs' path: the prompt's own logprobs, position 0 having none.
-  const std::vector<double> f = ForwardLogprobs(kPrompt);
-  ASSERT_EQ(result.prompt_logprobs.size(), P);
+  const std::vector<double> f = ForwardLogprobs(kPrompt, model);
+  if (result.prompt_logprobs.size() != P || f.size() != P - 1) {
+    ADD_FAILURE() << "prompt logprobs: " << result.prompt_logprobs.size() << " of " << P;
+    return result;
+  }
   for (size_t t = 1; t < P; ++t) apart.push_back(std::abs(result.prompt_logprobs[t] - f[t - 1]));
 
   auto mean = [](const std::vector<double>& v) {
@@ -588,6 +777,15 @@ TEST_P(SamplingPrecisionTest, SampledLogprobsEqualForwardsWithinTheDerivedBound)
   EXPECT_LE(worst, c.max_bound);
   EXPECT_LE(mean(apart), c.mean_bound);
   EXPECT_GT(mean(shifted), c.mean_bound) << "tokens scored in the wrong context must be rejected";
+  std::printf("[ precision ] %s: logprobs apart by %.3g at most, %.3g on average (%zu tokens)\n",
+              ComputeDTypeName(c.dtype), worst, mean(apart), apart.size());
+  return result;
+}
+
+TEST_P(SamplingPrecisionTest, SampledLogprobsEqualForwardsWithinTheDerivedBound) {
+  const Precision c = GetParam();
+  const SampleResult result = ExpectSampledLogprobsWithinBounds(model_, policy_);
+  ASSERT_FALSE(result.sequences.empty());
   // That the precision under test ran: the same tokens' logprobs by the same policy trained in
   // float64 differ from these in the last bits at least.
   const std::vector<int64_t> sequence = Concat(kPrompt, result.sequences[0].tokens);
@@ -602,10 +800,70 @@ TEST_P(SamplingPrecisionTest, SampledLogprobsEqualForwardsWithinTheDerivedBound)
     gap = std::max(gap, std::abs(exact[t] - in_precision[t]));
   }
   EXPECT_GT(gap, 0.0) << "float64 and " << ComputeDTypeName(c.dtype) << " agree to the last bit";
-  std::printf(
-      "[ precision ] %s: logprobs apart by %.3g at most, %.3g on average (%zu tokens); "
-      "%.3g at most from float64's\n",
-      ComputeDTypeName(c.dtype), worst, mean(apart), apart.size(), gap);
+  std::printf("[ precision ] %s: %.3g at most from float64's\n", ComputeDTypeName(c.dtype), gap);
+}
+
+// A full fine-tune's policy holds every weight in the compute dtype: bitwise the cast that each
+// use of the trainer's fp32 masters makes (half their memory under bf16, and a decode step casts
+// nothing), and its samples agree with Forward within the bounds above.
+TEST_P(SamplingPrecisionTest, AFullFineTunesPolicyHoldsTheTrainersWeightsInTheComputeDType) {
+  const Precision c = GetParam();
+  CreateModelOptions options;
+  options.lora.reset();
+  options.loss_reduction = LossReduction::kSum;
+  auto model = runner_->CreateModel(options);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  SplitMix64 g(3);
+  ASSERT_TRUE(runner_
+                  ->ForwardBackward(*model, RandomData(g, {9, 14}, "cross_entropy", 128),
+                                    "cross_entropy", {})
+                  .ok());
+  AdamParams adam;
+  adam.learning_rate = 1e-2;
+  ASSERT_TRUE(runner_->OptimStep(*model, adam).ok());
+  auto policy = runner_->FreezePolicy(*model);
+  ASSERT_TRUE(policy.ok()) << policy.status().message();
+  auto masters = runner_->Snapshot(*model, StateKind::kParams);
+  ASSERT_TRUE(masters.ok()) << masters.status().message();
+
+  const at::ScalarType dt = c.dtype == ComputeDType::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  // Each frozen tensor against the trainer's masters; returns the bytes the tensors hold.
+  auto expect_cast = [dt](const std::map<std::string, at::Tensor>& frozen,
+                          const std::vector<NamedValues>& masters) {
+    EXPECT_EQ(frozen.size(), masters.size());
+    int64_t bytes = 0;
+    size_t chopped_apart = 0;
+    for (const NamedValues& v : masters) {
+      auto it = frozen.find(v.name);
+      if (it == frozen.end()) {
+        ADD_FAILURE() << v.name << " is not frozen";
+        continue;
+      }
+      const at::Tensor w = it->second.cpu();
+      EXPECT_EQ(w.scalar_type(), dt) << v.name;
+      bytes += static_cast<int64_t>(w.nbytes());
+      // The masters are fp32, so their float64 snapshot converts back exactly.
+      const at::Tensor master = at::tensor(v.values, at::kDouble).view(v.shape).to(at::kFloat);
+      EXPECT_TRUE(at::equal(w, master.to(dt))) << v.name << " is not the trainer's cast";
+      // Control: the same masters rounded toward zero (the low 16 bits cleared) must not pass.
+      const at::Tensor chopped =
+          at::bitwise_and(master.view(at::kInt), static_cast<int32_t>(0xFFFF0000u))
+              .view(at::kFloat)
+              .to(dt);
+      chopped_apart += at::equal(w, chopped) ? 0 : 1;
+    }
+    EXPECT_GT(chopped_apart, masters.size() / 2) << "the comparison cannot tell roundings apart";
+    return bytes;
+  };
+  EXPECT_EQ((*policy)->bytes,
+            expect_cast((*policy)->weights.Named((*policy)->config.tie_word_embeddings), *masters));
+  ExpectSampledLogprobsWithinBounds(*model, *policy);
+
+  // An adapter's policy likewise (SetUp's).
+  auto adapter = runner_->Snapshot(model_, StateKind::kParams);
+  ASSERT_TRUE(adapter.ok()) << adapter.status().message();
+  ASSERT_TRUE(policy_->lora.has_value());
+  EXPECT_EQ(policy_->bytes, expect_cast(policy_->lora->Parameters(), *adapter));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, SamplingPrecisionTest,
@@ -633,6 +891,8 @@ TEST(SampleValidation, EachBadFieldIsNamed) {
   expect([](SampleRequest& r) { r.prompt[1] = 128; }, "prompt[1]");
   expect([](SampleRequest& r) { r.params.max_tokens = 0; }, "max_tokens");
   expect([](SampleRequest& r) { r.params.max_tokens = 62; }, "context");
+  expect([](SampleRequest& r) { r.prompt.assign(65, 1); }, "prompt: has 65 tokens");
+  expect([](SampleRequest& r) { r.prompt.assign(64, 1); }, "sampling_params.max_tokens");
   expect([](SampleRequest& r) { r.params.temperature = -0.5; }, "temperature");
   expect([](SampleRequest& r) { r.params.temperature = NAN; }, "temperature");
   expect([](SampleRequest& r) { r.params.top_p = 0; }, "top_p");
