@@ -594,6 +594,41 @@ TEST_F(SamplingTest, FrequenciesMatchTheSoftmax) {
   EXPECT_GT(ChiSquare(counts, p_cold, kN, &critical_cold), critical_cold);
 }
 
+// The same through a decode step: each sample's second token follows the model after the prompt
+// and its own first token, so over many samples the second tokens' frequencies follow the
+// marginal q(t2) = Σ_t1 p(t1 | prompt) · p(t2 | prompt, t1). The control: the marginal a decode
+// step would give that sampled at temperature 0.5 (a temperature applied to the prefill's token
+// only would be the bug) must fail.
+TEST_F(SamplingTest, SecondTokenFrequenciesMatchTheModelAfterTheFirst) {
+  constexpr int64_t kN = 20000;
+  SampleRequest r = Request(2025, 2, kN);
+  const SampleResult result = Run({r}, EngineLimits{kN, int64_t{1} << 30})[0];
+  const int64_t V = policy_->config.vocab_size;
+  std::vector<int64_t> counts(V, 0);
+  for (const SampledSequence& s : result.sequences) {
+    ASSERT_EQ(s.tokens.size(), 2u);
+    ++counts.at(s.tokens[1]);
+  }
+  const std::vector<double> first = TrainerDistribution(kPrompt);
+  std::vector<double> q(V, 0.0), q_cold(V, 0.0);
+  for (int64_t t1 = 0; t1 < V; ++t1) {
+    const std::vector<double> logp = TrainerDistribution(Concat(kPrompt, {t1}));
+    double cold_total = 0;
+    for (int64_t v = 0; v < V; ++v) cold_total += std::exp(2 * logp[v]);
+    for (int64_t v = 0; v < V; ++v) {
+      q[v] += std::exp(first[t1] + logp[v]);
+      q_cold[v] += std::exp(first[t1]) * std::exp(2 * logp[v]) / cold_total;
+    }
+  }
+  double critical = 0;
+  const double chi = ChiSquare(counts, q, kN, &critical);
+  EXPECT_LT(chi, critical) << "second tokens do not follow the model after the first";
+  double critical_cold = 0;
+  EXPECT_GT(ChiSquare(counts, q_cold, kN, &critical_cold), critical_cold);
+  std::printf("[ chi-square ] second token: %.1f (critical %.1f); at temperature 0.5: %.1f\n", chi,
+              critical, ChiSquare(counts, q_cold, kN, &critical_cold));
+}
+
 // Past --sample_max_sequences or --sample_kv_cache_mb the engine refuses with
 // RESOURCE_EXHAUSTED (the front ends' 429), reserving nothing; the same request, retried once a
 // running one has ended, runs and samples what it would have alone.
