@@ -4,6 +4,9 @@
 // to x's dtype before the weight (cast to x's dtype too: an fp32 master under bf16 compute)
 // multiplies. Differentiable through ATen's autograd; with
 // activation checkpointing its intermediates live only while one layer is recomputed.
+// Float32 on the CPU with no gradient to record (sampling, the no-grad Forward) runs as one loop
+// over rows with the same roundings in the same order, the sum of squares in sixteen lanes: a
+// row's result is its own, whatever the batch.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -6,6 +6,8 @@
 // __builtin_shufflevector needs GCC 12 or newer (Debian 12's), or clang.
 #pragma once
 
+#include <cstdint>
+
 namespace tinkerd::kernels {
 
 using V16 = float __attribute__((vector_size(64)));
@@ -13,6 +15,10 @@ using V16 = float __attribute__((vector_size(64)));
 using V16u = float __attribute__((vector_size(64), aligned(4), may_alias));
 using V8 = float __attribute__((vector_size(32)));
 using V4 = float __attribute__((vector_size(16)));
+using V16i = int32_t __attribute__((vector_size(64)));
+// Eight doubles: one AVX-512 register.
+using V8d = double __attribute__((vector_size(64)));
+using V8l = int64_t __attribute__((vector_size(64)));
 
 inline float Total(const V16& v) {
   const V8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -40,6 +46,70 @@ inline V4 Total4(const V16& a, const V16& b, const V16& c, const V16& d) {
   const V8 s2 = __builtin_shufflevector(s4, s4, 0, 1, 4, 5, 8, 9, 12, 13) +
                 __builtin_shufflevector(s4, s4, 2, 3, 6, 7, 10, 11, 14, 15);
   return __builtin_shufflevector(s2, s2, 0, 2, 4, 6) + __builtin_shufflevector(s2, s2, 1, 3, 5, 7);
+}
+
+// x = e^x in sixteen lanes (in place: a function returning a V16 has no stable ABI), for softmax
+// arguments (x <= 0; any x <= 88 is served). x = n·ln2 + r with |r| <= ln2/2 (ln2 in two parts, the
+// first exact times any n here), then e^r by its Taylor series to r^7, whose remainder r^8/8! · e^r
+// is below 6e-9 relative (0.1 ulp); the eight roundings of Horner's scheme bring the error to a few
+// ulp (kernel_tests measure it against libm in float64). Below −87.33 e^x is under the smallest
+// normal float and the result is 0; NaN stays NaN. One pass of a softmax's exponentials: libm's
+// scalar expf, called per score, took a decode step's attention more time than its products.
+inline void Exp(V16& x) {
+  constexpr float kLowest = -87.33654f;  // ln(2^-126)
+  const V16 zero = {}, lowest = zero + kLowest;
+  const V16 xc = x < lowest ? lowest : x;
+  constexpr float kMagic = 12582912.0f;  // 1.5 · 2^23: adding it rounds to an integer
+  const V16 n = (xc * 1.44269504f + kMagic) - kMagic;
+  V16 r = xc - n * 0.693359375f;  // ln2's first nine bits: n · them is exact
+  r = r - n * -2.12194440e-4f;    // the rest of ln2
+  V16 p = 1.0f / 5040 + zero;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const V16i two_n = (__builtin_convertvector(n, V16i) + 127) << 23;
+  const V16 y = p * __builtin_bit_cast(V16, two_n);
+  x = x < lowest ? zero : y;
+}
+
+// x = e^x in eight double lanes, as the float Exp above: any x <= 709 is served, 0 below −708.39
+// (e^x under the smallest normal double), NaN stays NaN. ln2 in two parts (the first's 32
+// significant bits times any n here are exact), then the Taylor series of e^r to r^13, whose
+// remainder is below 5e-18 relative (0.03 ulp) for |r| <= ln2/2; Horner's roundings leave a few
+// ulp (kernel_tests measure it against long double). The sampler's log-sum-exp over a row of
+// logits: ATen's took four passes over a step's [rows, vocabulary] logits and two copies of them.
+inline void Exp(V8d& x) {
+  constexpr double kLowest = -708.3964185322641;  // ln(2^-1022)
+  const V8d zero = {}, lowest = zero + kLowest;
+  const V8d xc = x < lowest ? lowest : x;
+  constexpr double kMagic = 6755399441055744.0;  // 1.5 · 2^52: adding it rounds to an integer
+  const V8d n = (xc * 1.4426950408889634 + kMagic) - kMagic;
+  V8d r = xc - n * 6.93147180369123816490e-01;
+  r = r - n * 1.90821492927058770002e-10;
+  constexpr double kInverseFactorials[] = {1.0 / 6227020800,
+                                           1.0 / 479001600,
+                                           1.0 / 39916800,
+                                           1.0 / 3628800,
+                                           1.0 / 362880,
+                                           1.0 / 40320,
+                                           1.0 / 5040,
+                                           1.0 / 720,
+                                           1.0 / 120,
+                                           1.0 / 24,
+                                           1.0 / 6,
+                                           0.5,
+                                           1.0,
+                                           1.0};
+  V8d p = zero + kInverseFactorials[0];
+#pragma GCC unroll 13
+  for (int k = 1; k < 14; ++k) p = p * r + kInverseFactorials[k];
+  const V8l two_n = (__builtin_convertvector(n, V8l) + 1023) << 52;
+  const V8d y = p * __builtin_bit_cast(V8d, two_n);
+  x = x < lowest ? zero : y;
 }
 
 }  // namespace tinkerd::kernels

@@ -2,26 +2,79 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
 
+#include "kernels/cpu_clones.h"
+#include "kernels/vec16.h"
+
 namespace tinkerd {
 
-double LogSumExpFromExps(const double* e, int64_t V, double m) {
-  if (!std::isfinite(m)) return m;
-  // Eight partial sums (v mod 8), then added pairwise.
-  double part[8] = {};
-  int64_t v = 0;
-  for (; v + 8 <= V; v += 8) {
-    for (int j = 0; j < 8; ++j) part[j] += e[v + j];
+TINKERD_CPU_CLONES double LogSumExp(const double* z, int64_t V) {
+  using kernels::V8d;
+  const double inf = std::numeric_limits<double>::infinity();
+  const int64_t whole = V / 8 * 8;
+  const V8d zero = {};
+  V8d top8 = zero - inf;
+  for (int64_t v = 0; v < whole; v += 8) {
+    V8d x;
+    std::memcpy(&x, z + v, sizeof(x));
+    top8 = x > top8 ? x : top8;
   }
-  for (; v < V; ++v) part[0] += e[v];
+  double m = -inf;
+  for (int j = 0; j < 8; ++j) m = std::max(m, top8[j]);
+  for (int64_t v = whole; v < V; ++v) m = std::max(m, z[v]);
+  if (!std::isfinite(m)) return m;
+  V8d part = {};
+  for (int64_t v = 0; v < whole; v += 8) {
+    V8d x;
+    std::memcpy(&x, z + v, sizeof(x));
+    x -= m;
+    kernels::Exp(x);
+    part += x;
+  }
+  if (whole < V) {  // the last V mod 8, padded with −∞, whose exponentials are 0
+    V8d x = zero - inf;
+    std::memcpy(&x, z + whole, (V - whole) * sizeof(double));
+    x -= m;
+    kernels::Exp(x);
+    part += x;
+  }
   for (int w = 4; w > 0; w /= 2) {
     for (int j = 0; j < w; ++j) part[j] += part[j + w];
   }
   return m + std::log(part[0]);
 }
+
+namespace {
+
+// w_v = exp(z_v · inv_t − m), m = max_v z_v · inv_t, eight lanes at a time; returns Σ_v w_v, summed
+// as LogSumExp sums. With libm's exp per logit the token choice of a temperature-1 step of 64 rows
+// of 8,192 logits took 2.3-2.6 ms of one thread on a 2-vCPU Xeon; with these, 1.1-1.3 ms.
+TINKERD_CPU_CLONES double ScaledExps(const double* z, int64_t V, double inv_t, double* w) {
+  using kernels::V8d;
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t v = 0; v < V; ++v) m = std::max(m, z[v] * inv_t);
+  const int64_t whole = V / 8 * 8;
+  V8d part = {};
+  for (int64_t v = 0; v < whole; v += 8) {
+    V8d x;
+    std::memcpy(&x, z + v, sizeof(x));
+    x = x * inv_t - m;
+    kernels::Exp(x);
+    std::memcpy(w + v, &x, sizeof(x));
+    part += x;
+  }
+  for (int64_t v = whole; v < V; ++v) part[v - whole] += w[v] = std::exp(z[v] * inv_t - m);
+  for (int h = 4; h > 0; h /= 2) {
+    for (int j = 0; j < h; ++j) part[j] += part[j + h];
+  }
+  return part[0];
+}
+
+}  // namespace
 
 Choice ChooseToken(const double* z, int64_t V, double lse, const SamplingParams& params,
                    SplitMix64& rng) {
@@ -33,11 +86,8 @@ Choice ChooseToken(const double* z, int64_t V, double lse, const SamplingParams&
   const bool truncate = (params.top_k > 0 && params.top_k < V) || params.top_p < 1;
   if (!truncate) {
     // Every token, in index order: no sort over the vocabulary.
-    double m = -std::numeric_limits<double>::infinity();
-    for (int64_t v = 0; v < V; ++v) m = std::max(m, z[v] * inv_t);
     std::vector<double> w(V);
-    double total = 0;
-    for (int64_t v = 0; v < V; ++v) total += w[v] = std::exp(z[v] * inv_t - m);
+    const double total = ScaledExps(z, V, inv_t, w.data());
     const double u = rng.Uniform() * total;
     double cum = 0;
     for (int64_t v = 0; v < V; ++v) {

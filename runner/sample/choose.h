@@ -22,13 +22,14 @@ struct Choice {
   double logprob = 0;
 };
 
-// lse: the row's log Σ_v exp(z_v) (LogSumExpFromExps), which the logprob subtracts.
+// lse: the row's log Σ_v exp(z_v) (LogSumExp), which the logprob subtracts.
 Choice ChooseToken(const double* logits_V, int64_t V, double lse, const SamplingParams& params,
                    SplitMix64& rng);
 
-// log Σ_v exp(z_v) = m + log Σ_v e_v, from m = max_v z_v and e_v = exp(z_v − m) (taken for a
-// whole step at once, vectorized, elsewhere). The sum runs in one fixed order, so a row's result
-// is the same bits whatever rows and threads share the step.
-double LogSumExpFromExps(const double* exps_V, int64_t V, double m);
+// log Σ_v exp(z_v) = m + log Σ_v exp(z_v − m), m = max_v z_v, in one pass for m and one for the
+// sum, eight lanes at a time (kernels/vec16.h's Exp). The sum runs in one fixed order (lane v mod
+// 8, then the lanes' halves folded: 4, 2, 1), so a row's result is the same bits whatever rows and
+// threads share the step.
+double LogSumExp(const double* logits_V, int64_t V);
 
 }  // namespace tinkerd

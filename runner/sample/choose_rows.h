@@ -16,9 +16,7 @@ struct RowChoice {
   Choice choice;
 };
 
-// rows[s] takes row s of z_SV (S rows of V logits, row-major); m_S holds each row's largest
-// logit and e_SV exp(z_sv − m_s), from which each row's log-sum-exp is taken (choose.h).
-void ChooseTokens(const double* z_SV, const double* e_SV, const double* m_S, int64_t V,
-                  std::vector<RowChoice>& rows);
+// rows[s] takes row s of z_SV (S rows of V logits, row-major), with its log-sum-exp (choose.h).
+void ChooseTokens(const double* z_SV, int64_t V, std::vector<RowChoice>& rows);
 
 }  // namespace tinkerd

@@ -110,19 +110,6 @@ at::Tensor Tokens(const std::vector<int64_t>& ids, at::Device device) {
   return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).to(device);
 }
 
-// The logits' row maxima m_S and exp(z_SV − m_S), elementwise by ATen (vectorized, threaded): the
-// costly part of each row's log-sum-exp, whose sum choose.h then takes in a fixed order. One row
-// at a time in libm's scalar exp took a tenth of a batch-64 step; ATen's own logsumexp sums a long
-// row across threads, so a row's logprobs would change with the batch and the thread count.
-struct Exps {
-  at::Tensor m_S, e_SV;
-};
-
-Exps ExpsOf(const at::Tensor& z_SV) {
-  const at::Tensor m_S1 = at::amax(z_SV, 1, /*keepdim=*/true);
-  return {m_S1.squeeze(1).contiguous(), (z_SV - m_S1).exp_().contiguous()};
-}
-
 // Appends the chosen token and ends the sample on a stop sequence or at max_tokens.
 void Take(const SamplingParams& params, const Choice& c, SampledSequence& out, bool& finished) {
   out.tokens.push_back(c.token);
@@ -239,10 +226,8 @@ void SampleEngine::Prefill(const std::vector<Job*>& jobs) {
           .cpu()
           .contiguous();
   const int64_t V = z_JV.size(1);
-  const Exps exps = ExpsOf(z_JV);
   for (size_t i = 0; i < jobs.size(); ++i) {
-    const double lse =
-        LogSumExpFromExps(exps.e_SV.data_ptr<double>() + i * V, V, exps.m_S.data_ptr<double>()[i]);
+    const double lse = LogSumExp(z_JV.data_ptr<double>() + i * V, V);
     Begin(*jobs[i], hidden_TD.narrow(0, cu[i], cu[i + 1] - cu[i]), z_JV.data_ptr<double>() + i * V,
           V, lse);
   }
@@ -363,9 +348,7 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     chosen[i].params = &batch[i].first->request.params;
     chosen[i].rng = batch[i].second->rng;
   }
-  const Exps exps = ExpsOf(z_SV);
-  ChooseTokens(z_SV.data_ptr<double>(), exps.e_SV.data_ptr<double>(), exps.m_S.data_ptr<double>(),
-               V, chosen);
+  ChooseTokens(z_SV.data_ptr<double>(), V, chosen);
   for (int64_t i = 0; i < S; ++i) {
     const auto& [job, s] = batch[i];
     ++s->cached;

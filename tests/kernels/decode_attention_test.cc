@@ -140,6 +140,33 @@ TEST(DecodeAttention, DevicePathMatchesTheReference) {
   }
 }
 
+TEST(DecodeAttention, FloatVectorPathMatchesTheReference) {
+  // Float with d a multiple of 16 up to 128 takes the vector-register loop: every such d here, with
+  // and without windows; query heads (6) not a multiple of the four taken at a time.
+  for (int64_t d : {16, 32, 48, 64, 96, 128}) {
+    for (int64_t window : {0, 5, 35}) {
+      const DecodeAttentionParams p = MakeCase(d, window, at::kFloat, at::kCPU, 28);
+      // As DevicePathMatchesTheReference: (d + L) · 2^-24 of the largest value, with d <= 128
+      // and L <= 70 below 1.2e-5 (Exp's weights are within 2 ulps, inside that count).
+      EXPECT_LT(RelErr(kernels::DecodeAttention(p), Reference(p)), 2e-5)
+          << "d " << d << " window " << window;
+    }
+  }
+  // Values longer than the output pass finds in L2 (here 1,500 rows of 128 floats per kv head:
+  // 768 KiB per task, if a task takes one kv head or all three) are asked for by that pass
+  // itself: the same result, within (128 + 1,500) · 6e-8 = 1e-4.
+  DecodeAttentionParams longer = MakeCase(128, 0, at::kFloat, at::kCPU, 29);
+  longer.k_pieces[3] = {Randn({1500, 3, 128}, 30).to(at::kFloat)};
+  longer.v_pieces[3] = {Randn({1500, 3, 128}, 31).to(at::kFloat)};
+  const at::Tensor out = kernels::DecodeAttention(longer);
+  EXPECT_LT(RelErr(out, Reference(longer)), 2e-4);
+  // Control: a value row the kernel must read, changed, is seen.
+  DecodeAttentionParams changed = longer;
+  changed.v_pieces[3] = {longer.v_pieces[3][0].clone()};
+  changed.v_pieces[3][0][1499].mul_(2);
+  EXPECT_GT(RelErr(kernels::DecodeAttention(changed), Reference(longer)), 1e-3);
+}
+
 TEST(DecodeAttention, TaskShapeDoesNotChangeTheResult) {
   // With at least two sequences per thread a task reads a sequence's rows whole, all kv heads;
   // with fewer, one kv head each. The five sequences take the first on one thread and the second

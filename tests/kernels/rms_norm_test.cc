@@ -48,6 +48,34 @@ TEST(RmsNorm, BFloat16FollowsHuggingFaceOrder) {
   EXPECT_LE(rel.max().item<double>(), std::ldexp(1.0, -7));
 }
 
+TEST(RmsNorm, FloatRowsWithoutGradientMatchALoopAndTheirBatch) {
+  // D = 40 takes the sixteen-lane sum and its remainder, D = 512 a decode step's rows.
+  for (int64_t D : {40, 512}) {
+    const at::Tensor x = Randn({70, D}, 38, 1e-3).to(at::kFloat), w = Randn({D}, 39).to(at::kFloat);
+    at::Tensor y, alone;
+    {
+      const at::NoGradGuard no_grad;
+      y = kernels::RmsNorm({x, w, 1e-6});
+      alone = kernels::RmsNorm({x.narrow(0, 69, 1), w, 1e-6});
+    }
+    EXPECT_EQ(y.scalar_type(), at::kFloat);
+    // The sum of D squares in sixteen lanes rounds D/16 + 4 times, then the division by D, the
+    // sqrt, the reciprocal and two products once each: (D/16 + 9) · 2^-24 relative, 1.7e-6 at
+    // D = 512; 4e-6 leaves margin. The control (eps after the sqrt) is off by ~0.3.
+    const at::Tensor ref = Reference(x.to(at::kDouble), w.to(at::kDouble), 1e-6);
+    EXPECT_LT(RelErr(y, ref), 4e-6) << D;
+    EXPECT_GT(RelErr(y, Reference(x.to(at::kDouble), w.to(at::kDouble), 1e-6, false)), 1e-2);
+    // A row alone is its row in the batch, bitwise; control: the next row differs.
+    EXPECT_TRUE(at::equal(alone, y.narrow(0, 69, 1))) << D;
+    EXPECT_FALSE(at::equal(alone, y.narrow(0, 68, 1))) << D;
+    // With a gradient to record, the norm is ATen's and differentiable, within the same bound.
+    const at::Tensor xg = x.clone().requires_grad_(true);
+    const at::Tensor yg = kernels::RmsNorm({xg, w, 1e-6});
+    ASSERT_TRUE(yg.requires_grad());
+    EXPECT_LT(RelErr(yg, ref), 4e-6) << D;
+  }
+}
+
 TEST(RmsNorm, GradientMatchesFiniteDifferences) {
   const at::Tensor x0 = Randn({3, 9}, 35), w = Randn({9}, 36), R = Randn({3, 9}, 37);
   const at::Tensor x = x0.clone().requires_grad_(true);
