@@ -222,8 +222,9 @@ TINKERD_CPU_CLONES void Attend(const Task<T, A>& t) {
 // Values of at most this many bytes per task are asked for into L2 while the scores pass reads
 // the keys, kAhead rows ahead, so that two streams of rows are in flight instead of one, and the
 // output pass finds them there (a core's L2 holds 1-2 MiB). On a 2-vCPU Xeon a batch-64 layer of
-// 160-token caches went from 0.94 to 0.75 ms (22 to 28 GB/s). Longer values are asked for by the
-// output pass itself, kAheadValues rows ahead.
+// 160-token caches took 0.90-0.95 ms before, 0.77-0.94 after, over four alternating runs
+// (bench/RESULTS.md, stop 31). Longer values are asked for by the output pass itself,
+// kAheadValues rows ahead.
 constexpr int64_t kValuesAlongside = int64_t{512} << 10;
 constexpr int64_t kAheadValues = 8;
 
