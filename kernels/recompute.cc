@@ -60,11 +60,12 @@ at::Tensor Recompute(LayerFn fn, const at::Tensor& x, const std::vector<at::Tens
   bool any = x.requires_grad();
   for (const at::Tensor& p : params) any = any || p.requires_grad();
   if (!at::GradMode::is_enabled() || !any) return fn(x);
-  at::Tensor y;
-  {
-    at::NoGradGuard no_grad;
-    y = fn(x);
-  }
+  // The forward runs as the recompute will, grad mode on and x's own requires_grad, so that it
+  // takes the same kernels: without a gradient to record, float32 products and norms on the CPU
+  // take inference loops (kernels/gemv.h, rms_norm.h) that round otherwise than autograd's ops,
+  // and the recomputed layer would not be the one that ran. The detach drops its graph at once:
+  // one layer's activations live at a time, as in the backward.
+  at::Tensor y = fn(x.detach().requires_grad_(x.requires_grad())).detach();
   variable_list inputs{x};
   inputs.insert(inputs.end(), params.begin(), params.end());
   auto node = std::make_shared<RecomputeNode>(std::move(fn), x, params);

@@ -19,9 +19,9 @@ namespace {
 bool RowsServe(const RmsNormParams& p) {
   const bool grad =
       c10::GradMode::is_enabled() && (p.x_ND.requires_grad() || p.w_D.requires_grad());
-  return !grad && p.x_ND.scalar_type() == at::kFloat && p.w_D.scalar_type() == at::kFloat &&
-         p.x_ND.device().is_cpu() && p.w_D.device().is_cpu() && p.x_ND.dim() >= 1 &&
-         p.w_D.dim() == 1 && p.w_D.size(0) == p.x_ND.size(-1);
+  return p.inference && !grad && p.x_ND.scalar_type() == at::kFloat &&
+         p.w_D.scalar_type() == at::kFloat && p.x_ND.device().is_cpu() && p.w_D.device().is_cpu() &&
+         p.x_ND.dim() >= 1 && p.w_D.dim() == 1 && p.w_D.size(0) == p.x_ND.size(-1);
 }
 
 // ATen's expression row by row in float, its roundings in its order: the mean of the squares

@@ -4,9 +4,10 @@
 // to x's dtype before the weight (cast to x's dtype too: an fp32 master under bf16 compute)
 // multiplies. Differentiable through ATen's autograd; with
 // activation checkpointing its intermediates live only while one layer is recomputed.
-// Float32 on the CPU with no gradient to record (sampling, the no-grad Forward) runs as one loop
-// over rows with the same roundings in the same order, the sum of squares in sixteen lanes: a
-// row's result is its own, whatever the batch.
+// With `inference`, float32 on the CPU with no gradient to record runs as one loop over rows, the
+// same roundings in the same order but the sum of squares in sixteen lanes: a row's result is its
+// own, whatever the batch. The sampler asks for it; the trainer's Forward does not, so that its
+// logprobs stay those of forward_backward on the same data (the loop's sums round otherwise).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,6 +18,7 @@ struct RmsNormParams {
   at::Tensor x_ND;  // any leading shape; normalizes the last dimension
   at::Tensor w_D;
   double eps = 1e-6;
+  bool inference = false;  // the sampler's steps: the rows loop where it serves (above)
 };
 
 at::Tensor RmsNorm(const RmsNormParams& p);

@@ -49,16 +49,20 @@ inline V4 Total4(const V16& a, const V16& b, const V16& c, const V16& d) {
 }
 
 // x = e^x in sixteen lanes (in place: a function returning a V16 has no stable ABI), for softmax
-// arguments (x <= 0; any x <= 88 is served). x = n·ln2 + r with |r| <= ln2/2 (ln2 in two parts, the
-// first exact times any n here), then e^r by its Taylor series to r^7, whose remainder r^8/8! · e^r
-// is below 6e-9 relative (0.1 ulp); the eight roundings of Horner's scheme bring the error to a few
-// ulp (kernel_tests measure it against libm in float64). Below −87.33 e^x is under the smallest
-// normal float and the result is 0; NaN stays NaN. One pass of a softmax's exponentials: libm's
-// scalar expf, called per score, took a decode step's attention more time than its products.
+// arguments (x <= 0). Exact to a few ulp up to 88.37; above, where n reaches 128, +∞ (e^x itself
+// overflows at 88.72). Below −87.33 (e^x under the smallest normal float) 0; NaN stays NaN. x =
+// n·ln2 + r with |r| <= ln2/2 (ln2 in two parts, the first exact times any n here), then e^r by its
+// Taylor series to r^7, whose remainder |r|^8/8! · e^|r| is below 8e-9 relative (0.13 ulp); the
+// seven roundings of Horner's scheme bring the error to a few ulp at most (kernel_tests measure it
+// against libm in float64). One pass of a softmax's exponentials: libm's scalar expf, called per
+// score, took a decode step's attention more time than its products.
 inline void Exp(V16& x) {
   constexpr float kLowest = -87.33654f;  // ln(2^-126)
-  const V16 zero = {}, lowest = zero + kLowest;
-  const V16 xc = x < lowest ? lowest : x;
+  constexpr float kHighest = 88.72284f;  // ln(2^128): past it n would pass 128
+  const V16 zero = {}, lowest = zero + kLowest, highest = zero + kHighest;
+  // NaN compares false and takes the clamp, so that no NaN is converted to an integer below.
+  V16 xc = x >= lowest ? x : lowest;
+  xc = xc <= highest ? xc : highest;
   constexpr float kMagic = 12582912.0f;  // 1.5 · 2^23: adding it rounds to an integer
   const V16 n = (xc * 1.44269504f + kMagic) - kMagic;
   V16 r = xc - n * 0.693359375f;  // ln2's first nine bits: n · them is exact
@@ -73,19 +77,22 @@ inline void Exp(V16& x) {
   p = p * r + 1.0f;
   const V16i two_n = (__builtin_convertvector(n, V16i) + 127) << 23;
   const V16 y = p * __builtin_bit_cast(V16, two_n);
-  x = x < lowest ? zero : y;
+  x = x < lowest ? zero : (x == x ? y : x);
 }
 
-// x = e^x in eight double lanes, as the float Exp above: any x <= 709 is served, 0 below −708.39
-// (e^x under the smallest normal double), NaN stays NaN. ln2 in two parts (the first's 32
+// x = e^x in eight double lanes, as the float Exp above: +∞ above 709.43 (n reaches 1024), 0 below
+// −708.39 (e^x under the smallest normal double), NaN stays NaN. ln2 in two parts (the first's 32
 // significant bits times any n here are exact), then the Taylor series of e^r to r^13, whose
-// remainder is below 5e-18 relative (0.03 ulp) for |r| <= ln2/2; Horner's roundings leave a few
-// ulp (kernel_tests measure it against long double). The sampler's log-sum-exp over a row of
-// logits: ATen's took four passes over a step's [rows, vocabulary] logits and two copies of them.
+// remainder is below 5e-18 relative (0.03 ulp) for |r| <= ln2/2; Horner's thirteen roundings leave
+// a few ulp at most (kernel_tests measure it against long double). The sampler's log-sum-exp over a
+// row of logits: ATen's took four passes over a step's [rows, vocabulary] logits and two copies of
+// them.
 inline void Exp(V8d& x) {
   constexpr double kLowest = -708.3964185322641;  // ln(2^-1022)
-  const V8d zero = {}, lowest = zero + kLowest;
-  const V8d xc = x < lowest ? lowest : x;
+  constexpr double kHighest = 709.782712893384;   // ln(2^1024): past it n would pass 1024
+  const V8d zero = {}, lowest = zero + kLowest, highest = zero + kHighest;
+  V8d xc = x >= lowest ? x : lowest;  // NaN takes the clamp, as above
+  xc = xc <= highest ? xc : highest;
   constexpr double kMagic = 6755399441055744.0;  // 1.5 · 2^52: adding it rounds to an integer
   const V8d n = (xc * 1.4426950408889634 + kMagic) - kMagic;
   V8d r = xc - n * 6.93147180369123816490e-01;
@@ -109,7 +116,7 @@ inline void Exp(V8d& x) {
   for (int k = 1; k < 14; ++k) p = p * r + kInverseFactorials[k];
   const V8l two_n = (__builtin_convertvector(n, V8l) + 1023) << 52;
   const V8d y = p * __builtin_bit_cast(V8d, two_n);
-  x = x < lowest ? zero : y;
+  x = x < lowest ? zero : (x == x ? y : x);
 }
 
 }  // namespace tinkerd::kernels

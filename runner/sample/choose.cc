@@ -67,7 +67,14 @@ TINKERD_CPU_CLONES double ScaledExps(const double* z, int64_t V, double inv_t, d
     std::memcpy(w + v, &x, sizeof(x));
     part += x;
   }
-  for (int64_t v = whole; v < V; ++v) part[v - whole] += w[v] = std::exp(z[v] * inv_t - m);
+  if (whole < V) {  // the last V mod 8, padded with −∞, whose exponentials are 0
+    V8d x = V8d{} - std::numeric_limits<double>::infinity();
+    std::memcpy(&x, z + whole, (V - whole) * sizeof(double));
+    x = x * inv_t - m;
+    kernels::Exp(x);
+    std::memcpy(w + whole, &x, (V - whole) * sizeof(double));
+    part += x;
+  }
   for (int h = 4; h > 0; h /= 2) {
     for (int j = 0; j < h; ++j) part[j] += part[j + h];
   }
@@ -88,8 +95,17 @@ Choice ChooseToken(const double* z, int64_t V, double lse, const SamplingParams&
     // Every token, in index order: no sort over the vocabulary.
     std::vector<double> w(V);
     const double total = ScaledExps(z, V, inv_t, w.data());
-    const double u = rng.Uniform() * total;
-    double cum = 0;
+    const double uniform = rng.Uniform();
+    double u = uniform * total, cum = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      cum += w[v];
+      if (u < cum && w[v] > 0) return chosen(v);
+    }
+    // The walk's running sum (in index order) ended below the total (summed in lanes) by
+    // rounding, and u fell between them: walk again against the sum the walk reaches, so that
+    // no token takes that sliver of mass.
+    u = uniform * cum;
+    cum = 0;
     for (int64_t v = 0; v < V; ++v) {
       cum += w[v];
       if (u < cum && w[v] > 0) return chosen(v);

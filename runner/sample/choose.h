@@ -5,7 +5,10 @@
 //                   largest logits and top_p then keeps the smallest most-likely-first prefix whose
 //                   mass reaches top_p (at least one token); a uniform u from the sequence's own
 //                   generator picks by inverse CDF, in a fixed order (most likely first, then by
-//                   index), so a seed gives the same token on every machine.
+//                   index; without truncation, by index), so a seed gives the same token for the
+//                   same logits on every machine, but for rounding: the exponentials are
+//                   kernels/vec16.h's, whose last bits may differ between CPUs with and without
+//                   FMA (kernels/cpu_clones.h).
 // The logprob reported beside the token is the model's own, log softmax(z)_v (temperature 1, no
 // truncation): what the trainer's Forward computes for that token.
 #pragma once

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "kernels/attention.h"
@@ -51,8 +52,7 @@ at::Tensor Reference(const DecodeAttentionParams& p, int64_t window_error = 0) {
 // shared), with own pieces of 1, 2 and 30 rows, the last narrowed from a larger cache; a sequence
 // with only a prompt; one with an empty piece in the middle.
 DecodeAttentionParams MakeCase(int64_t d, int64_t window, at::ScalarType dt, at::Device dev,
-                               uint64_t seed) {
-  const int64_t H = 6, K = 3;
+                               uint64_t seed, int64_t H = 6, int64_t K = 3) {
   auto rows = [&](int64_t n, uint64_t salt) {
     return Randn({n, K, d}, seed + salt).to(dt).to(dev);
   };
@@ -151,6 +151,12 @@ TEST(DecodeAttention, FloatVectorPathMatchesTheReference) {
       EXPECT_LT(RelErr(kernels::DecodeAttention(p), Reference(p)), 2e-5)
           << "d " << d << " window " << window;
     }
+  }
+  // More query heads per kv head than the output pass holds at once (16 / (d / 16)): 8 on one kv
+  // head at d = 128 (four passes of two), 7 at d = 48 (five, then two).
+  for (const auto& [d, H] : {std::pair<int64_t, int64_t>{128, 8}, {48, 7}}) {
+    const DecodeAttentionParams p = MakeCase(d, 5, at::kFloat, at::kCPU, 32, H, 1);
+    EXPECT_LT(RelErr(kernels::DecodeAttention(p), Reference(p)), 2e-5) << "d " << d << " H " << H;
   }
   // Values longer than the output pass finds in L2 (here 1,500 rows of 128 floats per kv head:
   // 768 KiB per task, if a task takes one kv head or all three) are asked for by that pass

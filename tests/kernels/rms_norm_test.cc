@@ -55,8 +55,8 @@ TEST(RmsNorm, FloatRowsWithoutGradientMatchALoopAndTheirBatch) {
     at::Tensor y, alone;
     {
       const at::NoGradGuard no_grad;
-      y = kernels::RmsNorm({x, w, 1e-6});
-      alone = kernels::RmsNorm({x.narrow(0, 69, 1), w, 1e-6});
+      y = kernels::RmsNorm({x, w, 1e-6, /*inference=*/true});
+      alone = kernels::RmsNorm({x.narrow(0, 69, 1), w, 1e-6, /*inference=*/true});
     }
     EXPECT_EQ(y.scalar_type(), at::kFloat);
     // The sum of D squares in sixteen lanes rounds D/16 + 4 times, then the division by D, the
@@ -70,9 +70,18 @@ TEST(RmsNorm, FloatRowsWithoutGradientMatchALoopAndTheirBatch) {
     EXPECT_FALSE(at::equal(alone, y.narrow(0, 68, 1))) << D;
     // With a gradient to record, the norm is ATen's and differentiable, within the same bound.
     const at::Tensor xg = x.clone().requires_grad_(true);
-    const at::Tensor yg = kernels::RmsNorm({xg, w, 1e-6});
+    const at::Tensor yg = kernels::RmsNorm({xg, w, 1e-6, /*inference=*/true});
     ASSERT_TRUE(yg.requires_grad());
     EXPECT_LT(RelErr(yg, ref), 4e-6) << D;
+    // Not asked for (the trainer's Forward), a no-grad norm is ATen's too: bitwise the
+    // differentiable one, which the loop's (control) is not.
+    at::Tensor plain;
+    {
+      const at::NoGradGuard no_grad;
+      plain = kernels::RmsNorm({x, w, 1e-6});
+    }
+    EXPECT_TRUE(at::equal(plain, yg.detach())) << D;
+    EXPECT_FALSE(at::equal(y, yg.detach())) << D;
   }
 }
 

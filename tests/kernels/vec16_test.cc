@@ -138,7 +138,8 @@ TEST(ExpDouble, IsWithinTwoUlpsOverItsRange) {
 TEST(LogSumExp, MatchesALongDoubleLoopAndIsTheSameForTheSameRow) {
   // Rows of 8,192 and 8,197 logits (the second with a remainder past the eight lanes).
   for (int64_t V : {8192, 8197}) {
-    const at::Tensor z = Randn({V}, 40, 4.0);
+    at::Tensor z = Randn({V}, 40, 4.0);
+    z[V - 1] = z.max();  // the control below leaves it out: its probability is >= 1/V
     const double* zp = z.data_ptr<double>();
     long double m = -INFINITY, sum = 0;
     for (int64_t v = 0; v < V; ++v) m = std::max<long double>(m, zp[v]);
@@ -148,17 +149,20 @@ TEST(LogSumExp, MatchesALongDoubleLoopAndIsTheSameForTheSameRow) {
     // the sum, ~1.2e-13 at V = 8,197, and log moves that to an absolute error; 1e-12 with margin.
     const double lse = LogSumExp(zp, V);
     EXPECT_NEAR(lse, expected, 1e-12) << V;
-    // Control: the last logit left out (what a lost remainder would do) moves the result by its
-    // probability, ~1e-7 here, a thousand times the bound at least.
-    EXPECT_GT(std::abs(LogSumExp(zp, V - 1) - expected), 1e-9) << V;
+    // Control: the last logit left out (what a lost remainder would do) moves the result by
+    // -log(1 - p) >= p >= 1/V = 1.2e-4, far past the bound.
+    EXPECT_GT(std::abs(LogSumExp(zp, V - 1) - expected), 1e-4) << V;
     EXPECT_EQ(LogSumExp(zp, V), lse);
   }
-  // Rows with an infinite or NaN logit give it back, as a log-sum-exp must.
-  std::vector<double> row(20, 0.5);
-  row[17] = std::numeric_limits<double>::infinity();
-  EXPECT_EQ(LogSumExp(row.data(), 20), std::numeric_limits<double>::infinity());
-  row[17] = std::nan("");
-  EXPECT_TRUE(std::isnan(LogSumExp(row.data(), 20)));
+  // Rows with an infinite or NaN logit give it back, as a log-sum-exp must, whether it sits in
+  // the eight lanes (3) or past them (17).
+  for (int at : {3, 17}) {
+    std::vector<double> row(20, 0.5);
+    row[at] = std::numeric_limits<double>::infinity();
+    EXPECT_EQ(LogSumExp(row.data(), 20), std::numeric_limits<double>::infinity()) << at;
+    row[at] = std::nan("");
+    EXPECT_TRUE(std::isnan(LogSumExp(row.data(), 20))) << at;
+  }
 }
 
 }  // namespace
