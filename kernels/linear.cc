@@ -1,8 +1,40 @@
 #include "kernels/linear.h"
 
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/cpu_clones.h"
 #include "kernels/gemv.h"
+#include "kernels/vec16.h"
 
 namespace tinkerd::kernels {
+namespace {
+
+// y = g / (1 + e^−g) · u, sixteen at a time: ATen's silu and product, in its order of operations,
+// with vec16.h's Exp.
+TINKERD_CPU_CLONES void SwiGLULoop(const float* g, const float* u, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const V16 gate = *reinterpret_cast<const V16u*>(g + i);
+    V16 e = -gate;
+    Exp(e);
+    *reinterpret_cast<V16u*>(y + i) = gate / (1.0f + e) * *reinterpret_cast<const V16u*>(u + i);
+  }
+  if (i < n) {  // the last n mod 16, zero-padded
+    V16 gate = {}, up = {};
+    std::memcpy(&gate, g + i, (n - i) * sizeof(float));
+    std::memcpy(&up, u + i, (n - i) * sizeof(float));
+    V16 e = -gate;
+    Exp(e);
+    const V16 out = gate / (1.0f + e) * up;
+    std::memcpy(y + i, &out, (n - i) * sizeof(float));
+  }
+}
+
+}  // namespace
 
 at::Tensor Linear(const LinearParams& p) {
   const at::ScalarType dt = p.x_NI.scalar_type();
@@ -33,7 +65,25 @@ at::Tensor Linear(const LinearParams& p) {
   return y;
 }
 
-at::Tensor SwiGLU(const at::Tensor& gate_NI, const at::Tensor& up_NI) {
+at::Tensor SwiGLU(const at::Tensor& gate_NI, const at::Tensor& up_NI, bool inference) {
+  const bool grad =
+      c10::GradMode::is_enabled() && (gate_NI.requires_grad() || up_NI.requires_grad());
+  if (inference && !grad && gate_NI.scalar_type() == at::kFloat &&
+      up_NI.scalar_type() == at::kFloat && gate_NI.device().is_cpu() && up_NI.device().is_cpu() &&
+      gate_NI.sizes() == up_NI.sizes()) {
+    // ATen's two ops, each a parallel region and an allocation, took 0.55 ms of a 22 ms batch-64
+    // decode step on a 2-vCPU Xeon. A decode step's elements run on the calling thread (grain:
+    // 256 Ki), a prefill's across threads.
+    const at::Tensor g = gate_NI.contiguous(), u = up_NI.contiguous();
+    at::Tensor y = at::empty_like(g);
+    const float* gp = g.data_ptr<float>();
+    const float* up = u.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, g.numel(), int64_t{1} << 18, [&](int64_t begin, int64_t end) {
+      SwiGLULoop(gp + begin, up + begin, yp + begin, end - begin);
+    });
+    return y;
+  }
   return at::silu(gate_NI) * up_NI;
 }
 

@@ -37,7 +37,10 @@ struct LinearParams {
 
 at::Tensor Linear(const LinearParams& p);
 
-// silu(gate) ⊙ up, the gated activation of Llama-family MLPs.
-at::Tensor SwiGLU(const at::Tensor& gate_NI, const at::Tensor& up_NI);
+// silu(gate) ⊙ up, the gated activation of Llama-family MLPs. With `inference` (the sampler's
+// steps), float32 on the CPU with no gradient to record runs as one vectorized loop, ATen's order
+// of operations with kernels/vec16.h's exponential; otherwise ATen's ops, those of training and of
+// the trainer's Forward.
+at::Tensor SwiGLU(const at::Tensor& gate_NI, const at::Tensor& up_NI, bool inference = false);
 
 }  // namespace tinkerd::kernels

@@ -94,8 +94,8 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   x_TD = Norm(out_TD, L.post_norm_D, eps, kv != nullptr);
   const at::Tensor gate_TI = Linear(Proj(x_TD, L.gate_proj, none, lora, p + "mlp.gate_proj"));
   const at::Tensor up_TI = Linear(Proj(x_TD, L.up_proj, none, lora, p + "mlp.up_proj"));
-  return out_TD + Linear(Proj(kernels::SwiGLU(gate_TI, up_TI), L.down_proj, none, lora,
-                              p + "mlp.down_proj"));
+  return out_TD + Linear(Proj(kernels::SwiGLU(gate_TI, up_TI, kv != nullptr), L.down_proj, none,
+                              lora, p + "mlp.down_proj"));
 }
 
 // The trainable tensors a layer reads: its LoRA pairs, or its own weights under full fine-tuning.

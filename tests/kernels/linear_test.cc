@@ -125,6 +125,32 @@ TEST(LinearRuns, Float32WithinItsBound) {
   EXPECT_LT(RelErr(y, ref), bound);
 }
 
+TEST(SwiGLU, TheSamplersLoopMatchesFloat64AndTheTrainersIsATens) {
+  // 70 × 45 elements: the sixteen-lane loop and its remainder.
+  const at::Tensor g = Randn({70, 45}, 60, 3.0).to(at::kFloat),
+                   u = Randn({70, 45}, 61).to(at::kFloat);
+  at::Tensor loop, plain;
+  {
+    const at::NoGradGuard no_grad;
+    loop = kernels::SwiGLU(g, u, /*inference=*/true);
+    plain = kernels::SwiGLU(g, u);
+  }
+  const at::Tensor g64 = g.to(at::kDouble), u64 = u.to(at::kDouble);
+  const at::Tensor ref = g64 / (1 + at::exp(-g64)) * u64;
+  // Per element: Exp within 2 ulps moves 1 + e^-g by at most that, then the sum, the division
+  // and the product round once each: 5 · 2^-24 = 3e-7 relative; 5e-7 with margin.
+  const double worst =
+      ((loop.to(at::kDouble) - ref).abs() / ref.abs().clamp_min(1e-30)).max().item<double>();
+  EXPECT_LT(worst, 5e-7);
+  // Control: gate and up swapped is far off.
+  EXPECT_GT(RelErr(kernels::SwiGLU(u, g, true), ref), 1e-2);
+  // Without `inference` (the trainer's Forward) the result is ATen's, bitwise that of training.
+  EXPECT_TRUE(at::equal(plain, at::silu(g) * u));
+  const at::Tensor trained = kernels::SwiGLU(g.clone().requires_grad_(true), u, true);
+  ASSERT_TRUE(trained.requires_grad());
+  EXPECT_TRUE(at::equal(plain, trained.detach()));
+}
+
 TEST(LinearRuns, RunsMustCoverTheRows) {
   Case c = MakeCase(at::kDouble);
   c.runs.back().rows = 3;  // 8 of 9 rows
