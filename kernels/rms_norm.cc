@@ -13,9 +13,8 @@
 namespace tinkerd::kernels {
 namespace {
 
-// Whether the rows loop serves: float on the CPU with no gradient to record (a decode or prefill
-// step, the trainer's no-grad Forward). Training's norms stay ATen's, which autograd
-// differentiates.
+// Whether the rows loop serves: asked for (a sampler's decode or prefill step), float on the CPU,
+// no gradient to record. Training's norms and the trainer's Forward stay ATen's.
 bool RowsServe(const RmsNormParams& p) {
   const bool grad =
       c10::GradMode::is_enabled() && (p.x_ND.requires_grad() || p.w_D.requires_grad());
