@@ -13,6 +13,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/cpu_clones.h"
+#include "kernels/parallel.h"
 #include "kernels/vec16.h"
 
 namespace tinkerd::kernels {
@@ -373,7 +374,7 @@ void Cpu(const DecodeAttentionParams& p, double scale, at::Tensor& out_SHd) {
   [[maybe_unused]] const bool vector = d % 16 == 0 && d / 16 >= 1 && d / 16 <= 8;
   const T* q_all = q_SHd.data_ptr<T>();
   T* out_all = out_SHd.data_ptr<T>();
-  at::parallel_for(0, S * (K / nkv), 1, [&](int64_t begin, int64_t end) {
+  ParallelFor(0, S * (K / nkv), 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(nkv * G * d), o(nkv * G * d), scores, sum(nkv * G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / (K / nkv), kv0 = task % (K / nkv) * nkv, L = lengths[s];

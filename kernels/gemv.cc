@@ -1,6 +1,5 @@
 #include "kernels/gemv.h"
 
-#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -8,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/cpu_clones.h"
+#include "kernels/parallel.h"
 #include "kernels/vec16.h"
 
 namespace tinkerd::kernels {
@@ -116,7 +116,7 @@ at::Tensor Gemv(const GemvParams& p) {
     // in memory, not in cache, and waited on it (a fifth of the time at 64 rows, gemv_bench).
     const int64_t groups = (n1 - n0 + kRows - 1) / kRows;
     const int64_t lines = (kCols * I + 15) / 16, share = (lines + groups - 1) / groups;
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    ParallelFor(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t o = b * kCols, cols = std::min<int64_t>(kCols, O - o);
         const float* next = wp + std::min(o + kCols, O - 1) * I;

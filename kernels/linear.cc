@@ -1,6 +1,5 @@
 #include "kernels/linear.h"
 
-#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -8,6 +7,7 @@
 
 #include "kernels/cpu_clones.h"
 #include "kernels/gemv.h"
+#include "kernels/parallel.h"
 #include "kernels/vec16.h"
 
 namespace tinkerd::kernels {
@@ -72,14 +72,14 @@ at::Tensor SwiGLU(const at::Tensor& gate_NI, const at::Tensor& up_NI, bool infer
       up_NI.scalar_type() == at::kFloat && gate_NI.device().is_cpu() && up_NI.device().is_cpu() &&
       gate_NI.sizes() == up_NI.sizes()) {
     // ATen's two ops, each a parallel region and an allocation, took 0.55 ms of a 22 ms batch-64
-    // decode step on a 2-vCPU Xeon. A decode step's elements run on the calling thread (grain:
-    // 256 Ki), a prefill's across threads.
+    // decode step on a 2-vCPU Xeon. Tasks of at least 32 Ki elements: a batch-64 step's 90 Ki
+    // split on its team (kernels/parallel.h), whose loops cost a few microseconds to start.
     const at::Tensor g = gate_NI.contiguous(), u = up_NI.contiguous();
     at::Tensor y = at::empty_like(g);
     const float* gp = g.data_ptr<float>();
     const float* up = u.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, g.numel(), int64_t{1} << 18, [&](int64_t begin, int64_t end) {
+    ParallelFor(0, g.numel(), int64_t{1} << 15, [&](int64_t begin, int64_t end) {
       SwiGLULoop(gp + begin, up + begin, yp + begin, end - begin);
     });
     return y;

@@ -1,6 +1,5 @@
 #include "kernels/rms_norm.h"
 
-#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -8,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/cpu_clones.h"
+#include "kernels/parallel.h"
 #include "kernels/vec16.h"
 
 namespace tinkerd::kernels {
@@ -65,10 +65,10 @@ at::Tensor RmsNorm(const RmsNormParams& p) {
     const float* wp = w.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const float eps = static_cast<float>(p.eps);
-    at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(D, 1)),
-                     [&](int64_t begin, int64_t end) {
-                       NormRows(xp + begin * D, wp, yp + begin * D, end - begin, D, eps);
-                     });
+    ParallelFor(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(D, 1)),
+                [&](int64_t begin, int64_t end) {
+                  NormRows(xp + begin * D, wp, yp + begin * D, end - begin, D, eps);
+                });
     return y;
   }
   const at::ScalarType dt = p.x_ND.scalar_type();

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/parallel.h"
+
 namespace tinkerd {
 
 std::vector<double> RopeInvFreq(const ModelConfig& c, int64_t seq_len) {
@@ -181,13 +183,19 @@ at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables) {
     const at::Tensor s = tables.sin_Td.contiguous();
     at::Tensor out = at::empty_like(x);
     const int64_t T = x.size(0), H = x.size(1), d = x.size(2);
-    if (x.scalar_type() == at::kFloat) {
-      RopeRows(x.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(),
-               T, H, d);
-    } else {
-      RopeRows(x.data_ptr<double>(), c.data_ptr<double>(), s.data_ptr<double>(),
-               out.data_ptr<double>(), T, H, d);
-    }
+    // Rows of at least 16 Ki elements per task: a decode step's queries split across threads.
+    kernels::ParallelFor(
+        0, T, std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(H * d, 1)),
+        [&](int64_t t0, int64_t t1) {
+          const int64_t at = t0 * H * d, rows = t1 - t0;
+          if (x.scalar_type() == at::kFloat) {
+            RopeRows(x.data_ptr<float>() + at, c.data_ptr<float>() + t0 * d,
+                     s.data_ptr<float>() + t0 * d, out.data_ptr<float>() + at, rows, H, d);
+          } else {
+            RopeRows(x.data_ptr<double>() + at, c.data_ptr<double>() + t0 * d,
+                     s.data_ptr<double>() + t0 * d, out.data_ptr<double>() + at, rows, H, d);
+          }
+        });
     return out;
   }
   const int64_t R = x_THd.size(2) / 2;

@@ -18,5 +18,8 @@ struct RowChoice {
 
 // rows[s] takes row s of z_SV (S rows of V logits, row-major), with its log-sum-exp (choose.h).
 void ChooseTokens(const double* z_SV, int64_t V, std::vector<RowChoice>& rows);
+// The same on float32 logits, each row widened to double (exactly) by its own task: a float32
+// step's logits need no copy of their own.
+void ChooseTokens(const float* z_SV, int64_t V, std::vector<RowChoice>& rows);
 
 }  // namespace tinkerd

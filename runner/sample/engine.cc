@@ -1,5 +1,6 @@
 #include "runner/sample/engine.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/logprob_head.h"
+#include "kernels/parallel.h"
 #include "runner/sample/choose.h"
 #include "runner/sample/choose_rows.h"
 #include "runner/util/exception_status.h"
@@ -283,6 +285,11 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
 }
 
 void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
+  // The step's loops run on the team, which stays awake from one to the next (kernels/parallel.h).
+  if (team_ == nullptr || team_->threads() != at::get_num_threads()) {
+    team_ = std::make_unique<kernels::SpinningTeam>(at::get_num_threads());
+  }
+  const kernels::SpinningTeam::Scope hot(*team_);
   const Policy& pol = *batch.front().first->policy;
   const int64_t S = static_cast<int64_t>(batch.size());
   std::vector<int64_t> tokens, cu_q{0};
@@ -339,7 +346,7 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   const ForwardOptions options = Options(pol, &kv);
   const PackedBatch packed{Tokens(tokens, pol.device), cu_q};
   const at::Tensor hidden_SD = ForwardHidden(pol.config, pol.weights, lora, packed, options);
-  const at::Tensor z_SV = Logits(runs, hidden_SD).to(at::kDouble).cpu().contiguous();
+  const at::Tensor z_SV = Logits(runs, hidden_SD).cpu().contiguous();
   const int64_t V = z_SV.size(1);
   // Every token is chosen (on copies of the generators) before any sample changes, so a failure
   // here leaves the step undone and Step's retry of each policy alone decodes it once.
@@ -348,7 +355,11 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     chosen[i].params = &batch[i].first->request.params;
     chosen[i].rng = batch[i].second->rng;
   }
-  ChooseTokens(z_SV.data_ptr<double>(), V, chosen);
+  if (z_SV.scalar_type() == at::kFloat) {
+    ChooseTokens(z_SV.data_ptr<float>(), V, chosen);
+  } else {
+    ChooseTokens(z_SV.to(at::kDouble).data_ptr<double>(), V, chosen);
+  }
   for (int64_t i = 0; i < S; ++i) {
     const auto& [job, s] = batch[i];
     ++s->cached;

@@ -27,6 +27,9 @@
 #include "runner/sample/sample_types.h"
 
 namespace tinkerd {
+namespace kernels {
+class SpinningTeam;
+}  // namespace kernels
 
 class SampleEngine {
  public:
@@ -74,6 +77,8 @@ class SampleEngine {
   static bool Report(Job& job);
 
   const EngineLimits limits_;
+  // The decode steps' loops run on it (kernels/parallel.h), sized to LibTorch's thread count.
+  std::unique_ptr<kernels::SpinningTeam> team_;
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<Job>> admitted_ ABSL_GUARDED_BY(mu_);
   int64_t sequences_ ABSL_GUARDED_BY(mu_) = 0;

@@ -26,10 +26,11 @@ const char* CoreForThisCpu() {
   return "";
 }
 
-// About 30 µs of spinning (libgomp counts about 100,000 spins a millisecond): a decode step's
-// products follow each other microseconds apart, and a worker woken from sleep for each took a
-// batch-8 decode from 1,250 to 790 tokens/s; longer spins took training and prefill time from
-// OpenBLAS's pool (bench/RESULTS.md, stop 28).
+// About 30 µs of spinning (libgomp counts about 100,000 spins a millisecond): loops that follow
+// each other microseconds apart find the worker awake (a worker woken from sleep for each of a
+// decode step's products took a batch-8 decode from 1,250 to 790 tokens/s, before decode steps had
+// a team of their own); longer spins took training and prefill time from OpenBLAS's pool
+// (bench/RESULTS.md, stop 28).
 constexpr char kSpinCount[] = "3000";
 
 }  // namespace

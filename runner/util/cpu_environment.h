@@ -5,8 +5,9 @@
 // OpenMP workers spin for 3 ms by default after each parallel region, and tinkerd runs training,
 // sampling and its front ends on threads of their own, and OpenBLAS keeps a pool of its own, so a
 // spinning worker holds the core the next op needs. On the 2-core CI machine spinning made a
-// prefill 4x slower (bench/RESULTS.md, stop 22). Not sleeping at once matters too: the CPU
-// kernels' parallel loops (a decode step runs ~45 of them) wait for a sleeping worker to wake.
+// prefill 4x slower (bench/RESULTS.md, stop 22). Not sleeping at once matters too: a parallel
+// loop waits for a sleeping worker to wake. (A sampler's decode step, whose loops have more serial
+// work between them than this spin covers, runs them on a team of its own: kernels/parallel.h.)
 // The spin count is libgomp's (the OpenMP runtime of LibTorch built with GCC); others ignore it.
 //
 // OPENBLAS_CORETYPE, unless the operator set it, only when OpenBLAS chose its generic Prescott

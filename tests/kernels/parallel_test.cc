@@ -1,0 +1,179 @@
+// kernels/parallel.h: a SpinningTeam's loops cover their range once, in at::parallel_for's
+// chunks, on the team's own threads; a chunk's exception reaches the caller; a loop inside a chunk
+// runs inline; outside a Scope the loops are LibTorch's again. And the kernels' results on the
+// team are bitwise those on LibTorch's threads.
+#include "kernels/parallel.h"
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "kernels/decode_attention.h"
+#include "kernels/gemv.h"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+using Chunk = std::pair<int64_t, int64_t>;
+
+// The chunks of one ParallelFor and the threads that ran them.
+struct Record {
+  std::mutex mu;
+  std::vector<Chunk> chunks;
+  std::set<std::thread::id> threads;
+
+  kernels::LoopBody Body() {
+    return [this](int64_t b, int64_t e) {
+      std::lock_guard<std::mutex> lock(mu);
+      chunks.emplace_back(b, e);
+      threads.insert(std::this_thread::get_id());
+    };
+  }
+  std::vector<Chunk> Sorted() {
+    std::sort(chunks.begin(), chunks.end());
+    return chunks;
+  }
+};
+
+// at::parallel_for's split of [begin, end) over `threads` (LibTorch 1.13's invoke_parallel).
+std::vector<Chunk> LibTorchSplit(int64_t begin, int64_t end, int64_t grain, int64_t threads) {
+  const int64_t n = end - begin;
+  if (n <= std::max<int64_t>(grain, 1) || threads == 1) return {{begin, end}};
+  const int64_t used = grain > 0 ? std::min(threads, (n + grain - 1) / grain) : threads;
+  const int64_t chunk = (n + used - 1) / used;
+  std::vector<Chunk> out;
+  for (int64_t t = 0; t < used; ++t) {
+    if (begin + t * chunk < end)
+      out.emplace_back(begin + t * chunk, std::min(end, begin + (t + 1) * chunk));
+  }
+  return out;
+}
+
+TEST(SpinningTeam, SplitsAsLibTorchOnItsOwnThreads) {
+  for (int threads : {1, 2, 3, 4}) {
+    kernels::SpinningTeam team(threads);
+    ASSERT_EQ(team.threads(), threads);
+    const kernels::SpinningTeam::Scope hot(team);
+    for (auto [begin, end, grain] :
+         std::vector<std::tuple<int64_t, int64_t, int64_t>>{{0, 1, 1},
+                                                            {0, 7, 1},
+                                                            {3, 103, 1},
+                                                            {0, 100, 30},
+                                                            {0, 100, 100},
+                                                            {5, 6, 0},
+                                                            {0, 64, 0}}) {
+      Record r;
+      kernels::ParallelFor(begin, end, grain, r.Body());
+      const std::vector<Chunk> want = LibTorchSplit(begin, end, grain, threads);
+      EXPECT_EQ(r.Sorted(), want) << threads << " threads, [" << begin << ", " << end << "), grain "
+                                  << grain;
+      // Each chunk on its own thread: the caller's and the workers'.
+      EXPECT_EQ(r.threads.size(), want.size())
+          << threads << " threads, [" << begin << ", " << end << ")";
+      // Control: a split with one thread fewer differs wherever there are several chunks.
+      if (want.size() > 1) {
+        EXPECT_NE(r.Sorted(), LibTorchSplit(begin, end, grain, threads - 1));
+      }
+    }
+    Record none;
+    kernels::ParallelFor(4, 4, 1, none.Body());
+    EXPECT_TRUE(none.chunks.empty());
+  }
+}
+
+TEST(SpinningTeam, AChunksExceptionReachesTheCallerAndTheTeamGoesOn) {
+  kernels::SpinningTeam team(2);
+  const kernels::SpinningTeam::Scope hot(team);
+  const std::thread::id caller = std::this_thread::get_id();
+  // The second chunk runs on the worker.
+  EXPECT_THROW(kernels::ParallelFor(0, 10, 1,
+                                    [&](int64_t b, int64_t) {
+                                      if (b > 0 && std::this_thread::get_id() != caller) {
+                                        throw std::runtime_error("worker");
+                                      }
+                                    }),
+               std::runtime_error);
+  EXPECT_THROW(kernels::ParallelFor(0, 10, 1,
+                                    [&](int64_t b, int64_t) {
+                                      if (b == 0) throw std::runtime_error("caller");
+                                    }),
+               std::runtime_error);
+  Record r;
+  kernels::ParallelFor(0, 10, 1, r.Body());
+  EXPECT_EQ(r.Sorted(), (std::vector<Chunk>{{0, 5}, {5, 10}}));
+}
+
+TEST(SpinningTeam, ALoopInsideAChunkRunsOnItsThread) {
+  kernels::SpinningTeam team(2);
+  const kernels::SpinningTeam::Scope hot(team);
+  std::atomic<int> inline_loops{0}, elsewhere{0};
+  kernels::ParallelFor(0, 2, 1, [&](int64_t, int64_t) {
+    const std::thread::id mine = std::this_thread::get_id();
+    kernels::ParallelFor(0, 100, 1, [&](int64_t b, int64_t e) {
+      (std::this_thread::get_id() == mine && b == 0 && e == 100 ? inline_loops : elsewhere)++;
+    });
+  });
+  EXPECT_EQ(inline_loops.load(), 2);
+  EXPECT_EQ(elsewhere.load(), 0);
+}
+
+TEST(SpinningTeam, OutsideAScopeTheLoopsAreLibTorchs) {
+  at::set_num_threads(2);
+  kernels::SpinningTeam team(2);
+  std::set<std::thread::id> team_threads;
+  {
+    const kernels::SpinningTeam::Scope hot(team);
+    Record r;
+    kernels::ParallelFor(0, 2, 1, r.Body());
+    team_threads = r.threads;
+    ASSERT_EQ(team_threads.size(), 2u);
+  }
+  Record r;
+  kernels::ParallelFor(0, 2, 1, r.Body());
+  EXPECT_EQ(r.Sorted(), LibTorchSplit(0, 2, 1, at::get_num_threads()));
+  // The caller is in both; LibTorch's worker is not the team's.
+  team_threads.erase(std::this_thread::get_id());
+  for (const std::thread::id& t : r.threads) EXPECT_EQ(team_threads.count(t), 0u);
+  // Scopes nest: the inner one's end leaves the outer's team in use.
+  const kernels::SpinningTeam::Scope outer(team);
+  { const kernels::SpinningTeam::Scope inner(team); }
+  Record again;
+  kernels::ParallelFor(0, 2, 1, again.Body());
+  again.threads.erase(std::this_thread::get_id());
+  EXPECT_EQ(again.threads, team_threads);
+}
+
+TEST(SpinningTeam, KernelsGiveTheBitsTheyGiveOnLibTorchsThreads) {
+  at::NoGradGuard no_grad;
+  at::set_num_threads(2);
+  if (!kernels::GemvRunsHere()) GTEST_SKIP() << "Gemv needs AVX-512";
+  const at::Tensor x = Randn({64, 96}, 1).to(at::kFloat), w = Randn({300, 96}, 2).to(at::kFloat);
+  const at::Tensor q = Randn({16, 4, 32}, 3).to(at::kFloat);
+  kernels::DecodeAttentionParams p;
+  p.q_SHd = q;
+  for (int64_t s = 0; s < 16; ++s) {
+    p.k_pieces.push_back({Randn({20 + s, 2, 32}, 10 + s).to(at::kFloat)});
+    p.v_pieces.push_back({Randn({20 + s, 2, 32}, 40 + s).to(at::kFloat)});
+    p.lengths.push_back(20 + s);
+  }
+  const at::Tensor y_omp = kernels::Gemv({x, w}), a_omp = kernels::DecodeAttention(p);
+  kernels::SpinningTeam team(2);
+  const kernels::SpinningTeam::Scope hot(team);
+  EXPECT_TRUE(at::equal(kernels::Gemv({x, w}), y_omp));
+  EXPECT_TRUE(at::equal(kernels::DecodeAttention(p), a_omp));
+  // Control: the same product on other weights is told apart.
+  EXPECT_FALSE(at::equal(kernels::Gemv({x, w.roll(1, 0)}), y_omp));
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
