@@ -1,6 +1,7 @@
 #include "kernels/parallel.h"
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -76,6 +77,8 @@ SpinningTeam::Scope::~Scope() {
 }
 
 void SpinningTeam::Work(int index) {
+  // An ATen op inside a chunk runs on this thread alone, rather than starting an OpenMP pool here.
+  omp_set_num_threads(1);
   uint64_t seen = 0;
   for (;;) {
     uint64_t now = generation_.load(std::memory_order_acquire);
@@ -99,6 +102,8 @@ void SpinningTeam::Work(int index) {
 }
 
 void SpinningTeam::Run(Loop& loop) {
+  // One loop at a time: a second caller's loop would replace the first's under its workers.
+  const std::lock_guard<std::mutex> one(run_mu_);
   loop.unfinished.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
   loop_.store(&loop, std::memory_order_release);
   {
@@ -110,19 +115,26 @@ void SpinningTeam::Run(Loop& loop) {
   if (hot_.load() == 0) wake_.notify_all();
   loop.RunChunk(0);
   // The workers hold pointers into the loop and the caller's f until they report.
-  while (loop.unfinished.load(std::memory_order_acquire) > 0) Pause();
+  for (int spins = 1; loop.unfinished.load(std::memory_order_acquire) > 0; ++spins) {
+    Pause();
+    if (spins % kPausesPerYield == 0) sched_yield();
+  }
   if (loop.error) std::rethrow_exception(loop.error);
 }
 
 void ParallelFor(int64_t begin, int64_t end, int64_t grain, const LoopBody& f) {
   if (begin >= end) return;
+  if (tl_in_chunk) {  // a worker has no team of its own; LibTorch's would start a pool for it
+    f(begin, end);
+    return;
+  }
   SpinningTeam* team = tl_team;
   if (team == nullptr) {
     at::parallel_for(begin, end, grain, f);
     return;
   }
   const int64_t n = end - begin, threads = team->threads();
-  if (tl_in_chunk || threads == 1 || n <= std::max<int64_t>(grain, 1)) {
+  if (threads == 1 || n <= std::max<int64_t>(grain, 1)) {
     f(begin, end);
     return;
   }

@@ -43,7 +43,7 @@ class SpinningTeam {
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // While open, ParallelFor on the opening thread runs on the team, and the workers spin between
-  // loops; closing it lets them sleep. Scopes nest, on one thread at a time per team.
+  // loops; closing it lets them sleep. Scopes nest; threads with scopes on one team take turns.
   class Scope {
    public:
     explicit Scope(SpinningTeam& team);
@@ -68,7 +68,8 @@ class SpinningTeam {
   std::atomic<int> hot_{0};              // open scopes: workers spin while positive
   std::atomic<bool> stop_{false};
   std::atomic<Loop*> loop_{nullptr};
-  std::mutex mu_;  // with wake_: sleeping workers wait for a loop, a scope or the end
+  std::mutex run_mu_;  // held by the thread whose loop the workers run
+  std::mutex mu_;      // with wake_: sleeping workers wait for a loop, a scope or the end
   std::condition_variable wake_;
 };
 

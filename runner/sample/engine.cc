@@ -8,9 +8,11 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/gemv.h"
 #include "kernels/logprob_head.h"
 #include "kernels/parallel.h"
 #include "runner/sample/choose.h"
@@ -285,12 +287,17 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
 }
 
 void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
-  // The step's loops run on the team, which stays awake from one to the next (kernels/parallel.h).
-  if (team_ == nullptr || team_->threads() != at::get_num_threads()) {
-    team_ = std::make_unique<kernels::SpinningTeam>(at::get_num_threads());
-  }
-  const kernels::SpinningTeam::Scope hot(*team_);
   const Policy& pol = *batch.front().first->policy;
+  // The step's loops run on the team, which stays awake from one to the next (kernels/parallel.h):
+  // on a CPU where Gemv takes the products; elsewhere its spinning would only take cores from
+  // OpenBLAS's threads, or hold them through a GPU's step.
+  std::optional<kernels::SpinningTeam::Scope> hot;
+  if (pol.device.is_cpu() && kernels::GemvRunsHere()) {
+    if (team_ == nullptr || team_->threads() != at::get_num_threads()) {
+      team_ = std::make_unique<kernels::SpinningTeam>(at::get_num_threads());
+    }
+    hot.emplace(*team_);
+  }
   const int64_t S = static_cast<int64_t>(batch.size());
   std::vector<int64_t> tokens, cu_q{0};
   KvStep kv;

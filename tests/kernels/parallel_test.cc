@@ -1,7 +1,8 @@
-// kernels/parallel.h: a SpinningTeam's loops cover their range once, in at::parallel_for's
-// chunks, on the team's own threads; a chunk's exception reaches the caller; a loop inside a chunk
-// runs inline; outside a Scope the loops are LibTorch's again. And the kernels' results on the
-// team are bitwise those on LibTorch's threads.
+// kernels/parallel.h: a SpinningTeam's loops cover their range once, in the chunks LibTorch's
+// at::parallel_for makes on as many threads, on the team's own threads; a chunk's exception
+// reaches the caller; a loop inside a chunk runs inline; outside a Scope the loops are LibTorch's
+// again. The kernels' results on the team are bitwise those on LibTorch's threads, and the token
+// choice on float32 logits is that on the same logits in double.
 #include "kernels/parallel.h"
 
 #include <ATen/Parallel.h>
@@ -14,11 +15,13 @@
 #include <set>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "kernels/decode_attention.h"
 #include "kernels/gemv.h"
+#include "runner/sample/choose_rows.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace tinkerd::testing {
@@ -45,25 +48,21 @@ struct Record {
   }
 };
 
-// at::parallel_for's split of [begin, end) over `threads` (LibTorch 1.13's invoke_parallel).
-std::vector<Chunk> LibTorchSplit(int64_t begin, int64_t end, int64_t grain, int64_t threads) {
-  const int64_t n = end - begin;
-  if (n <= std::max<int64_t>(grain, 1) || threads == 1) return {{begin, end}};
-  const int64_t used = grain > 0 ? std::min(threads, (n + grain - 1) / grain) : threads;
-  const int64_t chunk = (n + used - 1) / used;
-  std::vector<Chunk> out;
-  for (int64_t t = 0; t < used; ++t) {
-    if (begin + t * chunk < end)
-      out.emplace_back(begin + t * chunk, std::min(end, begin + (t + 1) * chunk));
-  }
-  return out;
+// The chunks LibTorch's own at::parallel_for makes of [begin, end) on `threads` threads: the
+// oracle (ParallelFor outside a Scope is at::parallel_for).
+std::vector<Chunk> LibTorchChunks(int64_t begin, int64_t end, int64_t grain, int threads) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(threads);
+  Record r;
+  kernels::ParallelFor(begin, end, grain, r.Body());
+  at::set_num_threads(before);
+  return r.Sorted();
 }
 
 TEST(SpinningTeam, SplitsAsLibTorchOnItsOwnThreads) {
   for (int threads : {1, 2, 3, 4}) {
     kernels::SpinningTeam team(threads);
     ASSERT_EQ(team.threads(), threads);
-    const kernels::SpinningTeam::Scope hot(team);
     for (auto [begin, end, grain] :
          std::vector<std::tuple<int64_t, int64_t, int64_t>>{{0, 1, 1},
                                                             {0, 7, 1},
@@ -72,19 +71,23 @@ TEST(SpinningTeam, SplitsAsLibTorchOnItsOwnThreads) {
                                                             {0, 100, 100},
                                                             {5, 6, 0},
                                                             {0, 64, 0}}) {
+      const std::vector<Chunk> want = LibTorchChunks(begin, end, grain, threads);
+      // Control: the oracle tells splits apart; with a thread fewer it differs wherever there
+      // are several chunks.
+      const std::vector<Chunk> fewer = LibTorchChunks(begin, end, grain, std::max(threads - 1, 1));
+      const kernels::SpinningTeam::Scope hot(team);
       Record r;
       kernels::ParallelFor(begin, end, grain, r.Body());
-      const std::vector<Chunk> want = LibTorchSplit(begin, end, grain, threads);
       EXPECT_EQ(r.Sorted(), want) << threads << " threads, [" << begin << ", " << end << "), grain "
                                   << grain;
       // Each chunk on its own thread: the caller's and the workers'.
       EXPECT_EQ(r.threads.size(), want.size())
           << threads << " threads, [" << begin << ", " << end << ")";
-      // Control: a split with one thread fewer differs wherever there are several chunks.
       if (want.size() > 1) {
-        EXPECT_NE(r.Sorted(), LibTorchSplit(begin, end, grain, threads - 1));
+        EXPECT_NE(r.Sorted(), fewer);
       }
     }
+    const kernels::SpinningTeam::Scope hot(team);
     Record none;
     kernels::ParallelFor(4, 4, 1, none.Body());
     EXPECT_TRUE(none.chunks.empty());
@@ -114,6 +117,7 @@ TEST(SpinningTeam, AChunksExceptionReachesTheCallerAndTheTeamGoesOn) {
 }
 
 TEST(SpinningTeam, ALoopInsideAChunkRunsOnItsThread) {
+  at::set_num_threads(2);  // so that LibTorch's pool would take the inner loops, were they let
   kernels::SpinningTeam team(2);
   const kernels::SpinningTeam::Scope hot(team);
   std::atomic<int> inline_loops{0}, elsewhere{0};
@@ -140,7 +144,8 @@ TEST(SpinningTeam, OutsideAScopeTheLoopsAreLibTorchs) {
   }
   Record r;
   kernels::ParallelFor(0, 2, 1, r.Body());
-  EXPECT_EQ(r.Sorted(), LibTorchSplit(0, 2, 1, at::get_num_threads()));
+  EXPECT_EQ(r.Sorted(), (std::vector<Chunk>{{0, 1}, {1, 2}}));
+  ASSERT_EQ(r.threads.size(), 2u);
   // The caller is in both; LibTorch's worker is not the team's.
   team_threads.erase(std::this_thread::get_id());
   for (const std::thread::id& t : r.threads) EXPECT_EQ(team_threads.count(t), 0u);
@@ -173,6 +178,42 @@ TEST(SpinningTeam, KernelsGiveTheBitsTheyGiveOnLibTorchsThreads) {
   EXPECT_TRUE(at::equal(kernels::DecodeAttention(p), a_omp));
   // Control: the same product on other weights is told apart.
   EXPECT_FALSE(at::equal(kernels::Gemv({x, w.roll(1, 0)}), y_omp));
+}
+
+TEST(SpinningTeam, TheChoiceOnFloatLogitsIsTheChoiceOnThemInDouble) {
+  constexpr int64_t S = 9, V = 1000;
+  const at::Tensor z_SV = (Randn({S, V}, 5) * 3).to(at::kFloat);
+  const at::Tensor wide_SV = z_SV.to(at::kDouble);
+  std::vector<SamplingParams> params(S);
+  for (int64_t s = 0; s < S; ++s) {
+    params[s].temperature = s % 3 == 0 ? 0.0 : 0.5 + 0.25 * static_cast<double>(s % 4);
+    params[s].top_k = s % 4 == 1 ? 50 : 0;
+    params[s].top_p = s % 4 == 2 ? 0.9 : 1.0;
+  }
+  auto rows = [&] {
+    std::vector<RowChoice> r(S);
+    for (int64_t s = 0; s < S; ++s) {
+      r[s].params = &params[s];
+      r[s].rng = SplitMix64(100 + static_cast<uint64_t>(s));
+    }
+    return r;
+  };
+  kernels::SpinningTeam team(2);
+  const kernels::SpinningTeam::Scope hot(team);
+  std::vector<RowChoice> narrow = rows(), wide = rows(), other = rows();
+  ChooseTokens(z_SV.data_ptr<float>(), V, narrow);
+  ChooseTokens(wide_SV.data_ptr<double>(), V, wide);
+  // Control: the logits of the next row.
+  const at::Tensor rolled_SV = wide_SV.roll(1, 0).contiguous();
+  ChooseTokens(rolled_SV.data_ptr<double>(), V, other);
+  int64_t differ = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    EXPECT_EQ(narrow[s].choice.token, wide[s].choice.token) << s;
+    EXPECT_EQ(narrow[s].choice.logprob, wide[s].choice.logprob) << s;
+    EXPECT_EQ(narrow[s].rng.Next(), wide[s].rng.Next()) << s;
+    differ += other[s].choice.logprob != wide[s].choice.logprob;
+  }
+  EXPECT_EQ(differ, S);
 }
 
 }  // namespace
