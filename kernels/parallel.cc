@@ -19,10 +19,13 @@ inline void Pause() {
 #endif
 }
 
-// A spinning worker yields its core this often (in pauses, ~40 µs), so that a thread with work on
-// it (an OpenMP region of an ATen op inside the step, a front end's thread) is not kept waiting
-// for the scheduler's time slice.
-constexpr int kPausesPerYield = 1024;
+// One turn of a wait loop. A spinning thread yields its core every 1,024 turns (~40 µs), so that
+// a thread with work on it (an OpenMP region of an ATen op inside the step, a front end's thread)
+// is not kept waiting for the scheduler's time slice.
+inline void Spin(int64_t& turns) {
+  Pause();
+  if (++turns % 1024 == 0) sched_yield();
+}
 
 }  // namespace
 
@@ -82,11 +85,10 @@ void SpinningTeam::Work(int index) {
   uint64_t seen = 0;
   for (;;) {
     uint64_t now = generation_.load(std::memory_order_acquire);
-    for (int spins = 0; now == seen; now = generation_.load(std::memory_order_acquire)) {
+    for (int64_t turns = 0; now == seen; now = generation_.load(std::memory_order_acquire)) {
       if (stop_.load(std::memory_order_relaxed)) return;
       if (hot_.load(std::memory_order_relaxed) > 0) {
-        Pause();
-        if (++spins % kPausesPerYield == 0) sched_yield();
+        Spin(turns);
         continue;
       }
       std::unique_lock<std::mutex> lock(mu_);
@@ -106,19 +108,12 @@ void SpinningTeam::Run(Loop& loop) {
   const std::lock_guard<std::mutex> one(run_mu_);
   loop.unfinished.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
   loop_.store(&loop, std::memory_order_release);
-  {
-    // Workers asleep (no scope open on their side yet) wait on the mutex; spinning ones see the
-    // generation change without it.
-    std::lock_guard<std::mutex> lock(mu_);
-    generation_.fetch_add(1, std::memory_order_acq_rel);
-  }
-  if (hot_.load() == 0) wake_.notify_all();
+  // The caller's scope is open (ParallelFor takes the team from it), and opening it woke every
+  // worker: they are spinning and see the new generation without the mutex.
+  generation_.fetch_add(1, std::memory_order_acq_rel);
   loop.RunChunk(0);
   // The workers hold pointers into the loop and the caller's f until they report.
-  for (int spins = 1; loop.unfinished.load(std::memory_order_acquire) > 0; ++spins) {
-    Pause();
-    if (spins % kPausesPerYield == 0) sched_yield();
-  }
+  for (int64_t turns = 0; loop.unfinished.load(std::memory_order_acquire) > 0;) Spin(turns);
   if (loop.error) std::rethrow_exception(loop.error);
 }
 

@@ -69,7 +69,7 @@ class SpinningTeam {
   std::atomic<bool> stop_{false};
   std::atomic<Loop*> loop_{nullptr};
   std::mutex run_mu_;  // held by the thread whose loop the workers run
-  std::mutex mu_;      // with wake_: sleeping workers wait for a loop, a scope or the end
+  std::mutex mu_;      // with wake_: workers sleep until a scope opens or the team ends
   std::condition_variable wake_;
 };
 
