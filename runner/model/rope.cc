@@ -187,13 +187,13 @@ at::Tensor ApplyRope(const at::Tensor& x_THd, const RopeTables& tables) {
     kernels::ParallelFor(
         0, T, std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(H * d, 1)),
         [&](int64_t t0, int64_t t1) {
-          const int64_t at = t0 * H * d, rows = t1 - t0;
+          const int64_t offset = t0 * H * d, rows = t1 - t0;
           if (x.scalar_type() == at::kFloat) {
-            RopeRows(x.data_ptr<float>() + at, c.data_ptr<float>() + t0 * d,
-                     s.data_ptr<float>() + t0 * d, out.data_ptr<float>() + at, rows, H, d);
+            RopeRows(x.data_ptr<float>() + offset, c.data_ptr<float>() + t0 * d,
+                     s.data_ptr<float>() + t0 * d, out.data_ptr<float>() + offset, rows, H, d);
           } else {
-            RopeRows(x.data_ptr<double>() + at, c.data_ptr<double>() + t0 * d,
-                     s.data_ptr<double>() + t0 * d, out.data_ptr<double>() + at, rows, H, d);
+            RopeRows(x.data_ptr<double>() + offset, c.data_ptr<double>() + t0 * d,
+                     s.data_ptr<double>() + t0 * d, out.data_ptr<double>() + offset, rows, H, d);
           }
         });
     return out;
