@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "bench/trace.h"
 #include "runner/model/config.h"
 #include "runner/model/tiny_model.h"
 #include "runner/model_runner.h"
@@ -95,6 +96,7 @@ struct Flags {
   int64_t activation_checkpointing = 0;
   int64_t warmup_steps = 1;
   int64_t steps = 3;
+  std::string trace;  // set: one more step, untimed, under the profiler (bench/trace.h)
   // Matrix-multiply rate.
   int64_t matmul_n = 2048;
   int64_t matmul_reps = 5;
@@ -164,6 +166,8 @@ std::vector<FlagDef> FlagTable(Flags* f) {
               "1: recompute each decoder layer in backward"),
       IntFlag("warmup_steps", &f->warmup_steps, "untimed steps first"),
       IntFlag("steps", &f->steps, "timed steps (median reported)"),
+      StringFlag("trace", &f->trace,
+                 "Chrome trace of one more step, after the timed ones (empty: none)"),
       IntFlag("matmul_n", &f->matmul_n, "size n of the n x n x n matmul probe (compute dtype)"),
       IntFlag("matmul_reps", &f->matmul_reps, "matmul probe repetitions (best taken)"),
   };
@@ -574,6 +578,18 @@ int Run(const Flags& f) {
       std::max(matmul_gflops, MeasureMatmulGflops(f.matmul_n, f.matmul_reps, matmul_dtype, device));
   const double peak_rss_mb = PeakRssSinceResetMB();
   const double process_peak_rss_mb = PeakRssMB();
+  // After the timed steps and the memory peaks, so that the profiler's overhead is in none of them.
+  if (!f.trace.empty()) {
+    const absl::Status st = tinkerd::bench::TraceStep(f.trace, device.is_cuda(), [&] {
+      auto fb = runner->ForwardBackward(model_id, data, "cross_entropy", {});
+      if (!fb.ok()) return fb.status();
+      auto os = runner->OptimStep(model_id, adam);
+      Sync(device);
+      return os.ok() ? absl::OkStatus() : os.status();
+    });
+    if (!st.ok()) return Fail("traced step", st);
+    std::printf("trace of one step: %s (bench/trace_summary.py reads it)\n", f.trace.c_str());
+  }
   std::printf(
       "memory: peak RSS over the training steps %.0f MB (whole process, set-up included: "
       "%.0f MB), peak device allocation %.0f MB\n",

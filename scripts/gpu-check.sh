@@ -66,9 +66,15 @@ done
 bench mem_fp32_8192 --vocab=131072 --num_seqs=1 --min_len=8192 --max_len=8192 --max_pos=8192 \
   --compute_dtype=float32 --activation_checkpointing=1 --micro_batch_tokens=8192 --steps=2 \
   --warmup_steps=1 --matmul_n=8192
-# MFU of full fine-tuning of a dense ~1.1B model (TinyLlama's shape) in bf16.
+# MFU of full fine-tuning of a dense ~1.1B model (TinyLlama's shape) in bf16, then one more step
+# traced (bench/trace.h): where the step's time goes, GPU busy against idle and the kernels by time.
 bench full_1b --vocab=32000 --hidden=2048 --intermediate=5632 --layers=22 --heads=32 \
   --kv_heads=4 --head_dim=64 --max_pos=4096 --num_seqs=16 --min_len=1024 --max_len=4096 \
   --compute_dtype=bfloat16 --full_finetune=1 --micro_batch_tokens=16384 --steps=3 \
-  --warmup_steps=1 --matmul_n=8192
+  --warmup_steps=1 --matmul_n=8192 --trace=/tmp/trace_full_1b.json
+if [[ -f /tmp/trace_full_1b.json ]]; then
+  python3 "$(dirname "$0")/../bench/trace_summary.py" /tmp/trace_full_1b.json --top 30 \
+    | tee "$OUT/trace_full_1b.txt"
+  rm -f /tmp/trace_full_1b.json
+fi
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
