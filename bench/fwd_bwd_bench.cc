@@ -93,6 +93,7 @@ struct Flags {
   int64_t full_finetune = 0;  // 1: train every weight instead of a LoRA adapter
   std::string device = "cpu";
   std::string compute_dtype = "float32";
+  std::string stored_dtype = "float32";  // of the written model's weights
   int64_t activation_checkpointing = 0;
   int64_t warmup_steps = 1;
   int64_t steps = 3;
@@ -162,6 +163,8 @@ std::vector<FlagDef> FlagTable(Flags* f) {
       IntFlag("full_finetune", &f->full_finetune, "1: full fine-tuning instead of LoRA"),
       StringFlag("device", &f->device, "cpu, cuda or cuda:N"),
       StringFlag("compute_dtype", &f->compute_dtype, "float32, bfloat16, float16 or float64"),
+      StringFlag("stored_dtype", &f->stored_dtype,
+                 "dtype of the written model's weights: float32, bfloat16, float16 or float64"),
       IntFlag("activation_checkpointing", &f->activation_checkpointing,
               "1: recompute each decoder layer in backward"),
       IntFlag("warmup_steps", &f->warmup_steps, "untimed steps first"),
@@ -451,7 +454,7 @@ int Run(const Flags& f) {
   tinkerd::TinyModelSpec spec;
   spec.config = mc;
   spec.seed = f.model_seed;
-  spec.stored_dtype = "float32";
+  spec.stored_dtype = f.stored_dtype;
   auto t_write = Clock::now();
   if (auto st = tinkerd::WriteTinyModel(model_dir, spec); !st.ok()) return Fail("write model", st);
   std::printf("model: %s (written in %.1f s)\n", mc.DebugString().c_str(), SecondsSince(t_write));

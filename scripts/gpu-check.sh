@@ -77,4 +77,14 @@ if [[ -f /tmp/trace_full_1b.json ]]; then
     | tee "$OUT/trace_full_1b.txt"
   rm -f /tmp/trace_full_1b.json
 fi
+# LoRA on the whole 8B shape (Llama 3 8B's: 32 layers, hidden 4096, 32/8 heads, vocabulary
+# 128,256), random weights written in bf16 (16 GB), one sequence of 8k, then 32k tokens. Each row
+# writes and loads its model: run them one to a device call (BENCHES=lora_8b_8192, ...).
+for T in ${LENGTHS_8B:-8192 32768}; do
+  BENCH_TIMEOUT=${BENCH_TIMEOUT_8B:-560} bench "lora_8b_$T" --vocab=128256 --hidden=4096 \
+    --intermediate=14336 --layers=32 --heads=32 --kv_heads=8 --head_dim=128 --max_pos=32768 \
+    --num_seqs=1 --min_len=$T --max_len=$T --micro_batch_tokens=$T --compute_dtype=bfloat16 \
+    --stored_dtype=bfloat16 --activation_checkpointing=1 --lora_rank=32 --steps=2 \
+    --warmup_steps=1 --matmul_n=8192
+done
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

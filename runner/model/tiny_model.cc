@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/parallel.h"
 #include "runner/model/safetensors.h"
 #include "runner/model/weights.h"
 #include "runner/util/rng.h"
@@ -15,15 +16,64 @@
 namespace tinkerd {
 namespace {
 
-// Fills a float64 tensor from a named, seeded stream so each weight is independent of the
-// order weights are generated in (adding a tensor never changes the others).
+// A named, seeded stream of normal draws, so that each weight is independent of the order
+// weights are generated in (adding a tensor never changes the others). Drawn in float64 and then
+// stored in `dtype`; the draws are split across threads by skipping ahead in the stream, which
+// gives the values of one pass: an 8B-parameter model is generated in seconds, not minutes.
 at::Tensor Random(const std::string& name, std::vector<int64_t> shape, uint64_t seed, double mean,
-                  double std) {
+                  double std, at::ScalarType dtype) {
   at::Tensor t = at::empty(shape, at::kDouble);
   double* p = t.data_ptr<double>();
-  SplitMix64 g(MixSeed(seed, name.c_str()));
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = mean + std * g.Normal();
-  return t;
+  const uint64_t stream = MixSeed(seed, name.c_str());
+  // kernels::ParallelFor: at::parallel_for compiled where OpenMP is on (kernels/), not here.
+  kernels::ParallelFor(0, t.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    SplitMix64 g(stream);
+    g.Skip(2 * static_cast<uint64_t>(begin));
+    for (int64_t i = begin; i < end; ++i) p[i] = mean + std * g.Normal();
+  });
+  return dtype == at::kDouble ? t : t.to(dtype);
+}
+
+// The weights of GenerateTinyWeights, each stored in `dtype` as soon as it is drawn: a large model
+// is never held in float64 whole.
+absl::StatusOr<TensorMap> GenerateWeights(const TinyModelSpec& spec, at::ScalarType dtype) {
+  // Round-trip through the parser so an inconsistent spec fails here, not at load.
+  ASSIGN_OR_RETURN(ModelConfig checked, ParseModelConfig(ModelConfigToJson(spec.config)));
+  const int64_t D = checked.hidden_size, I = checked.intermediate_size, V = checked.vocab_size;
+  const int64_t H = checked.num_attention_heads, Hkv = checked.num_key_value_heads;
+  const int64_t hd = checked.head_dim;
+  const double s = spec.init_std;
+  const uint64_t seed = spec.seed;
+
+  TensorMap w;
+  auto add = [&](const std::string& n, std::vector<int64_t> shape, double mean, double std) {
+    w[n] = Random(n, std::move(shape), seed, mean, std, dtype);
+  };
+  add("model.embed_tokens.weight", {V, D}, 0, s);
+  add("model.norm.weight", {D}, 1.0, 0.1);
+  if (!checked.tie_word_embeddings) add("lm_head.weight", {V, D}, 0, s);
+  for (int64_t l = 0; l < checked.num_hidden_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    add(p + "input_layernorm.weight", {D}, 1.0, 0.1);
+    add(p + "post_attention_layernorm.weight", {D}, 1.0, 0.1);
+    add(p + "self_attn.q_proj.weight", {H * hd, D}, 0, s);
+    add(p + "self_attn.k_proj.weight", {Hkv * hd, D}, 0, s);
+    add(p + "self_attn.v_proj.weight", {Hkv * hd, D}, 0, s);
+    add(p + "self_attn.o_proj.weight", {D, H * hd}, 0, s);
+    if (checked.attention_bias) {
+      add(p + "self_attn.q_proj.bias", {H * hd}, 0, s);
+      add(p + "self_attn.k_proj.bias", {Hkv * hd}, 0, s);
+      add(p + "self_attn.v_proj.bias", {Hkv * hd}, 0, s);
+    }
+    if (checked.qk_norm) {
+      add(p + "self_attn.q_norm.weight", {hd}, 1.0, 0.1);
+      add(p + "self_attn.k_norm.weight", {hd}, 1.0, 0.1);
+    }
+    add(p + "mlp.gate_proj.weight", {I, D}, 0, s);
+    add(p + "mlp.up_proj.weight", {I, D}, 0, s);
+    add(p + "mlp.down_proj.weight", {D, I}, 0, s);
+  }
+  return w;
 }
 
 }  // namespace
@@ -76,49 +126,13 @@ ModelConfig DefaultDemoConfig() {
 }
 
 absl::StatusOr<TensorMap> GenerateTinyWeights(const TinyModelSpec& spec) {
-  // Round-trip through the parser so an inconsistent spec fails here, not at load.
-  ASSIGN_OR_RETURN(ModelConfig checked, ParseModelConfig(ModelConfigToJson(spec.config)));
-  const int64_t D = checked.hidden_size, I = checked.intermediate_size, V = checked.vocab_size;
-  const int64_t H = checked.num_attention_heads, Hkv = checked.num_key_value_heads;
-  const int64_t hd = checked.head_dim;
-  const double s = spec.init_std;
-  const uint64_t seed = spec.seed;
-
-  TensorMap w;
-  w["model.embed_tokens.weight"] = Random("model.embed_tokens.weight", {V, D}, seed, 0, s);
-  w["model.norm.weight"] = Random("model.norm.weight", {D}, seed, 1.0, 0.1);
-  if (!checked.tie_word_embeddings)
-    w["lm_head.weight"] = Random("lm_head.weight", {V, D}, seed, 0, s);
-  for (int64_t l = 0; l < checked.num_hidden_layers; ++l) {
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    auto add = [&](const std::string& n, std::vector<int64_t> shape, double mean, double std) {
-      w[p + n] = Random(p + n, std::move(shape), seed, mean, std);
-    };
-    add("input_layernorm.weight", {D}, 1.0, 0.1);
-    add("post_attention_layernorm.weight", {D}, 1.0, 0.1);
-    add("self_attn.q_proj.weight", {H * hd, D}, 0, s);
-    add("self_attn.k_proj.weight", {Hkv * hd, D}, 0, s);
-    add("self_attn.v_proj.weight", {Hkv * hd, D}, 0, s);
-    add("self_attn.o_proj.weight", {D, H * hd}, 0, s);
-    if (checked.attention_bias) {
-      add("self_attn.q_proj.bias", {H * hd}, 0, s);
-      add("self_attn.k_proj.bias", {Hkv * hd}, 0, s);
-      add("self_attn.v_proj.bias", {Hkv * hd}, 0, s);
-    }
-    if (checked.qk_norm) {
-      add("self_attn.q_norm.weight", {hd}, 1.0, 0.1);
-      add("self_attn.k_norm.weight", {hd}, 1.0, 0.1);
-    }
-    add("mlp.gate_proj.weight", {I, D}, 0, s);
-    add("mlp.up_proj.weight", {I, D}, 0, s);
-    add("mlp.down_proj.weight", {D, I}, 0, s);
-  }
-  return w;
+  return GenerateWeights(spec, at::kDouble);
 }
 
 absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec) {
   ASSIGN_OR_RETURN(ModelConfig checked, ParseModelConfig(ModelConfigToJson(spec.config)));
-  ASSIGN_OR_RETURN(TensorMap w, GenerateTinyWeights(spec));
+  ASSIGN_OR_RETURN(auto stored, StoredType(spec.stored_dtype));
+  ASSIGN_OR_RETURN(TensorMap w, GenerateWeights(spec, stored.first));
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(dir, ec);

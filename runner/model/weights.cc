@@ -22,6 +22,8 @@ absl::StatusOr<at::ScalarType> ScalarTypeOf(const std::string& d) {
   return absl::InvalidArgumentError(absl::StrCat("safetensors: unsupported dtype ", d));
 }
 
+}  // namespace
+
 absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::string& name) {
   if (name == "float32") return std::make_pair(at::kFloat, std::string("F32"));
   if (name == "float64") return std::make_pair(at::kDouble, std::string("F64"));
@@ -29,8 +31,6 @@ absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::str
   if (name == "float16") return std::make_pair(at::kHalf, std::string("F16"));
   return absl::InvalidArgumentError(absl::StrCat("unsupported stored dtype ", name));
 }
-
-}  // namespace
 
 absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype) {
   ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));

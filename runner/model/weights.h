@@ -5,6 +5,7 @@
 
 #include <map>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 
@@ -18,6 +19,10 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
 
 // Loads one safetensors file.
 absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype);
+
+// The dtype and the safetensors dtype of a stored dtype name: "float32", "bfloat16", "float16" or
+// "float64".
+absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::string& name);
 
 // The safetensors bytes of `tensors`, float tensors converted to `stored_dtype` ("float32",
 // "bfloat16", "float16" or "float64").

@@ -14,11 +14,14 @@ class SplitMix64 {
   explicit SplitMix64(uint64_t seed) : state_(seed) {}
 
   uint64_t Next() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    uint64_t z = (state_ += kGamma);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
   }
+  // Moves on as `draws` calls of Next would: the state is a counter, so a stream can be split
+  // into pieces generated apart (a Normal is two draws).
+  void Skip(uint64_t draws) { state_ += draws * kGamma; }
   // Uniform in [0, 1) with 53 random bits.
   double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
   double Uniform(double lo, double hi) { return lo + (hi - lo) * Uniform(); }
@@ -31,6 +34,7 @@ class SplitMix64 {
   }
 
  private:
+  static constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
   uint64_t state_;
 };
 

@@ -4,7 +4,10 @@
 #include <filesystem>
 #include <fstream>
 
+#include <ATen/Parallel.h>
+
 #include "runner/model/weights.h"
+#include "runner/util/rng.h"
 #include "tests/test_util.h"
 
 namespace tinkerd::testing {
@@ -33,6 +36,66 @@ TEST(ModelLoading, ShardedBf16LoadsTheSameWeightsRounded) {
     EXPECT_TRUE(at::allclose(t, b->at(name), /*rtol=*/1.0 / 256, /*atol=*/0)) << name;
   }
   EXPECT_TRUE(CreateStatus(dir.Sub("bf16")).ok());
+}
+
+TEST(ModelLoading, WrittenWeightsAreTheGeneratedOnesRoundedOnce) {
+  // WriteTinyModel stores each weight as soon as it is drawn; the files must hold exactly the
+  // float64 weights of GenerateTinyWeights rounded to the stored dtype.
+  TempDir dir;
+  TinyModelSpec spec{TinyConfig("qwen2")};
+  auto want = GenerateTinyWeights(spec);
+  ASSERT_TRUE(want.ok()) << want.status().message();
+  for (const auto& [stored, dtype] : std::vector<std::pair<std::string, at::ScalarType>>{
+           {"float32", at::kFloat}, {"bfloat16", at::kBFloat16}}) {
+    spec.stored_dtype = stored;
+    ASSERT_TRUE(WriteTinyModel(dir.Sub(stored), spec).ok());
+    auto got = LoadSafetensorsDir(dir.Sub(stored), dtype);
+    ASSERT_TRUE(got.ok()) << got.status().message();
+    ASSERT_EQ(got->size(), want->size());
+    for (const auto& [name, t] : *want) {
+      EXPECT_TRUE(at::equal(got->at(name), t.to(dtype))) << stored << " " << name;
+    }
+  }
+}
+
+TEST(TinyModel, SkipMovesAStreamOnAsItsDraws) {
+  SplitMix64 a(5), b(5), c(5);
+  a.Skip(7);
+  for (int i = 0; i < 7; ++i) b.Next();
+  c.Skip(6);  // control: one draw short
+  const uint64_t next = b.Next();
+  EXPECT_EQ(a.Next(), next);
+  EXPECT_NE(c.Next(), next);
+}
+
+TEST(TinyModel, AWeightIsOneStreamWhateverTheThreadsThatDrewIt) {
+  // 40,000 × 8 draws: split into chunks on two threads.
+  TinyModelSpec spec{TinyConfig("llama")};
+  spec.config.vocab_size = 40000;
+  spec.config.hidden_size = 8;
+  spec.config.intermediate_size = 16;
+  spec.config.head_dim = 2;
+  spec.seed = 11;
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  auto w = GenerateTinyWeights(spec);
+  at::set_num_threads(before);
+  ASSERT_TRUE(w.ok()) << w.status().message();
+  const std::string name = "model.embed_tokens.weight";
+  const at::Tensor got = w->at(name).flatten();
+  ASSERT_EQ(got.numel(), 320000);
+  // The definition: one SplitMix64 stream per name, two draws per normal, in index order.
+  SplitMix64 g(MixSeed(spec.seed, name.c_str()));
+  at::Tensor want = at::empty({got.numel()}, at::kDouble);
+  double* p = want.data_ptr<double>();
+  for (int64_t i = 0; i < want.numel(); ++i) p[i] = spec.init_std * g.Normal();
+  EXPECT_TRUE(at::equal(got, want));
+  // Control: a second half drawn from a fresh stream, as a split without the skip would be.
+  SplitMix64 fresh(MixSeed(spec.seed, name.c_str()));
+  at::Tensor broken = want.clone();
+  double* q = broken.data_ptr<double>();
+  for (int64_t i = want.numel() / 2; i < want.numel(); ++i) q[i] = spec.init_std * fresh.Normal();
+  EXPECT_FALSE(at::equal(got, broken));
 }
 
 TEST(Device, MalformedNamesAreInvalidAndMissingGpusAFailedPrecondition) {
