@@ -2,41 +2,37 @@
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <exception>
 #include <fstream>
+#include <limits>
 #include <set>
+#include <utility>
 
 #include "nlohmann/json.hpp"
+#include "runner/util/exception_status.h"
 
 namespace tinkerd::bench {
 namespace {
 
-// LibTorch 1.13 gives an event's times in µs, 2.x in ns.
+// LibTorch 1.13 gives an event's times in µs, 2.1 and later in ns. Kept in integer ns: the starts
+// are clock times near 1.8e18 ns, which a double holds only to 256 ns.
 template <typename Event>
-double StartUs(const Event& e) {
+uint64_t StartNs(const Event& e) {
   if constexpr (requires { e.startNs(); }) {
-    return static_cast<double>(e.startNs()) / 1e3;
+    return e.startNs();
   } else {
-    return static_cast<double>(e.startUs());
+    return e.startUs() * 1000;
   }
 }
 
 template <typename Event>
-double DurationUs(const Event& e) {
+uint64_t DurationNs(const Event& e) {
   if constexpr (requires { e.durationNs(); }) {
-    return static_cast<double>(e.durationNs()) / 1e3;
+    return e.durationNs();
   } else {
-    return static_cast<double>(e.durationUs());
-  }
-}
-
-// A kernel's track: its stream where LibTorch says (2.x), else its device.
-template <typename Event>
-uint64_t DeviceTrack(const Event& e) {
-  if constexpr (requires { e.deviceResourceId(); }) {
-    return static_cast<uint64_t>(e.deviceResourceId());
-  } else {
-    return static_cast<uint64_t>(e.deviceIndex());
+    return e.durationUs() * 1000;
   }
 }
 
@@ -54,28 +50,39 @@ absl::Status TraceStep(const std::string& path, bool cuda,
   } catch (const std::exception& e) {
     return absl::FailedPreconditionError(std::string("profiler: ") + e.what());
   }
-  const absl::Status st = step();  // a failed step still ends the profiler
+  // Whatever the step does, the profiler is turned off again.
+  absl::Status st;
+  try {
+    st = step();
+  } catch (...) {
+    st = ExceptionStatus("traced step", std::current_exception());
+  }
   std::unique_ptr<torch::autograd::profiler::ProfilerResult> result;
   try {
     result = torch::autograd::profiler::disableProfiler();
   } catch (const std::exception& e) {
-    return absl::InternalError(std::string("profiler: ") + e.what());
+    if (st.ok()) st = absl::InternalError(std::string("profiler: ") + e.what());
   }
   if (!st.ok()) return st;
+  uint64_t base = std::numeric_limits<uint64_t>::max();
+  for (const auto& e : result->events()) base = std::min(base, StartNs(e));
   nlohmann::json events = nlohmann::json::array();
   for (const auto& e : result->events()) {
     const bool device = e.deviceType() != c10::DeviceType::CPU;
+    // A kernel's track is its stream; a CPU op's, its thread.
+    const uint64_t track = device ? static_cast<uint64_t>(e.deviceResourceId()) : e.startThreadId();
     events.push_back({{"name", e.name()},
                       {"cat", device ? "kernel" : "cpu_op"},
                       {"ph", "X"},
-                      {"ts", StartUs(e)},
-                      {"dur", DurationUs(e)},
+                      {"ts", static_cast<double>(StartNs(e) - base) / 1e3},
+                      {"dur", static_cast<double>(DurationNs(e)) / 1e3},
                       {"pid", device ? 1 : 0},
-                      {"tid", device ? DeviceTrack(e) : e.startThreadId()}});
+                      {"tid", track}});
   }
   std::ofstream out(path);
-  out << nlohmann::json{{"traceEvents", events}}.dump() << "\n";
-  if (!out.good()) return absl::InternalError("cannot write the trace to " + path);
+  out << nlohmann::json{{"traceEvents", std::move(events)}}.dump() << "\n";
+  out.close();
+  if (out.fail()) return absl::InternalError("cannot write the trace to " + path);
   return absl::OkStatus();
 }
 

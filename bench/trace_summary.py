@@ -25,9 +25,12 @@ def self_times(ops):
     for ts, dur, name in sorted(ops, key=lambda o: (o[0], -o[1])):
         while stack and stack[-1][0] <= ts:
             close()
+        end = ts + dur
         if stack:
-            stack[-1][3] += dur
-        stack.append([ts + dur, name, dur, 0.0])
+            # A child reported past its parent's end (clocks read apart) counts to that end only.
+            end = min(end, stack[-1][0])
+            stack[-1][3] += end - ts
+        stack.append([end, name, end - ts, 0.0])
         totals[name][1] += 1
     while stack:
         close()
@@ -72,8 +75,10 @@ def summarize(events, top):
     if kernels:
         busy = union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
         lines.append("")
-        lines.append(f"GPU busy {busy / 1e3:.3f} ms of the span ({100 * busy / span:.1f}%), "
-                     f"{len(kernels)} kernels and copies, mean {sum(e['dur'] for e in kernels) / len(kernels):.1f} µs")
+        share = 100 * busy / span if span > 0 else 0.0
+        mean = sum(e["dur"] for e in kernels) / len(kernels)
+        lines.append(f"GPU busy {busy / 1e3:.3f} ms of the span ({share:.1f}%), "
+                     f"{len(kernels)} kernels and copies, mean {mean:.1f} µs")
         by_name = collections.defaultdict(lambda: [0.0, 0])
         for e in kernels:
             by_name[e["name"]][0] += e["dur"]
@@ -82,7 +87,8 @@ def summarize(events, top):
         lines.append("| kernel | ms | calls | share of busy |")
         lines.append("|---|---:|---:|---:|")
         for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
-            lines.append(f"| {name[:100]} | {t / 1e3:.3f} | {n} | {100 * t / busy:.1f}% |")
+            of_busy = 100 * t / busy if busy > 0 else 0.0
+            lines.append(f"| {name[:100]} | {t / 1e3:.3f} | {n} | {of_busy:.1f}% |")
     return lines
 
 

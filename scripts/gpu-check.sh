@@ -68,6 +68,7 @@ bench mem_fp32_8192 --vocab=131072 --num_seqs=1 --min_len=8192 --max_len=8192 --
   --warmup_steps=1 --matmul_n=8192
 # MFU of full fine-tuning of a dense ~1.1B model (TinyLlama's shape) in bf16, then one more step
 # traced (bench/trace.h): where the step's time goes, GPU busy against idle and the kernels by time.
+rm -f /tmp/trace_full_1b.json
 bench full_1b --vocab=32000 --hidden=2048 --intermediate=5632 --layers=22 --heads=32 \
   --kv_heads=4 --head_dim=64 --max_pos=4096 --num_seqs=16 --min_len=1024 --max_len=4096 \
   --compute_dtype=bfloat16 --full_finetune=1 --micro_batch_tokens=16384 --steps=3 \
@@ -79,9 +80,11 @@ if [[ -f /tmp/trace_full_1b.json ]]; then
 fi
 # LoRA on the whole 8B shape (Llama 3 8B's: 32 layers, hidden 4096, 32/8 heads, vocabulary
 # 128,256), random weights written in bf16 (16 GB), one sequence of 8k, then 32k tokens. Each row
-# writes and loads its model: run them one to a device call (BENCHES=lora_8b_8192, ...).
+# writes and loads its model, so they run only when named, one to a device call:
+# STAGES=bench BENCHES=lora_8b_8192 (then lora_8b_32768).
 for T in ${LENGTHS_8B:-8192 32768}; do
-  BENCH_TIMEOUT=${BENCH_TIMEOUT_8B:-560} bench "lora_8b_$T" --vocab=128256 --hidden=4096 \
+  [[ " ${BENCHES:-} " == *" lora_8b_$T "* ]] || continue
+  BENCH_TIMEOUT=${BENCH_TIMEOUT_8B:-540} bench "lora_8b_$T" --vocab=128256 --hidden=4096 \
     --intermediate=14336 --layers=32 --heads=32 --kv_heads=8 --head_dim=128 --max_pos=32768 \
     --num_seqs=1 --min_len=$T --max_len=$T --micro_batch_tokens=$T --compute_dtype=bfloat16 \
     --stored_dtype=bfloat16 --activation_checkpointing=1 --lora_rank=32 --steps=2 \

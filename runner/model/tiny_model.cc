@@ -19,7 +19,7 @@ namespace {
 // A named, seeded stream of normal draws, so that each weight is independent of the order
 // weights are generated in (adding a tensor never changes the others). Drawn in float64 and then
 // stored in `dtype`; the draws are split across threads by skipping ahead in the stream, which
-// gives the values of one pass: an 8B-parameter model is generated in seconds, not minutes.
+// gives the values of one pass: a large model is drawn on every core, not one.
 at::Tensor Random(const std::string& name, std::vector<int64_t> shape, uint64_t seed, double mean,
                   double std, at::ScalarType dtype) {
   at::Tensor t = at::empty(shape, at::kDouble);
@@ -28,7 +28,7 @@ at::Tensor Random(const std::string& name, std::vector<int64_t> shape, uint64_t 
   // kernels::ParallelFor: at::parallel_for compiled where OpenMP is on (kernels/), not here.
   kernels::ParallelFor(0, t.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
     SplitMix64 g(stream);
-    g.Skip(2 * static_cast<uint64_t>(begin));
+    g.Skip(SplitMix64::kDrawsPerNormal * static_cast<uint64_t>(begin));
     for (int64_t i = begin; i < end; ++i) p[i] = mean + std * g.Normal();
   });
   return dtype == at::kDouble ? t : t.to(dtype);

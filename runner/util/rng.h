@@ -20,8 +20,9 @@ class SplitMix64 {
     return z ^ (z >> 31);
   }
   // Moves on as `draws` calls of Next would: the state is a counter, so a stream can be split
-  // into pieces generated apart (a Normal is two draws).
+  // into pieces generated apart.
   void Skip(uint64_t draws) { state_ += draws * kGamma; }
+  static constexpr uint64_t kDrawsPerNormal = 2;  // Normal's two Uniforms
   // Uniform in [0, 1) with 53 random bits.
   double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
   double Uniform(double lo, double hi) { return lo + (hi - lo) * Uniform(); }

@@ -26,6 +26,20 @@ class SelfTimes(unittest.TestCase):
         # The total of self times is the busy time of the thread: 105 µs.
         self.assertEqual(sum(v[0] for v in got.values()), 105.0)
 
+    def test_equal_starts_and_empty_events_nest_under_the_longer(self):
+        # step and mm both start at 0; a zero-length mark sits at mm's end.
+        ops = [(0, 10, "mm"), (0, 50, "step"), (10, 0, "mark"), (10, 5, "add")]
+        got = {k: tuple(v) for k, v in trace_summary.self_times(ops).items()}
+        self.assertEqual(got, {"step": (35.0, 1), "mm": (10.0, 1), "mark": (0.0, 1),
+                               "add": (5.0, 1)})
+
+    def test_a_child_past_its_parents_end_counts_to_that_end(self):
+        # copy is reported ending at 12, after mm's end at 10 (clocks read apart).
+        ops = [(0, 100, "step"), (0, 10, "mm"), (5, 7, "copy"), (20, 5, "add")]
+        got = {k: tuple(v) for k, v in trace_summary.self_times(ops).items()}
+        self.assertEqual(got, {"step": (85.0, 1), "mm": (5.0, 1), "copy": (5.0, 1),
+                               "add": (5.0, 1)})
+
     def test_a_broken_nesting_is_seen(self):
         # Control: ignoring nesting (the sum of durations) counts copy twice.
         ops = [(0, 100, "step"), (10, 30, "mm"), (15, 10, "copy")]

@@ -6,6 +6,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <mutex>
+
+#include "kernels/parallel.h"
 #include "runner/model/weights.h"
 #include "runner/util/rng.h"
 #include "tests/test_util.h"
@@ -38,9 +42,9 @@ TEST(ModelLoading, ShardedBf16LoadsTheSameWeightsRounded) {
   EXPECT_TRUE(CreateStatus(dir.Sub("bf16")).ok());
 }
 
-TEST(ModelLoading, WrittenWeightsAreTheGeneratedOnesRoundedOnce) {
+TEST(ModelLoading, WrittenWeightsAreTheGeneratedOnesConverted) {
   // WriteTinyModel stores each weight as soon as it is drawn; the files must hold exactly the
-  // float64 weights of GenerateTinyWeights rounded to the stored dtype.
+  // float64 weights of GenerateTinyWeights converted to the stored dtype by ATen.
   TempDir dir;
   TinyModelSpec spec{TinyConfig("qwen2")};
   auto want = GenerateTinyWeights(spec);
@@ -79,7 +83,16 @@ TEST(TinyModel, AWeightIsOneStreamWhateverTheThreadsThatDrewIt) {
   const int before = at::get_num_threads();
   at::set_num_threads(2);
   auto w = GenerateTinyWeights(spec);
+  // Precondition: the draws of this weight are split (the loop the generator uses, at its grain).
+  std::vector<int64_t> starts;
+  std::mutex mu;
+  kernels::ParallelFor(0, 320000, int64_t{1} << 16, [&](int64_t b, int64_t) {
+    std::lock_guard<std::mutex> lock(mu);
+    starts.push_back(b);
+  });
   at::set_num_threads(before);
+  ASSERT_GE(starts.size(), 2u) << "the draws ran as one chunk: nothing was split";
+  const int64_t split = *std::max_element(starts.begin(), starts.end());
   ASSERT_TRUE(w.ok()) << w.status().message();
   const std::string name = "model.embed_tokens.weight";
   const at::Tensor got = w->at(name).flatten();
@@ -90,11 +103,11 @@ TEST(TinyModel, AWeightIsOneStreamWhateverTheThreadsThatDrewIt) {
   double* p = want.data_ptr<double>();
   for (int64_t i = 0; i < want.numel(); ++i) p[i] = spec.init_std * g.Normal();
   EXPECT_TRUE(at::equal(got, want));
-  // Control: a second half drawn from a fresh stream, as a split without the skip would be.
+  // Control: the last chunk drawn from a fresh stream, as a split without the skip would be.
   SplitMix64 fresh(MixSeed(spec.seed, name.c_str()));
   at::Tensor broken = want.clone();
   double* q = broken.data_ptr<double>();
-  for (int64_t i = want.numel() / 2; i < want.numel(); ++i) q[i] = spec.init_std * fresh.Normal();
+  for (int64_t i = split; i < want.numel(); ++i) q[i] = spec.init_std * fresh.Normal();
   EXPECT_FALSE(at::equal(got, broken));
 }
 
