@@ -5,34 +5,25 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
-#include <fstream>
 #include <limits>
 #include <set>
 #include <utility>
 
 #include "nlohmann/json.hpp"
+#include "runner/model/safetensors.h"
 #include "runner/util/exception_status.h"
 
 namespace tinkerd::bench {
 namespace {
 
-// LibTorch 1.13 gives an event's times in µs, 2.1 and later in ns. Kept in integer ns: the starts
-// are clock times near 1.8e18 ns, which a double holds only to 256 ns.
+// An event's start and duration in ns: LibTorch 1.13 gives them in µs, 2.1 and later in ns. Kept
+// in integers: the starts are clock times near 1.8e18 ns, which a double holds only to 256 ns.
 template <typename Event>
-uint64_t StartNs(const Event& e) {
+std::pair<uint64_t, uint64_t> SpanNs(const Event& e) {
   if constexpr (requires { e.startNs(); }) {
-    return e.startNs();
+    return {e.startNs(), e.durationNs()};
   } else {
-    return e.startUs() * 1000;
-  }
-}
-
-template <typename Event>
-uint64_t DurationNs(const Event& e) {
-  if constexpr (requires { e.durationNs(); }) {
-    return e.durationNs();
-  } else {
-    return e.durationUs() * 1000;
+    return {e.startUs() * 1000, e.durationUs() * 1000};
   }
 }
 
@@ -65,25 +56,23 @@ absl::Status TraceStep(const std::string& path, bool cuda,
   }
   if (!st.ok()) return st;
   uint64_t base = std::numeric_limits<uint64_t>::max();
-  for (const auto& e : result->events()) base = std::min(base, StartNs(e));
+  for (const auto& e : result->events()) base = std::min(base, SpanNs(e).first);
   nlohmann::json events = nlohmann::json::array();
   for (const auto& e : result->events()) {
     const bool device = e.deviceType() != c10::DeviceType::CPU;
+    const auto [start, duration] = SpanNs(e);
     // A kernel's track is its stream; a CPU op's, its thread.
     const uint64_t track = device ? static_cast<uint64_t>(e.deviceResourceId()) : e.startThreadId();
     events.push_back({{"name", e.name()},
                       {"cat", device ? "kernel" : "cpu_op"},
                       {"ph", "X"},
-                      {"ts", static_cast<double>(StartNs(e) - base) / 1e3},
-                      {"dur", static_cast<double>(DurationNs(e)) / 1e3},
+                      {"ts", static_cast<double>(start - base) / 1e3},
+                      {"dur", static_cast<double>(duration) / 1e3},
                       {"pid", device ? 1 : 0},
                       {"tid", track}});
   }
-  std::ofstream out(path);
-  out << nlohmann::json{{"traceEvents", std::move(events)}}.dump() << "\n";
-  out.close();
-  if (out.fail()) return absl::InternalError("cannot write the trace to " + path);
-  return absl::OkStatus();
+  return WriteFileAtomically(path,
+                             nlohmann::json{{"traceEvents", std::move(events)}}.dump() + "\n");
 }
 
 }  // namespace tinkerd::bench
