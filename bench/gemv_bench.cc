@@ -6,6 +6,7 @@
 // (rounding only).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <chrono>

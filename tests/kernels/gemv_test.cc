@@ -12,6 +12,7 @@
 #include "kernels/gemv.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

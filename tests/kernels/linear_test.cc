@@ -5,6 +5,7 @@
 // Shape suffixes: N rows, I in features, O out features, r rank.
 #include "kernels/linear.h"
 
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -6,6 +6,7 @@
 #include "kernels/parallel.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -2,6 +2,7 @@
 // operations, its gradient against finite differences, and a broken control.
 #include "kernels/rms_norm.h"
 
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -3,6 +3,7 @@
 // broken control that the same check must reject.
 //
 // Shape suffixes: T tokens, D hidden, V vocab.
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
