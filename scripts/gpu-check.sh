@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with an NVIDIA GPU and a CUDA build of PyTorch 2.x whose LibTorch the
-# runner was built against (a runner-only CUDA build:
+# runner was built against. Either built elsewhere against the same wheel and carried
+# (scripts/gpu-bundle.sh; then BUILD_DIR is .gpu/build and LIB_DIR .gpu/lib), or built on that
+# machine (a runner-only CUDA build:
 #   cmake --preset cuda -DTINKERD_WITH_GRPC=OFF -DCMAKE_PREFIX_PATH=<torch>/share/cmake
 # then the targets kernel_tests numerics_tests unit_tests fwd_bwd_bench).
 #
