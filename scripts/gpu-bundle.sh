@@ -4,14 +4,15 @@
 # time on the checks instead of on carrying build dependencies and building.
 #
 # usage: scripts/gpu-bundle.sh [TORCH_VERSION]      (default 2.11.0, the GPU image's PyTorch)
-# then, on the GPU machine, with .gpu carried (it is git-ignored; ~15 MB):
+# then, on the GPU machine, with .gpu carried (it is git-ignored; ~10 MB):
 #   scripts/gpu-check.sh .gpu/build OUT_DIR .gpu/lib
 #
 # Steps:
 # - downloads the torch wheel from PyPI (no dependencies) and unpacks its LibTorch into
-#   build-gpu/libtorch-VERSION; also the three CUDA libraries LibTorch links against that the CUDA
-#   toolkit does not ship (cuFile, cuSPARSELt, NVSHMEM), which the linker needs here and the GPU
-#   machine's PyTorch already has;
+#   build-gpu/libtorch-VERSION; also cuFile, cuSPARSELt and NVSHMEM, three libraries LibTorch
+#   links against that this machine's CUDA toolkit lacks: the linker needs them here, the GPU
+#   machine's PyTorch has them. The toolkit must provide the rest, cuDNN and NCCL included
+#   (/usr/local/cuda-13.0 here does);
 # - configures the runner-only CUDA build (`cmake --preset cuda -DTINKERD_WITH_GRPC=OFF`) in
 #   build-gpu/build and builds the suites gpu-check.sh runs and fwd_bwd_bench;
 # - copies them, stripped, to .gpu/build/{tests,bench}, and to .gpu/lib every shared library they
@@ -28,16 +29,17 @@ BUILD=${GPU_BUILD:-$WORK/build}
 BUNDLE=$ROOT/.gpu
 PIP=(python3 -m pip download --quiet --no-deps --only-binary=:all:)
 
-if [[ ! -f $TORCH/share/cmake/Torch/TorchConfig.cmake ]]; then
+# .complete marks a finished download, so that a rerun after a failed one starts it again.
+if [[ ! -f $LIBTORCH/.complete ]]; then
   wheels=$LIBTORCH/wheels
   mkdir -p "$wheels" "$LINK_ONLY"
   "${PIP[@]}" -d "$wheels" "torch==$VERSION"
-  wheel=$(ls "$wheels"/torch-"$VERSION"-*.whl)
-  unzip -q -o "$wheel" 'torch/lib/*' 'torch/include/*' 'torch/share/*' '*.dist-info/METADATA' \
+  found=("$wheels"/torch-"$VERSION"-*.whl)
+  unzip -q -o "${found[0]}" 'torch/lib/*' 'torch/include/*' 'torch/share/*' '*.dist-info/METADATA' \
     -d "$LIBTORCH"
-  # The versions the wheel pins, where it pins one.
-  pins=$(grep -h '^Requires-Dist: nvidia-\(cusparselt\|nvshmem\)' \
-    "$LIBTORCH"/torch-*.dist-info/METADATA | sed 's/^Requires-Dist: //; s/;.*//')
+  # The versions the wheel pins, where it pins one. cuFile's soname is all the linker reads.
+  pins=$( (grep -h '^Requires-Dist: nvidia-\(cusparselt\|nvshmem\)' \
+    "$LIBTORCH"/torch-*.dist-info/METADATA || true) | sed 's/^Requires-Dist: //; s/;.*//')
   # shellcheck disable=SC2086
   "${PIP[@]}" -d "$wheels" $pins nvidia-cufile
   for w in "$wheels"/nvidia_*.whl; do
@@ -45,6 +47,7 @@ if [[ ! -f $TORCH/share/cmake/Torch/TorchConfig.cmake ]]; then
   done
   find "$wheels/unpacked" \( -name 'libcufile.so*' -o -name 'libcusparseLt.so*' \
     -o -name 'libnvshmem_host.so*' \) -exec cp -a {} "$LINK_ONLY/" \;
+  touch "$LIBTORCH/.complete"
 fi
 export LD_LIBRARY_PATH="$LINK_ONLY:$TORCH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
@@ -65,6 +68,10 @@ for t in "${targets[@]}"; do
   dir=tests
   [[ $t == *_bench ]] && dir=bench
   strip -o "$BUNDLE/build/$dir/$t" "$BUILD/$dir/$t"
+  if ldd "$BUILD/$dir/$t" | grep 'not found'; then
+    echo "$t: the libraries above are missing here" >&2
+    exit 1
+  fi
   # ldd's "name => path" lines; the runtime, LibTorch and CUDA are on the GPU machine already.
   ldd "$BUILD/$dir/$t" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' | while read -r name path; do
     case $name in
