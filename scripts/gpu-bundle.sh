@@ -68,12 +68,13 @@ for t in "${targets[@]}"; do
   dir=tests
   [[ $t == *_bench ]] && dir=bench
   strip -o "$BUNDLE/build/$dir/$t" "$BUILD/$dir/$t"
-  if ldd "$BUILD/$dir/$t" | grep 'not found'; then
+  deps=$(ldd "$BUILD/$dir/$t")
+  if grep 'not found' <<<"$deps"; then
     echo "$t: the libraries above are missing here" >&2
     exit 1
   fi
   # ldd's "name => path" lines; the runtime, LibTorch and CUDA are on the GPU machine already.
-  ldd "$BUILD/$dir/$t" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' | while read -r name path; do
+  awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' <<<"$deps" | while read -r name path; do
     case $name in
       libc.so* | libm.so* | libdl.so* | librt.so* | libpthread.so* | libutil.so* | libgcc_s.so* | \
         libstdc++.so* | libgomp.so* | ld-linux*) continue ;;
