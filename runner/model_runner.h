@@ -75,7 +75,7 @@ class ModelRunner {
   void AbortStream(int64_t stream_id);
 
   // Normalizes, reduces, clips and applies AdamW, then clears accumulators and counters.
-  // FAILED_PRECONDITION (nothing changed) when no valid token was accumulated.
+  // With no valid token accumulated it takes a zero-gradient step (num_tokens 0 in the result).
   absl::StatusOr<OptimStepResult> OptimStep(const std::string& model_id, const AdamParams& params);
 
   // Checkpoints. `path` names a checkpoint: a link to a complete directory, published atomically

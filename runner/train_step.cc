@@ -261,11 +261,6 @@ absl::Status CompareAcrossRanks(Collectives& c, const ModelState& t) {
 absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelState& t,
                                                const AdamParams& p) {
   if (auto st = ValidateAdamParams(p); !st.ok()) return st;
-  if (t.accumulated_tokens == 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "optim_step: model ", t.id,
-        " has no accumulated valid tokens; call forward_backward with unmasked tokens first"));
-  }
   double denominator = 1.0;
   switch (t.options.loss_reduction) {
     case LossReduction::kTokenMean:
@@ -284,7 +279,10 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   for (auto& [name, g] : t.grad_sum) grads.push_back(g.clone());
   // See Note [Reduce once] in runner/dist/collectives.h.
   if (auto st = ctx.collectives->AllReduceSumGradients(grads); !st.ok()) return st;
-  at::_foreach_mul_(grads, 1.0 / denominator);
+  // With nothing valid accumulated the step is still taken, with a zero gradient, as Tinker does:
+  // 0/0 is 0 (every accumulator is exactly 0 then, since masked tokens add nothing), and AdamW's
+  // moments decay and weight decay applies as torch's AdamW would with a zero gradient.
+  at::_foreach_mul_(grads, denominator > 0 ? 1.0 / denominator : 0.0);
   // One host sync for the norm, not one per parameter; the squares summed in float64 and the
   // parameters added in their order, as a loop over them would.
   std::vector<at::Tensor> squares;

@@ -78,7 +78,7 @@ TEST(E2E, OutOfOrderSeqIdsAreAppliedInOrder) {
   const std::string model = live.CreateModel();
   SplitMix64 g(4);
   // optim_step (seq 2) arrives first; it must wait for forward_backward (seq 1), or it would
-  // fail with "no accumulated tokens".
+  // take a zero-gradient step and report num_tokens 0.
   auto optim = std::async(std::launch::async, [&] {
     v1::OptimStepResponse os;
     grpc::Status st = live.Optim(model, 2, &os);
