@@ -1,5 +1,6 @@
 #include "runner/model/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -62,22 +63,64 @@ absl::Status ReadBool(const json& j, const char* key, bool* out) {
   return absl::OkStatus();
 }
 
-absl::Status ParseRopeScaling(const json& j, ModelConfig* c) {
-  auto it = j.find("rope_scaling");
-  if (it == j.end() || it->is_null()) return absl::OkStatus();
-  if (!it->is_object()) return Bad("rope_scaling must be an object or null");
-  const json& rs = *it;
+// The keys a RoPE block may hold; any other changes the math in a way tinkerd does not implement
+// (longrope's short_factor, DeepSeek's mscale, ...), so it fails the load by name.
+constexpr const char* kRopeKeys[] = {"rope_type",
+                                     "type",
+                                     "rope_theta",
+                                     "factor",
+                                     "original_max_position_embeddings",
+                                     "low_freq_factor",
+                                     "high_freq_factor",
+                                     "beta_fast",
+                                     "beta_slow",
+                                     "attention_factor",
+                                     "truncate",
+                                     "partial_rotary_factor"};
+
+// One RoPE block: transformers 4's `rope_scaling` or transformers 5's `rope_parameters`, which
+// holds the same keys plus rope_theta. `where` names the block in errors.
+absl::Status ParseRopeBlock(const json& rs, const std::string& where, RopeScaling* out,
+                            std::optional<double>* theta) {
+  if (!rs.is_object()) return Bad(absl::StrCat(where, " must be an object or null"));
+  for (const auto& [key, value] : rs.items()) {
+    if (value.is_object()) {
+      return Bad(
+          absl::StrCat(where, ".", key, ": RoPE parameters per layer type are not supported"));
+    }
+    if (std::find(std::begin(kRopeKeys), std::end(kRopeKeys), key) == std::end(kRopeKeys)) {
+      return Bad(absl::StrCat(where, ".", key, " is not supported (it changes RoPE in a way ",
+                              "tinkerd does not implement)"));
+    }
+  }
   std::string type;
   if (rs.contains("rope_type") && rs["rope_type"].is_string()) {
     type = rs["rope_type"].get<std::string>();
   } else if (rs.contains("type") && rs["type"].is_string()) {
     type = rs["type"].get<std::string>();
   } else {
-    return Bad("rope_scaling needs a string 'rope_type' (or 'type')");
+    return Bad(absl::StrCat(where, " needs a string 'rope_type' (or 'type')"));
   }
-  RopeScaling& s = c->rope_scaling;
+  if (rs.contains("rope_theta")) {
+    double t = 0;
+    if (auto st = ReadNumber(rs, "rope_theta", &t, true); !st.ok()) {
+      return Bad(absl::StrCat(where, ".rope_theta must be a number"));
+    }
+    *theta = t;
+  }
+  double partial = 1.0;
+  if (auto st = ReadNumber(rs, "partial_rotary_factor", &partial, false); !st.ok()) return st;
+  if (partial != 1.0) {
+    return Bad(absl::StrCat(where, ".partial_rotary_factor ", partial,
+                            " is not supported (only 1: RoPE over the whole head)"));
+  }
+  bool truncate = true;
+  if (auto st = ReadBool(rs, "truncate", &truncate); !st.ok()) return st;
+  if (!truncate) return Bad(absl::StrCat(where, ".truncate false is not supported"));
+
+  RopeScaling s;
   if (type == "default") {
-    s.type = RopeScaling::Type::kNone;
+    *out = s;
     return absl::OkStatus();
   } else if (type == "linear") {
     s.type = RopeScaling::Type::kLinear;
@@ -88,13 +131,13 @@ absl::Status ParseRopeScaling(const json& j, ModelConfig* c) {
   } else if (type == "llama3") {
     s.type = RopeScaling::Type::kLlama3;
   } else {
-    return Bad(
-        absl::StrCat("rope_scaling type '", type,
-                     "' is not supported (supported: default, linear, dynamic, yarn, llama3)"));
+    return Bad(absl::StrCat(where, ": rope type '", type,
+                            "' is not supported (supported: default, linear, dynamic, yarn, "
+                            "llama3)"));
   }
   auto f = [&](const char* k, double* v, bool req) { return ReadNumber(rs, k, v, req); };
   if (auto st = f("factor", &s.factor, true); !st.ok()) return st;
-  if (!(s.factor >= 1.0)) return Bad("rope_scaling.factor must be >= 1");
+  if (!(s.factor >= 1.0)) return Bad(absl::StrCat(where, ".factor must be >= 1"));
   if (auto st =
           ReadNumber(rs, "original_max_position_embeddings", &s.original_max_position_embeddings,
                      s.type == RopeScaling::Type::kLlama3);
@@ -106,7 +149,121 @@ absl::Status ParseRopeScaling(const json& j, ModelConfig* c) {
   if (auto st = f("beta_slow", &s.beta_slow, false); !st.ok()) return st;
   if (auto st = f("attention_factor", &s.attention_factor, false); !st.ok()) return st;
   if (s.type == RopeScaling::Type::kLlama3 && !(s.high_freq_factor > s.low_freq_factor)) {
-    return Bad("rope_scaling: high_freq_factor must exceed low_freq_factor");
+    return Bad(absl::StrCat(where, ": high_freq_factor must exceed low_freq_factor"));
+  }
+  *out = s;
+  return absl::OkStatus();
+}
+
+bool SameRope(const RopeScaling& a, const RopeScaling& b) {
+  return a.type == b.type && a.factor == b.factor &&
+         a.original_max_position_embeddings == b.original_max_position_embeddings &&
+         a.low_freq_factor == b.low_freq_factor && a.high_freq_factor == b.high_freq_factor &&
+         a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow &&
+         a.attention_factor == b.attention_factor;
+}
+
+// rope_theta and the scaling, from whichever layout the file uses. transformers 5 writes only
+// `rope_parameters`; a file with both layouts must say the same thing in each, or which one
+// wins would be a guess.
+absl::Status ParseRope(const json& j, ModelConfig* c) {
+  std::optional<double> top_theta;
+  if (j.contains("rope_theta") && !j["rope_theta"].is_null()) {
+    double t = 0;
+    if (auto st = ReadNumber(j, "rope_theta", &t, true); !st.ok()) return st;
+    top_theta = t;
+  }
+  std::optional<RopeScaling> v4, v5;
+  std::optional<double> v4_theta, v5_theta;
+  if (auto it = j.find("rope_scaling"); it != j.end() && !it->is_null()) {
+    v4.emplace();
+    if (auto st = ParseRopeBlock(*it, "rope_scaling", &*v4, &v4_theta); !st.ok()) return st;
+  }
+  if (auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
+    v5.emplace();
+    if (auto st = ParseRopeBlock(*it, "rope_parameters", &*v5, &v5_theta); !st.ok()) return st;
+  }
+  if (v4 && v5 && !SameRope(*v4, *v5)) {
+    return Bad("rope_scaling and rope_parameters disagree; remove one of them");
+  }
+  std::optional<double> theta = top_theta;
+  for (const std::optional<double>& t : {v4_theta, v5_theta}) {
+    if (!t) continue;
+    if (theta && *theta != *t) {
+      return Bad(absl::StrFormat("rope_theta is given twice with different values (%g and %g)",
+                                 *theta, *t));
+    }
+    theta = t;
+  }
+  if (theta) c->rope_theta = *theta;
+  if (v5) {
+    c->rope_scaling = *v5;
+  } else if (v4) {
+    c->rope_scaling = *v4;
+  }
+  return absl::OkStatus();
+}
+
+// Which layers attend through the sliding window. Mistral: all of them. Qwen2/3: those at index
+// max_window_layers and above (Hugging Face's rule, default 28), when use_sliding_window is true.
+// `layer_types` (transformers >= 4.53 and 5) lists them explicitly and wins.
+absl::Status ParseSlidingWindow(const json& j, ModelConfig* c) {
+  const bool mistral = c->model_type == "mistral";
+  bool use_sw = mistral;
+  if (!mistral) {
+    if (auto st = ReadBool(j, "use_sliding_window", &use_sw); !st.ok()) return st;
+  }
+  if (use_sw) {
+    if (auto st = ReadNumber(j, "sliding_window", &c->sliding_window, false); !st.ok()) return st;
+  }
+  const int64_t n = c->num_hidden_layers;
+  if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
+    if (!it->is_array() || static_cast<int64_t>(it->size()) != n) {
+      return Bad(absl::StrCat("layer_types must be a list of num_hidden_layers (", n, ") strings"));
+    }
+    c->layer_slides.assign(static_cast<size_t>(n), false);
+    for (int64_t i = 0; i < n; ++i) {
+      const json& t = (*it)[static_cast<size_t>(i)];
+      const std::string type = t.is_string() ? t.get<std::string>() : "";
+      if (type == "sliding_attention") {
+        c->layer_slides[static_cast<size_t>(i)] = true;
+      } else if (type != "full_attention") {
+        return Bad(absl::StrCat("layer_types[", i, "] '", type,
+                                "' is not supported (supported: full_attention, "
+                                "sliding_attention)"));
+      }
+    }
+  } else if (!mistral && c->sliding_window > 0) {
+    int64_t first = 28;  // Qwen2Config's and Qwen3Config's default
+    if (auto st = ReadNumber(j, "max_window_layers", &first, false); !st.ok()) return st;
+    c->layer_slides.assign(static_cast<size_t>(n), false);
+    for (int64_t i = std::max<int64_t>(first, 0); i < n; ++i) {
+      c->layer_slides[static_cast<size_t>(i)] = true;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Keys of Hugging Face configs that change the math of these families when they are not at their
+// default: refused by name rather than ignored.
+absl::Status RefuseUnsupportedMath(const json& j) {
+  if (auto it = j.find("hidden_act"); it != j.end() && !it->is_null()) {
+    const std::string act = it->is_string() ? it->get<std::string>() : "";
+    if (act != "silu" && act != "swish") {
+      return Bad(absl::StrCat("hidden_act '", act, "' is not supported (only silu)"));
+    }
+  }
+  bool mlp_bias = false;
+  if (auto st = ReadBool(j, "mlp_bias", &mlp_bias); !st.ok()) return st;
+  if (mlp_bias) return Bad("mlp_bias true is not supported");
+  double partial = 1.0;
+  if (auto st = ReadNumber(j, "partial_rotary_factor", &partial, false); !st.ok()) return st;
+  if (partial != 1.0) return Bad("partial_rotary_factor other than 1 is not supported");
+  for (const char* key : {"attn_logit_softcapping", "final_logit_softcapping", "logits_scaling",
+                          "embedding_multiplier", "residual_multiplier", "attention_multiplier"}) {
+    if (auto it = j.find(key); it != j.end() && !it->is_null()) {
+      return Bad(absl::StrCat("'", key, "' is not supported by these model families"));
+    }
   }
   return absl::OkStatus();
 }
@@ -153,22 +310,17 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
       !st.ok())
     return st;
   if (auto st = ReadNumber(j, "rms_norm_eps", &c.rms_norm_eps, false); !st.ok()) return st;
-  if (auto st = ReadNumber(j, "rope_theta", &c.rope_theta, false); !st.ok()) return st;
   if (auto st = ReadBool(j, "tie_word_embeddings", &c.tie_word_embeddings); !st.ok()) return st;
   if (c.architecture != "Qwen2ForCausalLM") {
     if (auto st = ReadBool(j, "attention_bias", &c.attention_bias); !st.ok()) return st;
   }
-  if (auto st = ParseRopeScaling(j, &c); !st.ok()) return st;
-  // Mistral always honours sliding_window; Qwen2/3 only with use_sliding_window = true.
-  bool use_sw = c.model_type == "mistral";
-  if (c.model_type != "mistral") {
-    if (auto st = ReadBool(j, "use_sliding_window", &use_sw); !st.ok()) return st;
+  if (auto st = RefuseUnsupportedMath(j); !st.ok()) return st;
+  if (auto st = ParseRope(j, &c); !st.ok()) return st;
+  if (c.num_hidden_layers > 0) {
+    if (auto st = ParseSlidingWindow(j, &c); !st.ok()) return st;
   }
-  if (use_sw) {
-    if (auto st = ReadNumber(j, "sliding_window", &c.sliding_window, false); !st.ok()) return st;
-  }
-  if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) {
-    c.torch_dtype = j["torch_dtype"].get<std::string>();
+  for (const char* key : {"torch_dtype", "dtype"}) {  // transformers 4, 5
+    if (j.contains(key) && j[key].is_string()) c.torch_dtype = j[key].get<std::string>();
   }
 
   if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.intermediate_size <= 0 ||
@@ -177,6 +329,9 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
   }
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     return Bad("num_attention_heads must be a multiple of num_key_value_heads");
+  }
+  if (c.head_dim == 0 && c.model_type == "qwen3") {
+    c.head_dim = 128;  // Qwen3Config's default, not hidden_size / num_attention_heads
   }
   if (c.head_dim == 0) {
     if (c.hidden_size % c.num_attention_heads != 0) {
@@ -226,7 +381,20 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   if (c.model_type != "qwen2") j["attention_bias"] = c.attention_bias;
   if (c.sliding_window > 0) {
     j["sliding_window"] = c.sliding_window;
-    if (c.model_type != "mistral") j["use_sliding_window"] = true;
+    if (c.model_type != "mistral") {
+      j["use_sliding_window"] = true;
+      // Hugging Face's rule for readers without layer_types: layers from this index on slide.
+      int64_t first = 0;
+      while (first < c.num_hidden_layers && !c.WindowOf(first)) ++first;
+      j["max_window_layers"] = first;
+    }
+    if (!c.layer_slides.empty()) {
+      json types = json::array();
+      for (bool slides : c.layer_slides) {
+        types.push_back(slides ? "sliding_attention" : "full_attention");
+      }
+      j["layer_types"] = types;
+    }
   } else if (c.model_type == "mistral") {
     j["sliding_window"] = nullptr;
   }
@@ -267,11 +435,15 @@ std::string ModelConfigToJson(const ModelConfig& c) {
 std::string ModelConfig::DebugString() const {
   return absl::StrFormat(
       "%s: vocab=%d hidden=%d inter=%d layers=%d heads=%d kv_heads=%d head_dim=%d ctx=%d tied=%d "
-      "bias=%d qk_norm=%d sliding_window=%d rope_theta=%g rope_scaling=%d(x%g)",
+      "bias=%d qk_norm=%d sliding_window=%d(%s) rope_theta=%g rope_scaling=%d(x%g)",
       architecture, vocab_size, hidden_size, intermediate_size, num_hidden_layers,
       num_attention_heads, num_key_value_heads, head_dim, max_position_embeddings,
-      tie_word_embeddings, attention_bias, qk_norm, sliding_window, rope_theta,
-      static_cast<int>(rope_scaling.type), rope_scaling.factor);
+      tie_word_embeddings, attention_bias, qk_norm, sliding_window,
+      layer_slides.empty()
+          ? "every layer"
+          : absl::StrCat(std::count(layer_slides.begin(), layer_slides.end(), true), " of ",
+                         layer_slides.size(), " layers"),
+      rope_theta, static_cast<int>(rope_scaling.type), rope_scaling.factor);
 }
 
 }  // namespace tinkerd

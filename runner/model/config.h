@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -40,13 +41,25 @@ struct ModelConfig {
   bool attention_bias = false;  // bias on q/k/v projections (Qwen2 always)
   bool qk_norm = false;         // per-head RMSNorm on q and k before RoPE (Qwen3)
   int64_t sliding_window = 0;   // 0: full causal attention
-  std::string torch_dtype;      // informational
+  // Which layers slide (Qwen2/3's max_window_layers, or `layer_types`); empty: every layer does
+  // when sliding_window > 0 (Mistral).
+  std::vector<bool> layer_slides;
+  std::string torch_dtype;  // informational
 
+  // The attention window of `layer`: sliding_window where it slides, else 0 (full).
+  int64_t WindowOf(int64_t layer) const {
+    const bool slides = layer_slides.empty() || layer_slides[static_cast<size_t>(layer)];
+    return slides ? sliding_window : 0;
+  }
   std::string DebugString() const;
 };
 
-// Parses config.json text. Unknown architectures, missing or inconsistent sizes are
-// InvalidArgument.
+// Parses config.json text, in the layout of transformers 4 (`rope_theta` and `rope_scaling` at
+// the top level, `torch_dtype`) or 5 (`rope_parameters` holding theta, type and scaling; `dtype`;
+// `layer_types`). Every key that changes the math is read from either layout; where both are
+// present they must agree. Unknown architectures, missing or inconsistent sizes, and keys whose
+// math tinkerd does not implement (an unknown rope type, `mlp_bias`, another activation, ...)
+// are InvalidArgument naming the key.
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text);
 // Serializes back to a config.json that ParseModelConfig and Hugging Face both read.
 std::string ModelConfigToJson(const ModelConfig& config);

@@ -70,7 +70,7 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   kernels::AttentionParams attn;
   attn.q_THd = ApplyRope(q_THd, rope);
   attn.cu_seqlens_q = cu_seqlens;
-  attn.window = c.sliding_window;
+  attn.window = c.WindowOf(layer);
   at::Tensor out_THd;
   if (kv == nullptr) {
     attn.k_UKd = ApplyRope(k_TKd, rope);

@@ -222,6 +222,14 @@ void ModelConfigSeeds() {
   write("mistral", cfg("MistralForCausalLM", R"(, "sliding_window": 64, "head_dim": 16)"));
   write("qwen3",
         cfg("Qwen3ForCausalLM", R"(, "use_sliding_window": false, "attention_bias": false)"));
+  // transformers 5's layout: rope_theta and scaling in rope_parameters, layer_types.
+  write("transformers5",
+        cfg("Qwen2ForCausalLM",
+            R"(, "dtype": "bfloat16", "use_sliding_window": true, "sliding_window": 64,
+            "max_window_layers": 1, "layer_types": ["full_attention", "sliding_attention"],
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128})"));
 }
 
 }  // namespace

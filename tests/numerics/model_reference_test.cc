@@ -78,7 +78,8 @@ struct RefConfig {
   bool tie_word_embeddings = false;
   bool qkv_bias = false;
   bool qk_norm = false;
-  int64_t sliding_window = 0;  // 0: full causal attention
+  int64_t sliding_window = 0;      // 0: full causal attention
+  std::vector<bool> layer_slides;  // which layers use the window; one entry per layer
   RefRope rope;
 };
 
@@ -116,22 +117,40 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
     c.head_dim = Field<int64_t>(j, "head_dim", c.hidden / c.heads);
     c.max_position_embeddings = Field<int64_t>(j, "max_position_embeddings", 2048);
     c.rms_norm_eps = Field<double>(j, "rms_norm_eps", 1e-6);
+    // transformers 5 moves rope_theta and the scaling into one `rope_parameters` block.
+    const json no_block = nullptr;
+    const json& rope_block = j.contains("rope_parameters") && !j["rope_parameters"].is_null()
+                                 ? j["rope_parameters"]
+                             : j.contains("rope_scaling") ? j["rope_scaling"]
+                                                          : no_block;
     c.rope_theta = Field<double>(j, "rope_theta", 10000.0);
+    if (rope_block.is_object())
+      c.rope_theta = Field<double>(rope_block, "rope_theta", c.rope_theta);
     c.tie_word_embeddings = Field<bool>(j, "tie_word_embeddings", false);
     // Qwen2's q/k/v projections carry a bias unconditionally; the others follow attention_bias.
     c.qkv_bias = qwen2 ? true : Field<bool>(j, "attention_bias", false);
     c.qk_norm = qwen3;
+    // Mistral windows every layer. Qwen2/3 window the layers from max_window_layers (default
+    // 28) on, when use_sliding_window; an explicit layer_types list says which, per layer.
+    c.layer_slides.assign(static_cast<size_t>(c.layers), mistral);
     if (mistral) c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
     if ((qwen2 || qwen3) && Field<bool>(j, "use_sliding_window", false)) {
-      // Qwen windows only some layers (max_window_layers); this reference does not model that.
-      return absl::UnimplementedError("reference: Qwen sliding-window attention is not modelled");
+      c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
+      const int64_t first = Field<int64_t>(j, "max_window_layers", 28);
+      for (int64_t l = first; l < c.layers; ++l) c.layer_slides[static_cast<size_t>(l)] = true;
+    }
+    if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+      for (int64_t l = 0; l < c.layers; ++l) {
+        c.layer_slides[static_cast<size_t>(l)] =
+            j["layer_types"].at(static_cast<size_t>(l)).get<std::string>() == "sliding_attention";
+      }
     }
     if (c.kv_heads <= 0 || c.heads % c.kv_heads != 0 || c.head_dim <= 0 || c.head_dim % 2 != 0) {
       return absl::InvalidArgumentError("reference: inconsistent head counts or odd head_dim");
     }
 
-    auto rs = j.find("rope_scaling");
-    if (rs != j.end() && !rs->is_null()) {
+    const json* rs = &rope_block;
+    if (rope_block.is_object()) {
       RefRope& r = c.rope;
       r.type = rs->contains("rope_type") ? rs->at("rope_type").get<std::string>()
                                          : rs->at("type").get<std::string>();
@@ -438,6 +457,7 @@ struct Variant {
   bool drop_rope_scaling = false;  // plain RoPE whatever rope_scaling says
   bool wrong_gqa_mapping = false;  // query head h reads kv head h mod G instead of h / (H/G)
   bool ignore_sliding_window = false;
+  bool window_every_layer = false;  // Qwen's max_window_layers / layer_types ignored
 };
 
 struct Rotary {
@@ -558,13 +578,15 @@ Vec ReferenceLogprobs(const RefModel& m, const std::vector<int64_t>& tokens,
   const RefConfig& c = m.c;
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t D = c.hidden, H = c.heads, G = c.kv_heads, E = c.head_dim;
-  const int64_t window = variant.ignore_sliding_window ? 0 : c.sliding_window;
   const Rotary rot = RotaryForSequence(c, T, variant);
 
   std::vector<Vec> h_TD(T);
   for (int64_t t = 0; t < T; ++t) h_TD[t] = Slice(m.embed_VD.w, tokens[t] * D, D);
 
-  for (const RefLayer& layer : m.layers) {
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const RefLayer& layer = m.layers[l];
+    const bool slides = variant.window_every_layer || c.layer_slides[l];
+    const int64_t window = variant.ignore_sliding_window || !slides ? 0 : c.sliding_window;
     std::vector<std::vector<Vec>> q_THE(T, std::vector<Vec>(H));
     std::vector<std::vector<Vec>> k_TGE(T, std::vector<Vec>(G));
     std::vector<std::vector<Vec>> v_TGE(T, std::vector<Vec>(G));
@@ -667,11 +689,59 @@ struct Case {
   bool want_qkv_bias = false;
   bool want_qk_norm = false;
   int64_t want_sliding_window = 0;
+  int64_t want_sliding_layers = -1;  // -1: every layer when want_sliding_window > 0, else none
   std::string want_safetensors_dtype = "F32";
+  // How config.json is laid out: as tinkerd writes it (transformers 4's keys, with layer_types
+  // for partly sliding models), as transformers 5 writes it, or as transformers < 4.53 wrote a
+  // Qwen config (max_window_layers alone).
+  enum class Layout { kAsWritten, kTransformers5, kNoLayerTypes };
+  Layout layout = Layout::kAsWritten;
+  std::function<void(json&)> edit_config;  // applied last, for the controls
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
+}
+
+// config.json as transformers 5 (5.24) writes the same model: rope_theta and the scaling move
+// into `rope_parameters` (yarn keeps `type` beside `rope_type`), `torch_dtype` becomes `dtype`,
+// and Qwen configs list `layer_types`. Checked against `save_pretrained` of transformers 5.24
+// for every family and rope type the cases use.
+void ToTransformers5(json& j) {
+  json rope = j.contains("rope_scaling") && !j["rope_scaling"].is_null()
+                  ? j["rope_scaling"]
+                  : json{{"rope_type", "default"}};
+  if (!rope.contains("rope_type")) rope["rope_type"] = rope["type"];
+  if (rope["rope_type"] == "yarn") rope["type"] = "yarn";
+  rope["rope_theta"] = j["rope_theta"];
+  j.erase("rope_scaling");
+  j.erase("rope_theta");
+  j["rope_parameters"] = rope;
+  j["dtype"] = j["torch_dtype"];
+  j.erase("torch_dtype");
+  const std::string type = j["model_type"].get<std::string>();
+  if ((type == "qwen2" || type == "qwen3") && !j.contains("layer_types")) {
+    const bool sliding = j.value("use_sliding_window", false);
+    const int64_t first = j.value("max_window_layers", int64_t{28});
+    json types = json::array();
+    for (int64_t l = 0; l < j["num_hidden_layers"].get<int64_t>(); ++l) {
+      types.push_back(sliding && l >= first ? "sliding_attention" : "full_attention");
+    }
+    j["layer_types"] = types;
+  }
+  j["transformers_version"] = "5.24.0";
+}
+
+void RewriteConfig(const fs::path& dir, const Case& c) {
+  if (c.layout == Case::Layout::kAsWritten && !c.edit_config) return;
+  const fs::path path = dir / "config.json";
+  std::ifstream in(path);
+  json j = json::parse(in);
+  in.close();
+  if (c.layout == Case::Layout::kTransformers5) ToTransformers5(j);
+  if (c.layout == Case::Layout::kNoLayerTypes) j.erase("layer_types");
+  if (c.edit_config) c.edit_config(j);
+  std::ofstream(path) << j.dump(2);
 }
 
 // Strongly unequal lengths, out of order, so that the runner packs several sequences per
@@ -686,9 +756,45 @@ constexpr int64_t kMicroBatchTokens = 16;
 // logprobs by only a few hundred tolerances. At this scale scores are O(1).
 constexpr double kInitStd = 0.2;
 
+void Llama3Theta500k(ModelConfig& m) {
+  m.rope_theta = 500000.0;
+  m.tie_word_embeddings = false;
+  m.rope_scaling = RopeScaling{};
+  m.rope_scaling.type = RopeScaling::Type::kLlama3;
+  m.rope_scaling.factor = 8;
+  m.rope_scaling.low_freq_factor = 1;
+  m.rope_scaling.high_freq_factor = 4;
+  m.rope_scaling.original_max_position_embeddings = 16;
+}
+
+void Qwen2SlidingFromLayer1(ModelConfig& m) {
+  m.rope_scaling = RopeScaling{};
+  m.tie_word_embeddings = false;
+  m.sliding_window = 4;
+  m.layer_slides = {false, true};
+}
+
+constexpr const char* kTransformers5Twins[] = {
+    "LlamaTheta500kLlama3Rope", "Qwen2BiasYarnRope",  "Qwen3QkNormTied",
+    "MistralSlidingWindow4",    "LlamaBf16TwoShards", "Qwen2SlidingFromLayer1"};
+
+const Case& FindCaseIn(const std::vector<Case>& cases, const std::string& name) {
+  for (const Case& c : cases) {
+    if (c.name == name) return c;
+  }
+  std::abort();  // a typo in the case table
+}
+
+Case V5(const Case& c) {
+  Case v = c;
+  v.name += "V5";
+  v.layout = Case::Layout::kTransformers5;
+  return v;
+}
+
 std::vector<Case> AllCases() {
   RopeScaling none;
-  return {
+  std::vector<Case> cases = {
       Case{.name = "LlamaGqaUntied",
            .family = "llama",
            .tweak =
@@ -793,7 +899,26 @@ std::vector<Case> AllCases() {
            .seed = 19,
            .want_qkv_bias = true,
            .want_safetensors_dtype = "F16"},
+      // Llama 3's own theta, where a silently dropped rope_theta (10000) moves logprobs by ~10%.
+      Case{.name = "LlamaTheta500kLlama3Rope",
+           .family = "llama",
+           .tweak = Llama3Theta500k,
+           .seed = 20,
+           .want_rope_type = "llama3"},
+      // Qwen2 sliding from layer 1 on (max_window_layers 1): layer 0 attends to everything.
+      Case{.name = "Qwen2SlidingFromLayer1",
+           .family = "qwen2",
+           .tweak = Qwen2SlidingFromLayer1,
+           .seed = 21,
+           .want_qkv_bias = true,
+           .want_sliding_window = 4,
+           .want_sliding_layers = 1,
+           .layout = Case::Layout::kNoLayerTypes},
   };
+  // transformers 5's layout of some of the cases above: their logprobs must be the same bits
+  // (Transformers5Layout) and match the reference, which reads that layout itself.
+  for (const char* name : kTransformers5Twins) cases.push_back(V5(FindCaseIn(cases, name)));
+  return cases;
 }
 
 Case FindCase(const std::string& name) {
@@ -843,6 +968,7 @@ void RunScenario(const Case& c, Scenario* s) {
       WriteTinyModel(s->dir->path().string(),
                      TinyModelSpec{config, c.seed, c.stored_dtype, c.num_shards, kInitStd});
   ASSERT_TRUE(written.ok()) << written.message();
+  RewriteConfig(s->dir->path(), c);
 
   absl::StatusOr<Checkpoint> ck = LoadCheckpoint(s->dir->path());
   ASSERT_TRUE(ck.ok()) << ck.status().message();
@@ -866,6 +992,10 @@ void RunScenario(const Case& c, Scenario* s) {
   EXPECT_EQ(rc.qkv_bias, c.want_qkv_bias);
   EXPECT_EQ(rc.qk_norm, c.want_qk_norm);
   EXPECT_EQ(rc.sliding_window, c.want_sliding_window);
+  const int64_t sliding_layers = std::count(rc.layer_slides.begin(), rc.layer_slides.end(), true);
+  EXPECT_EQ(sliding_layers, c.want_sliding_layers >= 0  ? c.want_sliding_layers
+                            : c.want_sliding_window > 0 ? rc.layers
+                                                        : 0);
   EXPECT_LT(rc.kv_heads, rc.heads) << "every case should exercise grouped-query attention";
 
   std::mt19937_64 rng(c.seed * 7919 + 1);  // the raw engine: identical on every platform
@@ -989,6 +1119,38 @@ TEST(ModelReferenceControl, WrongGqaHeadMappingIsDetected) {
 
 TEST(ModelReferenceControl, IgnoringSlidingWindowIsDetected) {
   ExpectMistakeDetected("MistralSlidingWindow4", Variant{.ignore_sliding_window = true});
+}
+
+// tinkerd before 2026-11-26 windowed every layer of a Qwen model with use_sliding_window.
+TEST(ModelReferenceControl, WindowingEveryQwenLayerIsDetected) {
+  ExpectMistakeDetected("Qwen2SlidingFromLayer1", Variant{.window_every_layer = true});
+  ExpectMistakeDetected("Qwen2SlidingFromLayer1V5", Variant{.window_every_layer = true});
+}
+
+// The same weights under a transformers-5 config compute the same logprobs, bit for bit, as
+// under their transformers-4 twin: the loader resolves both layouts to one ModelConfig.
+TEST(Transformers5Layout, LogprobsEqualTheTransformers4TwinBitwise) {
+  for (const char* name : kTransformers5Twins) {
+    SCOPED_TRACE(name);
+    Scenario v4, v5;
+    ASSERT_NO_FATAL_FAILURE(RunScenario(FindCase(name), &v4));
+    ASSERT_NO_FATAL_FAILURE(RunScenario(FindCase(absl::StrCat(name, "V5")), &v5));
+    EXPECT_EQ(v5.runner_logprobs, v4.runner_logprobs);
+  }
+}
+
+// Control: a loader that did not read `rope_parameters` (tinkerd before 2026-11-26) computed
+// with rope_theta 10000 and no llama3 scaling: far outside the tolerance of the reference.
+TEST(Transformers5Layout, IgnoringRopeParametersIsDetected) {
+  Scenario right, blind;
+  ASSERT_NO_FATAL_FAILURE(RunScenario(FindCase("LlamaTheta500kLlama3RopeV5"), &right));
+  Case c = FindCase("LlamaTheta500kLlama3RopeV5");
+  c.edit_config = [](json& j) { j.erase("rope_parameters"); };
+  c.want_rope_type = "default";
+  ASSERT_NO_FATAL_FAILURE(RunScenario(c, &blind));
+  blind.model = right.model;  // judge the blind load against the file's true meaning
+  EXPECT_LE(WorstDeviationInTolerances(right, Variant{}), 1.0);
+  EXPECT_GE(WorstDeviationInTolerances(blind, Variant{}), kBrokenMinToleranceMultiple);
 }
 
 }  // namespace

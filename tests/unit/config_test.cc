@@ -94,5 +94,137 @@ TEST(ModelConfig, MalformedConfigsAreClearErrors) {
   }
 }
 
+// The same Llama 3.1-style model as transformers 4 and 5 write it (the v5 text as
+// `LlamaConfig.save_pretrained` of transformers 5.24 writes it, abridged to the keys that matter).
+constexpr const char* kLlamaV4 = R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,
+  "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
+  "max_position_embeddings":131072,"rope_theta":500000.0,"torch_dtype":"bfloat16",
+  "rope_scaling":{"factor":8.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
+  "original_max_position_embeddings":8192,"rope_type":"llama3"}})";
+constexpr const char* kLlamaV5 = R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,
+  "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
+  "max_position_embeddings":131072,"dtype":"bfloat16","hidden_act":"silu","mlp_bias":false,
+  "rope_parameters":{"factor":8.0,"high_freq_factor":4.0,"low_freq_factor":1.0,
+  "original_max_position_embeddings":8192,"rope_theta":500000.0,"rope_type":"llama3"}})";
+
+TEST(ModelConfig, Transformers5LayoutReadsAsItsTransformers4Twin) {
+  auto v4 = ParseModelConfig(kLlamaV4);
+  auto v5 = ParseModelConfig(kLlamaV5);
+  ASSERT_TRUE(v4.ok()) << v4.status().message();
+  ASSERT_TRUE(v5.ok()) << v5.status().message();
+  EXPECT_EQ(v5->rope_theta, 500000.0);
+  EXPECT_EQ(v5->rope_scaling.type, RopeScaling::Type::kLlama3);
+  EXPECT_EQ(v5->rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(v5->torch_dtype, "bfloat16");
+  EXPECT_EQ(v5->DebugString(), v4->DebugString());
+  // A v5 file written for a plain model: theta only.
+  auto plain = ParseModelConfig(R"({"architectures":["Qwen2ForCausalLM"],"vocab_size":10,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4,
+    "rope_parameters":{"rope_theta":1000000.0,"rope_type":"default"}})");
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_EQ(plain->rope_theta, 1000000.0);
+  EXPECT_EQ(plain->rope_scaling.type, RopeScaling::Type::kNone);
+}
+
+TEST(ModelConfig, BothLayoutsInOneFileMustAgree) {
+  const std::string head = R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4,)";
+  auto same = ParseModelConfig(head + R"("rope_theta":500000,
+    "rope_parameters":{"rope_theta":500000,"rope_type":"default"}})");
+  ASSERT_TRUE(same.ok()) << same.status().message();
+  EXPECT_EQ(same->rope_theta, 500000.0);
+  auto theta = ParseModelConfig(head + R"("rope_theta":10000,
+    "rope_parameters":{"rope_theta":500000,"rope_type":"default"}})");
+  EXPECT_EQ(theta.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(theta.status().message().find("rope_theta"), absl::string_view::npos);
+  auto scaling = ParseModelConfig(head + R"("rope_scaling":{"rope_type":"linear","factor":2},
+    "rope_parameters":{"rope_theta":10000,"rope_type":"linear","factor":4}})");
+  EXPECT_EQ(scaling.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(scaling.status().message().find("disagree"), absl::string_view::npos);
+}
+
+TEST(ModelConfig, MathTinkerdDoesNotImplementFailsNamingTheKey) {
+  const std::string head = R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,)";
+  struct Case {
+    std::string tail;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {R"("rope_parameters":{"rope_theta":1e4,"rope_type":"longrope","factor":4}})", "longrope"},
+      {R"("rope_parameters":{"rope_theta":1e4,"rope_type":"yarn","factor":4,"mscale":1}})",
+       "rope_parameters.mscale"},
+      {R"("rope_scaling":{"rope_type":"yarn","factor":4,"mscale_all_dim":1}})",
+       "rope_scaling.mscale_all_dim"},
+      {R"("rope_parameters":{"full_attention":{"rope_theta":1e4,"rope_type":"default"}}})",
+       "rope_parameters.full_attention"},
+      {R"("rope_parameters":{"rope_theta":1e4,"rope_type":"default",
+          "partial_rotary_factor":0.5}})",
+       "partial_rotary_factor"},
+      {R"("rope_parameters":{"rope_theta":1e4,"rope_type":"yarn","factor":4,"truncate":false}})",
+       "truncate"},
+      {R"("hidden_act":"gelu"})", "hidden_act"},
+      {R"("mlp_bias":true})", "mlp_bias"},
+      {R"("final_logit_softcapping":30.0})", "final_logit_softcapping"},
+      {R"("layer_types":["full_attention","chunked_attention"]})", "layer_types[1]"},
+      {R"("layer_types":["full_attention"]})", "layer_types"},
+  };
+  for (const Case& c : cases) {
+    auto r = ParseModelConfig(head + c.tail);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.tail;
+    EXPECT_NE(r.status().message().find(c.expect), absl::string_view::npos)
+        << c.tail << " -> " << r.status().message();
+  }
+  // Control: the same head with the defaults those keys take is accepted.
+  auto fine = ParseModelConfig(head + R"("hidden_act":"silu","mlp_bias":false,
+    "layer_types":["full_attention","full_attention"]})");
+  EXPECT_TRUE(fine.ok()) << fine.status().message();
+}
+
+// Qwen2/3 slide only from layer max_window_layers on (Hugging Face's rule, default 28);
+// transformers >= 4.53 and 5 also write the list as layer_types. Mistral slides everywhere.
+TEST(ModelConfig, SlidingLayersFollowMaxWindowLayersOrLayerTypes) {
+  const std::string qwen2 = R"({"architectures":["Qwen2ForCausalLM"],"vocab_size":10,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":3,"num_attention_heads":4,
+    "use_sliding_window":true,"sliding_window":4)";
+  auto windows = [](const ModelConfig& c) {
+    std::vector<int64_t> w;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) w.push_back(c.WindowOf(i));
+    return w;
+  };
+  auto v4 = ParseModelConfig(qwen2 + R"(,"max_window_layers":1})");
+  ASSERT_TRUE(v4.ok()) << v4.status().message();
+  EXPECT_EQ(windows(*v4), (std::vector<int64_t>{0, 4, 4}));
+  auto v5 = ParseModelConfig(qwen2 + R"(,"max_window_layers":1,
+    "layer_types":["full_attention","sliding_attention","sliding_attention"]})");
+  ASSERT_TRUE(v5.ok()) << v5.status().message();
+  EXPECT_EQ(windows(*v5), (std::vector<int64_t>{0, 4, 4}));
+  auto defaulted = ParseModelConfig(qwen2 + "}");  // max_window_layers 28 > 3 layers
+  ASSERT_TRUE(defaulted.ok()) << defaulted.status().message();
+  EXPECT_EQ(windows(*defaulted), (std::vector<int64_t>{0, 0, 0}));
+  auto off = ParseModelConfig(R"({"architectures":["Qwen3ForCausalLM"],"vocab_size":10,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
+    "head_dim":16,"use_sliding_window":false,"sliding_window":4,"max_window_layers":0})");
+  ASSERT_TRUE(off.ok()) << off.status().message();
+  EXPECT_EQ(windows(*off), (std::vector<int64_t>{0, 0}));
+  auto mistral = ParseModelConfig(R"({"architectures":["MistralForCausalLM"],"vocab_size":10,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
+    "sliding_window":4})");
+  ASSERT_TRUE(mistral.ok()) << mistral.status().message();
+  EXPECT_EQ(windows(*mistral), (std::vector<int64_t>{4, 4}));
+  // What tinkerd writes reads back the same, by Hugging Face's rule too (max_window_layers).
+  auto back = ParseModelConfig(ModelConfigToJson(*v4));
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(windows(*back), windows(*v4));
+  EXPECT_NE(ModelConfigToJson(*v4).find("\"max_window_layers\": 1"), std::string::npos);
+}
+
+TEST(ModelConfig, Qwen3HeadDimDefaultsTo128AsQwen3ConfigDoes) {
+  auto c = ParseModelConfig(R"({"architectures":["Qwen3ForCausalLM"],"vocab_size":10,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4})");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->head_dim, 128);
+}
+
 }  // namespace
 }  // namespace tinkerd
