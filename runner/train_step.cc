@@ -134,6 +134,10 @@ void CallStage::Run(const std::vector<Datum>& data) {
       li.logq_T = GatherFloat(data, mb, "logprobs", on_device);
       li.adv_T = GatherFloat(data, mb, "advantages", on_device);
     }
+    if (loss_.spec->name == "gspo") {
+      li.ratio_mask_T = GatherFloat(data, mb, "sequence_ratio_mask", on_device);
+      li.cu_seqlens = batch.cu_seqlens;
+    }
     LossTokenOutputs lo = PerTokenLoss(loss_.spec->name, li, loss_.config);
     // where(), not multiply: a masked token's loss may be inf/nan and must not leak through.
     at::Tensor raw = at::where(keep_T, lo.loss_T * scale_T, at::zeros_like(lo.loss_T)).sum();

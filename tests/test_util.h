@@ -94,6 +94,11 @@ inline std::vector<Datum> RandomData(SplitMix64& g, const std::vector<int>& leng
       d.loss_fn_inputs["advantages"] = TensorData::Float32(adv);
       d.loss_fn_inputs["logprobs"] = TensorData::Float32(logq);
     }
+    if (loss == "gspo") {  // the sampled positions, as tinker-cookbook marks them
+      std::vector<float> in_ratio;
+      for (int t = 0; t < len; ++t) in_ratio.push_back(t < len / 4 ? 0.0f : 1.0f);
+      d.loss_fn_inputs["sequence_ratio_mask"] = TensorData::Float32(in_ratio);
+    }
     out.push_back(std::move(d));
   }
   return out;

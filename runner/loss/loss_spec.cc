@@ -21,6 +21,11 @@ const std::vector<LossSpec>& AllLossSpecs() {
        {{"clip_low_threshold", 0.0}, {"clip_high_threshold", 4.0}},
        "advantages"},
       {"dro", {"logprobs", "advantages"}, {{"beta", std::nullopt}}, "advantages"},
+      // The ratio bounds default to GSPO's published clip ranges (3e-4 below, 4e-4 above 1).
+      {"gspo",
+       {"logprobs", "advantages", "sequence_ratio_mask"},
+       {{"clip_low_threshold", 1.0 - 3e-4}, {"clip_high_threshold", 1.0 + 4e-4}},
+       "advantages"},
   };
   return *specs;
 }

@@ -22,7 +22,7 @@ struct LossSpec {
   std::string implicit_mask_input;
 };
 
-// Every loss, by name: cross_entropy, importance_sampling, ppo, cispo, dro.
+// Every loss, by name: cross_entropy, importance_sampling, ppo, cispo, dro, gspo.
 const std::vector<LossSpec>& AllLossSpecs();
 const LossSpec* FindLossSpec(const std::string& name);
 

@@ -8,6 +8,7 @@ LossTokenOutputs PerTokenLoss(const std::string& name, const LossTokenInputs& in
   if (name == "importance_sampling") return ImportanceSamplingLoss(in, cfg);
   if (name == "ppo") return PpoLoss(in, cfg);
   if (name == "cispo") return CispoLoss(in, cfg);
+  if (name == "gspo") return GspoLoss(in, cfg);
   return DroLoss(in, cfg);
 }
 

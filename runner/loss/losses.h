@@ -7,6 +7,12 @@
 //   ppo                  ℓ = −min(r·A, clip(r, lo, hi)·A)
 //   cispo                ℓ = −sg(clip(r, lo, hi))·logp·A
 //   dro                  ℓ = −(logp·A − ½·β·(logp − logq)²)
+//   gspo                 ℓ = −min(r_t·A, clip(r_t, lo, hi)·A), where r_t = sg(s)·exp(logp −
+//   sg(logp))
+//                        and log s = the mean of sg(logp) − logq over the datum's positions whose
+//                        sequence_ratio_mask is non-zero (0 when it has none): GSPO-token, whose
+//                        every token carries its sequence's ratio s as its value and its own
+//                        logprob's gradient.
 // Shape suffix: T tokens of a packed micro-batch.
 #pragma once
 
@@ -14,14 +20,17 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace tinkerd {
 
 struct LossTokenInputs {
-  at::Tensor logp_T;     // learner logprobs of the targets (differentiable)
-  at::Tensor weights_T;  // cross_entropy only
-  at::Tensor logq_T;     // sampler logprobs (RL losses)
-  at::Tensor adv_T;      // advantages (RL losses)
+  at::Tensor logp_T;                // learner logprobs of the targets (differentiable)
+  at::Tensor weights_T;             // cross_entropy only
+  at::Tensor logq_T;                // sampler logprobs (RL losses)
+  at::Tensor adv_T;                 // advantages (RL losses)
+  at::Tensor ratio_mask_T;          // gspo: which positions enter the sequence ratio
+  std::vector<int64_t> cu_seqlens;  // gspo: where each datum of the micro-batch starts and ends
 };
 
 struct LossTokenOutputs {
@@ -36,6 +45,7 @@ LossTokenOutputs ImportanceSamplingLoss(const LossTokenInputs& in, const Config&
 LossTokenOutputs PpoLoss(const LossTokenInputs& in, const Config& cfg);
 LossTokenOutputs CispoLoss(const LossTokenInputs& in, const Config& cfg);
 LossTokenOutputs DroLoss(const LossTokenInputs& in, const Config& cfg);
+LossTokenOutputs GspoLoss(const LossTokenInputs& in, const Config& cfg);
 
 // Dispatches on the loss name (already validated by ResolveLoss).
 LossTokenOutputs PerTokenLoss(const std::string& name, const LossTokenInputs& in,

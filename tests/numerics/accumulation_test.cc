@@ -15,15 +15,17 @@ namespace {
 
 constexpr double kRelTol = 1e-10;
 
-const std::vector<std::string> kLosses = {"cross_entropy", "importance_sampling", "ppo", "cispo",
-                                          "dro"};
+const std::vector<std::string> kLosses = {
+    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"};
 const std::vector<LossReduction> kModes = {LossReduction::kTokenMean, LossReduction::kSum,
                                            LossReduction::kSeqMeanTokenMean,
                                            LossReduction::kSeqMeanTokenSum};
 
 std::map<std::string, double> ConfigFor(const std::string& loss) {
   if (loss == "dro") return {{"beta", 0.3}};
-  if (loss == "ppo") return {{"clip_low_threshold", 0.9}, {"clip_high_threshold", 1.1}};
+  if (loss == "ppo" || loss == "gspo") {
+    return {{"clip_low_threshold", 0.9}, {"clip_high_threshold", 1.1}};
+  }
   return {};
 }
 
