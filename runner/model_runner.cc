@@ -95,7 +95,8 @@ struct ModelRunner::Impl {
   at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
   uint64_t base_fingerprint = 0;
-  std::shared_ptr<RopeCache> rope;  // cos/sin rows shared by every model and policy
+  std::shared_ptr<RopeCache> rope;          // cos/sin rows shared by every model and policy
+  std::shared_ptr<const TokenTexts> texts;  // the base's tokenizer, if its directory has one
   mutable absl::Mutex mu;
   std::map<std::string, ModelState> models ABSL_GUARDED_BY(mu);
 
@@ -179,7 +180,7 @@ struct ModelRunner::Impl {
   // Resolves, reads and verifies a training checkpoint in the training dtype.
   absl::StatusOr<LoadedState> ReadState(const std::string& path) const;
   ModelLimits Limits() const {
-    return {model_config.vocab_size, model_config.max_position_embeddings};
+    return {model_config.vocab_size, model_config.max_position_embeddings, texts != nullptr};
   }
 };
 
@@ -232,6 +233,16 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
       }
       impl->model_config = *parsed;
       ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype));
+      // Only stop strings need it: a model without one (or with one tinkerd cannot read) still
+      // trains and samples, and a request with stop strings is refused naming why.
+      absl::StatusOr<TokenTexts> texts = TokenTexts::Load(config.base_model_path);
+      if (texts.ok()) {
+        TLOG_INFO("runner: tokenizer {} with {} tokens", texts->description(), texts->size());
+        impl->texts = std::make_shared<const TokenTexts>(*std::move(texts));
+      } else {
+        TLOG_INFO("runner: no tokenizer, so stop strings are refused: {}",
+                  texts.status().ToString());
+      }
     }
     // Loaded (or generated) on the host, then moved once; everything else follows the weights.
     for (auto& [name, t] : tensors) t = t.to(impl->device);
@@ -645,6 +656,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
   policy->compute_dtype = impl_->dtype;
   policy->device = impl_->device;
   policy->rope = impl_->rope;
+  policy->texts = impl_->texts;
   policy->model_id = model_id;
   if (model_id.empty()) {
     policy->weights = impl_->base;

@@ -14,6 +14,7 @@ namespace tinkerd {
 struct ModelLimits {
   int64_t vocab_size = 0;
   int64_t max_context_length = 0;
+  bool tokenizer = false;  // the base model has one, so stop strings can be matched
 };
 
 // InvalidArgument naming the datum, the field and the reason, e.g.
@@ -28,7 +29,8 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
 // out of range: learning_rate >= 0, beta1 and beta2 in [0, 1), eps > 0 (eps = 0 divides 0 by 0
 // for a parameter whose gradient stayed 0, and the NaN then spreads to every later step),
 // weight_decay >= 0, grad_clip_norm >= 0 (0 disables clipping). The server checks this before it
-// queues an optim_step; the runner again at its boundary (a few comparisons, for its other callers).
+// queues an optim_step; the runner again at its boundary (a few comparisons, for its other
+// callers).
 absl::Status ValidateAdamParams(const AdamParams& p);
 
 }  // namespace tinkerd

@@ -10,6 +10,7 @@ PKGS=(
   libopenblas0-openmp libopenblas-dev
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcpp-httplib-dev libboost1.81-dev
+  libsentencepiece-dev
   libgtest-dev libgmock-dev
   python3-torch python3-numpy python3-yaml python3-venv openssl curl procps
   python3-grpcio python3-protobuf python3-pytest

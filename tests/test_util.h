@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,6 +47,27 @@ inline std::string WriteModel(const TempDir& dir, const ModelConfig& config, uin
   absl::Status st = WriteTinyModel(out, spec);
   EXPECT_TRUE(st.ok()) << st.message();
   return out;
+}
+
+// A byte-level BPE tokenizer.json for a model of `vocab` tokens, in the model's directory: token i
+// is two letters (i/2 in base 26), after a space when i is odd, in GPT-2's byte-level alphabet
+// ('Ġ' for the space). Every token is distinct, so a sample's text decodes unambiguously.
+inline std::string TestTokenText(int64_t i) {
+  const int64_t k = i / 2;
+  return std::string(i % 2 ? " " : "") + static_cast<char>('a' + (k / 26) % 26) +
+         static_cast<char>('a' + k % 26);
+}
+inline void WriteTokenizerJson(const std::string& model_dir, int64_t vocab) {
+  std::string entries;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const std::string text = TestTokenText(i);
+    // "\u0120" is 'Ġ', the byte-level character of the space byte.
+    const std::string token = text[0] == ' ' ? "\u0120" + text.substr(1) : text;
+    entries += (i ? ",\"" : "\"") + token + "\":" + std::to_string(i);
+  }
+  std::ofstream(model_dir + "/tokenizer.json")
+      << R"({"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": {)" << entries
+      << R"(}, "merges": []}, "decoder": {"type": "ByteLevel"}})";
 }
 
 // The device the suites run the model on: $TINKERD_TEST_DEVICE ("cuda", "cuda:1"), else "cpu".

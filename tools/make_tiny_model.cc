@@ -5,6 +5,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "runner/model/tiny_model.h"
+#include "runner/tokenizer/tiny_tokenizer.h"
 
 ABSL_FLAG(std::string, out, "", "output directory (created)");
 ABSL_FLAG(std::string, family, "llama",
@@ -12,6 +13,9 @@ ABSL_FLAG(std::string, family, "llama",
 ABSL_FLAG(std::string, dtype, "float32", "stored dtype: float32, bfloat16, float16");
 ABSL_FLAG(int, shards, 1, "number of safetensors shards");
 ABSL_FLAG(uint64_t, seed, 0, "weight seed");
+ABSL_FLAG(bool, tokenizer, false,
+          "also write a byte-level BPE tokenizer of the model's vocabulary (at least 258 tokens; "
+          "runner/tokenizer/tiny_tokenizer.h)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -27,6 +31,9 @@ int main(int argc, char** argv) {
   spec.num_shards = absl::GetFlag(FLAGS_shards);
   spec.seed = absl::GetFlag(FLAGS_seed);
   absl::Status st = tinkerd::WriteTinyModel(out, spec);
+  if (st.ok() && absl::GetFlag(FLAGS_tokenizer)) {
+    st = tinkerd::WriteTinyTokenizer(out, spec.config.vocab_size);
+  }
   if (!st.ok()) {
     std::fprintf(stderr, "make_tiny_model: %s\n", std::string(st.message()).c_str());
     return 1;

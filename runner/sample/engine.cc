@@ -17,6 +17,7 @@
 #include "kernels/parallel.h"
 #include "runner/sample/choose.h"
 #include "runner/sample/choose_rows.h"
+#include "runner/tokenizer/stop_strings.h"
 #include "runner/util/exception_status.h"
 #include "runner/util/rng.h"
 
@@ -25,9 +26,10 @@ namespace tinkerd {
 struct SampleEngine::Sample {
   SampledSequence out;
   SplitMix64 rng{0};
-  std::vector<at::Tensor> k_LNKd, v_LNKd;  // per layer: keys and values of the fed-back tokens
-  int64_t cached = 0;                      // of out.tokens, those in the cache (all but the last)
-  size_t reported = 0;                     // of out.tokens, those handed to the job's Progress
+  std::vector<at::Tensor> k_LNKd, v_LNKd;   // per layer: keys and values of the fed-back tokens
+  int64_t cached = 0;                       // of out.tokens, those in the cache (all but the last)
+  size_t reported = 0;                      // of out.tokens, those handed to the job's Progress
+  std::optional<StopStrings> stop_strings;  // when the request names any
   bool finished = false;
 };
 
@@ -114,10 +116,16 @@ at::Tensor Tokens(const std::vector<int64_t>& ids, at::Device device) {
   return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).to(device);
 }
 
-// Appends the chosen token and ends the sample on a stop sequence or at max_tokens.
-void Take(const SamplingParams& params, const Choice& c, SampledSequence& out, bool& finished) {
+// Appends the chosen token and ends the sample on a stop sequence, a stop string or at max_tokens.
+void Take(const SamplingParams& params, const Choice& c, SampledSequence& out, bool& finished,
+          std::optional<StopStrings>& stop_strings) {
   out.tokens.push_back(c.token);
   out.logprobs.push_back(c.logprob);
+  if (stop_strings && stop_strings->Append(c.token)) {
+    out.stop_reason = StopReason::kStop;
+    finished = true;
+    return;
+  }
   for (const std::vector<int64_t>& stop : params.stop) {
     if (stop.size() <= out.tokens.size() &&
         std::equal(stop.rbegin(), stop.rend(), out.tokens.rbegin())) {
@@ -158,6 +166,11 @@ int64_t SampleEngine::KvBytes(const Policy& policy, const SampleRequest& r) {
 
 absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleRequest request,
                                  Done done, Progress progress) {
+  if (!request.params.stop_strings.empty() && policy->texts == nullptr) {
+    return absl::InvalidArgumentError(
+        "sampling_params.stop: stop strings need the model's tokenizer (tokenizer.json or "
+        "tokenizer.model in its directory), and this model has none; send stop token ids");
+  }
   auto job = std::make_unique<Job>();
   job->bytes = KvBytes(*policy, request);
   if (request.num_samples > limits_.max_sequences || job->bytes > limits_.kv_cache_bytes) {
@@ -185,6 +198,11 @@ absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleReq
   bytes_ += job->bytes;
   job->policy = std::move(policy);
   job->request = std::move(request);
+  if (!job->request.params.stop_strings.empty()) {
+    for (Sample& s : job->samples) {
+      s.stop_strings.emplace(job->policy->texts.get(), &job->request.params.stop_strings);
+    }
+  }
   job->done = std::move(done);
   job->progress = std::move(progress);
   admitted_.push_back(std::move(job));
@@ -276,7 +294,7 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
       at::TensorOptions().dtype(job.k_LPKd[0].scalar_type()).device(pol.device);
   const int64_t K = pol.config.num_key_value_heads, d = pol.config.head_dim;
   for (Sample& s : job.samples) {
-    Take(r.params, ChooseToken(z_V, V, lse, r.params, s.rng), s.out, s.finished);
+    Take(r.params, ChooseToken(z_V, V, lse, r.params, s.rng), s.out, s.finished, s.stop_strings);
     if (s.finished) continue;
     // The last token is never fed back: max_tokens - 1 rows suffice.
     for (int64_t l = 0; l < layers; ++l) {
@@ -371,7 +389,7 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     const auto& [job, s] = batch[i];
     ++s->cached;
     s->rng = chosen[i].rng;
-    Take(job->request.params, chosen[i].choice, s->out, s->finished);
+    Take(job->request.params, chosen[i].choice, s->out, s->finished, s->stop_strings);
   }
 }
 

@@ -14,6 +14,7 @@
 #include "runner/model/lora.h"
 #include "runner/model/rope.h"
 #include "runner/model/transformer.h"
+#include "runner/tokenizer/token_texts.h"
 
 namespace tinkerd {
 
@@ -27,6 +28,8 @@ struct Policy {
   std::string model_id;  // empty: the base model
   int64_t step = 0;      // the model's optimizer steps when it was frozen
   int64_t bytes = 0;     // memory the policy holds beyond the base's
+  // The base model's tokenizer, to match stop strings; null when its directory has none.
+  std::shared_ptr<const TokenTexts> texts;
 };
 
 }  // namespace tinkerd

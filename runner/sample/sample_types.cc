@@ -63,6 +63,24 @@ absl::Status ValidateSampleRequest(const SampleRequest& r, const ModelLimits& mo
     if (p.stop[i].empty()) return Invalid(field, "is empty");
     if (auto st = CheckTokens(field, p.stop[i], model.vocab_size); !st.ok()) return st;
   }
+  if (!p.stop_strings.empty() && !model.tokenizer) {
+    return Invalid("sampling_params.stop",
+                   "stop strings need the model's tokenizer (tokenizer.json or tokenizer.model in "
+                   "its directory), and this model has none; send stop token ids");
+  }
+  if (std::ssize(p.stop_strings) > limits.max_stop_strings) {
+    return Invalid("sampling_params.stop",
+                   absl::StrCat("at most ", limits.max_stop_strings, " stop strings, got ",
+                                p.stop_strings.size()));
+  }
+  for (size_t i = 0; i < p.stop_strings.size(); ++i) {
+    const std::string field = absl::StrCat("sampling_params.stop[", i, "]");
+    if (p.stop_strings[i].empty()) return Invalid(field, "is an empty string");
+    if (std::ssize(p.stop_strings[i]) > limits.max_stop_string_bytes) {
+      return Invalid(field,
+                     absl::StrCat("is longer than ", limits.max_stop_string_bytes, " bytes"));
+    }
+  }
   if (r.num_samples < 1 || r.num_samples > limits.max_num_samples) {
     return Invalid("num_samples", absl::StrCat("must be in [1, ", limits.max_num_samples, "], got ",
                                                r.num_samples));

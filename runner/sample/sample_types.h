@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -23,6 +24,9 @@ struct SamplingParams {
   // A sample ends after emitting any of these token sequences (a single stop token is a sequence
   // of one); the stop tokens are part of the sample.
   std::vector<std::vector<int64_t>> stop;
+  // A sample ends once the text its tokens decode to contains any of these (UTF-8, non-empty);
+  // the token that completed the match is the sample's last. Needs the model's tokenizer.
+  std::vector<std::string> stop_strings;
 };
 
 struct SampleRequest {
@@ -67,6 +71,8 @@ struct SampleResult {
 struct SampleLimits {
   int64_t max_num_samples = 64;
   int64_t max_topk_prompt_logprobs = 20;
+  int64_t max_stop_strings = 32;
+  int64_t max_stop_string_bytes = 1024;
 };
 
 // What the sampling engine holds at once (runner/sample/engine.h).
@@ -84,7 +90,8 @@ absl::Status CheckPromptFits(int64_t tokens, const ModelLimits& model);
 // INVALID_ARGUMENT naming the field: an empty prompt, one with ids outside [0, vocab) or one
 // longer than the context; max_tokens <= 0; prompt + max_tokens beyond the context; temperature
 // negative or not finite; top_p outside (0, 1]; num_samples outside [1, max]; topk_prompt_logprobs
-// outside [0, max]; an empty stop sequence or one with ids outside the vocabulary.
+// outside [0, max]; an empty stop sequence or one with ids outside the vocabulary; stop strings
+// for a model without a tokenizer, empty ones, or more or longer ones than the limits.
 absl::Status ValidateSampleRequest(const SampleRequest& request, const ModelLimits& model,
                                    const SampleLimits& limits);
 

@@ -25,7 +25,9 @@ class SamplingTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = std::make_unique<TempDir>();
-    runner_ = MakeRunner(WriteModel(*dir_, TinyConfig("llama"), 5));
+    const std::string model = WriteModel(*dir_, TinyConfig("llama"), 5);
+    WriteTokenizerJson(model, 128);  // for stop strings
+    runner_ = MakeRunner(model);
     ASSERT_NE(runner_, nullptr);
     ASSERT_NO_FATAL_FAILURE(TrainedLora(4, 9, 3, &model_, &policy_));
   }
@@ -713,6 +715,73 @@ TEST_F(SamplingTest, StopSequenceEndsTheSampleAndIsKept) {
             std::vector<int64_t>(full.tokens.begin(), full.tokens.begin() + end + 1));
 }
 
+// The index of the token with which `tokens` first decode to text containing one of `stops`, by
+// the definition (the shortest prefix whose text contains one); -1 when none does.
+int64_t FirstStopByDefinition(const std::vector<int64_t>& tokens,
+                              const std::vector<std::string>& stops) {
+  std::string text;
+  for (size_t k = 0; k < tokens.size(); ++k) {
+    text += TestTokenText(tokens[k]);
+    for (const std::string& s : stops) {
+      if (text.find(s) != std::string::npos) return static_cast<int64_t>(k);
+    }
+  }
+  return -1;
+}
+
+// Tinker's string stops: a sample ends with the token whose text completes the first occurrence
+// of a stop string in the sample's decoded text, and keeps that token.
+TEST_F(SamplingTest, StopStringEndsTheSampleWhereItsTextFirstContainsIt) {
+  SampleRequest r = Request(3, 24, /*n=*/3);
+  const std::vector<SampledSequence> full = Run({r})[0].sequences;
+  std::vector<std::string> stops;
+  for (const SampledSequence& s : full) {
+    ASSERT_EQ(s.stop_reason, StopReason::kLength);
+    // The end of token 5's text and the start of token 6's: inside neither token alone, so a
+    // matcher that looked at one token at a time (the broken control) would miss it.
+    const std::string a = TestTokenText(s.tokens[5]), b = TestTokenText(s.tokens[6]);
+    const std::string stop = a.substr(a.size() - 1) + b.substr(0, 2);
+    ASSERT_EQ(a.find(stop), std::string::npos);
+    ASSERT_EQ(b.find(stop), std::string::npos);
+    stops.push_back(stop);
+  }
+  r.params.stop_strings = stops;
+  const std::vector<SampledSequence> stopped = Run({r})[0].sequences;
+  for (size_t i = 0; i < full.size(); ++i) {
+    const int64_t end = FirstStopByDefinition(full[i].tokens, stops);
+    ASSERT_GE(end, 0);
+    ASSERT_LE(end, 6);
+    EXPECT_EQ(stopped[i].stop_reason, StopReason::kStop) << i;
+    EXPECT_EQ(stopped[i].tokens,
+              std::vector<int64_t>(full[i].tokens.begin(), full[i].tokens.begin() + end + 1))
+        << i;
+    EXPECT_EQ(stopped[i].logprobs,
+              std::vector<double>(full[i].logprobs.begin(), full[i].logprobs.begin() + end + 1));
+  }
+  // A string the samples never contain changes nothing.
+  r.params.stop_strings = {"zz never"};
+  const std::vector<SampledSequence> unstopped = Run({r})[0].sequences;
+  for (size_t i = 0; i < full.size(); ++i) EXPECT_EQ(unstopped[i].tokens, full[i].tokens);
+}
+
+TEST_F(SamplingTest, StopStringsNeedTheModelsTokenizer) {
+  TempDir bare;
+  std::unique_ptr<ModelRunner> runner = MakeRunner(WriteModel(bare, TinyConfig("llama"), 5));
+  ASSERT_NE(runner, nullptr);
+  EXPECT_FALSE(runner->limits().tokenizer);
+  EXPECT_TRUE(runner_->limits().tokenizer);
+  auto policy = runner->FreezePolicy("");
+  ASSERT_TRUE(policy.ok()) << policy.status().message();
+  SampleRequest r = Request(1, 4);
+  r.params.stop_strings = {"ab"};
+  SampleEngine engine(EngineLimits{});
+  const absl::Status st = engine.Admit(*policy, r, [](const absl::StatusOr<SampleResult>&) {
+    ADD_FAILURE() << "a refused request must not be answered";
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("tokenizer"), absl::string_view::npos) << st.message();
+}
+
 // float32 and bf16: the sampler and Forward compute the same function in the same precision but
 // in other orders (a decode step's one-row products and in-place attention against the packed
 // forward's tiles; the sampler's full logits row against the head's vocabulary chunks), so their
@@ -938,6 +1007,23 @@ TEST(SampleValidation, EachBadFieldIsNamed) {
   expect([](SampleRequest& r) { r.topk_prompt_logprobs = 21; }, "topk_prompt_logprobs");
   expect([](SampleRequest& r) { r.params.stop = {{}}; }, "stop[0]");
   expect([](SampleRequest& r) { r.params.stop = {{5, -1}}; }, "stop[0][1]");
+  // Stop strings: only with a tokenizer, non-empty, and bounded in number and length.
+  expect([](SampleRequest& r) { r.params.stop_strings = {"x"}; }, "has none");
+  const ModelLimits with_tokenizer{128, 64, /*tokenizer=*/true};
+  auto expect_with = [&](std::function<void(SampleRequest&)> edit, const std::string& field) {
+    SampleRequest r = ok;
+    edit(r);
+    const absl::Status st = ValidateSampleRequest(r, with_tokenizer, limits);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(std::string(st.message()).find(field), std::string::npos) << st.message();
+  };
+  SampleRequest strings = ok;
+  strings.params.stop_strings = {"\n\nUser:", "x"};
+  EXPECT_TRUE(ValidateSampleRequest(strings, with_tokenizer, limits).ok());
+  expect_with([](SampleRequest& r) { r.params.stop_strings = {"a", ""}; }, "stop[1]");
+  expect_with([](SampleRequest& r) { r.params.stop_strings.assign(33, "a"); }, "at most 32");
+  expect_with([](SampleRequest& r) { r.params.stop_strings = {std::string(1025, 'a')}; },
+              "longer than 1024");
 }
 
 }  // namespace
