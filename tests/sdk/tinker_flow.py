@@ -915,6 +915,68 @@ def child_main() -> None:
     threading.Event().wait()
 
 
+def rl_datum(tokens: list[int], logq: list[float], adv: list[float],
+             ratio_mask: list[float] | None = None) -> types.Datum:
+    """An RL datum over `tokens` (input tokens[:-1], targets tokens[1:]) with the sampler's logprobs
+    and advantages, and gspo's sequence_ratio_mask when given."""
+    inp, tgt = tokens[:-1], tokens[1:]
+    n = len(tgt)
+    inputs = {
+        "target_tokens": types.TensorData(data=tgt, dtype="int64", shape=[n]),
+        "logprobs": types.TensorData(data=logq, dtype="float32", shape=[n]),
+        "advantages": types.TensorData(data=adv, dtype="float32", shape=[n]),
+    }
+    if ratio_mask is not None:
+        inputs["sequence_ratio_mask"] = types.TensorData(data=ratio_mask, dtype="float32", shape=[n])
+    return types.Datum(model_input=types.ModelInput.from_ints(inp), loss_fn_inputs=inputs)
+
+
+def check_z() -> None:
+    """Tinker 0.38's losses and steps that tinker-cookbook relies on: an optim_step after a batch
+    whose advantages are all 0 is a zero-gradient step (the moments of the earlier step still move
+    the weights), and gspo's loss equals its definition computed here from the server's logprobs."""
+    tc = _client(S.svc.create_lora_training_client(base_model=S.model_name, rank=4, seed=99))
+    batch = sft_batch()
+    train_step(tc, batch, 1e-2)
+    before = forward_lps(tc, batch, "forward after one step")
+    rng = np.random.default_rng(5)
+    toks = [[int(x) for x in rng.integers(1, VOCAB, size=12)] for _ in range(3)]
+    flat = [datum(t) for t in toks]
+    lps = forward_lps(tc, flat, "forward of the RL datums")
+    zero = [rl_datum(t, [float(x) for x in lp], [0.0] * len(lp)) for t, lp in zip(toks, lps)]
+    fb = _res(tc.forward_backward(zero, "importance_sampling"))
+    ok(abs(float(fb.metrics.get("loss:sum", 0.0))) == 0.0,
+       f"all-zero advantages: loss:sum 0 (got {fb.metrics.get('loss:sum')})")
+    try:
+        _res(tc.optim_step(adam(1e-2)))
+    except Exception as e:  # noqa: BLE001 - the SDK raises its own error types
+        raise CheckFailed(f"optim_step after nothing valid was accumulated failed: {e}") from e
+    after = forward_lps(tc, batch, "forward after the zero-gradient step")
+    d = max_diff(before, after)
+    ok(d > 10 * LP_TOL, f"the zero-gradient step was taken: Adam's moments moved the weights "
+       f"(max |diff| {d:.3g})")
+
+    import typing
+    if "gspo" not in typing.get_args(types.LossFnType):
+        note(f"SDK {SDK_VERSION} has no gspo loss: not checked")
+        return
+    lps = forward_lps(tc, flat, "forward before gspo")
+    lo, hi = 0.98, 1.02
+    expected, data = 0.0, []
+    for t, lp in zip(toks, lps):
+        n = len(lp)
+        logq = [float(x) + float(rng.uniform(-0.05, 0.05)) for x in lp]
+        adv = [0.0] * 3 + [float(rng.uniform(-1, 1)) for _ in range(n - 3)]
+        mask = [0.0] * 3 + [1.0] * (n - 3)
+        data.append(rl_datum(t, logq, adv, mask))
+        s = math.exp(float(np.mean([lp[i] - logq[i] for i in range(3, n)])))
+        expected -= sum(min(s * a, min(max(s, lo), hi) * a) for a in adv)
+    fb = _res(tc.forward_backward(data, "gspo", {"clip_low_threshold": lo, "clip_high_threshold": hi}))
+    got = float(fb.metrics["loss:sum"])
+    ok(abs(got - expected) <= LOSS_REL_TOL * max(1.0, abs(expected)),
+       f"gspo loss:sum {got:.6g} == its definition from the server's logprobs {expected:.6g}")
+
+
 def check_i() -> None:
     env = dict(os.environ)
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), CHILD_ARG], env=env,
@@ -1001,6 +1063,7 @@ def main() -> None:
     run_check("g", "isolation between tenants", check_g, needs=("e",))
     run_check("h", "raw HTTP: config, errors, JSON shapes, a raw model lifecycle", check_h)
     run_check("i", "a SIGKILLed client; create_training_client_from_state trains on", check_i)
+    run_check("z", "zero-gradient optim_step; gspo", check_z, needs=("a",))
     finish()
 
 
