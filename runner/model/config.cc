@@ -16,6 +16,8 @@ namespace {
 
 using json = nlohmann::json;
 
+constexpr int64_t kMaxLayers = 4096;  // the largest published decoders have ~200
+
 absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("config.json: ", what));
 }
@@ -299,6 +301,10 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
   if (auto st = ReadNumber(j, "hidden_size", &c.hidden_size, true); !st.ok()) return st;
   if (auto st = ReadNumber(j, "intermediate_size", &c.intermediate_size, true); !st.ok()) return st;
   if (auto st = ReadNumber(j, "num_hidden_layers", &c.num_hidden_layers, true); !st.ok()) return st;
+  // Per-layer state is sized by it (layer_types): bound it before anything is allocated.
+  if (c.num_hidden_layers > kMaxLayers) {
+    return Bad(absl::StrCat("num_hidden_layers must be at most ", kMaxLayers));
+  }
   if (auto st = ReadNumber(j, "num_attention_heads", &c.num_attention_heads, true); !st.ok())
     return st;
   c.num_key_value_heads = c.num_attention_heads;

@@ -13,11 +13,12 @@ bool StopStrings::Append(int64_t token) {
   const std::string& bytes = texts_->Bytes(token);
   const size_t kept = tail_.size();
   tail_ += bytes;
-  // The decoder drops the first token's leading space (SentencePiece's dummy prefix).
-  if (first_ && texts_->strips_leading_space() && !tail_.empty() && tail_[0] == ' ') {
-    tail_.erase(0, 1);
+  // The decoder drops the text's leading space (SentencePiece's dummy prefix), wherever the first
+  // byte came from: tokens before it may decode to nothing.
+  if (!started_ && !tail_.empty()) {
+    started_ = true;
+    if (texts_->strips_leading_space() && tail_[0] == ' ') tail_.erase(0, 1);
   }
-  first_ = false;
   const size_t added = tail_.size() - std::min(kept, tail_.size());
   for (const std::string& s : *stops_) {
     // A new match ends within the added bytes: it starts no earlier than this.

@@ -27,8 +27,8 @@ class StopStrings {
   const TokenTexts* texts_;
   const std::vector<std::string>* stops_;
   size_t longest_ = 0;
-  bool first_ = true;
-  std::string tail_;  // the last bytes decoded, at most longest_ - 1 between tokens
+  bool started_ = false;  // some token decoded to bytes
+  std::string tail_;      // the last bytes decoded, at most longest_ - 1 between tokens
 };
 
 }  // namespace tinkerd

@@ -166,7 +166,7 @@ absl::StatusOr<std::vector<std::string>> TokensById(const json& j) {
   const std::string type = model.value("type", std::string("BPE"));
   std::vector<std::string> tokens;
   auto put = [&](int64_t id, std::string text) -> absl::Status {
-    if (id < 0 || id > (int64_t{1} << 24)) {
+    if (id < 0 || id >= (int64_t{1} << 21)) {  // the largest vocabularies have ~256k
       return Unsupported(absl::StrCat("token id ", id, " is out of range"));
     }
     if (static_cast<size_t>(id) >= tokens.size()) tokens.resize(static_cast<size_t>(id) + 1);
@@ -246,7 +246,11 @@ absl::StatusOr<TokenTexts> TokenTexts::FromTokenizerJson(std::string_view json_t
 absl::StatusOr<TokenTexts> TokenTexts::FromSentencePiece(const std::string& path) {
   absl::StatusOr<std::string> bytes = ReadFile(path);
   if (!bytes.ok()) return bytes.status();
-  absl::StatusOr<SentencePieceModel> model = ParseSentencePieceModel(*bytes);
+  return FromSentencePieceBytes(*bytes);
+}
+
+absl::StatusOr<TokenTexts> TokenTexts::FromSentencePieceBytes(std::string_view bytes) {
+  absl::StatusOr<SentencePieceModel> model = ParseSentencePieceModel(bytes);
   if (!model.ok()) return model.status();
   TokenTexts t;
   for (const SentencePiecePiece& p : model->pieces) {

@@ -30,6 +30,8 @@ class TokenTexts {
   static absl::StatusOr<TokenTexts> FromTokenizerJson(std::string_view json_text);
   // A SentencePiece model file (tokenizer.model): runner/tokenizer/sentencepiece_pieces.h.
   static absl::StatusOr<TokenTexts> FromSentencePiece(const std::string& path);
+  // The same from the file's bytes.
+  static absl::StatusOr<TokenTexts> FromSentencePieceBytes(std::string_view bytes);
 
   // The bytes of token `id`; empty for an id the tokenizer does not define (a model's embedding
   // table is often padded past its tokenizer's vocabulary).

@@ -85,6 +85,10 @@ TEST(ModelConfig, MalformedConfigsAreClearErrors) {
       {R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":8,
           "intermediate_size":8,"num_hidden_layers":0,"num_attention_heads":2})",
        "positive"},
+      {R"({"architectures":["Qwen2ForCausalLM"],"vocab_size":10,"hidden_size":8,
+          "intermediate_size":8,"num_hidden_layers":1000000000,"num_attention_heads":2,
+          "use_sliding_window":true,"sliding_window":4})",
+       "at most 4096"},
   };
   for (const Case& c : cases) {
     auto r = ParseModelConfig(c.json);

@@ -286,6 +286,14 @@ TEST(StopStrings, MatchesAcrossTokensAndInsideMultiByteCharacters) {
   EXPECT_EQ(FirstStop(sp, {4, 5}, {" Hello"}), -1);
   EXPECT_EQ(FirstStop(sp, {4, 5}, {"Hello w"}), 1);
   EXPECT_EQ(FirstStop(sp, {4, 4}, {" Hello"}), 1);  // the second " Hello" keeps its space
+  // A first token that decodes to nothing does not move the stripped space to the second
+  // (found by tests/fuzz/fuzz_tokenizer).
+  const TokenTexts empty_first = Texts(R"({"added_tokens": [{"id": 2, "content": ""}],
+      "model": {"type": "BPE", "merges": [], "vocab": {"<unk>": 0, "\u2581Hello": 1}},
+      "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}})");
+  EXPECT_EQ(empty_first.Decode({2, 1}), "Hello");
+  EXPECT_EQ(FirstStop(empty_first, {2, 1, 1}, {" Hello"}), 2);
+  EXPECT_EQ(FirstStop(empty_first, {2, 1}, {"Hello"}), 1);
 }
 
 // Random samples and stop strings cut from their own text (so most match, often across tokens,
