@@ -86,7 +86,8 @@ class SamplingTest : public ::testing::Test {
     const Policy& pol = policy != nullptr ? *policy : *policy_;
     at::NoGradGuard no_grad;
     const int64_t T = static_cast<int64_t>(tokens.size());
-    PackedBatch batch{at::tensor(at::ArrayRef<int64_t>(tokens), at::kLong), {0, T}};
+    // On the policy's device: under TINKERD_TEST_DEVICE=cuda the weights are there.
+    PackedBatch batch{at::tensor(at::ArrayRef<int64_t>(tokens), at::kLong).to(pol.device), {0, T}};
     ForwardOptions options;
     options.compute_dtype = pol.compute_dtype;
     options.kv = kv;
@@ -114,8 +115,9 @@ class SamplingTest : public ::testing::Test {
     const std::vector<int64_t> inputs(sequence.begin(), sequence.end() - 1);
     const std::vector<int64_t> targets(sequence.begin() + 1, sequence.end());
     kernels::LogprobHeadParams head = Head(TrainerHidden(inputs, nullptr, policy), policy);
-    head.targets_T = at::tensor(at::ArrayRef<int64_t>(targets), at::kLong);
-    const at::Tensor logp = kernels::TokenLogprobs(head).logp_T;
+    head.targets_T =
+        at::tensor(at::ArrayRef<int64_t>(targets), at::kLong).to(head.hidden_TD.device());
+    const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.cpu();
     std::vector<double> out;
     for (size_t t = from - 1; t < targets.size(); ++t) out.push_back(logp[t].item<double>());
     return out;
@@ -128,8 +130,8 @@ class SamplingTest : public ::testing::Test {
     const at::Tensor h = TrainerHidden(context);
     const int64_t V = policy_->config.vocab_size;
     kernels::LogprobHeadParams head = Head(h.narrow(0, h.size(0) - 1, 1).expand({V, -1}));
-    head.targets_T = at::arange(V, at::kLong);
-    const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.contiguous();
+    head.targets_T = at::arange(V, at::TensorOptions(at::kLong).device(h.device()));
+    const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.cpu().contiguous();
     return {logp.data_ptr<double>(), logp.data_ptr<double>() + V};
   }
 
@@ -261,7 +263,8 @@ TEST_F(SamplingTest, BrokenControlDecodeAtWrongPositionIsCaught) {
     };
     at::NoGradGuard no_grad;
     kernels::LogprobHeadParams head = Head(TrainerHidden({next[0]}, &step));
-    head.targets_T = at::tensor(at::ArrayRef<int64_t>({next[1]}), at::kLong);
+    head.targets_T =
+        at::tensor(at::ArrayRef<int64_t>({next[1]}), at::kLong).to(head.hidden_TD.device());
     return kernels::TokenLogprobs(head).logp_T[0].item<double>();
   };
   const double want = TrainerLogprobs(Concat(kPrompt, next), P)[1];
