@@ -12,9 +12,9 @@
 #include "absl/strings/str_split.h"
 #include "runner/util/echo.h"
 #include "runner/util/log.h"
+#include "server/common/status_map.h"
 #include "server/http/tinker_convert.h"
 #include "server/http/tinker_json.h"
-#include "server/status_map.h"
 #include "tinker_public/tinker_public.pb.h"
 
 namespace tinkerd::http {

@@ -1,5 +1,5 @@
 // The Tinker HTTP API (/api/v1/..., as the Tinker Python SDK speaks it) onto the shared
-// operations (server/ops.h): the same checks, queues, retry keys and runner as gRPC. This file
+// operations (server/ops/ops.h): the same checks, queues, retry keys and runner as gRPC. This file
 // turns JSON and Tinker's protobuf into tinkerd's requests and the answers back; it holds no
 // training state of its own, only sessions (which tenant opened which) and futures.
 //
@@ -27,13 +27,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/auth.h"
+#include "server/common/auth.h"
 #include "server/http/futures.h"
 #include "server/http/http_server.h"
 #include "server/http/tinker_api_config.h"
 #include "server/http/tinker_convert.h"
-#include "server/ops.h"
-#include "server/sampling.h"
+#include "server/ops/ops.h"
+#include "server/ops/sampling.h"
 
 namespace tinkerd::http {
 

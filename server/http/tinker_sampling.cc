@@ -1,5 +1,5 @@
-// The Tinker HTTP API's sampling endpoints onto server/sampling.h. A Tinker sampling session is a
-// tinkerd sampler: save_weights_for_sampler without a name freezes the model in its order (the
+// The Tinker HTTP API's sampling endpoints onto server/ops/sampling.h. A Tinker sampling session is
+// a tinkerd sampler: save_weights_for_sampler without a name freezes the model in its order (the
 // SDK's save_weights_and_get_sampling_client), create_sampling_session freezes the base model or
 // loads a sampler_weights export, and asample samples it. Retries find their first answer:
 // asample by (sampling_session_id, seq_id), create_sampling_session by (session_id,

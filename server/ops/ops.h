@@ -17,10 +17,10 @@
 #include "absl/time/time.h"
 #include "runner/util/hash.h"
 #include "runner/validate.h"
-#include "server/checkpoint_paths.h"
-#include "server/metrics.h"
-#include "server/replicated_runner.h"
-#include "server/scheduler.h"
+#include "server/common/metrics.h"
+#include "server/core/checkpoint_paths.h"
+#include "server/core/replicated_runner.h"
+#include "server/core/scheduler.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {

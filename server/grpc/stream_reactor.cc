@@ -1,4 +1,4 @@
-#include "server/stream_reactor.h"
+#include "server/grpc/stream_reactor.h"
 
 #include <deque>
 #include <optional>
@@ -9,8 +9,8 @@
 #include "runner/loss/loss_spec.h"
 #include "runner/util/echo.h"
 #include "runner/util/hash.h"
-#include "server/convert.h"
-#include "server/status_map.h"
+#include "server/common/status_map.h"
+#include "server/core/convert.h"
 
 namespace tinkerd {
 namespace {

@@ -1,16 +1,14 @@
 // The gRPC front end (callback API): each handler authenticates the caller, parses its request
-// and hands it to the shared operations (server/ops.h), which check it completely before it is
+// and hands it to the shared operations (server/ops/ops.h), which check it completely before it is
 // queued; the answer goes back as the call's status and response.
 #pragma once
 
 #include <memory>
-
 #include <optional>
-#include "runner/model_runner.h"
 
-#include "server/auth.h"
-#include "server/ops.h"
-#include "server/sampling.h"
+#include "server/common/auth.h"
+#include "server/ops/ops.h"
+#include "server/ops/sampling.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 
 namespace tinkerd {

@@ -16,8 +16,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "runner/sample/sample_types.h"
-#include "server/ops.h"
-#include "server/worker.h"
+#include "server/common/worker.h"
+#include "server/ops/ops.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {

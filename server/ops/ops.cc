@@ -1,4 +1,4 @@
-#include "server/ops.h"
+#include "server/ops/ops.h"
 
 #include <algorithm>
 #include <chrono>
@@ -14,8 +14,8 @@
 #include "runner/model/safetensors.h"
 #include "runner/util/echo.h"
 #include "runner/util/hash.h"
-#include "server/checkpoint_paths.h"
-#include "server/convert.h"
+#include "server/core/checkpoint_paths.h"
+#include "server/core/convert.h"
 
 namespace tinkerd {
 

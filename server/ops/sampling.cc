@@ -1,4 +1,4 @@
-#include "server/sampling.h"
+#include "server/ops/sampling.h"
 
 #include <algorithm>
 #include <cmath>
