@@ -109,13 +109,9 @@ class TinkerdService final : public RawTinkerdService {
   grpc::ServerReadReactor<grpc::ByteBuffer>* StreamForwardBackward(grpc::CallbackServerContext* ctx,
                                                                    grpc::ByteBuffer* resp) override;
 
-  ReplicatedRunner* runner() const { return ops_->runner(); }
-  Scheduler* scheduler() const { return ops_->scheduler(); }
-  const ModelLimits& limits() const { return ops_->limits(); }
+  // For the stream's reactor (stream_reactor.cc), which outlives no call of this service.
+  Ops* ops() const { return ops_; }
   const ApiKeys& keys() const { return keys_; }
-  absl::Status CheckOwner(const std::string& model_id, const std::string& tenant) const {
-    return ops_->CheckOwner(model_id, tenant);
-  }
 
  private:
   // Parses the request and calls `handler` with it; a request that does not parse is

@@ -724,7 +724,7 @@ absl::StatusOr<Json> TinkerApi::TrainingRun(const std::string& tenant,
   if (!info.ok()) return info.status();
   auto checkpoints = ops_->Checkpoints(tenant, model_id);
   if (!checkpoints.ok()) return checkpoints.status();
-  auto last_request = ops_->scheduler()->LastRequest(model_id);
+  auto last_request = ops_->LastRequest(tenant, model_id);
   if (!last_request.ok()) return last_request.status();
   Json run{{"training_run_id", model_id}, {"base_model", config_.served_model_name},
            {"model_owner", tenant},       {"is_lora", info->is_lora()},
