@@ -1,6 +1,6 @@
 // Internal: the training state of one model a ModelRunner holds: its trainable tensors, their
 // gradient sums and AdamW moments, and the counters of what was accumulated since the last step.
-// (Not an API-key owner: those are tenants, server/auth.h.)
+// (Not an API-key owner: those are tenants, server/common/auth.h.)
 #pragma once
 
 #include <ATen/ATen.h>

@@ -71,7 +71,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   s->metrics_ = std::make_unique<Metrics>();
   s->ops_ = std::make_unique<Ops>(s->replicated_.get(), s->scheduler_.get(), s->runner_->limits(),
                                   config.checkpoint_root, s->metrics_.get());
-  s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), config.sampling);
+  s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), s->runner_.get(), s->scheduler_.get(),
+                                            config.sampling);
   s->service_ =
       std::make_unique<TinkerdService>(s->ops_.get(), s->sampling_.get(), config.api_keys);
 

@@ -10,13 +10,13 @@
 
 #include "absl/status/statusor.h"
 #include "runner/model_runner.h"
+#include "server/common/metrics.h"
+#include "server/core/replicated_runner.h"
+#include "server/core/scheduler.h"
+#include "server/grpc/service.h"
 #include "server/http/http_server.h"
 #include "server/http/tinker_api.h"
-#include "server/metrics.h"
-#include "server/replicated_runner.h"
-#include "server/scheduler.h"
 #include "server/server_config.h"
-#include "server/service.h"
 
 namespace tinkerd {
 

@@ -5,10 +5,10 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "server/auth.h"
+#include "server/common/auth.h"
+#include "server/core/scheduler.h"
 #include "server/http/tinker_api_config.h"
-#include "server/sampling.h"
-#include "server/scheduler.h"
+#include "server/ops/sampling.h"
 
 namespace tinkerd {
 

@@ -16,7 +16,7 @@
 #include "runner/dist/dist_config.h"
 #include "runner/util/cpu_environment.h"
 #include "runner/util/log.h"
-#include "server/replicated_runner.h"
+#include "server/core/replicated_runner.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",

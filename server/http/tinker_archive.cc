@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
+#include "server/http/router.h"
 #include "server/http/tar_body.h"
 #include "server/http/tinker_api.h"
 #include "server/http/tinker_json.h"
@@ -19,10 +20,6 @@ namespace tinkerd::http {
 namespace {
 
 using Json = TinkerApi::Json;
-
-// URLs remembered per tenant (a tenant's oldest goes first), so none can push out another's.
-constexpr size_t kMaxArchiveGrantsPerTenant = 256;
-constexpr char kApiPrefix[] = "/api/v1/";
 
 absl::StatusOr<std::string> Token() {
   uint64_t bits[2];
@@ -64,16 +61,7 @@ void TinkerApi::ArchiveUrl(const std::string& tenant, const Request& req, const 
   auto token = Token();
   if (!token.ok()) return respond(Error(token.status()));
   const absl::Time expires = absl::Now() + conf.url_ttl;
-  {
-    absl::MutexLock lock(&mu_);
-    archives_[*token] = ArchiveGrant{tenant, uri, expires};
-    std::deque<std::string>& mine = archive_order_[tenant];
-    mine.push_back(*token);
-    while (mine.size() > kMaxArchiveGrantsPerTenant) {
-      archives_.erase(mine.front());
-      mine.pop_front();
-    }
-  }
+  archives_.Add(*token, ArchiveGrant{tenant, uri, expires});
   // Without a public URL: the scheme and host this request came by, and the prefix of
   // base_url's path, if any, before /api/v1/.
   const std::string base = conf.public_url.empty()
@@ -86,13 +74,9 @@ void TinkerApi::ArchiveUrl(const std::string& tenant, const Request& req, const 
 
 void TinkerApi::Archive(const std::string& method, const std::string& token, Respond respond) {
   if (method != "GET") return respond(Error(405, "archives: use GET"));
-  ArchiveGrant grant;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = archives_.find(token);
-    if (it == archives_.end()) return respond(Error(404, "archive: no such URL"));
-    grant = it->second;
-  }
+  const std::optional<ArchiveGrant> found = archives_.Find(token);
+  if (!found) return respond(Error(404, "archive: no such URL"));
+  const ArchiveGrant& grant = *found;
   if (absl::Now() > grant.expires) {
     return respond(Error(410, absl::StrCat("archive: the URL expired at ", IsoTime(grant.expires),
                                            "; ask for a new one")));

@@ -1,11 +1,11 @@
 // Conversion between the Tinker HTTP API's bodies (protobuf from proto/tinker_public and JSON, as
 // the Tinker Python SDK sends and parses them) and tinkerd's wire types (tinkerd.v1). Torch-free,
-// like server/convert.h, so the request fuzzers can drive it.
+// like server/core/convert.h, so the request fuzzers can drive it.
 //
 // Only the encoding changes here: token and tensor bytes are checked and widened to what tinkerd
 // accepts (INT64 tokens, FLOAT32/INT64 tensors). Semantic checks (loss names, vocab, lengths,
-// required inputs) stay with tinkerd's own decoding (server/convert.h), which runs afterwards on
-// the result.
+// required inputs) stay with tinkerd's own decoding (server/core/convert.h), which runs afterwards
+// on the result.
 #pragma once
 
 #include <cstdint>

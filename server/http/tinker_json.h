@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
+#include "server/common/status_map.h"
 #include "server/http/http_server.h"
 #include "server/http/json_fields.h"
-#include "server/status_map.h"
 
 namespace tinkerd::http {
 

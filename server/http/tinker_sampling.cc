@@ -1,5 +1,5 @@
-// The Tinker HTTP API's sampling endpoints onto server/sampling.h. A Tinker sampling session is a
-// tinkerd sampler: save_weights_for_sampler without a name freezes the model in its order (the
+// The Tinker HTTP API's sampling endpoints onto server/ops/sampling.h. A Tinker sampling session is
+// a tinkerd sampler: save_weights_for_sampler without a name freezes the model in its order (the
 // SDK's save_weights_and_get_sampling_client), create_sampling_session freezes the base model or
 // loads a sampler_weights export, and asample samples it. Retries find their first answer:
 // asample by (sampling_session_id, seq_id), create_sampling_session by (session_id,
@@ -27,7 +27,7 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
   const std::optional<std::string> base_model = f.OptStr("base_model");
   const std::optional<std::string> model_path = f.OptStr("model_path");
   if (!f.status().ok()) return respond(Error(f.status()));
-  if (auto st = CheckSession(tenant, session_id); !st.ok()) return respond(Error(st));
+  if (auto st = sessions_.Check(tenant, session_id); !st.ok()) return respond(Error(st));
   if (!model_path && base_model && *base_model != config_.served_model_name) {
     return respond(
         Error(400, absl::StrCat("base_model: this server samples '", config_.served_model_name,
@@ -37,46 +37,29 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
     return JsonResponse(
         Json{{"type", "create_sampling_session"}, {"sampling_session_id", sampler_id}});
   };
-  const std::string key = absl::StrCat(tenant, "\n", session_id, ":", seq);
   std::string resent;  // the sampler of an earlier call that still samples
-  {
-    absl::MutexLock lock(&mu_);
-    SamplingSession& s = sampling_sessions_[key];
-    if (!s.sampler_id.empty()) {
-      // A resend. Its sampler may have been evicted since (LRU, idle): then it is made again,
-      // as the first call made it, rather than answered with an id that no longer samples.
-      if (sampling_->GetSampler(tenant, s.sampler_id).ok()) {
-        resent = s.sampler_id;
-      } else {
-        s.sampler_id.clear();
-      }
-    } else if (!s.waiting.empty()) {
-      return s.waiting.push_back(std::move(respond));  // a resend while it is made
-    }
-    if (resent.empty()) s.waiting.push_back(std::move(respond));
+  auto alive = [this, &tenant](const std::string& sampler_id) {
+    return sampling_->GetSampler(tenant, sampler_id).ok();
+  };
+  switch (sampling_sessions_.Begin(tenant, session_id, seq, &respond, alive, &resent)) {
+    case SamplingSessions::Turn::kAnswer:
+      return respond(answer(resent));
+    case SamplingSessions::Turn::kWait:
+      return;  // a resend while it is made: answered with the first call
+    case SamplingSessions::Turn::kMake:
+      break;
   }
-  // Answered outside mu_: a response runs the metrics and the connection's write.
-  if (!resent.empty()) return respond(answer(resent));
   v1::CreateSamplerRequest req;
   if (model_path) req.set_path(*model_path);
   sampling_->CreateSampler(
-      tenant, req, [this, tenant, key, session_id, answer](absl::StatusOr<v1::SamplerInfo> info) {
-        std::vector<Respond> waiting;
-        bool ended = false;
-        {
-          absl::MutexLock lock(&mu_);
-          ended = info.ok() && !sessions_.count(session_id);
-          auto it = sampling_sessions_.find(key);
-          if (it != sampling_sessions_.end()) {
-            waiting.swap(it->second.waiting);
-            // Kept for resends while the session lives; a failure is not: a resend tries again.
-            if (info.ok() && !ended) {
-              it->second.sampler_id = info->sampler_id();
-            } else {
-              sampling_sessions_.erase(it);
-            }
-          }
-        }
+      tenant, req, [this, tenant, session_id, seq, answer](absl::StatusOr<v1::SamplerInfo> info) {
+        // Kept for resends while the session lives; a failure is not: a resend tries again.
+        std::vector<Respond> waiting =
+            sampling_sessions_.Finish(tenant, session_id, seq, info.ok() ? info->sampler_id() : "");
+        // Asked after the sampler is noted: a reaper that ends the session from now on finds it
+        // there, and one that ended it already is seen here.
+        const bool ended = info.ok() && !sessions_.IsOpen(session_id);
+        if (ended) sampling_sessions_.Forget(tenant, session_id, seq, info->sampler_id());
         Response r;
         if (ended) {
           // The session ended (no heartbeats) while its sampler was made: it goes as the
@@ -105,8 +88,8 @@ void TinkerApi::SaveWeightsForSession(const std::string& tenant, const std::stri
   req.set_seq_id(seq_id);
   if (seq_id <= 0) return respond(Error(400, "seq_id: must be positive"));
   tinkerd::Sampling* sampling = sampling_;
-  Submit<v1::SamplerInfo>(
-      tenant, request_id, Resend::kOperation,
+  CallIntoFuture<v1::SamplerInfo>(
+      &futures_, tenant, request_id, Resend::kOperation,
       [sampling, tenant, req](Done<v1::SamplerInfo> done) {
         sampling->CreateSampler(tenant, req, std::move(done));
       },
@@ -179,19 +162,12 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   for (int64_t i = 0; i < num_samples; ++i) ids.push_back(absl::StrCat(request_id, ":", i));
   Json accepted{{"sample_sequence_ids", ids}};
   tinkerd::Sampling* sampling = sampling_;
-  const std::string key = absl::StrCat(tenant, "\n", request_id);
-  Submit<v1::SampleResponse>(
-      tenant, request_id, Resend::kFuture,
-      [this, sampling, tenant, req, key](Done<v1::SampleResponse> done) {
-        auto cancelled = std::make_shared<std::atomic<bool>>(false);
-        {
-          absl::MutexLock lock(&mu_);
-          cancels_[key] = cancelled;
-        }
-        auto forget = [this, key, cancelled] {
-          absl::MutexLock lock(&mu_);
-          auto it = cancels_.find(key);
-          if (it != cancels_.end() && it->second == cancelled) cancels_.erase(it);
+  CallIntoFuture<v1::SampleResponse>(
+      &futures_, tenant, request_id, Resend::kFuture,
+      [this, sampling, tenant, req, request_id](Done<v1::SampleResponse> done) {
+        const SampleCancels::Flag cancelled = cancels_.Register(tenant, request_id);
+        auto forget = [this, tenant, request_id, cancelled] {
+          cancels_.Forget(tenant, request_id, cancelled);
         };
         try {
           sampling->Sample(
@@ -218,13 +194,7 @@ void TinkerApi::CancelFuture(const std::string& tenant, const Json& body, Respon
   Fields f(body);
   const std::string request_id = f.Str("request_id");
   if (!f.status().ok()) return respond(Error(f.status()));
-  {
-    absl::MutexLock lock(&mu_);
-    if (auto it = cancels_.find(absl::StrCat(tenant, "\n", request_id)); it != cancels_.end()) {
-      it->second->store(true);
-      return respond(JsonResponse(Json{{"cancelled", true}}));
-    }
-  }
+  if (cancels_.Cancel(tenant, request_id)) return respond(JsonResponse(Json{{"cancelled", true}}));
   if (!futures_.Known(tenant, request_id)) {
     return respond(Error(404, absl::StrCat("request_id: no future '", Echo(request_id), "'")));
   }

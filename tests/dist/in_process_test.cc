@@ -8,8 +8,8 @@
 
 #include "runner/dist/c10d_collectives.h"
 #include "runner/dist/dist_config.h"
-#include "server/convert.h"
-#include "server/replicated_runner.h"
+#include "server/core/convert.h"
+#include "server/core/replicated_runner.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/faulty_collectives.h"
 

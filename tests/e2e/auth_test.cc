@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "server/auth.h"
+#include "server/common/auth.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {

@@ -11,7 +11,7 @@
 #include <thread>
 #include <utility>
 
-#include "server/convert.h"
+#include "server/core/convert.h"
 #include "server/server.h"
 #include "tests/test_util.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"

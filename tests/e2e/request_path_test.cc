@@ -11,7 +11,7 @@
 #include <set>
 #include <thread>
 
-#include "server/auth.h"
+#include "server/common/auth.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {

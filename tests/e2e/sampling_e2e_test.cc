@@ -7,7 +7,7 @@
 #include <cmath>
 #include <thread>
 
-#include "server/status_map.h"
+#include "server/common/status_map.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {

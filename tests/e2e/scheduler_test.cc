@@ -1,7 +1,7 @@
 // The scheduler's sharing between model requests (training) and background steps (the sampling
 // engine's decode steps), on its real thread: a queued job waits at most one step (or
 // steps_between_jobs), and steps go on while jobs are queued.
-#include "server/scheduler.h"
+#include "server/core/scheduler.h"
 
 #include <gtest/gtest.h>
 

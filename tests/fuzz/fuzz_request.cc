@@ -12,7 +12,7 @@
 #include <google/protobuf/stubs/logging.h>
 
 #include "runner/loss/loss_spec.h"
-#include "server/convert.h"
+#include "server/core/convert.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 

@@ -11,7 +11,7 @@
 
 #include <google/protobuf/stubs/logging.h>
 
-#include "server/convert.h"
+#include "server/core/convert.h"
 #include "server/http/tinker_convert.h"
 #include "tests/fuzz/fuzz_check.h"
 

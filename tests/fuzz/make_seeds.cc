@@ -11,7 +11,7 @@
 #include "runner/checkpoint/manifest.h"
 #include "runner/model/config.h"
 #include "runner/model/safetensors.h"
-#include "server/convert.h"
+#include "server/core/convert.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
-// server/worker.h: the loader thread's bounded queue answers why it refuses (full: retry later;
-// stopping: unavailable), and a stop cancels what waits instead of running it.
-#include "server/worker.h"
+// server/common/worker.h: the loader thread's bounded queue answers why it refuses (full: retry
+// later; stopping: unavailable), and a stop cancels what waits instead of running it.
+#include "server/common/worker.h"
 
 #include <gtest/gtest.h>
 

@@ -18,7 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "runner/dist/collectives.h"
 #include "runner/model_runner.h"
-#include "server/command.h"
+#include "server/core/command.h"
 #include "tinkerd/v1/internal.pb.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 

@@ -1,4 +1,4 @@
-#include "server/checkpoint_paths.h"
+#include "server/core/checkpoint_paths.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"

@@ -1,36 +1,15 @@
-#include "server/stream_reactor.h"
-
-#include <deque>
-#include <optional>
+#include "server/grpc/stream_reactor.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "runner/batch.h"
 #include "runner/loss/loss_spec.h"
-#include "runner/util/echo.h"
-#include "runner/util/hash.h"
-#include "server/convert.h"
-#include "server/status_map.h"
+#include "server/common/status_map.h"
+#include "server/core/convert.h"
+#include "server/ops/stream_job.h"
 
 namespace tinkerd {
 namespace {
-
-// What a stream's reactor (gRPC threads) and its job (scheduler thread) share.
-struct StreamState {
-  absl::Mutex mu;
-  // Each datum as it came (for the other ranks) and decoded and checked on arrival (for the
-  // runner): the stream's one decoding.
-  struct Arrived {
-    v1::Datum wire;
-    Batch batch;
-  };
-  std::deque<Arrived> queue ABSL_GUARDED_BY(mu);
-  bool closed ABSL_GUARDED_BY(mu) = false;  // the client half-closed: every datum is here
-  absl::Status error ABSL_GUARDED_BY(mu);   // a bad or unparsable message, or the client went away
-  // Over the header and every datum in order (deterministic serializations): the payload part of
-  // the stream's retry key, complete once `closed` or `error` is set.
-  uint64_t digest ABSL_GUARDED_BY(mu) = kFnv64Basis;
-};
 
 // StreamForwardBackward: the header opens a job in the model's seq_id order; datums are
 // validated on arrival and queued; the job feeds them to the runner's stream (which runs full
@@ -83,7 +62,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     } else {
       absl::StatusOr<Datum> d = DatumFromProto(msg.datum(), received_);
       absl::StatusOr<Batch> batch =
-          d.ok() ? Batch::Check({*std::move(d)}, loss_, svc_->limits()) : d.status();
+          d.ok() ? Batch::Check({*std::move(d)}, loss_, svc_->ops()->limits()) : d.status();
       const absl::Status st = batch.status();
       {
         absl::MutexLock lock(&state_->mu);
@@ -98,7 +77,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       absl::MutexLock lock(&state_->mu);
       state_->queue.push_back({std::move(*msg.mutable_datum()), *std::move(batch)});
     }
-    svc_->scheduler()->Wake();
+    svc_->ops()->WakeStreams();
     StartRead(&buf_);
   }
 
@@ -120,7 +99,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       state_->closed = true;
     }
     if (replay_) Submit();
-    svc_->scheduler()->Wake();
+    svc_->ops()->WakeStreams();
   }
 
   void OnCancel() override {
@@ -128,7 +107,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       absl::MutexLock lock(&state_->mu);
       if (state_->error.ok()) state_->error = absl::CancelledError("stream: client cancelled");
     }
-    svc_->scheduler()->Wake();
+    svc_->ops()->WakeStreams();
   }
 
   void OnDone() override { delete this; }
@@ -148,7 +127,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   // Whether to read on: false once the stream has its answer.
   bool Open(const v1::StreamHeader& h) {
-    if (absl::Status own = svc_->CheckOwner(h.model_id(), *tenant_); !own.ok()) {
+    if (absl::Status own = svc_->ops()->CheckOwner(h.model_id(), *tenant_); !own.ok()) {
       FinishOnce(own);
       return false;
     }
@@ -162,7 +141,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       if (!loss.ok()) state_->error = loss.status();
     }
     opened_ = true;
-    replay_ = svc_->scheduler()->Used(h.model_id(), h.seq_id());
+    replay_ = svc_->ops()->SeqIdUsed(h.model_id(), h.seq_id());
     if (!loss.ok()) {
       Submit();
       return false;
@@ -172,96 +151,33 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     return true;
   }
 
-  // Queues the stream's job: at once for a new seq_id (it runs while datums arrive, its digest
-  // taken when it finishes), or for a retry once the stream is complete.
+  // Queues the stream's job (Ops::StreamForwardBackward): at once for a new seq_id (it runs
+  // while datums arrive, its digest taken when it finishes), or for a retry once the stream is
+  // complete.
   void Submit() {
-    std::shared_ptr<StreamState> state = state_;
-    ReplicatedRunner* runner = svc_->runner();
-    auto stream_id = std::make_shared<int64_t>(0);
-    const std::string model_id = header_.model_id();
-    const v1::LossFn loss_fn = header_.loss_fn();
-    JobSpec job;
-    job.kind = "StreamForwardBackward";
-    {
-      absl::MutexLock lock(&state->mu);
-      job.payload_hash = state->digest;
-    }
-    if (!replay_) {
-      job.final_hash = [state] {
-        absl::MutexLock lock(&state->mu);
-        return state->digest;
-      };
-    }
-    job.ready = [state] {
-      absl::MutexLock lock(&state->mu);
-      return !state->queue.empty() || state->closed || !state->error.ok();
-    };
-    job.run = [state, runner, stream_id, model_id, loss_fn]() -> JobStep {
-      std::vector<v1::Datum> wire;
-      std::optional<Batch> batch;
-      bool closed;
-      absl::Status error;
-      {
-        absl::MutexLock lock(&state->mu);
-        for (StreamState::Arrived& a : state->queue) {
-          wire.push_back(std::move(a.wire));
-          if (!batch.has_value()) {
-            batch = std::move(a.batch);
-          } else if (absl::Status st = batch->Append(std::move(a.batch)); !st.ok()) {
-            error = st;  // not reached: every datum was checked against the header's loss
-          }
-        }
-        state->queue.clear();
-        closed = state->closed;
-        if (error.ok()) error = state->error;
-      }
-      auto fail = [&](absl::Status st) -> JobStep {
-        if (*stream_id) runner->AbortStream(*stream_id);
-        return {true, st};
-      };
-      if (!error.ok()) return fail(error);
-      if (*stream_id == 0) {
-        auto sid = runner->BeginStream(model_id, loss_fn);
-        if (!sid.ok()) return {true, sid.status()};
-        *stream_id = *sid;
-      }
-      if (batch.has_value()) {
-        if (auto st = runner->StreamAppend(*stream_id, loss_fn, std::move(wire), *std::move(batch));
-            !st.ok())
-          return fail(st);
-      }
-      if (!closed) return JobStep{/*done=*/false};  // more datums to come: yield
-      auto r = runner->FinishStream(*stream_id);
-      if (!r.ok()) return {true, r.status()};
-      v1::RetrieveResultResponse out;
-      ResultToProto(*r, out.mutable_forward_backward());
-      return {true, out};
-    };
-    job.on_drop = [runner, stream_id] {
-      if (*stream_id) runner->AbortStream(*stream_id);
-    };
-    svc_->scheduler()->Submit(
-        model_id, header_.seq_id(), std::move(job), [this](const JobResult& r) {
-          if (r.ok()) {
-            const std::string bytes = r->forward_backward().SerializeAsString();
-            grpc::Slice slice(bytes);
-            *resp_ = grpc::ByteBuffer(&slice, 1);
-          }
-          FinishOnce(r.status());
-        });
+    svc_->ops()->StreamForwardBackward(*tenant_, header_.model_id(), header_.seq_id(),
+                                       header_.loss_fn(), state_, replay_,
+                                       [this](const absl::StatusOr<v1::ForwardBackwardOutput>& r) {
+                                         if (r.ok()) {
+                                           const std::string bytes = r->SerializeAsString();
+                                           grpc::Slice slice(bytes);
+                                           *resp_ = grpc::ByteBuffer(&slice, 1);
+                                         }
+                                         FinishOnce(r.status());
+                                       });
   }
 
   // The stream failed after its header: the job sees the error and answers with it, keeping the
   // seq_id order intact. No read is started again.
   void Fail(absl::Status st) {
-    Scheduler* scheduler = svc_->scheduler();  // read before the job can finish and free us
+    Ops* ops = svc_->ops();  // read before the job can finish and free us
     const bool submit = replay_;
     {
       absl::MutexLock lock(&state_->mu);
       if (state_->error.ok()) state_->error = st;
     }
     if (submit) Submit();
-    scheduler->Wake();
+    ops->WakeStreams();
   }
 
   void FinishOnce(const absl::Status& st) {

@@ -1,7 +1,7 @@
-#include "server/command.h"
+#include "server/core/command.h"
 
 #include "runner/util/status_macros.h"
-#include "server/convert.h"
+#include "server/core/convert.h"
 
 namespace tinkerd {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/sampling.h"
+#include "server/ops/sampling.h"
 
 namespace tinkerd {
 

@@ -16,13 +16,15 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "runner/sample/sample_types.h"
-#include "server/ops.h"
-#include "server/worker.h"
+#include "server/common/worker.h"
+#include "server/ops/ops.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {
 
+class ModelRunner;
 class SampleEngine;
+class Scheduler;
 struct Policy;
 
 struct SamplingConfig {
@@ -39,8 +41,9 @@ struct SamplingConfig {
 
 class Sampling {
  public:
-  // Registers the engine's steps with the scheduler (before it starts).
-  Sampling(Ops* ops, SamplingConfig config);
+  // Registers the engine's steps with the scheduler (before it starts). `runner` is this rank's
+  // own (rank 0 samples alone); Ops answers for ownership, limits and checkpoint paths.
+  Sampling(Ops* ops, ModelRunner* runner, Scheduler* scheduler, SamplingConfig config);
   ~Sampling();
   // Fails what is admitted and stops the idle expiry: call once the scheduler has stopped.
   void Stop();
@@ -98,6 +101,8 @@ class Sampling {
   void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Ops* ops_;
+  ModelRunner* runner_;
+  Scheduler* scheduler_;
   const SamplingConfig config_;
   std::unique_ptr<SampleEngine> engine_;
   std::shared_ptr<const Policy> base_;

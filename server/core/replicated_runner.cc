@@ -1,9 +1,9 @@
-#include "server/replicated_runner.h"
+#include "server/core/replicated_runner.h"
 
 #include "absl/strings/str_cat.h"
 #include "runner/util/log.h"
 #include "runner/util/status_macros.h"
-#include "server/convert.h"
+#include "server/core/convert.h"
 
 namespace tinkerd {
 

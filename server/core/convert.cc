@@ -1,4 +1,4 @@
-#include "server/convert.h"
+#include "server/core/convert.h"
 
 #include <cstring>
 

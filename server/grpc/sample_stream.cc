@@ -1,4 +1,4 @@
-#include "server/sample_stream.h"
+#include "server/grpc/sample_stream.h"
 
 #include <deque>
 #include <memory>
@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "server/status_map.h"
+#include "server/common/status_map.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"  // SerializationTraits for protobuf messages
 
 namespace tinkerd {

@@ -1,4 +1,4 @@
-#include "server/scheduler.h"
+#include "server/core/scheduler.h"
 
 #include <algorithm>
 

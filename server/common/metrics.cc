@@ -1,4 +1,4 @@
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 
 #include <httplib.h>
 

@@ -1,4 +1,4 @@
-#include "server/sampling.h"
+#include "server/ops/sampling.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +11,7 @@
 #include "runner/util/echo.h"
 #include "runner/util/log.h"
 #include "runner/util/status_macros.h"
+#include "server/core/scheduler.h"
 
 namespace tinkerd {
 namespace {
@@ -55,14 +56,16 @@ v1::SampleResponse ToProto(const SampleResult& r) {
 
 }  // namespace
 
-Sampling::Sampling(Ops* ops, SamplingConfig config)
+Sampling::Sampling(Ops* ops, ModelRunner* runner, Scheduler* scheduler, SamplingConfig config)
     : ops_(ops),
+      runner_(runner),
+      scheduler_(scheduler),
       config_(config),
       engine_(std::make_unique<SampleEngine>(config.engine)),
       loader_(config.max_queued_loads) {
-  auto base = ops_->runner()->local()->FreezePolicy("");
+  auto base = runner_->FreezePolicy("");
   base_ = base.ok() ? *base : nullptr;  // the base's policy shares its tensors: it cannot fail
-  ops_->scheduler()->SetBackground([this] { return engine_->Step(); });
+  scheduler_->SetBackground([this] { return engine_->Step(); });
   expirer_ = std::thread([this] {
     const absl::Duration every =
         std::clamp(config_.sampler_idle / 4, absl::Milliseconds(50), absl::Minutes(1));
@@ -141,7 +144,7 @@ void Sampling::PublishLocked() {
 absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
                                                const v1::CreateSamplerRequest& req,
                                                const std::string& checkpoint_dir) {
-  ModelRunner* runner = ops_->runner()->local();
+  ModelRunner* runner = runner_;
   absl::StatusOr<std::shared_ptr<const Policy>> policy = checkpoint_dir.empty()
                                                              ? runner->FreezePolicy(req.model_id())
                                                              : runner->LoadPolicy(checkpoint_dir);
@@ -231,11 +234,11 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
       *out.mutable_create_sampler() = *std::move(info);
       return {true, std::move(out)};
     };
-    return ops_->scheduler()->Submit(req.model_id(), req.seq_id(), std::move(job),
-                                     [done](const JobResult& r) {
-                                       if (!r.ok()) return done(r.status());
-                                       done(r->create_sampler());
-                                     });
+    return scheduler_->Submit(req.model_id(), req.seq_id(), std::move(job),
+                              [done](const JobResult& r) {
+                                if (!r.ok()) return done(r.status());
+                                done(r->create_sampler());
+                              });
   }
   if (!dir.empty()) {
     // Reads only the base model's fixed fields, so it needs neither the scheduler nor a lock.
@@ -250,8 +253,7 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
     }
     return;
   }
-  if (!ops_->scheduler()->RunBetweenJobs(
-          [this, tenant, req, done] { done(Make(tenant, req, "")); })) {
+  if (!scheduler_->RunBetweenJobs([this, tenant, req, done] { done(Make(tenant, req, "")); })) {
     done(absl::UnavailableError("server is shutting down"));
   }
 }
@@ -307,8 +309,8 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
     return then(base_);
   }
   if (absl::Status st = ops_->CheckOwner(model_id, tenant); !st.ok()) return then(st);
-  auto freeze = [this, model_id, then] { then(ops_->runner()->local()->FreezePolicy(model_id)); };
-  if (!ops_->scheduler()->RunBetweenJobs(freeze)) {
+  auto freeze = [this, model_id, then] { then(runner_->FreezePolicy(model_id)); };
+  if (!scheduler_->RunBetweenJobs(freeze)) {
     then(absl::UnavailableError("server is shutting down"));
   }
 }
@@ -338,7 +340,7 @@ void Sampling::Run(std::shared_ptr<const Policy> policy, SampleRequest request,
     return done(admitted);
   }
   if (metrics != nullptr) metrics->AddSampleRequest();
-  ops_->scheduler()->KickBackground();
+  scheduler_->KickBackground();
 }
 
 void Sampling::Sample(const std::string& tenant, const v1::SampleRequest& req,

@@ -1,16 +1,14 @@
 // The gRPC front end (callback API): each handler authenticates the caller, parses its request
-// and hands it to the shared operations (server/ops.h), which check it completely before it is
+// and hands it to the shared operations (server/ops/ops.h), which check it completely before it is
 // queued; the answer goes back as the call's status and response.
 #pragma once
 
 #include <memory>
-
 #include <optional>
-#include "runner/model_runner.h"
 
-#include "server/auth.h"
-#include "server/ops.h"
-#include "server/sampling.h"
+#include "server/common/auth.h"
+#include "server/ops/ops.h"
+#include "server/ops/sampling.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 
 namespace tinkerd {
@@ -111,13 +109,9 @@ class TinkerdService final : public RawTinkerdService {
   grpc::ServerReadReactor<grpc::ByteBuffer>* StreamForwardBackward(grpc::CallbackServerContext* ctx,
                                                                    grpc::ByteBuffer* resp) override;
 
-  ReplicatedRunner* runner() const { return ops_->runner(); }
-  Scheduler* scheduler() const { return ops_->scheduler(); }
-  const ModelLimits& limits() const { return ops_->limits(); }
+  // For the stream's reactor (stream_reactor.cc), which outlives no call of this service.
+  Ops* ops() const { return ops_; }
   const ApiKeys& keys() const { return keys_; }
-  absl::Status CheckOwner(const std::string& model_id, const std::string& tenant) const {
-    return ops_->CheckOwner(model_id, tenant);
-  }
 
  private:
   // Parses the request and calls `handler` with it; a request that does not parse is

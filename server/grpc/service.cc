@@ -1,9 +1,9 @@
-#include "server/service.h"
+#include "server/grpc/service.h"
 
 #include "absl/strings/str_cat.h"
-#include "server/sample_stream.h"
-#include "server/status_map.h"
-#include "server/stream_reactor.h"
+#include "server/common/status_map.h"
+#include "server/grpc/sample_stream.h"
+#include "server/grpc/stream_reactor.h"
 
 namespace tinkerd {
 

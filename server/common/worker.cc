@@ -1,4 +1,4 @@
-#include "server/worker.h"
+#include "server/common/worker.h"
 
 #include <utility>
 

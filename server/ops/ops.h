@@ -7,9 +7,13 @@
 // Every op that names a model checks that the tenant owns it: another tenant's model is NOT_FOUND,
 // exactly like a model that does not exist. `done` runs on the scheduler thread or, for an
 // immediate answer, on the caller's thread before the op returns; it must not block.
+//
+// Ops is the edges' one door to the core: it hands out neither the runner nor the scheduler (both
+// only forward-declared here), so what an edge may do to them is what this class offers.
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,13 +21,15 @@
 #include "absl/time/time.h"
 #include "runner/util/hash.h"
 #include "runner/validate.h"
-#include "server/checkpoint_paths.h"
-#include "server/metrics.h"
-#include "server/replicated_runner.h"
-#include "server/scheduler.h"
+#include "server/common/metrics.h"
+#include "server/core/checkpoint_paths.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {
+
+class ReplicatedRunner;
+class Scheduler;
+struct StreamState;
 
 template <typename T>
 using Done = std::function<void(absl::StatusOr<T>)>;
@@ -74,6 +80,8 @@ class Ops {
                                                             int64_t seq_id);
   // The training manifest of a checkpoint `path` (tinker://...) the tenant owns.
   absl::StatusOr<v1::ModelInfo> CheckpointInfo(const std::string& tenant, const std::string& path);
+  // When the model last got a request (its creation, or an ordered call), or NOT_FOUND.
+  absl::StatusOr<absl::Time> LastRequest(const std::string& tenant, const std::string& model_id);
 
   // Ordered by (model_id, seq_id). An invalid request still takes its seq_id slot, answered with
   // the error, so the model's later requests are not held up behind it. ForwardBackward consumes
@@ -88,6 +96,19 @@ class Ops {
                  Done<v1::LoadStateResponse> done);
   void SaveWeightsForSampler(const std::string& tenant, v1::SaveWeightsForSamplerRequest req,
                              Done<v1::SaveWeightsForSamplerResponse> done);
+
+  // StreamForwardBackward, header (model_id, seq_id, loss_fn): a job in the model's order that
+  // takes the datums the edge appends to `state` (ops/stream_job.h) as they arrive, and commits
+  // them as one forward_backward once `state` is closed. A new seq_id is submitted at once (its
+  // digest taken when it finishes); a retry (`replay`: SeqIdUsed said so) only once complete,
+  // with its whole digest, to be compared with the first request's.
+  void StreamForwardBackward(const std::string& tenant, const std::string& model_id, int64_t seq_id,
+                             v1::LossFn loss_fn, std::shared_ptr<StreamState> state, bool replay,
+                             Done<v1::ForwardBackwardOutput> done);
+  // Whether (model_id, seq_id) was applied already or is queued: a stream for it is a retry.
+  bool SeqIdUsed(const std::string& model_id, int64_t seq_id) const;
+  // A stream's state changed (a datum, its close, an error): its job looks again.
+  void WakeStreams();
 
   // Takes (model_id, seq_id) for a request its front end could not decode and answers it with
   // `error`: the slot is used up like any invalid request's, so later ones are not held up.
@@ -105,8 +126,6 @@ class Ops {
   // NOT_FOUND when the model belongs to another tenant (indistinguishable from a missing model).
   absl::Status CheckOwner(const std::string& model_id, const std::string& tenant) const;
 
-  ReplicatedRunner* runner() const { return runner_; }
-  Scheduler* scheduler() const { return scheduler_; }
   const ModelLimits& limits() const { return limits_; }
   Metrics* metrics() const { return metrics_; }
 

@@ -1,4 +1,4 @@
-#include "server/ops.h"
+#include "server/ops/ops.h"
 
 #include <algorithm>
 #include <chrono>
@@ -14,8 +14,10 @@
 #include "runner/model/safetensors.h"
 #include "runner/util/echo.h"
 #include "runner/util/hash.h"
-#include "server/checkpoint_paths.h"
-#include "server/convert.h"
+#include "server/core/checkpoint_paths.h"
+#include "server/core/convert.h"
+#include "server/core/replicated_runner.h"
+#include "server/core/scheduler.h"
 
 namespace tinkerd {
 
@@ -255,6 +257,12 @@ absl::StatusOr<v1::RetrieveResultResponse> Ops::RetrieveResult(const std::string
                                                                int64_t seq_id) {
   if (auto st = CheckOwner(model_id, tenant); !st.ok()) return st;
   return scheduler_->Retrieve(model_id, seq_id);
+}
+
+absl::StatusOr<absl::Time> Ops::LastRequest(const std::string& tenant,
+                                            const std::string& model_id) {
+  if (auto st = CheckOwner(model_id, tenant); !st.ok()) return st;
+  return scheduler_->LastRequest(model_id);
 }
 
 absl::StatusOr<v1::ModelInfo> Ops::CheckpointInfo(const std::string& tenant,

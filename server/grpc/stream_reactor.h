@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/service.h"
+#include "server/grpc/service.h"
 
 namespace tinkerd {
 

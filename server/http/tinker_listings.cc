@@ -1,0 +1,149 @@
+// The RestClient's views: training runs (models) and their checkpoints, the tenant's sessions,
+// and all its checkpoints, as the SDK's RestClient lists them, paged by the query.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "runner/util/echo.h"
+#include "server/http/tinker_api.h"
+#include "server/http/tinker_convert.h"
+#include "server/http/tinker_json.h"
+
+namespace tinkerd::http {
+
+using Json = TinkerApi::Json;
+
+namespace {
+
+Json CheckpointJson(const CheckpointEntry& c) {
+  // checkpoint_id is what follows the model id in the path: "weights/<name>".
+  const std::string id = c.path.substr(c.path.find('/', sizeof("tinker://") - 1) + 1);
+  return Json{{"checkpoint_id", id},   {"checkpoint_type", c.kind},  {"time", IsoTime(c.time)},
+              {"tinker_path", c.path}, {"size_bytes", c.size_bytes}, {"public", false}};
+}
+
+// The page of `items` that `page` asks for, as {key: [...], "cursor"}.
+Json Paged(const Page& page, const char* key, Json items) {
+  const int64_t total = static_cast<int64_t>(items.size());
+  const int64_t from = std::min(page.offset, total);
+  const int64_t limit = page.limit.value_or(std::max<int64_t>(total, 1));
+  Json slice = Json::array();
+  for (int64_t i = from; i < std::min(total, from + limit); ++i) {
+    slice.push_back(std::move(items[static_cast<size_t>(i)]));
+  }
+  return Json{{key, std::move(slice)},
+              {"cursor", {{"offset", page.offset}, {"limit", limit}, {"total_count", total}}}};
+}
+
+}  // namespace
+
+absl::StatusOr<Json> TinkerApi::TrainingRun(const std::string& tenant,
+                                            const std::string& model_id) {
+  auto info = ops_->GetInfo(tenant, model_id);
+  if (!info.ok()) return info.status();
+  auto checkpoints = ops_->Checkpoints(tenant, model_id);
+  if (!checkpoints.ok()) return checkpoints.status();
+  auto last_request = ops_->LastRequest(tenant, model_id);
+  if (!last_request.ok()) return last_request.status();
+  Json run{{"training_run_id", model_id}, {"base_model", config_.served_model_name},
+           {"model_owner", tenant},       {"is_lora", info->is_lora()},
+           {"corrupted", false},          {"last_request_time", IsoTime(*last_request)}};
+  if (info->is_lora()) run["lora_rank"] = info->lora().rank();
+  for (const char* kind : {"training", "sampler"}) {
+    const CheckpointEntry* last = nullptr;
+    for (const CheckpointEntry& c : *checkpoints) {
+      if (c.kind == kind && (last == nullptr || c.time >= last->time)) last = &c;
+    }
+    if (last != nullptr) {
+      run[std::string(kind) == "training" ? "last_checkpoint" : "last_sampler_checkpoint"] =
+          CheckpointJson(*last);
+    }
+  }
+  return run;
+}
+
+void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
+                             const std::string& endpoint, Respond respond) {
+  const std::string& method = req.method;
+  const std::vector<std::string> parts = absl::StrSplit(endpoint, '/');
+  // parts: training_runs [id [checkpoints [kind name [archive]]]]
+  if (parts.size() == 6 && parts[2] == "checkpoints" && parts[5] == "archive") {
+    if (method != "GET") return respond(Error(405, absl::StrCat(endpoint, ": use GET")));
+    return ArchiveUrl(
+        tenant, req,
+        absl::StrCat("tinker://", aliases_.Resolve(tenant, parts[1]), "/", parts[3], "/", parts[4]),
+        std::move(respond));
+  }
+  const bool del = parts.size() == 5 && parts[2] == "checkpoints";
+  const bool get = parts.size() <= 3 && (parts.size() < 3 || parts[2] == "checkpoints");
+  if (!del && !get) return respond(Error(404, absl::StrCat("no endpoint ", Echo(endpoint))));
+  if (method != (del ? "DELETE" : "GET")) {
+    return respond(Error(405, absl::StrCat(endpoint, ": use ", del ? "DELETE" : "GET")));
+  }
+  auto page = PageFromQuery(req.query);  // access_scope too, for a single run
+  if (!page.ok()) return respond(Error(page.status()));
+  if (parts.size() == 1) {
+    Json runs = Json::array();
+    const v1::ListModelsResponse models = ops_->ListModels(tenant);
+    for (const v1::ModelInfo& m : models.models()) {
+      if (auto run = TrainingRun(tenant, m.model_id()); run.ok()) runs.push_back(*run);
+    }
+    return respond(JsonResponse(Paged(*page, "training_runs", std::move(runs))));
+  }
+  const std::string model_id = aliases_.Resolve(tenant, parts[1]);
+  if (parts.size() == 2) {
+    auto run = TrainingRun(tenant, model_id);
+    return respond(run.ok() ? JsonResponse(*run) : Error(run.status()));
+  }
+  if (get) {
+    auto checkpoints = ops_->Checkpoints(tenant, model_id);
+    if (!checkpoints.ok()) return respond(Error(checkpoints.status()));
+    Json list = Json::array();
+    for (const CheckpointEntry& c : *checkpoints) list.push_back(CheckpointJson(c));
+    return respond(JsonResponse(Json{{"checkpoints", list}}));
+  }
+  const absl::Status st = ops_->DeleteCheckpoint(
+      tenant, absl::StrCat("tinker://", model_id, "/", parts[3], "/", parts[4]));
+  respond(st.ok() ? JsonResponse(Json::object()) : Error(st));
+}
+
+void TinkerApi::ListSessions(const std::string& tenant, const Page& page,
+                             const std::string& endpoint, Respond respond) {
+  if (endpoint == "sessions") {
+    Json ids = Json::array();
+    for (const std::string& id : sessions_.Ids(tenant)) ids.push_back(id);
+    return respond(JsonResponse(Paged(page, "sessions", std::move(ids))));
+  }
+  const std::string id = endpoint.substr(sizeof("sessions/") - 1);
+  Response missing;
+  const std::optional<std::vector<std::string>> models = sessions_.Models(tenant, id, &missing);
+  if (!models) return respond(std::move(missing));
+  const std::vector<std::string> samplers = sampling_sessions_.Samplers(tenant, id);
+  // Only what still exists: unloaded models and deleted or evicted samplers are left out.
+  Json run_ids = Json::array(), sampler_ids = Json::array();
+  for (const std::string& m : *models) {
+    if (ops_->GetInfo(tenant, m).ok()) run_ids.push_back(m);
+  }
+  for (const std::string& s : samplers) {
+    if (sampling_->GetSampler(tenant, s).ok()) sampler_ids.push_back(s);
+  }
+  respond(JsonResponse(Json{{"training_run_ids", run_ids}, {"sampler_ids", sampler_ids}}));
+}
+
+void TinkerApi::UserCheckpoints(const std::string& tenant, const Page& page, Respond respond) {
+  std::vector<CheckpointEntry> all;
+  for (const std::string& model : ops_->CheckpointedModels(tenant)) {
+    auto checkpoints = ops_->Checkpoints(tenant, model);
+    if (!checkpoints.ok()) continue;  // the folder went meanwhile
+    all.insert(all.end(), checkpoints->begin(), checkpoints->end());
+  }
+  // Newest first, as the SDK documents; ties by path, so that pages do not overlap.
+  std::sort(all.begin(), all.end(), [](const CheckpointEntry& a, const CheckpointEntry& b) {
+    return a.time != b.time ? a.time > b.time : a.path < b.path;
+  });
+  Json list = Json::array();
+  for (const CheckpointEntry& c : all) list.push_back(CheckpointJson(c));
+  respond(JsonResponse(Paged(page, "checkpoints", std::move(list))));
+}
+
+}  // namespace tinkerd::http

@@ -1,0 +1,303 @@
+// The Tinker API's training endpoints onto the shared operations: create_model, get_info,
+// unload_model, forward_backward (Tinker's protobuf), optim_step, save_weights, load_weights,
+// save_weights_for_sampler, weights_info. Ordered calls take the model's seq_id, so a resend is
+// recognized by the scheduler (Resend::kOperation); creations and unloads by their future.
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "runner/util/echo.h"
+#include "runner/util/hash.h"
+#include "server/http/tinker_api.h"
+#include "server/http/tinker_convert.h"
+#include "server/http/tinker_json.h"
+#include "tinker_public/tinker_public.pb.h"
+
+namespace tinkerd::http {
+
+using Json = TinkerApi::Json;
+
+void TinkerApi::AddSessionModel(const std::string& tenant, const std::string& session_id,
+                                int64_t model_seq_id, const std::string& model_id) {
+  aliases_.Add(tenant, session_id, model_seq_id, model_id);
+  sessions_.AddModel(session_id, model_id);
+}
+
+void TinkerApi::CreateModel(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string session_id = f.Str("session_id");
+  const int64_t model_seq_id = f.Int("model_seq_id");
+  const std::string base_model = f.Str("base_model");
+  const Json* lora = f.Obj("lora_config");
+  if (const Json* optimizer = f.Obj("optimizer_config")) {  // sent by newer SDKs
+    Fields o(*optimizer);
+    const std::string type = o.OptStr("type").value_or("adamw");
+    if (!o.status().ok()) {
+      return respond(Error(400, absl::StrCat("optimizer_config.", o.status().message())));
+    }
+    if (type != "adamw") {
+      return respond(Error(400, absl::StrCat("optimizer_config.type: this server trains with "
+                                             "AdamW only, not '",
+                                             Echo(type), "'")));
+    }
+  }
+  v1::CreateModelRequest req;
+  // Tinker's losses are sums over tokens: the optimizer divides by nothing.
+  req.set_loss_reduction("sum");
+  if (lora != nullptr) {
+    Fields l(*lora);
+    const int64_t rank = l.Int("rank");
+    req.set_seed(static_cast<uint64_t>(l.OptInt("seed").value_or(0)));
+    req.mutable_lora()->set_rank(rank);
+    req.mutable_lora()->set_train_attn(l.OptBool("train_attn").value_or(true));
+    req.mutable_lora()->set_train_mlp(l.OptBool("train_mlp").value_or(true));
+    req.mutable_lora()->set_train_unembed(l.OptBool("train_unembed").value_or(true));
+    if (!l.status().ok()) {
+      return respond(Error(400, absl::StrCat("lora_config.", l.status().message())));
+    }
+  }
+  if (!f.status().ok()) return respond(Error(f.status()));
+  if (base_model != config_.served_model_name) {
+    return respond(
+        Error(400, absl::StrCat("base_model: this server trains '", config_.served_model_name,
+                                "', not '", Echo(base_model), "'")));
+  }
+  if (auto st = sessions_.Check(tenant, session_id); !st.ok()) return respond(Error(st));
+  // A retry of a creation is answered with the first one's future: creations have no seq_id
+  // in the scheduler to catch them.
+  const std::string request_id = absl::StrCat("create:", session_id, ":", model_seq_id);
+  Ops* ops = ops_;
+  CallIntoFuture<v1::ModelInfo>(
+      &futures_, tenant, request_id, Resend::kFuture,
+      [ops, tenant, req](Done<v1::ModelInfo> done) {
+        ops->CreateModel(tenant, req, std::move(done));
+      },
+      [this, tenant, session_id, model_seq_id](const v1::ModelInfo& m) {
+        AddSessionModel(tenant, session_id, model_seq_id, m.model_id());
+        return JsonResponse(Json{{"type", "create_model"}, {"model_id", m.model_id()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::GetInfo(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string model_id = f.Str("model_id");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  auto info = ops_->GetInfo(tenant, aliases_.Resolve(tenant, model_id));
+  if (!info.ok()) return respond(Error(info.status()));
+  Json out{{"type", "get_info"},
+           {"model_id", model_id},
+           {"model_data",
+            Json{{"arch", info->architecture()}, {"model_name", config_.served_model_name}}},
+           {"is_lora", info->is_lora()},
+           {"model_name", config_.served_model_name}};
+  if (info->is_lora()) out["lora_rank"] = info->lora().rank();
+  respond(JsonResponse(out));
+}
+
+void TinkerApi::UnloadModel(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string model_id = f.Str("model_id");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  const std::string request_id = absl::StrCat("unload:", model_id);
+  Ops* ops = ops_;
+  CallIntoFuture<v1::DeleteModelResponse>(
+      &futures_, tenant, request_id, Resend::kFuture,
+      [ops, tenant, id = aliases_.Resolve(tenant, model_id)](Done<v1::DeleteModelResponse> done) {
+        ops->DeleteModel(tenant, id, std::move(done));
+      },
+      [model_id](const v1::DeleteModelResponse&) {
+        return JsonResponse(Json{{"type", "unload_model"}, {"model_id", model_id}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, Respond respond) {
+  tinker_public::ForwardBackwardRequest in;
+  if (!in.ParseFromString(req.body)) {
+    return respond(Error(400, "body: not a tinker_public.ForwardBackwardRequest"));
+  }
+  const std::string model_id = aliases_.Resolve(tenant, in.model_id());
+  const int64_t seq_id = in.seq_id();
+  const std::string request_id = absl::StrCat(in.model_id(), ":", seq_id);
+  const bool forward_only = in.forward_only();
+  const std::string kind = forward_only ? "Forward" : "ForwardBackward";
+  auto converted = FwdBwdFromTinker(&in);
+  Ops* ops = ops_;
+  if (!converted.ok()) {
+    // The slot is taken with the error, so the client's later calls are not held up.
+    const uint64_t hash = Fnv64(req.body, kFnv64Basis);
+    return CallIntoFuture<v1::RetrieveResultResponse>(
+        &futures_, tenant, request_id, Resend::kOperation,
+        [ops, tenant, model_id, seq_id, kind, hash,
+         st = converted.status()](Done<v1::RetrieveResultResponse> done) {
+          ops->Refuse(tenant, model_id, seq_id, kind, hash, st, std::move(done));
+        },
+        [](const v1::RetrieveResultResponse&) { return Response(); }, std::move(respond));
+  }
+  auto request = std::make_shared<v1::ForwardBackwardRequest>(std::move(converted->request));
+  request->set_model_id(model_id);
+  request->set_seq_id(seq_id);
+  const std::string loss_fn = request->loss_fn().name();
+  CallIntoFuture<v1::ForwardBackwardOutput>(
+      &futures_, tenant, request_id, Resend::kOperation,
+      [ops, tenant, request, forward_only](Done<v1::ForwardBackwardOutput> done) {
+        ops->ForwardBackward(tenant, request.get(), !forward_only, std::move(done));
+      },
+      [loss_fn](const v1::ForwardBackwardOutput& r) {
+        tinker_public::ForwardBackwardOutput out;
+        FwdBwdOutputToTinker(r, loss_fn, &out);
+        return Response{200, "application/x-protobuf", out.SerializeAsString(), {}};
+      },
+      std::move(respond));
+}
+
+void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  v1::OptimStepRequest req;
+  req.set_model_id(f.Str("model_id"));
+  req.set_seq_id(f.Int("seq_id"));
+  if (const Json* adam = f.Obj("adam_params")) {
+    Fields a(*adam);
+    v1::AdamParams* p = req.mutable_adam_params();
+    if (auto v = a.OptNum("learning_rate")) p->set_learning_rate(*v);
+    if (auto v = a.OptNum("beta1")) p->set_beta1(*v);
+    if (auto v = a.OptNum("beta2")) p->set_beta2(*v);
+    if (auto v = a.OptNum("eps")) p->set_eps(*v);
+    if (auto v = a.OptNum("weight_decay")) p->set_weight_decay(*v);
+    if (auto v = a.OptNum("grad_clip_norm")) p->set_grad_clip_norm(*v);
+    if (!a.status().ok()) {
+      return respond(Error(400, absl::StrCat("adam_params.", a.status().message())));
+    }
+  }
+  if (!f.status().ok()) return respond(Error(f.status()));
+  const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
+  req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
+  Ops* ops = ops_;
+  CallIntoFuture<v1::OptimStepResponse>(
+      &futures_, tenant, request_id, Resend::kOperation,
+      [ops, tenant, req](Done<v1::OptimStepResponse> done) {
+        ops->OptimStep(tenant, req, std::move(done));
+      },
+      [](const v1::OptimStepResponse& r) {
+        Json metrics = Json::object();
+        for (const auto& [k, v] : r.metrics()) metrics[k] = v;
+        return JsonResponse(Json{{"type", "optim_step"}, {"metrics", metrics}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  v1::SaveStateRequest req;
+  req.set_model_id(f.Str("model_id"));
+  req.set_seq_id(f.Int("seq_id"));
+  req.set_name(f.Str("path"));
+  req.set_overwrite(f.OptBool("overwrite").value_or(false));
+  f.OptInt("ttl_seconds");  // checkpoints live until deleted
+  // Tinker's save_state never refuses for pending gradients: they are saved with the weights.
+  req.set_include_accumulated(true);
+  if (!f.status().ok()) return respond(Error(f.status()));
+  const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
+  req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
+  Ops* ops = ops_;
+  CallIntoFuture<v1::SaveStateResponse>(
+      &futures_, tenant, request_id, Resend::kOperation,
+      [ops, tenant, req](Done<v1::SaveStateResponse> done) {
+        ops->SaveState(tenant, req, std::move(done));
+      },
+      [](const v1::SaveStateResponse& r) {
+        return JsonResponse(Json{{"type", "save_weights"}, {"path", r.path()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string path = f.Str("path");
+  const bool optimizer = f.OptBool("optimizer").value_or(false);
+  const std::optional<std::string> model_id = f.OptStr("model_id");
+  Ops* ops = ops_;
+  if (!model_id) {
+    // The session form: a new model made from the checkpoint (create_training_client_from_state).
+    const std::string session_id = f.Str("session_id");
+    const int64_t model_seq_id = f.Int("model_seq_id");
+    if (!f.status().ok()) return respond(Error(f.status()));
+    if (auto st = sessions_.Check(tenant, session_id); !st.ok()) return respond(Error(st));
+    const std::string request_id = absl::StrCat("create:", session_id, ":", model_seq_id);
+    v1::CreateModelFromStateRequest req;
+    req.set_path(path);
+    req.set_with_optimizer(optimizer);
+    return CallIntoFuture<v1::ModelInfo>(
+        &futures_, tenant, request_id, Resend::kFuture,
+        [ops, tenant, req](Done<v1::ModelInfo> done) {
+          ops->CreateModelFromState(tenant, req, std::move(done));
+        },
+        [this, tenant, session_id, model_seq_id, path](const v1::ModelInfo& m) {
+          AddSessionModel(tenant, session_id, model_seq_id, m.model_id());
+          return JsonResponse(
+              Json{{"type", "load_weights"}, {"model_id", m.model_id()}, {"path", path}});
+        },
+        std::move(respond));
+  }
+  v1::LoadStateRequest req;
+  req.set_model_id(aliases_.Resolve(tenant, *model_id));
+  req.set_seq_id(f.Int("seq_id"));
+  req.set_path(path);
+  req.set_with_optimizer(optimizer);
+  if (!f.status().ok()) return respond(Error(f.status()));
+  CallIntoFuture<v1::LoadStateResponse>(
+      &futures_, tenant, absl::StrCat(*model_id, ":", req.seq_id()), Resend::kOperation,
+      [ops, tenant, req](Done<v1::LoadStateResponse> done) {
+        ops->LoadState(tenant, req, std::move(done));
+      },
+      [model_id = *model_id](const v1::LoadStateResponse& r) {
+        return JsonResponse(
+            Json{{"type", "load_weights"}, {"model_id", model_id}, {"path", r.path()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& body,
+                                      Respond respond) {
+  Fields f(body);
+  v1::SaveWeightsForSamplerRequest req;
+  req.set_model_id(f.Str("model_id"));
+  req.set_seq_id(f.Int("seq_id"));
+  const std::optional<std::string> name = f.OptStr("path");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
+  req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
+  Ops* ops = ops_;
+  if (!name) {
+    return SaveWeightsForSession(tenant, request_id, req.model_id(), req.seq_id(),
+                                 std::move(respond));
+  }
+  req.set_name(*name);
+  CallIntoFuture<v1::SaveWeightsForSamplerResponse>(
+      &futures_, tenant, request_id, Resend::kOperation,
+      [ops, tenant, req](Done<v1::SaveWeightsForSamplerResponse> done) {
+        ops->SaveWeightsForSampler(tenant, req, std::move(done));
+      },
+      [](const v1::SaveWeightsForSamplerResponse& r) {
+        return JsonResponse(Json{{"type", "save_weights_for_sampler"}, {"path", r.path()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::WeightsInfo(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string path = f.Str("tinker_path");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  auto info = ops_->CheckpointInfo(tenant, path);
+  if (!info.ok()) return respond(Error(info.status()));
+  Json out{{"base_model", config_.served_model_name}, {"is_lora", info->is_lora()}};
+  if (info->is_lora()) {
+    out["lora_rank"] = info->lora().rank();
+    out["train_attn"] = info->lora().train_attn();
+    out["train_mlp"] = info->lora().train_mlp();
+    out["train_unembed"] = info->lora().train_unembed();
+  }
+  respond(JsonResponse(out));
+}
+
+}  // namespace tinkerd::http

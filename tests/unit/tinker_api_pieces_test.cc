@@ -1,0 +1,157 @@
+// The Tinker API's small tables, each on its own: the router's routes and metric labels (never a
+// client's text), sessions ended for want of heartbeats (410, not 404), aliases and sampling
+// sessions forgotten with their session only, and archive URLs capped per tenant.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "server/http/aliases.h"
+#include "server/http/archive_grants.h"
+#include "server/http/router.h"
+#include "server/http/sample_cancels.h"
+#include "server/http/sampling_sessions.h"
+#include "server/http/sessions.h"
+
+namespace tinkerd::http {
+namespace {
+
+TEST(Router, NamesEachRouteAndLabelsItWithoutTheClientsText) {
+  int called = 0;
+  const Router router(
+      {{"create_model", [&](const std::string&, const nlohmann::json&, Respond) { ++called; }}});
+  struct Case {
+    std::string path;
+    Router::Kind kind;
+    std::string endpoint, label;
+  };
+  const std::vector<Case> cases = {
+      {"/api/v1/create_model", Router::Kind::kJson, "create_model", "create_model"},
+      {"/prefix/api/v1/create_model", Router::Kind::kJson, "create_model", "create_model"},
+      {"/api/v1/forward_backward", Router::Kind::kForwardBackward, "forward_backward",
+       "forward_backward"},
+      {"/api/v1/healthz", Router::Kind::kHealthz, "healthz", "healthz"},
+      {"/api/v1/archives/abc", Router::Kind::kArchive, "archives/abc", "archives"},
+      {"/api/v1/training_runs", Router::Kind::kTrainingRuns, "training_runs", "training_runs"},
+      {"/api/v1/training_runs/m-1", Router::Kind::kTrainingRuns, "training_runs/m-1",
+       "training_runs/run"},
+      {"/api/v1/training_runs/m-1/checkpoints", Router::Kind::kTrainingRuns,
+       "training_runs/m-1/checkpoints", "training_runs/checkpoints"},
+      {"/api/v1/sessions", Router::Kind::kSessions, "sessions", "sessions"},
+      {"/api/v1/sessions/s-1", Router::Kind::kSessions, "sessions/s-1", "sessions/session"},
+      {"/api/v1/sessions/s-1/finish", Router::Kind::kFinishSession, "sessions/s-1/finish",
+       "sessions/finish"},
+      {"/api/v1/checkpoints", Router::Kind::kCheckpoints, "checkpoints", "checkpoints"},
+      {"/api/v1/get_server_capabilities", Router::Kind::kCapabilities, "get_server_capabilities",
+       "get_server_capabilities"},
+      {"/api/v1/samplers/x", Router::Kind::kSampler, "samplers/x", "samplers"},
+      {"/api/v1/no_such_thing", Router::Kind::kUnknown, "no_such_thing", "unknown"},
+      {"/elsewhere", Router::Kind::kUnknown, "", "unknown"},
+  };
+  for (const Case& c : cases) {
+    const Router::Route r = router.Find(c.path);
+    EXPECT_EQ(r.kind, c.kind) << c.path;
+    EXPECT_EQ(r.endpoint, c.endpoint) << c.path;
+    EXPECT_EQ(r.label, c.label) << c.path;
+    EXPECT_EQ(r.handler != nullptr, c.kind == Router::Kind::kJson) << c.path;
+  }
+  (*router.Find("/api/v1/create_model").handler)("t", nlohmann::json::object(), nullptr);
+  EXPECT_EQ(called, 1);
+}
+
+TEST(Sessions, AnEndedSessionIs410AnUnknownOne404AndAnotherTenantsUnknown) {
+  Sessions sessions(/*max_sessions=*/2, absl::Seconds(5));
+  const auto a = sessions.Create("alice");
+  const auto b = sessions.Create("alice");
+  ASSERT_TRUE(a && b);
+  EXPECT_FALSE(sessions.Create("bob")) << "past max_sessions";
+  Response missing;
+  EXPECT_TRUE(sessions.Heartbeat("alice", *a, &missing));
+  EXPECT_FALSE(sessions.Heartbeat("bob", *a, &missing));
+  EXPECT_EQ(missing.status, 404);
+  EXPECT_TRUE(sessions.Check("alice", *a).ok());
+  EXPECT_TRUE(absl::IsNotFound(sessions.Check("bob", *a)));
+  sessions.AddModel(*a, "model-1");
+
+  const std::vector<Sessions::Ended> ended = sessions.EndIdle(absl::InfiniteFuture());
+  ASSERT_EQ(ended.size(), 2u);
+  EXPECT_FALSE(sessions.IsOpen(*a));
+  for (const Sessions::Ended& e : ended) {
+    EXPECT_EQ(e.tenant, "alice");
+    EXPECT_EQ(e.models,
+              e.id == *a ? std::vector<std::string>{"model-1"} : std::vector<std::string>{});
+  }
+  EXPECT_FALSE(sessions.Heartbeat("alice", *a, &missing));
+  EXPECT_EQ(missing.status, 410);
+  EXPECT_FALSE(sessions.Models("alice", "session-none", &missing));
+  EXPECT_EQ(missing.status, 404);
+  EXPECT_TRUE(sessions.Create("bob")) << "an ended session no longer counts";
+}
+
+TEST(Aliases, ResolveWithinTheTenantAndAreForgottenWithTheirSessionOnly) {
+  Aliases aliases;
+  aliases.Add("alice", "s1", 0, "model-a");
+  aliases.Add("alice", "s10", 0, "model-b");
+  EXPECT_EQ(aliases.Resolve("alice", "s1:train:0"), "model-a");
+  EXPECT_EQ(aliases.Resolve("bob", "s1:train:0"), "s1:train:0");
+  EXPECT_EQ(aliases.Resolve("alice", "model-a"), "model-a");
+  aliases.ForgetSession("alice", "s1");
+  EXPECT_EQ(aliases.Resolve("alice", "s1:train:0"), "s1:train:0");
+  EXPECT_EQ(aliases.Resolve("alice", "s10:train:0"), "model-b");
+}
+
+TEST(SamplingSessions, AResendWaitsThenGetsTheSamplerWhileItLives) {
+  SamplingSessions calls;
+  int answered = 0;
+  Respond respond = [&](Response) { ++answered; };
+  bool alive = true;
+  auto is_alive = [&](const std::string&) { return alive; };
+  std::string id;
+  Respond first = respond, second = respond, third = respond;
+  EXPECT_EQ(calls.Begin("t", "s", 1, &first, is_alive, &id), SamplingSessions::Turn::kMake);
+  EXPECT_EQ(calls.Begin("t", "s", 1, &second, is_alive, &id), SamplingSessions::Turn::kWait);
+  EXPECT_TRUE(calls.Samplers("t", "s").empty()) << "not made yet";
+  EXPECT_EQ(calls.ForgetSession("t", "s").size(), 0u) << "one being made stays";
+  std::vector<Respond> waiting = calls.Finish("t", "s", 1, "sampler-1");
+  EXPECT_EQ(waiting.size(), 2u);
+  EXPECT_EQ(calls.Begin("t", "s", 1, &third, is_alive, &id), SamplingSessions::Turn::kAnswer);
+  EXPECT_EQ(id, "sampler-1");
+  EXPECT_EQ(calls.Samplers("t", "s"), std::vector<std::string>{"sampler-1"});
+  alive = false;  // evicted: made again
+  EXPECT_EQ(calls.Begin("t", "s", 1, &third, is_alive, &id), SamplingSessions::Turn::kMake);
+  EXPECT_EQ(calls.Finish("t", "s", 1, "").size(), 1u) << "a failure is forgotten";
+  EXPECT_EQ(calls.Begin("t", "s", 1, &first, is_alive, &id), SamplingSessions::Turn::kMake);
+  calls.Finish("t", "s", 1, "sampler-2");
+  EXPECT_EQ(calls.ForgetSession("t", "s"), std::vector<std::string>{"sampler-2"});
+  EXPECT_TRUE(calls.Samplers("t", "s").empty());
+  EXPECT_EQ(answered, 0) << "the table never answers anyone itself";
+}
+
+TEST(SampleCancels, CancelSetsTheRunningSamplesFlagOnly) {
+  SampleCancels cancels;
+  const SampleCancels::Flag flag = cancels.Register("t", "sample:1");
+  EXPECT_FALSE(cancels.Cancel("other", "sample:1"));
+  EXPECT_TRUE(cancels.Cancel("t", "sample:1"));
+  EXPECT_TRUE(flag->load());
+  const SampleCancels::Flag resent = cancels.Register("t", "sample:1");
+  cancels.Forget("t", "sample:1", flag);  // the first call's end leaves the resend's flag
+  EXPECT_TRUE(cancels.Cancel("t", "sample:1"));
+  cancels.Forget("t", "sample:1", resent);
+  EXPECT_FALSE(cancels.Cancel("t", "sample:1"));
+}
+
+TEST(ArchiveGrants, EachTenantKeepsItsLatestOnly) {
+  ArchiveGrants grants;
+  const absl::Time expires = absl::Now();
+  grants.Add("other", ArchiveGrant{"bob", "tinker://m/weights/x", expires});
+  for (size_t i = 0; i <= ArchiveGrants::kMaxPerTenant; ++i) {
+    grants.Add("t" + std::to_string(i), ArchiveGrant{"alice", "tinker://m/weights/a", expires});
+  }
+  EXPECT_FALSE(grants.Find("t0")) << "alice's oldest went";
+  EXPECT_TRUE(grants.Find("t1"));
+  ASSERT_TRUE(grants.Find("other")) << "bob's is not pushed out by alice's";
+  EXPECT_EQ(grants.Find("other")->tenant, "bob");
+}
+
+}  // namespace
+}  // namespace tinkerd::http
