@@ -5,6 +5,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <filesystem>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -146,11 +147,19 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     std::string host = listen.substr(0, colon);
     if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
     if (host == "localhost") host = "127.0.0.1";
-    s->tinker_api_ = std::make_unique<http::TinkerApi>(
-        s->ops_.get(), s->sampling_.get(), config.api_keys, config.tinker_http,
-        [raw](absl::Duration delay, std::function<void()> fn) {
-          raw->tinker_http_->After(delay, std::move(fn));
-        });
+    http::TinkerApiConfig api = config.tinker_http;
+    // The client's get_tokenizer() loads what the server matches stop strings with.
+    const std::string& base = s->runner_->config().base_model_path;
+    if (s->runner_->limits().tokenizer && api.tokenizer_id.empty()) {
+      std::error_code ec;
+      const std::filesystem::path dir = std::filesystem::absolute(base, ec);
+      api.tokenizer_id = ec ? base : dir.lexically_normal().string();
+    }
+    s->tinker_api_ =
+        std::make_unique<http::TinkerApi>(s->ops_.get(), s->sampling_.get(), config.api_keys, api,
+                                          [raw](absl::Duration delay, std::function<void()> fn) {
+                                            raw->tinker_http_->After(delay, std::move(fn));
+                                          });
     http::HttpServerConfig hc;
     hc.host = host;
     hc.port = port;

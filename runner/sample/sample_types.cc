@@ -34,6 +34,13 @@ absl::Status CheckPromptFits(int64_t tokens, const ModelLimits& model) {
   return absl::OkStatus();
 }
 
+absl::Status CheckStopStringsMatchable(size_t stop_strings, const ModelLimits& model) {
+  if (stop_strings == 0 || model.tokenizer) return absl::OkStatus();
+  return Invalid("sampling_params.stop",
+                 "stop strings need the model's tokenizer (tokenizer.json or tokenizer.model in "
+                 "its directory), and this model has none; send stop token ids");
+}
+
 absl::Status ValidateSampleRequest(const SampleRequest& r, const ModelLimits& model,
                                    const SampleLimits& limits) {
   const SamplingParams& p = r.params;
@@ -63,11 +70,7 @@ absl::Status ValidateSampleRequest(const SampleRequest& r, const ModelLimits& mo
     if (p.stop[i].empty()) return Invalid(field, "is empty");
     if (auto st = CheckTokens(field, p.stop[i], model.vocab_size); !st.ok()) return st;
   }
-  if (!p.stop_strings.empty() && !model.tokenizer) {
-    return Invalid("sampling_params.stop",
-                   "stop strings need the model's tokenizer (tokenizer.json or tokenizer.model in "
-                   "its directory), and this model has none; send stop token ids");
-  }
+  if (auto st = CheckStopStringsMatchable(p.stop_strings.size(), model); !st.ok()) return st;
   if (std::ssize(p.stop_strings) > limits.max_stop_strings) {
     return Invalid("sampling_params.stop",
                    absl::StrCat("at most ", limits.max_stop_strings, " stop strings, got ",

@@ -87,6 +87,10 @@ struct EngineLimits {
 // INVALID_ARGUMENT naming `prompt` when its `tokens` alone exceed the model's context.
 absl::Status CheckPromptFits(int64_t tokens, const ModelLimits& model);
 
+// INVALID_ARGUMENT naming sampling_params.stop when a request has stop strings and the model has
+// no tokenizer to match them with: an edge may answer it before queueing the request.
+absl::Status CheckStopStringsMatchable(size_t stop_strings, const ModelLimits& model);
+
 // INVALID_ARGUMENT naming the field: an empty prompt, one with ids outside [0, vocab) or one
 // longer than the context; max_tokens <= 0; prompt + max_tokens beyond the context; temperature
 // negative or not finite; top_p outside (0, 1]; num_samples outside [1, max]; topk_prompt_logprobs

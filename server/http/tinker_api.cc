@@ -148,6 +148,11 @@ void TinkerApi::ClientConfig(const std::string&, const Json&, Respond respond) {
       // Newer SDKs (0.38) then learn which samples finished from one long poll per sampling
       // session (retrieve_futures) instead of one retrieve_future poll per sample.
       {"sample_use_retrieve_futures", true},
+      // Custom losses run on the client (SDK 0.38: a forward, then cross_entropy with the
+      // custom loss's gradient as weights); the server does not interpret traced graphs.
+      {"custom_loss_server_side", false},
+      // A cloned sampling client picks its own seq_id range rather than joining the session.
+      {"sample_join_sampling_session", false},
       // A chunk must fit the body limit with room for protobuf framing.
       {"fwdbwd_max_chunk_bytes_count", std::min<int64_t>(5'000'000, config_.max_body_bytes / 2)},
   }));

@@ -32,6 +32,9 @@ struct TinkerApiConfig {
   // The base model's name as clients give it (create_model's base_model) and see it
   // (get_server_capabilities).
   std::string served_model_name;
+  // get_info's model_data.tokenizer_id, where a client's get_tokenizer() loads the base model's
+  // tokenizer: its directory, when it has one (set by the server from the runner); empty: none.
+  std::string tokenizer_id;
   int64_t max_body_bytes = 256 << 20;
   FuturesConfig futures;
   // A result of at least this many bytes is first answered {"status": "complete_metadata",

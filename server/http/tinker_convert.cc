@@ -369,15 +369,67 @@ absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::Sampling
   }
   auto stop = params->find("stop");
   if (stop == params->end() || stop->is_null()) return absl::OkStatus();
-  if (stop->is_string() || (stop->is_array() && !stop->empty() && (*stop)[0].is_string())) {
-    return Invalid("sampling_params.stop",
-                   "stop strings need the model's tokenizer, which this server does not have; "
-                   "send stop token ids instead");
+  // Tinker's forms: a string, a list of strings, or a list of token ids. Strings are matched on
+  // the decoded text by the sampler (docs/sampling.md), which refuses them for a model without a
+  // tokenizer.
+  if (stop->is_string()) {
+    out->add_stop_strings(stop->get<std::string>());
+    return absl::OkStatus();
   }
-  if (!stop->is_array()) return Invalid("sampling_params.stop", "must be a list of token ids");
+  if (!stop->is_array()) {
+    return Invalid("sampling_params.stop", "must be a string, a list of strings or token ids");
+  }
+  const bool strings = !stop->empty() && (*stop)[0].is_string();
   for (const nlohmann::json& t : *stop) {
-    if (!t.is_number_integer()) return Invalid("sampling_params.stop", "must be token ids");
-    out->add_stop()->add_tokens(t.get<int64_t>());  // each id stops on its own
+    if (strings) {
+      if (!t.is_string()) return Invalid("sampling_params.stop", "mixes strings and token ids");
+      out->add_stop_strings(t.get<std::string>());
+    } else {
+      if (!t.is_number_integer()) return Invalid("sampling_params.stop", "must be token ids");
+      out->add_stop()->add_tokens(t.get<int64_t>());  // each id stops on its own
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Whether `body[key]` is set to something other than its off value.
+bool IsOn(const nlohmann::json& body, const char* key) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return false;
+  if (it->is_boolean()) return it->get<bool>();
+  if (it->is_number_integer()) return it->get<int64_t>() != 0;
+  return true;  // an object, a string, a float: set
+}
+
+}  // namespace
+
+absl::Status RefuseUnservedSampleFields(const nlohmann::json& body) {
+  if (!body.is_object()) return absl::OkStatus();
+  for (const char* key : {"topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs",
+                          "prompt_logprobs_last_n"}) {
+    if (IsOn(body, key)) {
+      return Invalid(key, "is not served by this server yet; leave it unset");
+    }
+  }
+  if (IsOn(body, "record_stability_info")) {
+    return Invalid("record_stability_info",
+                   "stability records (for stable_reinforce, whose loss Tinker has not published) "
+                   "are not kept by this server; sample without them and train with another loss");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RefuseUnservedSaveFields(const nlohmann::json& body) {
+  if (!body.is_object()) return absl::OkStatus();
+  if (auto kind = body.find("kind");
+      kind != body.end() && !kind->is_null() &&
+      !(kind->is_string() && kind->get<std::string>() == "snapshot")) {
+    return Invalid("kind", "only 'snapshot' samplers are served (inflight ones are not yet)");
+  }
+  if (IsOn(body, "ttl_seconds")) {
+    return Invalid("ttl_seconds", "checkpoint lifetimes are not served yet; leave it unset");
   }
   return absl::OkStatus();
 }

@@ -65,6 +65,12 @@ void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
 absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out);
 absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::SamplingParams* out);
 
+// Fields of SDK 0.38's asample and save_weights_for_sampler bodies that tinkerd does not serve yet:
+// a value other than the field's "off" value (absent, null, 0, false, "snapshot") is refused,
+// INVALID_ARGUMENT naming the field, rather than silently ignored (docs/http.md lists them).
+absl::Status RefuseUnservedSampleFields(const nlohmann::json& body);
+absl::Status RefuseUnservedSaveFields(const nlohmann::json& body);
+
 // A listing's page from its query string (`limit=20&offset=40&access_scope=owned`, as the
 // RestClient sends it). Other parameters are ignored; each of these at most once: limit a decimal
 // integer in [1, kMaxPageLimit], offset one >= 0, access_scope "owned" or "accessible" (the same

@@ -6,6 +6,7 @@
 // sampling_session_seq_id), the unnamed save by the model's (model_id, seq_id).
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "runner/sample/sample_types.h"
 #include "runner/util/echo.h"
 #include "server/http/tinker_api.h"
 #include "server/http/tinker_convert.h"
@@ -122,8 +123,13 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   const Json* prompt = f.Obj("prompt");
   const Json* params = f.Obj("sampling_params");
   if (!f.status().ok()) return respond(Error(f.status()));
-  absl::Status st = PromptFromTinker(prompt, req.mutable_prompt());
+  absl::Status st = RefuseUnservedSampleFields(body);
+  if (st.ok()) st = PromptFromTinker(prompt, req.mutable_prompt());
   if (st.ok()) st = SamplingParamsFromTinker(params, req.mutable_sampling_params());
+  // Answered now rather than as the future's error: the SDK then raises at the call.
+  if (st.ok()) {
+    st = CheckStopStringsMatchable(req.sampling_params().stop_strings_size(), ops_->limits());
+  }
   if (!st.ok()) return respond(Error(st));
   // Checked here as well as by the sampler: the answer below lists one id per sample.
   const SampleLimits& limits = sampling_->request_limits();

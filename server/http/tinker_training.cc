@@ -91,6 +91,7 @@ void TinkerApi::GetInfo(const std::string& tenant, const Json& body, Respond res
            {"is_lora", info->is_lora()},
            {"model_name", config_.served_model_name}};
   if (info->is_lora()) out["lora_rank"] = info->lora().rank();
+  if (!config_.tokenizer_id.empty()) out["model_data"]["tokenizer_id"] = config_.tokenizer_id;
   respond(JsonResponse(out));
 }
 
@@ -265,6 +266,7 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   req.set_seq_id(f.Int("seq_id"));
   const std::optional<std::string> name = f.OptStr("path");
   if (!f.status().ok()) return respond(Error(f.status()));
+  if (auto st = RefuseUnservedSaveFields(body); !st.ok()) return respond(Error(st));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   Ops* ops = ops_;

@@ -35,9 +35,11 @@ struct LiveServer {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Tinkerd::Stub> stub;
 
+  // `tokenizer`: the model directory gets tests/test_util.h's tokenizer.json (for stop strings).
   explicit LiveServer(ServerConfig sc = {}, int64_t micro_batch_tokens = 4096,
-                      ComputeDType dt = ComputeDType::kFloat64) {
+                      ComputeDType dt = ComputeDType::kFloat64, bool tokenizer = false) {
     model_dir = WriteModel(dir, TinyConfig("llama"));
+    if (tokenizer) WriteTokenizerJson(model_dir, TinyConfig("llama").vocab_size);
     sc.listen_address = "127.0.0.1:0";
     sc.checkpoint_root = dir.Sub("checkpoints");
     auto runner = MakeRunner(model_dir, dt, micro_batch_tokens);

@@ -32,6 +32,44 @@ grpc::Status Sample(LiveServer& live, const v1::SampleRequest& req, v1::SampleRe
   return live.stub->Sample(&ctx, req, out);
 }
 
+// Stop strings over gRPC: a sample ends with the token whose text completes the first occurrence
+// of the string (the test tokenizer's texts, tests/test_util.h), and keeps it; a model without a
+// tokenizer refuses them naming the field.
+TEST(SamplingE2E, StopStringsEndSamplesWhereTheirTextFirstAppears) {
+  LiveServer live({}, 4096, ComputeDType::kFloat64, /*tokenizer=*/true);
+  v1::SampleRequest req = SampleReq("", 0, 16);
+  req.set_num_samples(1);
+  req.mutable_sampling_params()->set_temperature(0);
+  v1::SampleResponse full;
+  ASSERT_TRUE(Sample(live, req, &full).ok());
+  const auto& tokens = full.sequences(0).tokens();
+  ASSERT_EQ(tokens.size(), 16);
+  const std::string a = TestTokenText(tokens[4]), b = TestTokenText(tokens[5]);
+  const std::string stop = a.substr(a.size() - 1) + b.substr(0, 2);  // spans two tokens
+  std::string text;
+  int end = -1;
+  for (int k = 0; k < tokens.size() && end < 0; ++k) {
+    text += TestTokenText(tokens[k]);
+    if (text.find(stop) != std::string::npos) end = k;
+  }
+  ASSERT_GE(end, 0);
+  req.mutable_sampling_params()->add_stop_strings(stop);
+  v1::SampleResponse stopped;
+  grpc::Status st = Sample(live, req, &stopped);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(stopped.sequences(0).stop_reason(), v1::STOP_REASON_STOP);
+  EXPECT_EQ(std::vector<int64_t>(stopped.sequences(0).tokens().begin(),
+                                 stopped.sequences(0).tokens().end()),
+            std::vector<int64_t>(tokens.begin(), tokens.begin() + end + 1));
+
+  LiveServer bare;
+  v1::SampleResponse refused;
+  st = Sample(bare, req, &refused);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("sampling_params.stop"), std::string::npos)
+      << st.error_message();
+}
+
 // Forward's logprobs of `continuation` after kPrompt.
 std::vector<float> ForwardLogprobs(LiveServer& live, const std::string& model, int64_t seq,
                                    const std::vector<int64_t>& continuation) {

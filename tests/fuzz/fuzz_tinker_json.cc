@@ -6,7 +6,8 @@
 // sanitizer report:
 //   - every refusal is INVALID_ARGUMENT whose message begins with the field it names;
 //   - an accepted prompt is one chunk holding the tokens of every input chunk, in order;
-//   - accepted params keep max_tokens, and every stop id as a stop sequence of its own.
+//   - accepted params keep max_tokens, every stop id as a stop sequence of its own, and every stop
+//     string (a string or a list of them) as it was.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -84,12 +85,27 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
     const int64_t max_tokens = params->at("max_tokens").get<int64_t>();
     FUZZ_CHECK(sp.max_tokens() == (max_tokens < -1 ? -1 : max_tokens), "max_tokens changed");
     const auto stop = params->find("stop");
-    const size_t stops = stop == params->end() || stop->is_null() ? 0 : stop->size();
-    FUZZ_CHECK(static_cast<size_t>(sp.stop_size()) == stops, "a stop id lost or added");
-    for (int i = 0; i < sp.stop_size(); ++i) {
-      FUZZ_CHECK(sp.stop(i).tokens_size() == 1 &&
-                     sp.stop(i).tokens(0) == (*stop)[static_cast<size_t>(i)].get<int64_t>(),
-                 "a stop id changed");
+    const bool none = stop == params->end() || stop->is_null();
+    if (!none && stop->is_string()) {
+      FUZZ_CHECK(sp.stop_size() == 0 && sp.stop_strings_size() == 1 &&
+                     sp.stop_strings(0) == stop->get<std::string>(),
+                 "a stop string lost or changed");
+    } else if (!none && !stop->empty() && (*stop)[0].is_string()) {
+      FUZZ_CHECK(sp.stop_size() == 0 && static_cast<size_t>(sp.stop_strings_size()) == stop->size(),
+                 "a stop string lost or added");
+      for (int i = 0; i < sp.stop_strings_size(); ++i) {
+        FUZZ_CHECK(sp.stop_strings(i) == (*stop)[static_cast<size_t>(i)].get<std::string>(),
+                   "a stop string changed");
+      }
+    } else {
+      const size_t stops = none ? 0 : stop->size();
+      FUZZ_CHECK(static_cast<size_t>(sp.stop_size()) == stops && sp.stop_strings_size() == 0,
+                 "a stop id lost or added");
+      for (int i = 0; i < sp.stop_size(); ++i) {
+        FUZZ_CHECK(sp.stop(i).tokens_size() == 1 &&
+                       sp.stop(i).tokens(0) == (*stop)[static_cast<size_t>(i)].get<int64_t>(),
+                   "a stop id changed");
+      }
     }
   }
   return 0;

@@ -3,8 +3,9 @@
 # Usage: tests/sdk/run_sdk_test.sh TINKERD_BINARY SDK_VERSION [PEEK_BYTES]
 #   1. gets a venv with tinker==SDK_VERSION (scripts/tinker-sdk-venv.sh; exit 77 = SKIP when PyPI
 #      cannot be reached);
-#   2. starts TINKERD_BINARY on free ports (127.0.0.1:0) with the embedded default model, a fresh
-#      checkpoint root and an API-key file with two tenants;
+#   2. starts TINKERD_BINARY on free ports (127.0.0.1:0) with the default model written to disk
+#      with a tokenizer (make_tiny_model --family=demo --tokenizer, beside the binary's build),
+#      a fresh checkpoint root and an API-key file with two tenants;
 #   3. runs tests/sdk/tinker_flow.py against it. The exit code is the flow's.
 # PEEK_BYTES is the server's --http_peek_bytes (default 1 MiB): 1 makes every result go through
 # retrieve_future's metadata-only peek.
@@ -96,7 +97,15 @@ printf 'alice %s\nbob %s\n' "$alice_key" "$bob_key" >"$tmp/api_keys"
 chmod 600 "$tmp/api_keys"
 mkdir -p "$tmp/checkpoints"
 
-"$binary" --base_model=embedded:default --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 \
+# The default model and a tokenizer of its vocabulary, so that get_tokenizer() and stop strings
+# can be checked (check t).
+make_model=$(dirname "$binary")/../tools/make_tiny_model
+if ! "$make_model" --out="$tmp/model" --family=demo --tokenizer >"$tmp/make_model.log" 2>&1; then
+  echo "run_sdk_test: $make_model failed:" >&2
+  cat "$tmp/make_model.log" >&2
+  exit 1
+fi
+"$binary" --base_model="$tmp/model" --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 \
   --checkpoint_root="$tmp/checkpoints" --api_keys_file="$tmp/api_keys" \
   --http_peek_bytes="$peek_bytes" >"$log" 2>&1 &
 server_pid=$!
@@ -130,6 +139,7 @@ env -u TINKER_PROJECT_ID -u TINKER_CREDENTIAL_CMD -u TINKER_TAGS \
   TINKERD_OTHER_API_KEY="$bob_key" \
   TINKERD_CHECKPOINT_ROOT="$tmp/checkpoints" \
   TINKERD_PEEK_BYTES="$peek_bytes" \
+  TINKERD_FLOW_TOKENIZER=1 \
   TINKER_TELEMETRY=0 \
   NO_PROXY="127.0.0.1,localhost" no_proxy="127.0.0.1,localhost" \
   HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 PYTHONUNBUFFERED=1 \

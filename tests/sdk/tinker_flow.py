@@ -13,6 +13,8 @@ Optional:
   TINKER_FLOW_LR=x       learning rate of the SFT check (default 1e-2)
   TINKER_FLOW_TIMEOUT=s  per-check timeout in seconds (default 300)
   TINKERD_PEEK_BYTES=N   the server's --http_peek_bytes (default 1 MiB, as the server's)
+  TINKERD_FLOW_TOKENIZER=1 the base model has a tokenizer (run_sdk_test.sh serves one that does):
+                         check t runs get_tokenizer() and stop strings
 
 Only public SDK calls are used (`tinker.ServiceClient`, training/sampling clients, `tinker.types`),
 plus raw HTTP through httpx (a dependency of the SDK) for the wire-level checks. Written to run with
@@ -666,10 +668,12 @@ def check_s() -> None:
     d = max(abs(moved[i] - cl[i]) for i in range(1, len(full)))
     ok(d > 100 * LP_TOL, f"while a new sampler sees the new weights (max |diff| {d:.3g})")
 
-    # Errors reach the caller promptly, naming the field.
-    e = raises_promptly(lambda: sample(sc, prompt, types.SamplingParams(max_tokens=4, stop="\n")),
-                        "stop strings (no tokenizer on the server)")
-    ok("stop" in str(e), f"the error names sampling_params.stop")
+    # Errors reach the caller promptly, naming the field. A stop string is one when the base model
+    # has no tokenizer (check t samples with them where it has one).
+    if not os.environ.get("TINKERD_FLOW_TOKENIZER"):
+        e = raises_promptly(lambda: sample(sc, prompt, types.SamplingParams(max_tokens=4, stop="\n")),
+                            "stop strings (no tokenizer on the server)")
+        ok("stop" in str(e), f"the error names sampling_params.stop")
     e = raises_promptly(lambda: sample(sc, [10**9], greedy), "a prompt token outside the vocabulary")
     ok("prompt" in str(e), "the error names the prompt")
     raises_promptly(lambda: _client(S.svc.create_sampling_client(
@@ -915,6 +919,49 @@ def child_main() -> None:
     threading.Event().wait()
 
 
+def check_t() -> None:
+    """The server's tokenizer: get_tokenizer() loads the base model's (get_info's tokenizer_id),
+    and string stops end a sample where its decoded text first contains one, the stop included,
+    as the cookbook's role_colon renderer relies on."""
+    if not os.environ.get("TINKERD_FLOW_TOKENIZER"):
+        raise Skipped("the server's base model has no tokenizer (TINKERD_FLOW_TOKENIZER unset)")
+    tok = S.tc.get_tokenizer()
+    ids = tok.encode("hello world", add_special_tokens=False)
+    ok(tok.decode(ids) == "hello world" and len(ids) < len("hello world"),
+       f"get_tokenizer() loads the server's tokenizer: 'hello world' -> {ids} -> back")
+    sc = _client(S.svc.create_sampling_client(base_model=S.model_name))
+    prompt = tok.encode("User: what is two plus two?\n\nAssistant:", add_special_tokens=False)
+    greedy = types.SamplingParams(max_tokens=24, temperature=0.0)
+    full = list(sample(sc, prompt, greedy).sequences[0].tokens)
+    ok(len(full) == 24, f"greedy without a stop: 24 tokens ({full})")
+
+    def ascii_text(t: int) -> bool:
+        s = tok.decode([t])
+        return bool(s) and all(32 <= ord(c) < 127 for c in s)
+
+    # A stop string that spans two tokens' texts (ASCII, so that decoding by prefixes here and the
+    # server's matching on bytes agree), and where the definition says the sample must end.
+    cut = next((i for i in range(3, len(full) - 1)
+                if ascii_text(full[i]) and ascii_text(full[i + 1])), None)
+    if cut is None:
+        raise Skipped(f"no two ASCII tokens in a row to cut a stop string from: {full}")
+    a, b = tok.decode([full[cut]]), tok.decode([full[cut + 1]])
+    stop = a[-1:] + b[:2]
+    want = next(k for k in range(1, len(full) + 1) if stop in tok.decode(full[:k]))
+    for form in ([stop], stop):
+        params = types.SamplingParams(max_tokens=24, temperature=0.0, stop=form)
+        seq = sample(sc, prompt, params).sequences[0]
+        got = list(seq.tokens)
+        ok(got == full[:want] and seq.stop_reason == "stop",
+           f"stop={form!r}: the sample ends with the token completing the string's first "
+           f"occurrence ({len(got)} of {len(full)} tokens, want {want}; {seq.stop_reason})")
+        ok(stop in tok.decode(got), f"stop={form!r}: the returned tokens include the stop string")
+    never = sample(sc, prompt, types.SamplingParams(max_tokens=24, temperature=0.0,
+                                                    stop=["\x01never"])).sequences[0]
+    ok(list(never.tokens) == full and never.stop_reason == "length",
+       "a stop string the text never contains changes nothing")
+
+
 def rl_datum(tokens: list[int], logq: list[float], adv: list[float],
              ratio_mask: list[float] | None = None) -> types.Datum:
     """An RL datum over `tokens` (input tokens[:-1], targets tokens[1:]) with the sampler's logprobs
@@ -1064,6 +1111,7 @@ def main() -> None:
     run_check("h", "raw HTTP: config, errors, JSON shapes, a raw model lifecycle", check_h)
     run_check("i", "a SIGKILLed client; create_training_client_from_state trains on", check_i)
     run_check("z", "zero-gradient optim_step; gspo", check_z, needs=("a",))
+    run_check("t", "the server's tokenizer; stop strings", check_t, needs=("a",))
     finish()
 
 
