@@ -13,6 +13,15 @@ absl::Status Malformed(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("tokenizer.model: ", what));
 }
 
+// One field of a message: its number, wire type, and value (a varint, or a length-delimited
+// payload; fixed-width values are skipped).
+struct Field {
+  uint64_t number = 0;
+  int wire_type = 0;
+  uint64_t varint = 0;
+  std::string_view payload;
+};
+
 // A bounds-checked reader of protobuf's wire format.
 class Wire {
  public:
@@ -36,33 +45,34 @@ class Wire {
     rest_.remove_prefix(n);
     return out;
   }
-  // The next field's number and, for a length-delimited one, its payload; others are skipped.
-  absl::Status Next(uint64_t* field, int* wire_type, std::string_view* payload, uint64_t* varint) {
+  absl::StatusOr<Field> Next() {
+    Field f;
     absl::StatusOr<uint64_t> tag = Varint();
     if (!tag.ok()) return tag.status();
-    *field = *tag >> 3;
-    *wire_type = static_cast<int>(*tag & 7);
-    switch (*wire_type) {
-      case 0: {
-        absl::StatusOr<uint64_t> v = Varint();
+    f.number = *tag >> 3;
+    f.wire_type = static_cast<int>(*tag & 7);
+    absl::StatusOr<uint64_t> v;
+    absl::StatusOr<std::string_view> skipped;
+    switch (f.wire_type) {
+      case 0:
+        v = Varint();
         if (!v.ok()) return v.status();
-        *varint = *v;
-        return absl::OkStatus();
-      }
+        f.varint = *v;
+        return f;
       case 1:
-        return Bytes(8).status();
       case 5:
-        return Bytes(4).status();
-      case 2: {
-        absl::StatusOr<uint64_t> n = Varint();
-        if (!n.ok()) return n.status();
-        absl::StatusOr<std::string_view> b = Bytes(*n);
-        if (!b.ok()) return b.status();
-        *payload = *b;
-        return absl::OkStatus();
-      }
+        skipped = Bytes(f.wire_type == 1 ? 8 : 4);
+        if (!skipped.ok()) return skipped.status();
+        return f;
+      case 2:
+        v = Varint();
+        if (!v.ok()) return v.status();
+        skipped = Bytes(*v);
+        if (!skipped.ok()) return skipped.status();
+        f.payload = *skipped;
+        return f;
       default:
-        return Malformed(absl::StrCat("unsupported wire type ", *wire_type));
+        return Malformed(absl::StrCat("unsupported wire type ", f.wire_type));
     }
   }
 
@@ -70,20 +80,29 @@ class Wire {
   std::string_view rest_;
 };
 
-absl::StatusOr<SentencePiecePiece> ParsePiece(std::string_view bytes) {
-  SentencePiecePiece p;
+// Calls visit(field) for every field of the message in `bytes`; the first error stops it.
+template <class Visit>
+absl::Status ForEachField(std::string_view bytes, Visit visit) {
   Wire w(bytes);
   while (!w.done()) {
-    uint64_t field = 0, varint = 0;
-    int type = 0;
-    std::string_view payload;
-    if (auto st = w.Next(&field, &type, &payload, &varint); !st.ok()) return st;
-    if (field == 1 && type == 2) p.text = std::string(payload);
-    if (field == 3 && type == 0) {
-      if (varint < 1 || varint > 6) return Malformed(absl::StrCat("piece type ", varint));
-      p.kind = static_cast<SentencePiecePiece::Kind>(varint);
-    }
+    absl::StatusOr<Field> f = w.Next();
+    if (!f.ok()) return f.status();
+    if (absl::Status st = visit(*f); !st.ok()) return st;
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SentencePiecePiece> ParsePiece(std::string_view bytes) {
+  SentencePiecePiece p;
+  absl::Status st = ForEachField(bytes, [&](const Field& f) {
+    if (f.number == 1 && f.wire_type == 2) p.text = std::string(f.payload);
+    if (f.number == 3 && f.wire_type == 0) {
+      if (f.varint < 1 || f.varint > 6) return Malformed(absl::StrCat("piece type ", f.varint));
+      p.kind = static_cast<SentencePiecePiece::Kind>(f.varint);
+    }
+    return absl::OkStatus();
+  });
+  if (!st.ok()) return st;
   return p;
 }
 
@@ -91,27 +110,20 @@ absl::StatusOr<SentencePiecePiece> ParsePiece(std::string_view bytes) {
 
 absl::StatusOr<SentencePieceModel> ParseSentencePieceModel(std::string_view bytes) {
   SentencePieceModel m;
-  Wire w(bytes);
-  while (!w.done()) {
-    uint64_t field = 0, varint = 0;
-    int type = 0;
-    std::string_view payload;
-    if (auto st = w.Next(&field, &type, &payload, &varint); !st.ok()) return st;
-    if (field == 1 && type == 2) {
-      absl::StatusOr<SentencePiecePiece> piece = ParsePiece(payload);
+  absl::Status st = ForEachField(bytes, [&](const Field& f) -> absl::Status {
+    if (f.number == 1 && f.wire_type == 2) {
+      absl::StatusOr<SentencePiecePiece> piece = ParsePiece(f.payload);
       if (!piece.ok()) return piece.status();
       m.pieces.push_back(*std::move(piece));
-    } else if (field == 3 && type == 2) {
-      Wire spec(payload);
-      while (!spec.done()) {
-        uint64_t f = 0, v = 0;
-        int t = 0;
-        std::string_view p;
-        if (auto st = spec.Next(&f, &t, &p, &v); !st.ok()) return st;
-        if (f == 3 && t == 0) m.add_dummy_prefix = v != 0;
-      }
+    } else if (f.number == 3 && f.wire_type == 2) {
+      return ForEachField(f.payload, [&](const Field& spec) {
+        if (spec.number == 3 && spec.wire_type == 0) m.add_dummy_prefix = spec.varint != 0;
+        return absl::OkStatus();
+      });
     }
-  }
+    return absl::OkStatus();
+  });
+  if (!st.ok()) return st;
   if (m.pieces.empty()) return Malformed("no pieces");
   return m;
 }

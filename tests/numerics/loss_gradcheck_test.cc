@@ -110,36 +110,26 @@ TEST(LossGradcheck, GspoTokenRatioCarriesTheSequenceValue) {
   for (int64_t t = 0; t < n; ++t) {
     in_ratio.data_ptr<double>()[t] = (t >= 21 && t < 28) ? 0.0 : (g.Uniform(0, 1) < 0.8);
   }
-  // Per datum: log s from its ratio positions, with plain loops; s held fixed below.
-  std::vector<double> s(cu.size() - 1);
-  for (size_t j = 0; j + 1 < cu.size(); ++j) {
+  // Datum j's ratio s = exp(mean over its ratio positions of lp − logq), with plain loops.
+  auto ratio = [&](const at::Tensor& lp, size_t j) {
     double sum = 0;
     int count = 0;
     for (int64_t t = cu[j]; t < cu[j + 1]; ++t) {
       if (in_ratio.data_ptr<double>()[t] != 0) {
-        sum += logp.data_ptr<double>()[t] - logq.data_ptr<double>()[t];
+        sum += lp.data_ptr<double>()[t] - logq.data_ptr<double>()[t];
         ++count;
       }
     }
-    s[j] = std::exp(count > 0 ? sum / count : 0.0);
-  }
+    return std::exp(count > 0 ? sum / count : 0.0);
+  };
+  std::vector<double> s(cu.size() - 1);  // held fixed below: the stop-gradient
+  for (size_t j = 0; j + 1 < cu.size(); ++j) s[j] = ratio(logp, j);
   // f(lp) = −Σ_t min(r_t·A_t, clip(r_t)·A_t) with r_t = s_j·exp(lp_t − logp_t); `through_s`
   // recomputes s_j from lp, as a loss without the stop-gradient would.
   auto f = [&](const at::Tensor& lp, bool through_s) {
     double total = 0;
     for (size_t j = 0; j + 1 < cu.size(); ++j) {
-      double sj = s[j];
-      if (through_s) {
-        double sum = 0;
-        int count = 0;
-        for (int64_t t = cu[j]; t < cu[j + 1]; ++t) {
-          if (in_ratio.data_ptr<double>()[t] != 0) {
-            sum += lp.data_ptr<double>()[t] - logq.data_ptr<double>()[t];
-            ++count;
-          }
-        }
-        sj = std::exp(count > 0 ? sum / count : 0.0);
-      }
+      const double sj = through_s ? ratio(lp, j) : s[j];
       for (int64_t t = cu[j]; t < cu[j + 1]; ++t) {
         const double r =
             through_s ? sj : sj * std::exp(lp.data_ptr<double>()[t] - logp.data_ptr<double>()[t]);
