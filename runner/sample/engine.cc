@@ -20,6 +20,7 @@
 #include "runner/tokenizer/stop_strings.h"
 #include "runner/util/exception_status.h"
 #include "runner/util/rng.h"
+#include "runner/util/status_macros.h"
 
 namespace tinkerd {
 
@@ -166,11 +167,9 @@ int64_t SampleEngine::KvBytes(const Policy& policy, const SampleRequest& r) {
 
 absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleRequest request,
                                  Done done, Progress progress) {
-  if (!request.params.stop_strings.empty() && policy->texts == nullptr) {
-    return absl::InvalidArgumentError(
-        "sampling_params.stop: stop strings need the model's tokenizer (tokenizer.json or "
-        "tokenizer.model in its directory), and this model has none; send stop token ids");
-  }
+  ModelLimits matchable;
+  matchable.tokenizer = policy->texts != nullptr;
+  RETURN_IF_ERROR(CheckStopStringsMatchable(request.params.stop_strings.size(), matchable));
   auto job = std::make_unique<Job>();
   job->bytes = KvBytes(*policy, request);
   if (request.num_samples > limits_.max_sequences || job->bytes > limits_.kv_cache_bytes) {
