@@ -232,6 +232,16 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
             absl::StrCat(cfg_path.string(), ": ", parsed.status().message()));
       }
       impl->model_config = *parsed;
+      // Hugging Face's generate stops at generation_config.json's eos_token_id where the file
+      // names one, else config.json's; so does the sampler (unless a request ignores EOS).
+      const auto gen_path =
+          std::filesystem::path(config.base_model_path) / "generation_config.json";
+      if (std::error_code ec; std::filesystem::exists(gen_path, ec)) {
+        ASSIGN_OR_RETURN(std::string gen_text, ReadFileToString(gen_path.string()));
+        ASSIGN_OR_RETURN(std::vector<int64_t> eos,
+                         ParseGenerationEos(gen_text, impl->model_config.vocab_size));
+        if (!eos.empty()) impl->model_config.eos_token_ids = std::move(eos);
+      }
       ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype));
       // Only stop strings need it: a model without one (or with one tinkerd cannot read) still
       // trains and samples, and a request with stop strings is refused naming why.

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 
 namespace tinkerd {
 namespace {
@@ -246,6 +247,22 @@ absl::Status ParseSlidingWindow(const json& j, ModelConfig* c) {
   return absl::OkStatus();
 }
 
+// eos_token_id: an id, a list of ids, or null; each must be a token of the vocabulary.
+absl::Status ReadEos(const json& j, int64_t vocab, std::vector<int64_t>* out) {
+  out->clear();
+  auto it = j.find("eos_token_id");
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  const json list = it->is_array() ? *it : json::array({*it});
+  for (const json& v : list) {
+    const std::optional<int64_t> id = v.is_number() ? ExactInt64(v) : std::nullopt;
+    if (!id || *id < 0 || *id >= vocab) {
+      return Bad(absl::StrCat("eos_token_id must be token ids in [0, ", vocab, ")"));
+    }
+    out->push_back(*id);
+  }
+  return absl::OkStatus();
+}
+
 // Keys of Hugging Face configs that change the math of these families when they are not at their
 // default: refused by name rather than ignored.
 absl::Status RefuseUnsupportedMath(const json& j) {
@@ -353,6 +370,7 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
   if (c.rope_scaling.original_max_position_embeddings == 0) {
     c.rope_scaling.original_max_position_embeddings = c.max_position_embeddings;
   }
+  if (auto st = ReadEos(j, c.vocab_size, &c.eos_token_ids); !st.ok()) return st;
   return c;
 }
 
@@ -366,6 +384,20 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text) {
   } catch (const std::exception& e) {  // a number out of range for its type, for example
     return Bad(e.what());
   }
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseGenerationEos(absl::string_view json_text,
+                                                        int64_t vocab_size) {
+  json j = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError("generation_config.json: not a JSON object");
+  }
+  std::vector<int64_t> eos;
+  if (auto st = ReadEos(j, vocab_size, &eos); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("generation_config.json: ", absl::StripPrefix(st.message(), "config.json: ")));
+  }
+  return eos;
 }
 
 std::string ModelConfigToJson(const ModelConfig& c) {
@@ -435,6 +467,11 @@ std::string ModelConfigToJson(const ModelConfig& c) {
     j["rope_scaling"] = rs;
   }
   j["torch_dtype"] = c.torch_dtype.empty() ? "float32" : c.torch_dtype;
+  if (c.eos_token_ids.size() == 1) {
+    j["eos_token_id"] = c.eos_token_ids[0];
+  } else if (!c.eos_token_ids.empty()) {
+    j["eos_token_id"] = c.eos_token_ids;
+  }
   return j.dump(2);
 }
 

@@ -45,6 +45,9 @@ struct ModelConfig {
   // when sliding_window > 0 (Mistral).
   std::vector<bool> layer_slides;
   std::string torch_dtype;  // informational
+  // The end-of-sequence tokens a sample stops at (config.json's eos_token_id; the runner prefers
+  // generation_config.json's, as Hugging Face's generate does). Empty: none.
+  std::vector<int64_t> eos_token_ids;
 
   // The attention window of `layer`: sliding_window where it slides, else 0 (full).
   int64_t WindowOf(int64_t layer) const {
@@ -61,6 +64,10 @@ struct ModelConfig {
 // math tinkerd does not implement (an unknown rope type, `mlp_bias`, another activation, ...)
 // are InvalidArgument naming the key.
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text);
+// eos_token_id of a generation_config.json (an id or a list of ids, each in [0, vocab)); empty
+// when it names none. InvalidArgument naming the key otherwise.
+absl::StatusOr<std::vector<int64_t>> ParseGenerationEos(absl::string_view json_text,
+                                                        int64_t vocab_size);
 // Serializes back to a config.json that ParseModelConfig and Hugging Face both read.
 std::string ModelConfigToJson(const ModelConfig& config);
 

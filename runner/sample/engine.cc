@@ -117,12 +117,14 @@ at::Tensor Tokens(const std::vector<int64_t>& ids, at::Device device) {
   return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).to(device);
 }
 
-// Appends the chosen token and ends the sample on a stop sequence, a stop string or at max_tokens.
-void Take(const SamplingParams& params, const Choice& c, SampledSequence& out, bool& finished,
-          std::optional<StopStrings>& stop_strings) {
+// Appends the chosen token and ends the sample on an end-of-sequence token (`eos`, unless the
+// request ignores them), a stop sequence, a stop string or at max_tokens.
+void Take(const SamplingParams& params, const std::vector<int64_t>& eos, const Choice& c,
+          SampledSequence& out, bool& finished, std::optional<StopStrings>& stop_strings) {
   out.tokens.push_back(c.token);
   out.logprobs.push_back(c.logprob);
-  if (stop_strings && stop_strings->Append(c.token)) {
+  const bool at_eos = !params.ignore_eos && std::find(eos.begin(), eos.end(), c.token) != eos.end();
+  if (at_eos || (stop_strings && stop_strings->Append(c.token))) {
     out.stop_reason = StopReason::kStop;
     finished = true;
     return;
@@ -293,7 +295,8 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
       at::TensorOptions().dtype(job.k_LPKd[0].scalar_type()).device(pol.device);
   const int64_t K = pol.config.num_key_value_heads, d = pol.config.head_dim;
   for (Sample& s : job.samples) {
-    Take(r.params, ChooseToken(z_V, V, lse, r.params, s.rng), s.out, s.finished, s.stop_strings);
+    Take(r.params, pol.config.eos_token_ids, ChooseToken(z_V, V, lse, r.params, s.rng), s.out,
+         s.finished, s.stop_strings);
     if (s.finished) continue;
     // The last token is never fed back: max_tokens - 1 rows suffice.
     for (int64_t l = 0; l < layers; ++l) {
@@ -388,7 +391,8 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     const auto& [job, s] = batch[i];
     ++s->cached;
     s->rng = chosen[i].rng;
-    Take(job->request.params, chosen[i].choice, s->out, s->finished, s->stop_strings);
+    Take(job->request.params, job->policy->config.eos_token_ids, chosen[i].choice, s->out,
+         s->finished, s->stop_strings);
   }
 }
 

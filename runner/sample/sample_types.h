@@ -27,6 +27,10 @@ struct SamplingParams {
   // A sample ends once the text its tokens decode to contains any of these (UTF-8, non-empty);
   // the token that completed the match is the sample's last. Needs the model's tokenizer.
   std::vector<std::string> stop_strings;
+  // false: a sample also ends after emitting one of the model's end-of-sequence tokens
+  // (ModelConfig::eos_token_ids), which it keeps; true: they are tokens like any other (Tinker's
+  // stop = []).
+  bool ignore_eos = false;
 };
 
 struct SampleRequest {

@@ -379,6 +379,8 @@ absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::Sampling
   if (!stop->is_array()) {
     return Invalid("sampling_params.stop", "must be a string, a list of strings or token ids");
   }
+  // An empty list turns off every stop, the model's end-of-sequence tokens included.
+  if (stop->empty()) out->set_ignore_eos(true);
   const bool strings = !stop->empty() && (*stop)[0].is_string();
   for (const nlohmann::json& t : *stop) {
     if (strings) {

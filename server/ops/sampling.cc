@@ -111,6 +111,7 @@ absl::StatusOr<SampleRequest> Sampling::Decode(const v1::SampleRequest& req) {
   r.params.top_p = p.has_top_p() ? p.top_p() : 1.0;
   if (p.has_seed()) r.params.seed = p.seed();
   r.params.stop_strings.assign(p.stop_strings().begin(), p.stop_strings().end());
+  r.params.ignore_eos = p.ignore_eos();
   for (const v1::EncodedTextChunk& stop : p.stop()) {
     r.params.stop.emplace_back(stop.tokens().begin(), stop.tokens().end());
   }

@@ -98,6 +98,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
                    "a stop string changed");
       }
     } else {
+      FUZZ_CHECK(sp.ignore_eos() == (!none && stop->empty()), "stop: [] must turn off EOS");
       const size_t stops = none ? 0 : stop->size();
       FUZZ_CHECK(static_cast<size_t>(sp.stop_size()) == stops && sp.stop_strings_size() == 0,
                  "a stop id lost or added");

@@ -767,6 +767,27 @@ TEST_F(SamplingTest, StopStringEndsTheSampleWhereItsTextFirstContainsIt) {
   for (size_t i = 0; i < full.size(); ++i) EXPECT_EQ(unstopped[i].tokens, full[i].tokens);
 }
 
+// The model's end-of-sequence tokens end a sample (kept, STOP) unless the request ignores them.
+TEST_F(SamplingTest, EndOfSequenceTokensEndASampleUnlessIgnored) {
+  SampleRequest r = Request(4, 16);
+  r.params.temperature = 0;
+  const SampledSequence full = Run({r})[0].sequences[0];
+  ASSERT_EQ(full.stop_reason, StopReason::kLength);
+  auto with_eos = std::make_shared<Policy>(*policy_);
+  with_eos->config.eos_token_ids = {127, full.tokens[5]};  // 127: an id the sample may not emit
+  size_t end = 0;
+  while (full.tokens[end] != 127 && full.tokens[end] != full.tokens[5]) ++end;
+  const SampledSequence stopped = Run({r}, {}, {with_eos})[0].sequences[0];
+  EXPECT_EQ(stopped.stop_reason, StopReason::kStop);
+  EXPECT_EQ(stopped.tokens,
+            std::vector<int64_t>(full.tokens.begin(), full.tokens.begin() + end + 1));
+  // Control: ignored, the same tokens run to max_tokens.
+  r.params.ignore_eos = true;
+  const SampledSequence ignored = Run({r}, {}, {with_eos})[0].sequences[0];
+  EXPECT_EQ(ignored.stop_reason, StopReason::kLength);
+  EXPECT_EQ(ignored.tokens, full.tokens);
+}
+
 TEST_F(SamplingTest, StopStringsNeedTheModelsTokenizer) {
   TempDir bare;
   std::unique_ptr<ModelRunner> runner = MakeRunner(WriteModel(bare, TinyConfig("llama"), 5));

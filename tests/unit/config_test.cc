@@ -223,6 +223,38 @@ TEST(ModelConfig, SlidingLayersFollowMaxWindowLayersOrLayerTypes) {
   EXPECT_NE(ModelConfigToJson(*v4).find("\"max_window_layers\": 1"), std::string::npos);
 }
 
+TEST(ModelConfig, EndOfSequenceIdsFromConfigOrGenerationConfig) {
+  const std::string head = R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4)";
+  auto one = ParseModelConfig(head + R"(,"eos_token_id":2})");
+  ASSERT_TRUE(one.ok()) << one.status().message();
+  EXPECT_EQ(one->eos_token_ids, (std::vector<int64_t>{2}));
+  auto several = ParseModelConfig(head + R"(,"eos_token_id":[2,9]})");
+  ASSERT_TRUE(several.ok()) << several.status().message();
+  EXPECT_EQ(several->eos_token_ids, (std::vector<int64_t>{2, 9}));
+  auto back = ParseModelConfig(ModelConfigToJson(*several));
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->eos_token_ids, (std::vector<int64_t>{2, 9}));
+  auto none = ParseModelConfig(head + R"(,"eos_token_id":null})");
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->eos_token_ids.empty());
+  for (const char* bad :
+       {R"(,"eos_token_id":10})", R"(,"eos_token_id":"2"})", R"(,"eos_token_id":[1,-1]})"}) {
+    auto r = ParseModelConfig(head + bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("eos_token_id"), absl::string_view::npos) << bad;
+  }
+  auto gen = ParseGenerationEos(R"({"bos_token_id": 1, "eos_token_id": [7, 8]})", 10);
+  ASSERT_TRUE(gen.ok()) << gen.status().message();
+  EXPECT_EQ(*gen, (std::vector<int64_t>{7, 8}));
+  EXPECT_TRUE(ParseGenerationEos(R"({"do_sample": true})", 10)->empty());
+  auto bad_gen = ParseGenerationEos(R"({"eos_token_id": 12})", 10);
+  EXPECT_EQ(bad_gen.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_gen.status().message().find("generation_config.json: eos_token_id"),
+            absl::string_view::npos)
+      << bad_gen.status().message();
+}
+
 TEST(ModelConfig, Qwen3HeadDimDefaultsTo128AsQwen3ConfigDoes) {
   auto c = ParseModelConfig(R"({"architectures":["Qwen3ForCausalLM"],"vocab_size":10,
     "hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4})");

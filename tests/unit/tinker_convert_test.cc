@@ -395,6 +395,35 @@ TEST(TinkerConvert, OutputOfNoDatums) {
   EXPECT_EQ(out.loss_fn_outputs(0).fields().at("logprobs").data(), "");
 }
 
+// Tinker's stop forms: a string, strings, ids; [] turns off every stop, EOS included; a mixed
+// list is refused naming the field.
+TEST(TinkerConvert, StopFormsOfSamplingParams) {
+  auto convert = [](const char* json, v1::SamplingParams* out) {
+    const nlohmann::json params = nlohmann::json::parse(json);
+    return SamplingParamsFromTinker(&params, out);
+  };
+  v1::SamplingParams one, many, ids, none, off, mixed;
+  ASSERT_TRUE(convert(R"({"max_tokens": 4, "stop": "\n\nUser:"})", &one).ok());
+  EXPECT_EQ(std::vector<std::string>(one.stop_strings().begin(), one.stop_strings().end()),
+            std::vector<std::string>{"\n\nUser:"});
+  EXPECT_FALSE(one.ignore_eos());
+  ASSERT_TRUE(convert(R"({"max_tokens": 4, "stop": ["a", "bc"]})", &many).ok());
+  EXPECT_EQ(many.stop_strings_size(), 2);
+  EXPECT_EQ(many.stop_size(), 0);
+  ASSERT_TRUE(convert(R"({"max_tokens": 4, "stop": [5, 7]})", &ids).ok());
+  EXPECT_EQ(ids.stop_size(), 2);
+  EXPECT_EQ(ids.stop(1).tokens(0), 7);
+  EXPECT_FALSE(ids.ignore_eos());
+  ASSERT_TRUE(convert(R"({"max_tokens": 4})", &none).ok());
+  EXPECT_FALSE(none.ignore_eos());
+  ASSERT_TRUE(convert(R"({"max_tokens": 4, "stop": []})", &off).ok());
+  EXPECT_TRUE(off.ignore_eos());
+  EXPECT_EQ(off.stop_size() + off.stop_strings_size(), 0);
+  const absl::Status st = convert(R"({"max_tokens": 4, "stop": ["a", 5]})", &mixed);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("sampling_params.stop"), absl::string_view::npos) << st.message();
+}
+
 TEST(TinkerConvert, APageIsReadFromTheQueryAndEachBadValueIsNamed) {
   auto page = PageFromQuery("access_scope=owned&limit=20&offset=40");
   ASSERT_TRUE(page.ok()) << page.status();
