@@ -1009,12 +1009,16 @@ TEST(SampleValidation, EachBadFieldIsNamed) {
   ok.prompt = {1, 2, 3};
   ok.params.max_tokens = 4;
   EXPECT_TRUE(ValidateSampleRequest(ok, model, limits).ok());
-  auto expect = [&](std::function<void(SampleRequest&)> edit, const std::string& field) {
+  auto expect_for = [&](const ModelLimits& m, std::function<void(SampleRequest&)> edit,
+                        const std::string& field) {
     SampleRequest r = ok;
     edit(r);
-    const absl::Status st = ValidateSampleRequest(r, model, limits);
+    const absl::Status st = ValidateSampleRequest(r, m, limits);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << field;
     EXPECT_NE(std::string(st.message()).find(field), std::string::npos) << st.message();
+  };
+  auto expect = [&](std::function<void(SampleRequest&)> edit, const std::string& field) {
+    expect_for(model, std::move(edit), field);
   };
   expect([](SampleRequest& r) { r.prompt.clear(); }, "prompt");
   expect([](SampleRequest& r) { r.prompt[1] = 128; }, "prompt[1]");
@@ -1034,20 +1038,21 @@ TEST(SampleValidation, EachBadFieldIsNamed) {
   // Stop strings: only with a tokenizer, non-empty, and bounded in number and length.
   expect([](SampleRequest& r) { r.params.stop_strings = {"x"}; }, "has none");
   const ModelLimits with_tokenizer{128, 64, /*tokenizer=*/true};
-  auto expect_with = [&](std::function<void(SampleRequest&)> edit, const std::string& field) {
-    SampleRequest r = ok;
-    edit(r);
-    const absl::Status st = ValidateSampleRequest(r, with_tokenizer, limits);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << field;
-    EXPECT_NE(std::string(st.message()).find(field), std::string::npos) << st.message();
-  };
   SampleRequest strings = ok;
   strings.params.stop_strings = {"\n\nUser:", "x"};
   EXPECT_TRUE(ValidateSampleRequest(strings, with_tokenizer, limits).ok());
-  expect_with([](SampleRequest& r) { r.params.stop_strings = {"a", ""}; }, "stop[1]");
-  expect_with([](SampleRequest& r) { r.params.stop_strings.assign(33, "a"); }, "at most 32");
-  expect_with([](SampleRequest& r) { r.params.stop_strings = {std::string(1025, 'a')}; },
-              "longer than 1024");
+  expect_for(
+      with_tokenizer,
+      [](SampleRequest& r) {
+        r.params.stop_strings = {"a", ""};
+      },
+      "stop[1]");
+  expect_for(
+      with_tokenizer, [](SampleRequest& r) { r.params.stop_strings.assign(33, "a"); },
+      "at most 32");
+  expect_for(
+      with_tokenizer, [](SampleRequest& r) { r.params.stop_strings = {std::string(1025, 'a')}; },
+      "longer than 1024");
 }
 
 }  // namespace
