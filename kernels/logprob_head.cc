@@ -34,23 +34,24 @@ at::Tensor ChunkLogits(const Head& hd, const at::Tensor& h_tD, const at::Tensor&
   return z.to(acc);
 }
 
-// For targets y of a token chunk: whether each falls in [v0, v0 + vc) and its column there.
-std::pair<at::Tensor, at::Tensor> TargetColumns(const at::Tensor& y_t, int64_t v0, int64_t vc) {
-  const at::Tensor in = y_t.ge(v0).logical_and(y_t.lt(v0 + vc));
-  return {in, (y_t - v0).clamp(0, vc - 1).unsqueeze(1)};
+// For targets y_tK of a token chunk: whether each falls in [v0, v0 + vc) and its column there.
+std::pair<at::Tensor, at::Tensor> TargetColumns(const at::Tensor& y_tK, int64_t v0, int64_t vc) {
+  const at::Tensor in = y_tK.ge(v0).logical_and(y_tK.lt(v0 + vc));
+  return {in, (y_tK - v0).clamp(0, vc - 1)};
 }
 
-LogprobHeadOutput Forward(const Head& hd, const at::Tensor& y_T) {
+// logp_TK and lse_T for targets y_TK (K = 1 for one target per token).
+LogprobHeadOutput Forward(const Head& hd, const at::Tensor& y_TK) {
   const at::ScalarType acc = AccumulateType(hd.h_TD.scalar_type());
-  const int64_t T = hd.h_TD.size(0), V = hd.W_VD.size(0);
+  const int64_t T = hd.h_TD.size(0), V = hd.W_VD.size(0), K = y_TK.size(1);
   const at::TensorOptions to = hd.h_TD.options().dtype(acc);
-  LogprobHeadOutput out{at::empty({T}, to), at::empty({T}, to)};
+  LogprobHeadOutput out{at::empty({T, K}, to), at::empty({T}, to)};
   for (int64_t t0 = 0; t0 < T; t0 += hd.chunk_t) {
     const int64_t tc = std::min(hd.chunk_t, T - t0);
-    const at::Tensor h = hd.h_TD.narrow(0, t0, tc), y = y_T.narrow(0, t0, tc);
+    const at::Tensor h = hd.h_TD.narrow(0, t0, tc), y = y_TK.narrow(0, t0, tc);
     const at::Tensor u = hd.lora() ? at::mm(h, hd.A_rD.t()).mul_(hd.s) : at::Tensor();
     at::Tensor m = at::full({tc}, -std::numeric_limits<double>::infinity(), to);
-    at::Tensor l = at::zeros({tc}, to), target = at::zeros({tc}, to);
+    at::Tensor l = at::zeros({tc}, to), target = at::zeros({tc, K}, to);
     for (int64_t v0 = 0; v0 < V; v0 += hd.chunk_v) {
       const int64_t vc = std::min(hd.chunk_v, V - v0);
       const at::Tensor z = ChunkLogits(hd, h, u, v0, vc, acc);
@@ -58,11 +59,11 @@ LogprobHeadOutput Forward(const Head& hd, const at::Tensor& y_T) {
       l = l * at::exp(m - m_new) + at::exp(z - m_new.unsqueeze(1)).sum(1);
       m = m_new;
       auto [in, col] = TargetColumns(y, v0, vc);
-      target = at::where(in, z.gather(1, col).squeeze(1), target);
+      target = at::where(in, z.gather(1, col), target);
     }
     const at::Tensor lse = m + at::log(l);
     out.lse_T.narrow(0, t0, tc).copy_(lse);
-    out.logp_T.narrow(0, t0, tc).copy_(target - lse);
+    out.logp_T.narrow(0, t0, tc).copy_(target - lse.unsqueeze(1));
   }
   return out;
 }
@@ -73,8 +74,11 @@ struct LogprobHeadFunction : torch::autograd::Function<LogprobHeadFunction> {
                                const at::Tensor& A, const at::Tensor& B,
                                const LogprobHeadParams* p) {
     const Head hd = MakeHead(h, W, A, B, *p);
-    LogprobHeadOutput out = Forward(hd, p->targets_T);
-    ctx->save_for_backward({h, W, A, B, p->targets_T, out.lse_T});
+    const bool one_per_token = p->targets_T.dim() == 1;
+    const at::Tensor y_TK = one_per_token ? p->targets_T.unsqueeze(1) : p->targets_T;
+    LogprobHeadOutput out = Forward(hd, y_TK);
+    if (one_per_token) out.logp_T = out.logp_T.squeeze(1);
+    ctx->save_for_backward({h, W, A, B, y_TK, out.lse_T});
     ctx->saved_data["s"] = p->lora_scale;
     ctx->saved_data["chunk_t"] = p->chunk_tokens;
     ctx->saved_data["chunk_v"] = p->chunk_vocab;
@@ -89,12 +93,13 @@ struct LogprobHeadFunction : torch::autograd::Function<LogprobHeadFunction> {
     p.chunk_tokens = ctx->saved_data["chunk_t"].toInt();
     p.chunk_vocab = ctx->saved_data["chunk_v"].toInt();
     const Head hd = MakeHead(s[0], s[1], s[2], s[3], p);
-    const at::Tensor& y_T = s[4];
+    const at::Tensor& y_TK = s[4];
     const at::Tensor& lse_T = s[5];
     const at::ScalarType acc = lse_T.scalar_type(), dt = hd.h_TD.scalar_type();
     const bool need_W = ctx->needs_input_grad(1);
-    const int64_t T = hd.h_TD.size(0), V = hd.W_VD.size(0);
-    const at::Tensor g_T = grads[0].defined() ? grads[0].to(acc) : at::zeros({T}, lse_T.options());
+    const int64_t T = hd.h_TD.size(0), V = hd.W_VD.size(0), K = y_TK.size(1);
+    const at::Tensor g_TK =
+        grads[0].defined() ? grads[0].to(acc).reshape({T, K}) : at::zeros({T, K}, lse_T.options());
     at::Tensor dh = at::empty_like(hd.h_TD);
     at::Tensor dW =
         need_W ? at::zeros(hd.W_VD.sizes(), hd.W_VD.options().dtype(acc)) : at::Tensor();
@@ -105,17 +110,19 @@ struct LogprobHeadFunction : torch::autograd::Function<LogprobHeadFunction> {
     }
     for (int64_t t0 = 0; t0 < T; t0 += hd.chunk_t) {
       const int64_t tc = std::min(hd.chunk_t, T - t0);
-      const at::Tensor h = hd.h_TD.narrow(0, t0, tc), y = y_T.narrow(0, t0, tc);
-      const at::Tensor g = g_T.narrow(0, t0, tc), lse = lse_T.narrow(0, t0, tc);
+      const at::Tensor h = hd.h_TD.narrow(0, t0, tc), y = y_TK.narrow(0, t0, tc);
+      const at::Tensor g = g_TK.narrow(0, t0, tc), lse = lse_T.narrow(0, t0, tc);
+      // Σ_k g_tk weighs each row's softmax term; with K = 1 it is g itself, bit for bit.
+      const at::Tensor g_sum = K == 1 ? g.squeeze(1) : g.sum(1);
       const at::Tensor u = hd.lora() ? at::mm(h, hd.A_rD.t()).mul_(hd.s) : at::Tensor();
       at::Tensor dh_t = at::zeros({tc, hd.h_TD.size(1)}, h.options().dtype(acc));
       at::Tensor du_t = hd.lora() ? at::zeros({tc, hd.A_rD.size(0)}, dh_t.options()) : at::Tensor();
       for (int64_t v0 = 0; v0 < V; v0 += hd.chunk_v) {
         const int64_t vc = std::min(hd.chunk_v, V - v0);
         at::Tensor dz = at::exp(ChunkLogits(hd, h, u, v0, vc, acc) - lse.unsqueeze(1))
-                            .mul_(g.neg().unsqueeze(1));
+                            .mul_(g_sum.neg().unsqueeze(1));
         auto [in, col] = TargetColumns(y, v0, vc);
-        dz.scatter_add_(1, col, at::where(in, g, at::zeros_like(g)).unsqueeze(1));
+        dz.scatter_add_(1, col, at::where(in, g, at::zeros_like(g)));
         const at::Tensor dz_dt = dz.to(dt);  // the matmuls run in the compute dtype
         dh_t.add_(at::mm(dz_dt, hd.W_VD.narrow(0, v0, vc)));
         if (need_W) dW.narrow(0, v0, vc).add_(at::mm(dz_dt.t(), h));
@@ -162,8 +169,9 @@ LogprobHeadOutput TokenLogprobs(const LogprobHeadParams& p) {
                   p.hidden_TD.size(1) == p.weight_VD.size(1),
               "logprob head: hidden [T, D] and weight [V, D] do not match");
   TORCH_CHECK(p.lora_runs.empty(), "logprob head: lora_runs are for HeadLogits only");
-  TORCH_CHECK(p.targets_T.dim() == 1 && p.targets_T.size(0) == p.hidden_TD.size(0),
-              "logprob head: targets must be [T]");
+  TORCH_CHECK((p.targets_T.dim() == 1 || p.targets_T.dim() == 2) &&
+                  p.targets_T.size(0) == p.hidden_TD.size(0),
+              "logprob head: targets must be [T] or [T, K]");
   TORCH_CHECK(p.lora_A_rD.defined() == p.lora_B_Vr.defined(),
               "logprob head: LoRA needs both A and B");
   TORCH_CHECK(p.chunk_tokens > 0 && p.chunk_vocab > 0, "logprob head: chunks must be positive");

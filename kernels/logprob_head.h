@@ -2,14 +2,15 @@
 // logsumexp, chunked over tokens and vocabulary so that no [T, V] tensor exists.
 //
 //   z_tv  = h_t·W_v + s·(h_t·Aᵀ)·B_vᵀ        (the LoRA term only when the head is adapted)
-//   lse_t = log Σ_v exp(z_tv),   logp_t = z_{t,y_t} − lse_t
-// Backward recomputes each chunk's logits; for g_t = ∂L/∂logp_t and P_tv = exp(z_tv − lse_t):
-//   dz_tv = g_t (1[v = y_t] − P_tv)
+//   lse_t = log Σ_v exp(z_tv),   logp_tk = z_{t,y_tk} − lse_t
+// with K targets y_t1..y_tK per token (K = 1 for targets [T]; top-K soft targets otherwise).
+// Backward recomputes each chunk's logits; for g_tk = ∂L/∂logp_tk and P_tv = exp(z_tv − lse_t):
+//   dz_tv = Σ_k g_tk 1[v = y_tk] − (Σ_k g_tk) P_tv
 //   dh = dz·W + s·(dz·B)·A,   dW = dzᵀ·h,   dB = s·dzᵀ·(h·Aᵀ),   dA = s·(dz·B)ᵀ·h
 // Logits are formed in the input dtype (as a bf16 model's lm_head would) and the softmax, max,
 // sum, lse and logp are fp32 (fp64 for fp64 inputs).
 //
-// Shape suffixes: T tokens, D hidden, V vocabulary, r LoRA rank.
+// Shape suffixes: T tokens, D hidden, V vocabulary, r LoRA rank, K targets per token.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,7 +28,7 @@ struct LogprobHeadParams {
   at::Tensor lora_A_rD;  // undefined when the head is not adapted
   at::Tensor lora_B_Vr;
   double lora_scale = 1.0;
-  at::Tensor targets_T;  // int64, each in [0, V)
+  at::Tensor targets_T;  // int64 [T] or [T, K], each in [0, V)
   // Peak memory beyond the inputs is about 3 · chunk_tokens · chunk_vocab accumulate-type values.
   int64_t chunk_tokens = 1024;
   int64_t chunk_vocab = 8192;
@@ -37,7 +38,7 @@ struct LogprobHeadParams {
 };
 
 struct LogprobHeadOutput {
-  at::Tensor logp_T;  // differentiable w.r.t. hidden, weight and the LoRA pair
+  at::Tensor logp_T;  // shaped as targets_T; differentiable w.r.t. hidden, weight and LoRA pair
   at::Tensor lse_T;   // not differentiable
 };
 

@@ -21,6 +21,12 @@ absl::Status Batch::Append(Batch&& more) {
   if (more.loss_.spec != loss_.spec || more.loss_.config != loss_.config) {
     return absl::InvalidArgumentError("loss_fn: a batch appended to one of another loss");
   }
+  // Both are non-empty (Check refuses an empty batch) and each shares one target shape.
+  if (TargetWidth(more.data_.front()) != TargetWidth(data_.front())) {
+    return absl::InvalidArgumentError(
+        "loss_fn_inputs[\"target_tokens\"]: a datum's targets per position differ from the "
+        "call's first datum's; the datums of a call share one target shape");
+  }
   data_.insert(data_.end(), std::make_move_iterator(more.data_.begin()),
                std::make_move_iterator(more.data_.end()));
   more.data_.clear();

@@ -1,5 +1,6 @@
 // The training step: forward/backward over packed micro-batches into staged gradients, and the
-// optimizer step. Shape suffixes: T tokens of a micro-batch.
+// optimizer step. Shape suffixes: T tokens of a micro-batch, K targets per token (top-K
+// cross_entropy; targets and weights are [T] otherwise).
 #include "runner/train_step.h"
 
 #include <ATen/core/grad_mode.h>
@@ -27,7 +28,7 @@ const BaseWeights& WeightsOf(const StepContext& ctx, const ModelState& t) {
   return t.full ? *t.full : *ctx.base;
 }
 
-// Concatenates a float input of the micro-batch's datums into one [T] tensor.
+// Concatenates a float input of the micro-batch's datums into one [T] (or [T·K]) tensor.
 at::Tensor GatherFloat(const std::vector<Datum>& data, const std::vector<int>& mb,
                        const std::string& key, const at::TensorOptions& to) {
   std::vector<float> v;
@@ -74,6 +75,13 @@ void CallStage::Run(const std::vector<Datum>& data) {
   for (const Datum& d : data) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
   const size_t first_output = result_.outputs.size();
   result_.outputs.resize(first_output + data.size());
+  // Top-K targets: every datum of a call has the same K (Batch::Check); K = 0 means [T].
+  const int64_t K = TargetWidth(data.front());
+  const int64_t per_token = std::max<int64_t>(K, 1);
+  for (size_t i = 0; i < data.size(); ++i) {
+    result_.outputs[first_output + i].logprobs_shape =
+        K > 0 ? std::vector<int64_t>{lengths[i], K} : std::vector<int64_t>{lengths[i]};
+  }
   // This rank's datums. A rank may get none; it still takes part in every collective (Commit).
   std::vector<int> mine(data.size());
   std::iota(mine.begin(), mine.end(), 0);
@@ -92,22 +100,27 @@ void CallStage::Run(const std::vector<Datum>& data) {
     PackedBatch batch{GatherInt(data, mb, /*targets=*/false, ctx_.device), {0}};
     for (int i : mb) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + lengths[i]);
     at::Tensor targets_T = GatherInt(data, mb, /*targets=*/true, ctx_.device);
+    if (K > 0) targets_T = targets_T.view({-1, K});
 
-    // Mask: explicit "mask" if given, else the loss's implicit input != 0 (DESIGN.md §3).
+    // Mask: explicit "mask" if given, else the loss's implicit input != 0 (DESIGN.md §3); a
+    // position of top-K weights is valid when any of its K weights is.
     // scale is 1, or 1/N_i under seq_mean_token_mean, kept in double until cast to `dt`.
     std::vector<double> mask, scale;
     for (int i : mb) {
       const auto& in = data[i].loss_fn_inputs;
-      const auto& src =
-          in.count("mask") ? in.at("mask").float32_data : in.at(mask_key).float32_data;
+      const bool explicit_mask = in.count("mask") > 0;
+      const auto& src = explicit_mask ? in.at("mask").float32_data : in.at(mask_key).float32_data;
+      const size_t stride = explicit_mask ? 1 : static_cast<size_t>(per_token);
+      std::vector<bool> valid(src.size() / stride);
+      for (size_t p = 0; p < src.size(); ++p) valid[p / stride] = valid[p / stride] || src[p] != 0;
       int64_t n_i = 0;
-      for (float v : src) n_i += (v != 0.0f);
+      for (bool v : valid) n_i += v;
       valid_tokens_ += n_i;
       valid_sequences_ += (n_i > 0);
       const double s = seq_token_mean && n_i > 0 ? 1.0 / static_cast<double>(n_i) : 1.0;
-      for (float v : src) {
-        mask.push_back(v != 0.0f ? 1.0 : 0.0);
-        scale.push_back(v != 0.0f ? s : 0.0);
+      for (bool v : valid) {
+        mask.push_back(v ? 1.0 : 0.0);
+        scale.push_back(v ? s : 0.0);
       }
     }
     const int64_t T = static_cast<int64_t>(mask.size());
@@ -127,9 +140,11 @@ void CallStage::Run(const std::vector<Datum>& data) {
     }
     head.targets_T = targets_T;
     at::Tensor logp_T = kernels::TokenLogprobs(head).logp_T;
-    LossTokenInputs li{logp_T, {}, {}, {}};
+    LossTokenInputs li;
+    li.logp_T = logp_T;
     if (loss_.spec->name == "cross_entropy") {
       li.weights_T = GatherFloat(data, mb, "weights", on_device);
+      if (K > 0) li.weights_T = li.weights_T.view({-1, K});
     } else {
       li.logq_T = GatherFloat(data, mb, "logprobs", on_device);
       li.adv_T = GatherFloat(data, mb, "advantages", on_device);
@@ -156,8 +171,8 @@ void CallStage::Run(const std::vector<Datum>& data) {
     at::Tensor logp_f = logp_T.detach().to(at::kCPU, at::kFloat).contiguous();
     const float* lp = logp_f.data_ptr<float>();
     for (size_t j = 0; j < mb.size(); ++j) {
-      result_.outputs[first_output + mb[j]].logprobs.assign(lp + batch.cu_seqlens[j],
-                                                            lp + batch.cu_seqlens[j + 1]);
+      result_.outputs[first_output + mb[j]].logprobs.assign(
+          lp + batch.cu_seqlens[j] * per_token, lp + batch.cu_seqlens[j + 1] * per_token);
       owned_.push_back(first_output + mb[j]);
     }
   }

@@ -43,7 +43,10 @@ struct Datum {
 };
 
 struct DatumOutput {
-  std::vector<float> logprobs;  // [T] log p(target_t | tokens_≤t) under the current weights
+  // log p(target | tokens_≤t) under the current weights, row-major in the targets' shape:
+  // [T], or [T, K] for top-K targets.
+  std::vector<float> logprobs;
+  std::vector<int64_t> logprobs_shape;
 };
 
 struct ForwardBackwardResult {

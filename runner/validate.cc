@@ -1,5 +1,6 @@
 #include "runner/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -14,31 +15,79 @@ absl::Status Field(size_t i, const std::string& key, absl::string_view why) {
       absl::StrCat("data[", i, "].loss_fn_inputs[\"", key, "\"]: ", why));
 }
 
-absl::Status CheckShape(size_t i, const std::string& key, const TensorData& t, int64_t T) {
-  if (t.shape.size() > 1) {
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// The shape an input must have: [T], or [T, K] where the datum's targets are top-K (K > 0).
+std::vector<int64_t> Want(int64_t T, int64_t K) {
+  return K > 0 ? std::vector<int64_t>{T, K} : std::vector<int64_t>{T};
+}
+
+// Where element p of a [T] or [T, K] input sits.
+std::string Where(size_t p, int64_t K) {
+  if (K <= 0) return absl::StrCat("position ", p);
+  return absl::StrCat("position ", p / K, ", column ", p % K);
+}
+
+absl::Status CheckShape(size_t i, const std::string& key, const TensorData& t,
+                        const std::vector<int64_t>& want) {
+  // An unset shape means 1-D of the data's length.
+  const std::vector<int64_t> shape =
+      t.shape.empty() ? std::vector<int64_t>{t.NumElements()} : t.shape;
+  if (shape != want) {
     return Field(i, key,
-                 absl::StrCat("must be 1-D, got ", t.shape.size(),
-                              "-D (top-K targets are not supported yet)"));
+                 absl::StrCat("shape ", ShapeText(shape), " does not match model_input: want ",
+                              ShapeText(want)));
   }
-  if (!t.shape.empty() && t.shape[0] != t.NumElements()) {
-    return Field(
-        i, key,
-        absl::StrCat("shape [", t.shape[0], "] does not match its ", t.NumElements(), " values"));
-  }
-  if (t.NumElements() != T) {
-    return Field(
-        i, key, absl::StrCat("length ", t.NumElements(), " does not match model_input length ", T));
+  // Dimensions ≤ the context length and the vocabulary (checked before), so no overflow.
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  if (n != t.NumElements()) {
+    return Field(i, key,
+                 absl::StrCat("shape ", ShapeText(shape), " does not match its ", t.NumElements(),
+                              " values"));
   }
   return absl::OkStatus();
 }
 
+// The targets' shape: [T] (K = 0) or [T, K] with 0 < K ≤ vocab, top-K targets, which only
+// cross_entropy takes. K is the same for every datum of a call (the SDK returns one batched
+// logprobs tensor per call).
+absl::StatusOr<int64_t> CheckTargetWidth(size_t i, const TensorData& tgt, const LossSpec& loss,
+                                         const ModelLimits& limits) {
+  if (tgt.shape.size() <= 1) return 0;
+  if (tgt.shape.size() > 2) {
+    return Field(i, "target_tokens",
+                 absl::StrCat("shape ", ShapeText(tgt.shape), " must be [T] or [T, K]"));
+  }
+  if (loss.name != "cross_entropy") {
+    return Field(i, "target_tokens",
+                 absl::StrCat("shape ", ShapeText(tgt.shape), " is top-K; ", loss.name,
+                              " takes [T] targets (only cross_entropy takes [T, K])"));
+  }
+  const int64_t K = tgt.shape[1];
+  if (K < 1 || K > limits.vocab_size) {
+    return Field(i, "target_tokens",
+                 absl::StrCat("K = ", K, " targets per position must be in [1, ", limits.vocab_size,
+                              "] (the vocabulary)"));
+  }
+  return K;
+}
+
 }  // namespace
+
+int64_t TargetWidth(const Datum& d) {
+  auto it = d.loss_fn_inputs.find("target_tokens");
+  return it != d.loss_fn_inputs.end() && it->second.shape.size() == 2 ? it->second.shape[1] : 0;
+}
 
 absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
                           const ModelLimits& limits) {
   if (data.empty()) return absl::InvalidArgumentError("data: the batch has no datums");
   std::set<std::string> allowed{"target_tokens", "mask"};
   for (const std::string& k : loss.required_inputs) allowed.insert(k);
+  int64_t call_width = -1;
   for (size_t i = 0; i < data.size(); ++i) {
     const Datum& d = data[i];
     const int64_t T = static_cast<int64_t>(d.tokens.size());
@@ -66,11 +115,21 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
     if (it == d.loss_fn_inputs.end()) return Field(i, "target_tokens", "missing");
     const TensorData& tgt = it->second;
     if (tgt.dtype != TensorData::DType::kInt64) return Field(i, "target_tokens", "must be int64");
-    if (auto st = CheckShape(i, "target_tokens", tgt, T); !st.ok()) return st;
-    for (int64_t t = 0; t < T; ++t) {
-      if (tgt.int64_data[t] < 0 || tgt.int64_data[t] >= limits.vocab_size) {
+    absl::StatusOr<int64_t> K = CheckTargetWidth(i, tgt, loss, limits);
+    if (!K.ok()) return K.status();
+    if (call_width >= 0 && *K != call_width) {
+      return Field(i, "target_tokens",
+                   absl::StrCat(*K > 0 ? absl::StrCat("K = ", *K) : "[T]",
+                                " targets per position, where data[0] has ",
+                                call_width > 0 ? absl::StrCat("K = ", call_width) : "[T]",
+                                "; the datums of a call share one target shape"));
+    }
+    call_width = *K;
+    if (auto st = CheckShape(i, "target_tokens", tgt, Want(T, *K)); !st.ok()) return st;
+    for (size_t p = 0; p < tgt.int64_data.size(); ++p) {
+      if (tgt.int64_data[p] < 0 || tgt.int64_data[p] >= limits.vocab_size) {
         return Field(i, "target_tokens",
-                     absl::StrCat("token ", tgt.int64_data[t], " at position ", t,
+                     absl::StrCat("token ", tgt.int64_data[p], " at ", Where(p, *K),
                                   " is outside [0, ", limits.vocab_size, ")"));
       }
     }
@@ -82,11 +141,13 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
         return Field(i, key, absl::StrCat("missing (", loss.name, " needs it)"));
       const TensorData& t = f->second;
       if (t.dtype != TensorData::DType::kFloat32) return Field(i, key, "must be float32");
-      if (auto st = CheckShape(i, key, t, T); !st.ok()) return st;
-      for (int64_t p = 0; p < T; ++p) {
+      // weights go with each target; every other input is per position.
+      const int64_t width = key == "weights" ? *K : 0;
+      if (auto st = CheckShape(i, key, t, Want(T, width)); !st.ok()) return st;
+      for (size_t p = 0; p < t.float32_data.size(); ++p) {
         const float v = t.float32_data[p];
         if (!std::isfinite(v)) {
-          return Field(i, key, absl::StrCat("value at position ", p, " is not finite"));
+          return Field(i, key, absl::StrCat("value at ", Where(p, width), " is not finite"));
         }
         if (key == "mask" && v != 0.0f && v != 1.0f) {
           return Field(i, key,

@@ -18,12 +18,17 @@ struct ModelLimits {
 };
 
 // InvalidArgument naming the datum, the field and the reason, e.g.
-//   data[3].loss_fn_inputs["weights"]: length 5 does not match model_input length 7
+//   data[3].loss_fn_inputs["weights"]: shape [5] does not match model_input: want [7]
 // Checks: a non-empty batch; non-empty datums within the context length; token ids (inputs and
 // targets) in [0, vocab); exactly the inputs the loss takes (plus an optional "mask" of 0/1);
-// dtypes (int64 targets, float32 others); 1-D shapes equal to the input length; finite values.
+// dtypes (int64 targets, float32 others); finite values; shapes [T], T the input length, except
+// cross_entropy's top-K form: target_tokens and weights both [T, K], 1 ≤ K ≤ vocab, one K for
+// every datum of the batch.
 absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
                           const ModelLimits& limits);
+
+// K of a checked datum's [T, K] targets; 0 for [T].
+int64_t TargetWidth(const Datum& d);
 
 // InvalidArgument naming the field (adam_params.<field>) when a hyper-parameter is not finite or
 // out of range: learning_rate >= 0, beta1 and beta2 in [0, 1), eps > 0 (eps = 0 divides 0 by 0

@@ -126,6 +126,57 @@ inline std::vector<Datum> RandomData(SplitMix64& g, const std::vector<int>& leng
   return out;
 }
 
+// cross_entropy's top-K form, as tinker-cookbook's off-policy distillation sends it: [T, K]
+// targets and weights (a teacher's top-K ids and probabilities), prompt rows all zero, and in
+// each row a padded slot of weight 0 that repeats the row's first target.
+inline std::vector<Datum> RandomTopKData(SplitMix64& g, const std::vector<int>& lengths, int64_t K,
+                                         int64_t vocab) {
+  std::vector<Datum> out;
+  for (int len : lengths) {
+    Datum d;
+    std::vector<int64_t> targets;
+    std::vector<float> w;
+    for (int t = 0; t < len; ++t) {
+      d.tokens.push_back(static_cast<int64_t>(g.Next() % vocab));
+      const bool prompt = t < len / 4;
+      for (int64_t k = 0; k < K; ++k) {
+        const bool pad = k == K - 1;
+        targets.push_back(pad ? targets[targets.size() - k]
+                              : static_cast<int64_t>(g.Next() % vocab));
+        w.push_back(prompt || pad ? 0.0f : static_cast<float>(g.Uniform(0.0, 1.0)));
+      }
+    }
+    d.loss_fn_inputs["target_tokens"] = TensorData::Int64(targets);
+    d.loss_fn_inputs["target_tokens"].shape = {len, K};
+    d.loss_fn_inputs["weights"] = TensorData::Float32(w);
+    d.loss_fn_inputs["weights"].shape = {len, K};
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+// Column k of top-K datums: [T] targets and weights, as a one-target cross_entropy call.
+inline std::vector<Datum> TopKColumn(const std::vector<Datum>& data, int64_t k) {
+  std::vector<Datum> out;
+  for (const Datum& d : data) {
+    const TensorData& t = d.loss_fn_inputs.at("target_tokens");
+    const TensorData& w = d.loss_fn_inputs.at("weights");
+    const int64_t K = t.shape[1];
+    std::vector<int64_t> tk;
+    std::vector<float> wk;
+    for (int64_t p = k; p < t.NumElements(); p += K) {
+      tk.push_back(t.int64_data[p]);
+      wk.push_back(w.float32_data[p]);
+    }
+    Datum c;
+    c.tokens = d.tokens;
+    c.loss_fn_inputs["target_tokens"] = TensorData::Int64(tk);
+    c.loss_fn_inputs["weights"] = TensorData::Float32(wk);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 inline std::vector<NamedValues> Snap(ModelRunner& r, const std::string& id, StateKind kind) {
   auto s = r.Snapshot(id, kind);
   EXPECT_TRUE(s.ok()) << s.status().message();

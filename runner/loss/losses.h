@@ -2,7 +2,7 @@
 // position; masking and the sum over tokens happen in the runner, so every loss is a plain sum.
 //
 // r = exp(logp − logq) with logq the sampler's logprobs; A the advantages; sg = stop-gradient.
-//   cross_entropy        ℓ = −w·logp
+//   cross_entropy        ℓ = −w·logp, or with K targets per token ℓ = −Σ_k w_k·logp_k
 //   importance_sampling  ℓ = −r·A
 //   ppo                  ℓ = −min(r·A, clip(r, lo, hi)·A)
 //   cispo                ℓ = −sg(clip(r, lo, hi))·logp·A
@@ -26,7 +26,7 @@ namespace tinkerd {
 
 struct LossTokenInputs {
   at::Tensor logp_T;                // learner logprobs of the targets (differentiable)
-  at::Tensor weights_T;             // cross_entropy only
+  at::Tensor weights_T;             // cross_entropy only; [T, K] with logp_T for top-K targets
   at::Tensor logq_T;                // sampler logprobs (RL losses)
   at::Tensor adv_T;                 // advantages (RL losses)
   at::Tensor ratio_mask_T;          // gspo: which positions enter the sequence ratio

@@ -83,9 +83,42 @@ TINKERD_CPU_CLONES double ScaledExps(const double* z, int64_t V, double inv_t, d
 
 }  // namespace
 
+void DrawIndependent(const double* z, int64_t V, double lse, double temperature, int64_t k,
+                     SplitMix64& rng, std::pair<int64_t, double>* out) {
+  if (temperature == 0) {
+    const int64_t v = std::max_element(z, z + V) - z;
+    for (int64_t j = 0; j < k; ++j) out[j] = {v, z[v] - lse};
+    return;
+  }
+  // The cumulative weights once, then a binary search per draw: k draws cost one pass over the
+  // row and k·log V, not k passes.
+  std::vector<double> cum(V);
+  ScaledExps(z, V, 1.0 / temperature, cum.data());
+  for (int64_t v = 1; v < V; ++v) cum[v] += cum[v - 1];
+  for (int64_t j = 0; j < k; ++j) {
+    const double u = rng.Uniform() * cum[V - 1];
+    // The first token whose cumulative weight exceeds u has weight > 0 (a zero weight leaves the
+    // sum where it was, so u < cum[v] is first true at a token that added mass).
+    int64_t v = std::upper_bound(cum.begin(), cum.end(), u) - cum.begin();
+    v = std::min(v, V - 1);
+    out[j] = {v, z[v] - lse};
+  }
+}
+
+TopLogprobs MostLikely(const double* z, int64_t V, double lse, int64_t k) {
+  k = std::min(k, V);
+  std::vector<int64_t> order(V);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [z](int64_t a, int64_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+  TopLogprobs top(k);
+  for (int64_t i = 0; i < k; ++i) top[i] = {order[i], z[order[i]] - lse};
+  return top;
+}
+
 Choice ChooseToken(const double* z, int64_t V, double lse, const SamplingParams& params,
                    SplitMix64& rng) {
-  auto chosen = [&](int64_t v) { return Choice{v, z[v] - lse}; };
+  auto chosen = [&](int64_t v) { return Choice{v, z[v] - lse, {}}; };
   if (params.temperature == 0) {
     return chosen(std::max_element(z, z + V) - z);
   }

@@ -23,11 +23,23 @@ namespace tinkerd {
 struct Choice {
   int64_t token = 0;
   double logprob = 0;
+  TopLogprobs top;  // when asked (MostLikely): the row's k most likely tokens
 };
 
 // lse: the row's log Σ_v exp(z_v) (LogSumExp), which the logprob subtracts.
 Choice ChooseToken(const double* logits_V, int64_t V, double lse, const SamplingParams& params,
                    SplitMix64& rng);
+
+// The k most likely tokens of a row with their logprobs z_v − lse, most likely first, ties by
+// index (the order ChooseToken's truncation uses), so the drawn token's entry, when it is among
+// them, carries its reported logprob bit for bit.
+TopLogprobs MostLikely(const double* logits_V, int64_t V, double lse, int64_t k);
+
+// `k` independent draws, with replacement, from one row at `temperature` (0: its argmax k times)
+// with no truncation, each by inverse CDF over the row in index order; out[j] = (token, its
+// logprob z_v − lse). For prompt_alt_tokens_k: alternatives to a prompt token.
+void DrawIndependent(const double* logits_V, int64_t V, double lse, double temperature, int64_t k,
+                     SplitMix64& rng, std::pair<int64_t, double>* out);
 
 // log Σ_v exp(z_v) = m + log Σ_v exp(z_v − m), m = max_v z_v, in one pass for m and one for the
 // sum, eight lanes at a time (kernels/vec16.h's Exp). The sum runs in one fixed order (lane v mod

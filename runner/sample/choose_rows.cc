@@ -24,7 +24,9 @@ void ChooseRows(const Z* z_SV, int64_t V, std::vector<RowChoice>& rows) {
         z_V = wide_V.data();
       }
       RowChoice& row = rows[s];
-      row.choice = ChooseToken(z_V, V, LogSumExp(z_V, V), *row.params, row.rng);
+      const double lse = LogSumExp(z_V, V);
+      row.choice = ChooseToken(z_V, V, lse, *row.params, row.rng);
+      if (row.topk > 0) row.choice.top = MostLikely(z_V, V, lse, row.topk);
     }
   });
 }

@@ -12,6 +12,7 @@ namespace tinkerd {
 
 struct RowChoice {
   const SamplingParams* params = nullptr;
+  int64_t topk = 0;   // > 0: choice.top holds the row's topk most likely tokens
   SplitMix64 rng{0};  // advanced past the draw
   Choice choice;
 };

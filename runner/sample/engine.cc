@@ -42,6 +42,7 @@ struct SampleEngine::Job {
   int64_t bytes = 0;
   std::vector<at::Tensor> k_LPKd, v_LPKd;  // per layer: the prompt's, shared by the samples
   std::vector<Sample> samples;
+  SplitMix64 alt_rng{0};  // prompt_alt_tokens_k's draws: a stream of their own
   SampleResult result;
   bool failed = false;
 
@@ -123,6 +124,7 @@ void Take(const SamplingParams& params, const std::vector<int64_t>& eos, const C
           SampledSequence& out, bool& finished, std::optional<StopStrings>& stop_strings) {
   out.tokens.push_back(c.token);
   out.logprobs.push_back(c.logprob);
+  if (!c.top.empty()) out.topk_logprobs.push_back(c.top);
   const bool at_eos = !params.ignore_eos && std::find(eos.begin(), eos.end(), c.token) != eos.end();
   if (at_eos || (stop_strings && stop_strings->Append(c.token))) {
     out.stop_reason = StopReason::kStop;
@@ -146,6 +148,28 @@ void Take(const SamplingParams& params, const std::vector<int64_t>& eos, const C
 // Prompts prefilled in one packed forward hold at most this many tokens together (a longer prompt
 // runs alone): it bounds a prefill's activations as --micro_batch_tokens bounds training's.
 constexpr int64_t kPrefillTokens = 8192;
+
+// target_prompt_logprobs: [P - 1, K] logprobs of the asked ids (row i at prompt position i + 1,
+// from hidden row i), NaN where the id is -1, from one logprob head over the rows from the first
+// that asks anything: its K targets per row ride in the head's one pass over the vocabulary.
+std::vector<double> TargetPromptLogprobs(const Policy& pol, const SampleRequest& r,
+                                         const at::Tensor& hidden_PD) {
+  const int64_t rows = std::ssize(r.prompt) - 1, K = r.target_prompt_k;
+  std::vector<double> out(rows * K, std::numeric_limits<double>::quiet_NaN());
+  const auto asked = std::find_if(r.target_prompt_ids.begin(), r.target_prompt_ids.end(),
+                                  [](int64_t id) { return id != -1; });
+  const int64_t row0 = (asked - r.target_prompt_ids.begin()) / K;
+  std::vector<int64_t> ids(r.target_prompt_ids.begin() + row0 * K, r.target_prompt_ids.end());
+  for (int64_t& id : ids) id = std::max<int64_t>(id, 0);  // -1's logprob is computed, then dropped
+  kernels::LogprobHeadParams head = Head(pol, hidden_PD.narrow(0, row0, rows - row0));
+  head.targets_T = Tokens(ids, pol.device).view({rows - row0, K});
+  const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.to(at::kDouble).cpu().contiguous();
+  const double* p = logp.data_ptr<double>();
+  for (int64_t i = row0 * K; i < rows * K; ++i) {
+    if (r.target_prompt_ids[i] != -1) out[i] = p[i - row0 * K];
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -188,6 +212,7 @@ absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleReq
                                                      " bytes of KV cache reserved; retry later"));
   }
   const uint64_t seed = request.params.seed ? *request.params.seed : unseeded_++;
+  job->alt_rng = SplitMix64(SplitMix64(seed).Next());  // stream 0; the samples' are 1, 2, ...
   for (int64_t i = 0; i < request.num_samples; ++i) {
     Sample s;
     // Each sample its own stream: its tokens do not depend on what else is sampled.
@@ -262,20 +287,23 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
   const SampleRequest& r = job.request;
   const int64_t P = job.prompt_length();
   const int64_t layers = pol.config.num_hidden_layers;
+  // Positions first..P-1 are scored (hidden row t - 1 predicts prompt[t]); prompt_logprobs_last_n
+  // leaves the earlier ones out.
+  const int64_t first = r.prompt_logprobs_last_n > 0 ? P - r.prompt_logprobs_last_n : 1;
   if (r.prompt_logprobs) {
-    job.result.prompt_logprobs.assign(1, std::numeric_limits<double>::quiet_NaN());
-    if (P > 1) {
-      kernels::LogprobHeadParams head = Head(pol, hidden_PD.narrow(0, 0, P - 1));
-      head.targets_T = Tokens({r.prompt.begin() + 1, r.prompt.end()}, pol.device);
+    job.result.prompt_logprobs.assign(std::min(first, P), std::numeric_limits<double>::quiet_NaN());
+    if (first < P) {
+      kernels::LogprobHeadParams head = Head(pol, hidden_PD.narrow(0, first - 1, P - first));
+      head.targets_T = Tokens({r.prompt.begin() + first, r.prompt.end()}, pol.device);
       const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.to(at::kDouble).cpu();
       const double* p = logp.data_ptr<double>();
-      job.result.prompt_logprobs.insert(job.result.prompt_logprobs.end(), p, p + P - 1);
+      job.result.prompt_logprobs.insert(job.result.prompt_logprobs.end(), p, p + P - first);
     }
   }
   if (r.topk_prompt_logprobs > 0) {
     job.result.topk_prompt_logprobs.assign(P, {});
     constexpr int64_t kRows = 256;  // bounds the [rows, V] logits held at once
-    for (int64_t t0 = 0; t0 + 1 < P; t0 += kRows) {
+    for (int64_t t0 = first - 1; t0 + 1 < P; t0 += kRows) {
       const int64_t rows = std::min(kRows, P - 1 - t0);
       const at::Tensor z = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows)));
       auto [values, indices] =
@@ -290,13 +318,40 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
       }
     }
   }
+  if (r.target_prompt_k > 0) {
+    job.result.target_prompt_logprobs = TargetPromptLogprobs(pol, r, hidden_PD);
+  }
+  if (r.prompt_alt_tokens_k > 0) {
+    const int64_t k = r.prompt_alt_tokens_k;
+    job.result.prompt_alt_tokens.resize((P - 1) * k);
+    job.result.prompt_alt_logprobs.resize((P - 1) * k);
+    std::vector<std::pair<int64_t, double>> drawn(k);
+    constexpr int64_t kRows = 256;  // bounds the [rows, V] logits held at once
+    for (int64_t t0 = 0; t0 + 1 < P; t0 += kRows) {
+      const int64_t rows = std::min(kRows, P - 1 - t0);
+      const at::Tensor z = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows)))
+                               .to(at::kDouble)
+                               .cpu()
+                               .contiguous();
+      for (int64_t i = 0; i < rows; ++i) {
+        const double* row_V = z.data_ptr<double>() + i * V;
+        DrawIndependent(row_V, V, LogSumExp(row_V, V), r.params.temperature, k, job.alt_rng,
+                        drawn.data());
+        for (int64_t j = 0; j < k; ++j) {
+          job.result.prompt_alt_tokens[(t0 + i) * k + j] = drawn[j].first;
+          job.result.prompt_alt_logprobs[(t0 + i) * k + j] = drawn[j].second;
+        }
+      }
+    }
+  }
 
   const at::TensorOptions cache =
       at::TensorOptions().dtype(job.k_LPKd[0].scalar_type()).device(pol.device);
   const int64_t K = pol.config.num_key_value_heads, d = pol.config.head_dim;
   for (Sample& s : job.samples) {
-    Take(r.params, pol.config.eos_token_ids, ChooseToken(z_V, V, lse, r.params, s.rng), s.out,
-         s.finished, s.stop_strings);
+    Choice c = ChooseToken(z_V, V, lse, r.params, s.rng);
+    if (r.topk_sample_logprobs > 0) c.top = MostLikely(z_V, V, lse, r.topk_sample_logprobs);
+    Take(r.params, pol.config.eos_token_ids, c, s.out, s.finished, s.stop_strings);
     if (s.finished) continue;
     // The last token is never fed back: max_tokens - 1 rows suffice.
     for (int64_t l = 0; l < layers; ++l) {
@@ -380,6 +435,7 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   std::vector<RowChoice> chosen(batch.size());
   for (int64_t i = 0; i < S; ++i) {
     chosen[i].params = &batch[i].first->request.params;
+    chosen[i].topk = batch[i].first->request.topk_sample_logprobs;
     chosen[i].rng = batch[i].second->rng;
   }
   if (z_SV.scalar_type() == at::kFloat) {
@@ -405,6 +461,9 @@ bool SampleEngine::Report(Job& job) {
     d.index = static_cast<int64_t>(i);
     d.tokens.assign(s.out.tokens.begin() + s.reported, s.out.tokens.end());
     d.logprobs.assign(s.out.logprobs.begin() + s.reported, s.out.logprobs.end());
+    if (!s.out.topk_logprobs.empty()) {
+      d.topk_logprobs.assign(s.out.topk_logprobs.begin() + s.reported, s.out.topk_logprobs.end());
+    }
     if (s.finished) d.stop = s.out.stop_reason;
     s.reported = s.out.tokens.size();
     deltas.push_back(std::move(d));

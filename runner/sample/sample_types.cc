@@ -1,6 +1,8 @@
 #include "runner/sample/sample_types.h"
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 
@@ -88,10 +90,58 @@ absl::Status ValidateSampleRequest(const SampleRequest& r, const ModelLimits& mo
     return Invalid("num_samples", absl::StrCat("must be in [1, ", limits.max_num_samples, "], got ",
                                                r.num_samples));
   }
-  if (r.topk_prompt_logprobs < 0 || r.topk_prompt_logprobs > limits.max_topk_prompt_logprobs) {
-    return Invalid("topk_prompt_logprobs",
-                   absl::StrCat("must be in [0, ", limits.max_topk_prompt_logprobs, "], got ",
-                                r.topk_prompt_logprobs));
+  for (const auto& [field, k, max] :
+       {std::tuple<const char*, int64_t, int64_t>{"topk_prompt_logprobs", r.topk_prompt_logprobs,
+                                                  limits.max_topk_prompt_logprobs},
+        {"topk_sample_logprobs", r.topk_sample_logprobs, limits.max_topk_sample_logprobs}}) {
+    const int64_t most = std::min(max, model.vocab_size);
+    if (k < 0 || k > most) {
+      return Invalid(field, absl::StrCat("must be in [0, ", most, "], got ", k));
+    }
+  }
+  const int64_t P = std::ssize(r.prompt);
+  if (r.prompt_alt_tokens_k < 0 || r.prompt_alt_tokens_k > limits.max_prompt_alt_tokens_k) {
+    return Invalid("prompt_alt_tokens_k",
+                   absl::StrCat("must be in [0, ", limits.max_prompt_alt_tokens_k, "], got ",
+                                r.prompt_alt_tokens_k));
+  }
+  if (r.prompt_alt_tokens_k > 0 && P < 2) {
+    return Invalid("prompt_alt_tokens_k", "needs a prompt of at least 2 tokens");
+  }
+  if (r.prompt_logprobs_last_n != 0) {
+    if (!r.prompt_logprobs) {
+      return Invalid("prompt_logprobs_last_n", "needs prompt_logprobs");
+    }
+    if (r.prompt_logprobs_last_n < 1 || r.prompt_logprobs_last_n > P - 1) {
+      return Invalid("prompt_logprobs_last_n",
+                     absl::StrCat("must be in [1, len(prompt) - 1 = ", P - 1, "], got ",
+                                  r.prompt_logprobs_last_n));
+    }
+  }
+  if (r.target_prompt_k != 0 || !r.target_prompt_ids.empty()) {
+    const int64_t K = r.target_prompt_k;
+    if (K < 1 || K > limits.max_target_prompt_k) {
+      return Invalid("target_prompt_logprobs",
+                     absl::StrCat("K = ", K, " ids per position must be in [1, ",
+                                  limits.max_target_prompt_k, "]"));
+    }
+    if (std::ssize(r.target_prompt_ids) != (P - 1) * K) {
+      return Invalid("target_prompt_logprobs",
+                     absl::StrCat("must be [len(prompt) - 1, K] = [", P - 1, ", ", K, "], got ",
+                                  r.target_prompt_ids.size(), " ids"));
+    }
+    bool any = false;
+    for (size_t i = 0; i < r.target_prompt_ids.size(); ++i) {
+      const int64_t id = r.target_prompt_ids[i];
+      if (id == -1) continue;
+      any = true;
+      if (id < 0 || id >= model.vocab_size) {
+        return Invalid(absl::StrCat("target_prompt_logprobs[", i / K, "][", i % K, "]"),
+                       absl::StrCat("token id ", id, " is outside the vocabulary [0, ",
+                                    model.vocab_size, ") (-1 asks for nothing)"));
+      }
+    }
+    if (!any) return Invalid("target_prompt_logprobs", "names no token id (every cell is -1)");
   }
   return absl::OkStatus();
 }

@@ -39,7 +39,21 @@ struct SampleRequest {
   SamplingParams params;
   bool prompt_logprobs = false;      // logp(prompt[t] | prompt[<t]) for t >= 1
   int64_t topk_prompt_logprobs = 0;  // the k most likely tokens at every prompt position
+  // > 0: prompt_logprobs and topk_prompt_logprobs score only the last n prompt positions (the
+  // earlier ones are NaN and empty, and are not computed). In [1, P - 1]; needs prompt_logprobs.
+  int64_t prompt_logprobs_last_n = 0;
+  int64_t topk_sample_logprobs = 0;  // the k most likely tokens at every sampled position
+  // K > 0: [P - 1, K] token ids, row-major; row i is scored at prompt position i + 1 (what
+  // predicts prompt[i + 1]); -1 asks for nothing. At least one id.
+  std::vector<int64_t> target_prompt_ids;
+  int64_t target_prompt_k = 0;
+  // k > 0: k independent draws at params.temperature (no top-k or top-p) from the model's
+  // distribution at every prompt position after the first: alternatives to each prompt token.
+  int64_t prompt_alt_tokens_k = 0;
 };
+
+// The k most likely tokens of one position: (token, logprob), most likely first, ties by id.
+using TopLogprobs = std::vector<std::pair<int64_t, double>>;
 
 enum class StopReason { kLength, kStop };
 
@@ -49,6 +63,8 @@ struct SampledSequence {
   // top-p. This is what the trainer's Forward computes for the same tokens.
   std::vector<double> logprobs;
   StopReason stop_reason = StopReason::kLength;
+  // When topk_sample_logprobs > 0: one row per token, from the logits the token was drawn from.
+  std::vector<TopLogprobs> topk_logprobs;
 };
 
 // What one sample gained in one engine step, for a caller that streams tokens as they come.
@@ -56,7 +72,8 @@ struct SampleDelta {
   int64_t index = 0;  // which of the request's samples
   std::vector<int64_t> tokens;
   std::vector<double> logprobs;
-  std::optional<StopReason> stop;  // set on the sample's last delta
+  std::vector<TopLogprobs> topk_logprobs;  // when asked, one row per token
+  std::optional<StopReason> stop;          // set on the sample's last delta
 };
 
 // Receives a request's new tokens after each engine step in which some of its samples gained
@@ -69,12 +86,23 @@ struct SampleResult {
   // When asked: [P] with NaN at position 0 (no context predicts the first token).
   std::vector<double> prompt_logprobs;
   // When asked: [P][k] (token, logprob) pairs, most likely first; position 0 is empty.
-  std::vector<std::vector<std::pair<int64_t, double>>> topk_prompt_logprobs;
+  std::vector<TopLogprobs> topk_prompt_logprobs;
+  // When asked: [P - 1, K] row-major, the logprob of each asked id; NaN where the id was -1.
+  std::vector<double> target_prompt_logprobs;
+  // When asked: [P - 1, k] row-major; row i holds the draws at prompt position i + 1 and their
+  // logprobs (temperature 1, as every logprob here).
+  std::vector<int64_t> prompt_alt_tokens;
+  std::vector<double> prompt_alt_logprobs;
 };
 
 struct SampleLimits {
   int64_t max_num_samples = 64;
   int64_t max_topk_prompt_logprobs = 20;
+  int64_t max_topk_sample_logprobs = 20;
+  // K of target_prompt_logprobs, bounded as the top-k widths are: the request holds P·K ids and
+  // the answer P·K logprobs.
+  int64_t max_target_prompt_k = 20;
+  int64_t max_prompt_alt_tokens_k = 20;
   int64_t max_stop_strings = 32;
   int64_t max_stop_string_bytes = 1024;
 };
@@ -98,8 +126,11 @@ absl::Status CheckStopStringsMatchable(size_t stop_strings, const ModelLimits& m
 // INVALID_ARGUMENT naming the field: an empty prompt, one with ids outside [0, vocab) or one
 // longer than the context; max_tokens <= 0; prompt + max_tokens beyond the context; temperature
 // negative or not finite; top_p outside (0, 1]; num_samples outside [1, max]; topk_prompt_logprobs
-// outside [0, max]; an empty stop sequence or one with ids outside the vocabulary; stop strings
-// for a model without a tokenizer, empty ones, or more or longer ones than the limits.
+// or topk_sample_logprobs outside [0, max] (and the vocabulary); prompt_logprobs_last_n outside
+// [1, P - 1] or without prompt_logprobs; target_prompt_ids not [P - 1, K] with K in [1, max], an id
+// outside the vocabulary other than -1, or none at all; an empty stop sequence or one with ids
+// outside the vocabulary; prompt_alt_tokens_k outside [0, max] or with a one-token prompt; stop
+// strings for a model without a tokenizer, empty ones, or more or longer ones than the limits.
 absl::Status ValidateSampleRequest(const SampleRequest& request, const ModelLimits& model,
                                    const SampleLimits& limits);
 

@@ -93,17 +93,21 @@ absl::StatusOr<std::vector<Datum>> DatumsFromProto(
   return out;
 }
 
-v1::Tensor Float32ToProto(const std::vector<float>& v) {
+v1::Tensor Float32ToProto(const std::vector<float>& v, const std::vector<int64_t>& shape) {
   v1::Tensor t;
   t.set_dtype(v1::FLOAT32);
-  t.add_shape(static_cast<int64_t>(v.size()));
+  if (shape.empty()) {
+    t.add_shape(static_cast<int64_t>(v.size()));
+  } else {
+    t.mutable_shape()->Add(shape.begin(), shape.end());
+  }
   t.set_data(std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)));
   return t;
 }
 
 void ResultToProto(const ForwardBackwardResult& r, v1::ForwardBackwardOutput* out) {
   for (const DatumOutput& o : r.outputs)
-    *out->add_outputs()->mutable_logprobs() = Float32ToProto(o.logprobs);
+    *out->add_outputs()->mutable_logprobs() = Float32ToProto(o.logprobs, o.logprobs_shape);
   for (const auto& [k, v] : r.metrics) (*out->mutable_metrics())[k] = v;
 }
 

@@ -23,7 +23,8 @@ absl::StatusOr<Datum> DatumFromProto(const v1::Datum& d, size_t index);
 absl::StatusOr<Batch> BatchFromProto(const google::protobuf::RepeatedPtrField<v1::Datum>& data,
                                      const v1::LossFn& loss, const ModelLimits& limits);
 
-v1::Tensor Float32ToProto(const std::vector<float>& v);
+// shape: empty for 1-D [v.size()].
+v1::Tensor Float32ToProto(const std::vector<float>& v, const std::vector<int64_t>& shape = {});
 void ResultToProto(const ForwardBackwardResult& r, v1::ForwardBackwardOutput* out);
 void OptimStepToProto(const OptimStepResult& r, v1::OptimStepResponse* out);
 void InfoToProto(const ModelInfo& info, v1::ModelInfo* out);

@@ -100,7 +100,8 @@ class SampleStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuff
   void Start(Sampling* sampling, const std::string& tenant, const v1::SampleRequest& request) {
     std::shared_ptr<Outbox> outbox = outbox_;
     const bool prompt_logprobs = request.prompt_logprobs();
-    const bool topk = request.topk_prompt_logprobs() > 0;
+    const bool topk = request.topk_prompt_logprobs() > 0 || request.has_target_prompt_logprobs() ||
+                      request.prompt_alt_tokens_k() > 0;
     auto progress = [outbox](std::vector<SampleDelta> deltas) {
       v1::SampleStreamResponse message;
       for (SampleDelta& d : deltas) {
@@ -108,6 +109,13 @@ class SampleStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuff
         out->set_index(static_cast<int32_t>(d.index));
         out->mutable_tokens()->Add(d.tokens.begin(), d.tokens.end());
         out->mutable_logprobs()->Add(d.logprobs.begin(), d.logprobs.end());
+        for (const TopLogprobs& row : d.topk_logprobs) {
+          v1::TopkLogprobs* t = out->add_topk_logprobs();
+          for (const auto& [token, logprob] : row) {
+            t->add_tokens(token);
+            t->add_logprobs(logprob);
+          }
+        }
         if (d.stop) out->set_stop_reason(ToProto(*d.stop));
       }
       return outbox->Push(Serialize(message));
@@ -118,6 +126,9 @@ class SampleStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuff
         v1::SampleStreamResponse last;
         *last.mutable_prompt_logprobs() = std::move(*r->mutable_prompt_logprobs());
         *last.mutable_topk_prompt_logprobs() = std::move(*r->mutable_topk_prompt_logprobs());
+        *last.mutable_target_prompt_logprobs() = std::move(*r->mutable_target_prompt_logprobs());
+        *last.mutable_prompt_alt_tokens() = std::move(*r->mutable_prompt_alt_tokens());
+        *last.mutable_prompt_alt_logprobs() = std::move(*r->mutable_prompt_alt_logprobs());
         outbox->Push(Serialize(last));
       }
       outbox->Close(grpc::Status::OK);

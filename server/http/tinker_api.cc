@@ -42,6 +42,7 @@ std::map<std::string, Router::JsonHandler> TinkerApi::JsonPosts() {
       {"retrieve_futures", &TinkerApi::RetrieveFutures},
       {"asample", &TinkerApi::ASample},
       {"cancel_future", &TinkerApi::CancelFuture},
+      {"join_sampling_session", &TinkerApi::JoinSamplingSession},
       {"create_sampling_session", &TinkerApi::CreateSamplingSession},
   };
   std::map<std::string, Router::JsonHandler> posts;
@@ -151,8 +152,9 @@ void TinkerApi::ClientConfig(const std::string&, const Json&, Respond respond) {
       // Custom losses run on the client (SDK 0.38: a forward, then cross_entropy with the
       // custom loss's gradient as weights); the server does not interpret traced graphs.
       {"custom_loss_server_side", false},
-      // A cloned sampling client picks its own seq_id range rather than joining the session.
-      {"sample_join_sampling_session", false},
+      // A copy of a sampling client (unpickled in another process) joins the session for its
+      // seq_id range (join_sampling_session) rather than drawing one at random.
+      {"sample_join_sampling_session", true},
       // A chunk must fit the body limit with room for protobuf framing.
       {"fwdbwd_max_chunk_bytes_count", std::min<int64_t>(5'000'000, config_.max_body_bytes / 2)},
   }));

@@ -70,10 +70,103 @@ absl::Status TokensFromTinker(const std::string& bytes, const std::string& path,
   return absl::OkStatus();
 }
 
+size_t WireElementSize(tinker_public::DType d) {
+  switch (d) {
+    case tinker_public::DTYPE_INT64:
+      return 8;
+    case tinker_public::DTYPE_FLOAT32:
+    case tinker_public::DTYPE_INT32:
+      return 4;
+    case tinker_public::DTYPE_BFLOAT16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+// Reads little-endian int64 index arrays (the SDK always writes CSR indices as int64).
+absl::StatusOr<std::vector<int64_t>> Indices(const std::string& bytes, const std::string& path) {
+  if (bytes.size() % sizeof(int64_t) != 0) {
+    return Invalid(path,
+                   absl::StrCat(bytes.size(), " bytes is not a whole number of INT64 indices"));
+  }
+  std::vector<int64_t> out(bytes.size() / sizeof(int64_t));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
+  return out;
+}
+
+// Replaces t's sparse CSR encoding with the dense bytes it stands for, in t's own dtype: the
+// entries it does not list are 0, the pad value the SDK's Datum drops when it encodes 2-D
+// target_tokens and weights sparsely. *budget is what the dense bytes of the whole request may
+// still take: a few bytes of CSR can stand for a huge dense shape, so the densified size is held to
+// what a dense body could have sent.
+absl::Status Densify(tinker_public::Tensor* t, const std::string& path, int64_t* budget) {
+  const tinker_public::SparseCsr& csr = t->sparse_csr();
+  const size_t esize = WireElementSize(t->dtype());
+  if (esize == 0) return Invalid(path, "dtype is not set or unknown");
+  if (t->shape_size() != 2) {
+    return Invalid(path, absl::StrCat("a sparse (CSR) tensor needs its 2-D dense shape, got ",
+                                      t->shape_size(), " dimensions"));
+  }
+  const int64_t rows = t->shape(0), cols = t->shape(1);
+  if (rows < 0 || cols < 0) return Invalid(path, "shape has a negative dimension");
+  if (cols > 0 && rows > *budget / static_cast<int64_t>(esize) / cols) {
+    return Invalid(path, absl::StrCat("sparse shape [", rows, ", ", cols,
+                                      "] densifies to more "
+                                      "than the request may hold (",
+                                      *budget,
+                                      " bytes left of "
+                                      "the body limit)"));
+  }
+  *budget -= rows * cols * static_cast<int64_t>(esize);
+  const std::string sub = absl::StrCat(path, ".sparse_csr");
+  absl::StatusOr<std::vector<int64_t>> crow = Indices(csr.crow_indices(), sub + ".crow_indices");
+  if (!crow.ok()) return crow.status();
+  absl::StatusOr<std::vector<int64_t>> col = Indices(csr.col_indices(), sub + ".col_indices");
+  if (!col.ok()) return col.status();
+  if (csr.values().size() % esize != 0) {
+    return Invalid(sub + ".values", absl::StrCat(csr.values().size(),
+                                                 " bytes is not a whole "
+                                                 "number of ",
+                                                 DTypeName(t->dtype()), " elements"));
+  }
+  const int64_t nnz = static_cast<int64_t>(csr.values().size() / esize);
+  if (static_cast<int64_t>(col->size()) != nnz) {
+    return Invalid(sub, absl::StrCat(col->size(), " column indices for ", nnz, " values"));
+  }
+  if (static_cast<int64_t>(crow->size()) != rows + 1 || crow->front() != 0 || crow->back() != nnz) {
+    return Invalid(sub + ".crow_indices",
+                   absl::StrCat("must hold rows + 1 = ", rows + 1, " pointers from 0 to ", nnz));
+  }
+  // Non-decreasing from 0 to nnz: every row's range then lies within the column indices.
+  for (int64_t r = 0; r < rows; ++r) {
+    if ((*crow)[r + 1] < (*crow)[r]) {
+      return Invalid(sub + ".crow_indices", absl::StrCat("row ", r, " ends (", (*crow)[r + 1],
+                                                         ") before it starts (", (*crow)[r], ")"));
+    }
+  }
+  std::string dense(static_cast<size_t>(rows * cols) * esize, '\0');
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = (*crow)[r]; k < (*crow)[r + 1]; ++k) {
+      const int64_t c = (*col)[k];
+      if (c < 0 || c >= cols || (k > (*crow)[r] && c <= (*col)[k - 1])) {
+        return Invalid(sub + ".col_indices",
+                       absl::StrCat("row ", r, ": column ", c, " is outside [0, ", cols,
+                                    ") or not after the row's previous column"));
+      }
+      std::memcpy(&dense[static_cast<size_t>(r * cols + c) * esize],
+                  csr.values().data() + static_cast<size_t>(k) * esize, esize);
+    }
+  }
+  *t->mutable_dense() = std::move(dense);  // clears the sparse_csr member of the oneof
+  return absl::OkStatus();
+}
+
 // Moves t's dense bytes into out where they need no widening.
-absl::Status TensorFromTinker(tinker_public::Tensor* t, const std::string& path, v1::Tensor* out) {
+absl::Status TensorFromTinker(tinker_public::Tensor* t, const std::string& path, v1::Tensor* out,
+                              int64_t* dense_budget) {
   if (t->has_sparse_csr()) {
-    return Invalid(path, "sparse (CSR) tensors are not supported by this server; send it dense");
+    if (absl::Status s = Densify(t, path, dense_budget); !s.ok()) return s;
   }
   // A Tensor with neither encoding set is read as empty dense data: proto3 writers always emit a
   // set oneof member, even an empty one, so only a hand-made message lacks it, and the shape check
@@ -160,7 +253,8 @@ absl::Status TensorFromTinker(tinker_public::Tensor* t, const std::string& path,
   return absl::OkStatus();
 }
 
-absl::Status DatumFromTinker(tinker_public::Datum* in, size_t i, v1::Datum* out) {
+absl::Status DatumFromTinker(tinker_public::Datum* in, size_t i, v1::Datum* out,
+                             int64_t* dense_budget) {
   for (int j = 0; j < in->model_input_size(); ++j) {
     const std::string path = absl::StrCat("data[", i, "].model_input[", j, "]");
     const tinker_public::Chunk& c = in->model_input(j);
@@ -192,14 +286,17 @@ absl::Status DatumFromTinker(tinker_public::Datum* in, size_t i, v1::Datum* out)
   for (const std::string& key : keys) {
     const std::string path = absl::StrCat("data[", i, "].loss_fn_inputs[\"", key, "\"]");
     v1::Tensor& t = (*out->mutable_loss_fn_inputs())[key];
-    if (absl::Status s = TensorFromTinker(&inputs->at(key), path, &t); !s.ok()) return s;
+    if (absl::Status s = TensorFromTinker(&inputs->at(key), path, &t, dense_budget); !s.ok()) {
+      return s;
+    }
   }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequest* in) {
+absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequest* in,
+                                              int64_t max_dense_bytes) {
   TinkerFwdBwd out;
   out.forward_only = in->forward_only();
   v1::LossFn* loss = out.request.mutable_loss_fn();
@@ -218,8 +315,11 @@ absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequ
     (*loss->mutable_config())[key] = value.number();
   }
   out.request.mutable_data()->Reserve(in->data_size());
+  int64_t dense_budget = max_dense_bytes;
   for (int i = 0; i < in->data_size(); ++i) {
-    if (absl::Status s = DatumFromTinker(in->mutable_data(i), i, out.request.add_data()); !s.ok()) {
+    if (absl::Status s =
+            DatumFromTinker(in->mutable_data(i), i, out.request.add_data(), &dense_budget);
+        !s.ok()) {
       return s;
     }
   }
@@ -244,7 +344,12 @@ void FwdBwdOutputToTinker(const v1::ForwardBackwardOutput& in, const std::string
   // indexes it gets a KeyError instead of wrong values.
   tinker_public::BatchedTensor& lp = (*rec->mutable_fields())["logprobs"];
   lp.set_dtype(tinker_public::DTYPE_FLOAT32);
-  // No trailing_shape: each datum's tensor is 1-D, [T] = its byte count / 4.
+  // Each datum's tensor is [T] (no trailing_shape: T = its byte count / 4) or, for top-K
+  // targets, [T, K] with trailing_shape [K]: every datum of a call has the same K
+  // (runner/validate.h).
+  if (in.outputs_size() > 0 && in.outputs(0).logprobs().shape_size() == 2) {
+    lp.add_trailing_shape(in.outputs(0).logprobs().shape(1));
+  }
   size_t total = 0;
   for (const v1::DatumOutput& d : in.outputs()) total += d.logprobs().data().size();
   std::string* data = lp.mutable_data();
@@ -280,8 +385,64 @@ std::string Packed(const Range& values) {
 
 }  // namespace
 
-void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
-                            int64_t topk_prompt_logprobs, tinker_public::SampleResponse* out) {
+namespace {
+
+constexpr float kMissing = -99999.0f;  // the SDK's MASK_LOGPROB: an empty top-k slot
+
+// Rows of (token, logprob) as Tinker's TopkLogprobs of width k: short rows padded with the SDK's
+// empty slot, so a row with none (a prompt's position 0, or one prompt_logprobs_last_n left out)
+// reads as None.
+void TopkToTinker(const google::protobuf::RepeatedPtrField<v1::TopkLogprobs>& rows, int64_t k,
+                  tinker_public::TopkLogprobs* out) {
+  const int64_t n = rows.size();
+  std::vector<int32_t> tokens(n * k, 0);
+  std::vector<float> logprobs(n * k, kMissing);
+  for (int64_t i = 0; i < n; ++i) {
+    const v1::TopkLogprobs& row = rows[static_cast<int>(i)];
+    for (int64_t j = 0; j < std::min<int64_t>(k, row.tokens_size()); ++j) {
+      tokens[i * k + j] = static_cast<int32_t>(row.tokens(j));
+      logprobs[i * k + j] = static_cast<float>(row.logprobs(j));
+    }
+  }
+  out->set_token_ids(Packed<int32_t>(tokens));
+  out->set_logprobs(Packed<float>(logprobs));
+  out->set_k(static_cast<uint32_t>(k));
+  out->set_length(static_cast<uint32_t>(n));
+}
+
+// target_prompt_logprobs' answer in the request's layout: each asked cell's logprob, 0 where the
+// request had -1 (Tinker's convention; tinkerd's own answer says NaN there).
+void TargetToTinker(const google::protobuf::RepeatedField<double>& logprobs_RK,
+                    const TargetLayout& layout, tinker_public::Tensor* out) {
+  out->set_dtype(tinker_public::DTYPE_FLOAT32);
+  out->add_shape(layout.rows);
+  out->add_shape(layout.k);
+  auto at = [&](int64_t cell) {
+    const double v = cell < logprobs_RK.size() ? logprobs_RK[static_cast<int>(cell)] : 0.0;
+    return std::isnan(v) ? 0.0f : static_cast<float>(v);
+  };
+  if (!layout.sparse) {
+    std::vector<float> dense(layout.rows * layout.k);
+    for (size_t c = 0; c < dense.size(); ++c) dense[c] = at(static_cast<int64_t>(c));
+    out->set_dense(Packed<float>(dense));
+    return;
+  }
+  std::vector<float> values;
+  for (int64_t r = 0; r < layout.rows; ++r) {
+    for (int64_t i = layout.crow[r]; i < layout.crow[r + 1]; ++i) {
+      values.push_back(at(r * layout.k + layout.col[i]));
+    }
+  }
+  tinker_public::SparseCsr* csr = out->mutable_sparse_csr();
+  csr->set_values(Packed<float>(values));
+  csr->set_crow_indices(Packed<int64_t>(layout.crow));
+  csr->set_col_indices(Packed<int64_t>(layout.col));
+}
+
+}  // namespace
+
+void SampleResponseToTinker(const v1::SampleResponse& in, const SampleAnswer& asked,
+                            tinker_public::SampleResponse* out) {
   for (const v1::SampledSequence& s : in.sequences()) {
     tinker_public::SampledSequence* seq = out->add_sequences();
     seq->set_stop_reason(s.stop_reason() == v1::STOP_REASON_STOP
@@ -289,27 +450,125 @@ void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
                              : tinker_public::STOP_REASON_LENGTH);
     seq->set_tokens(Packed<int32_t>(s.tokens()));
     seq->set_logprobs(Packed<float>(s.logprobs()));
+    if (asked.topk_sample_logprobs > 0) {
+      TopkToTinker(s.topk_logprobs(), asked.topk_sample_logprobs,
+                   seq->mutable_topk_sampled_logprobs());
+    }
   }
-  if (prompt_logprobs) out->set_prompt_logprobs(Packed<float>(in.prompt_logprobs()));
-  const int64_t k = topk_prompt_logprobs;
-  if (k > 0) {
-    constexpr float kMissing = -99999.0f;  // the SDK's MASK_LOGPROB
-    const int64_t n = in.topk_prompt_logprobs_size();
-    std::vector<int32_t> tokens(n * k, 0);
-    std::vector<float> logprobs(n * k, kMissing);
-    for (int64_t i = 0; i < n; ++i) {
-      const v1::TopkLogprobs& row = in.topk_prompt_logprobs(i);
-      for (int64_t j = 0; j < std::min<int64_t>(k, row.tokens_size()); ++j) {
-        tokens[i * k + j] = static_cast<int32_t>(row.tokens(j));
-        logprobs[i * k + j] = static_cast<float>(row.logprobs(j));
+  if (asked.prompt_logprobs) out->set_prompt_logprobs(Packed<float>(in.prompt_logprobs()));
+  if (asked.topk_prompt_logprobs > 0) {
+    TopkToTinker(in.topk_prompt_logprobs(), asked.topk_prompt_logprobs,
+                 out->mutable_topk_prompt_logprobs());
+  }
+  if (asked.target) {
+    TargetToTinker(in.target_prompt_logprobs(), *asked.target,
+                   out->mutable_target_prompt_logprobs());
+  }
+  if (asked.prompt_alt_tokens_k > 0) {
+    const int64_t k = asked.prompt_alt_tokens_k, rows = in.prompt_alt_tokens_size() / k;
+    for (tinker_public::Tensor* t : {out->mutable_prompt_alt_tokens()->mutable_tokens(),
+                                     out->mutable_prompt_alt_tokens()->mutable_logprobs()}) {
+      t->add_shape(rows);
+      t->add_shape(k);
+    }
+    tinker_public::Tensor* tokens = out->mutable_prompt_alt_tokens()->mutable_tokens();
+    tokens->set_dtype(tinker_public::DTYPE_INT64);
+    tokens->set_dense(Packed<int64_t>(in.prompt_alt_tokens()));
+    tinker_public::Tensor* logprobs = out->mutable_prompt_alt_tokens()->mutable_logprobs();
+    logprobs->set_dtype(tinker_public::DTYPE_FLOAT32);
+    logprobs->set_dense(Packed<float>(in.prompt_alt_logprobs()));
+  }
+}
+
+absl::Status TargetPromptFromTinker(const nlohmann::json& t, int64_t max_rows, int64_t max_k,
+                                    v1::Tensor* out, TargetLayout* layout) {
+  const std::string field = "target_prompt_logprobs";
+  if (!t.is_object()) return Invalid(field, "must be a TensorData object");
+  Fields f(t);
+  const std::optional<std::string> dtype = f.OptStr("dtype");
+  if (!f.status().ok()) return Invalid(field, std::string(f.status().message()));
+  if (dtype != "int64") return Invalid(field + ".dtype", "must be 'int64' (token ids)");
+  auto shape = t.find("shape");
+  if (shape == t.end() || !shape->is_array() || shape->size() != 2 ||
+      !(*shape)[0].is_number_integer() || !(*shape)[1].is_number_integer()) {
+    return Invalid(field + ".shape", "must be [len(prompt) - 1, K]");
+  }
+  const int64_t rows = (*shape)[0].get<int64_t>(), k = (*shape)[1].get<int64_t>();
+  if (rows < 1 || rows > max_rows) {
+    return Invalid(field + ".shape", absl::StrCat("rows must be len(prompt) - 1, in [1, ", max_rows,
+                                                  "], got ", rows));
+  }
+  if (k < 1 || k > max_k) {
+    return Invalid(field + ".shape", absl::StrCat("K must be in [1, ", max_k, "], got ", k));
+  }
+  auto data = t.find("data");
+  if (data == t.end() || !data->is_array()) return Invalid(field + ".data", "must be an array");
+  auto ints = [&](const nlohmann::json& a, const std::string& name,
+                  std::vector<int64_t>* v) -> absl::Status {
+    if (!a.is_array()) return Invalid(name, "must be an array of integers");
+    v->reserve(a.size());
+    for (const nlohmann::json& x : a) {
+      if (!x.is_number_integer()) return Invalid(name, "must be an array of integers");
+      v->push_back(x.get<int64_t>());
+    }
+    return absl::OkStatus();
+  };
+  std::vector<int64_t> values;
+  if (absl::Status s = ints(*data, field + ".data", &values); !s.ok()) return s;
+  layout->rows = rows;
+  layout->k = k;
+  std::vector<int64_t> ids;
+  auto crow = t.find("sparse_crow_indices");
+  auto col = t.find("sparse_col_indices");
+  layout->sparse = crow != t.end() && !crow->is_null();
+  if (!layout->sparse) {
+    if (static_cast<int64_t>(values.size()) != rows * k) {
+      return Invalid(field + ".data",
+                     absl::StrCat(values.size(), " ids for shape [", rows, ", ", k, "]"));
+    }
+    ids = std::move(values);
+  } else {
+    // Sparse: only the listed cells ask; every other is -1 (the SDK's from_torch_sparse with
+    // pad_value=-1, as its documentation says to send it).
+    if (col == t.end()) return Invalid(field + ".sparse_col_indices", "required with crow");
+    if (absl::Status s = ints(*crow, field + ".sparse_crow_indices", &layout->crow); !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = ints(*col, field + ".sparse_col_indices", &layout->col); !s.ok()) {
+      return s;
+    }
+    const int64_t nnz = static_cast<int64_t>(values.size());
+    if (static_cast<int64_t>(layout->col.size()) != nnz ||
+        static_cast<int64_t>(layout->crow.size()) != rows + 1 || layout->crow.front() != 0 ||
+        layout->crow.back() != nnz) {
+      return Invalid(
+          field, absl::StrCat("sparse CSR: need rows + 1 = ", rows + 1, " row pointers from 0 to ",
+                              nnz, " and ", nnz, " column indices, one per id"));
+    }
+    ids.assign(rows * k, -1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (layout->crow[r + 1] < layout->crow[r]) {
+        return Invalid(field + ".sparse_crow_indices",
+                       absl::StrCat("row ", r, " ends before it starts"));
       }
     }
-    tinker_public::TopkPromptLogprobs* t = out->mutable_topk_prompt_logprobs();
-    t->set_token_ids(Packed<int32_t>(tokens));
-    t->set_logprobs(Packed<float>(logprobs));
-    t->set_k(static_cast<uint32_t>(k));
-    t->set_prompt_length(static_cast<uint32_t>(n));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = layout->crow[r]; i < layout->crow[r + 1]; ++i) {
+        const int64_t c = layout->col[i];
+        if (c < 0 || c >= k || (i > layout->crow[r] && c <= layout->col[i - 1])) {
+          return Invalid(field + ".sparse_col_indices",
+                         absl::StrCat("row ", r, ": column ", c, " is outside [0, ", k,
+                                      ") or not after the row's previous column"));
+        }
+        ids[r * k + c] = values[i];
+      }
+    }
   }
+  out->set_dtype(v1::INT64);
+  out->add_shape(rows);
+  out->add_shape(k);
+  out->set_data(Packed<int64_t>(ids));
+  return absl::OkStatus();
 }
 
 absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out) {
@@ -409,12 +668,6 @@ bool IsOn(const nlohmann::json& body, const char* key) {
 
 absl::Status RefuseUnservedSampleFields(const nlohmann::json& body) {
   if (!body.is_object()) return absl::OkStatus();
-  for (const char* key : {"topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs",
-                          "prompt_logprobs_last_n"}) {
-    if (IsOn(body, key)) {
-      return Invalid(key, "is not served by this server yet; leave it unset");
-    }
-  }
   if (IsOn(body, "record_stability_info")) {
     return Invalid("record_stability_info",
                    "stability records (for stable_reinforce, whose loss Tinker has not published) "

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -38,24 +39,56 @@ struct TinkerFwdBwd {
 //   Tensor dense FLOAT32 / INT64         -> the same bytes
 //   Tensor dense INT32                   -> INT64 (sign-extended)
 //   Tensor dense BFLOAT16                -> FLOAT32 (exact: bf16 is the top half of a binary32)
-//   image/audio chunks, sparse tensors, unset or unknown dtypes: refused
+//   Tensor sparse_csr (2-D)              -> dense, unlisted entries 0 (the SDK's pad for the
+//                                           [T, K] target_tokens and weights it sends sparse);
+//                                           all the request's densified bytes together at most
+//                                           max_dense_bytes (the body limit: what a dense body
+//                                           could have held)
+//   image/audio chunks, unset or unknown dtypes, malformed CSR: refused
 //   loss_fn, loss_fn_config              -> v1 LossFn{name, config}
-absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequest* in);
+absl::StatusOr<TinkerFwdBwd> FwdBwdFromTinker(tinker_public::ForwardBackwardRequest* in,
+                                              int64_t max_dense_bytes = int64_t{256} << 20);
 
 // tinkerd's forward/forward_backward result as the Tinker output: one ArrayRecord (type_tag
 // "ArrayRecord") holding every datum's "logprobs" as a FLOAT32 BatchedTensor with int64 byte
-// offsets, which the SDK slices back into one 1-D TensorData per datum; metrics copied (their keys
+// offsets, which the SDK slices back into one TensorData per datum ([T], or [T, K] through
+// trailing_shape [K] for top-K targets); metrics copied (their keys
 // are already "name:reduction"). loss_fn is the request's loss name; every tinkerd loss returns
 // the same record, so it does not change the encoding.
 void FwdBwdOutputToTinker(const v1::ForwardBackwardOutput& in, const std::string& loss_fn,
                           tinker_public::ForwardBackwardOutput* out);
 
+// What an asample asked for beyond tokens, which decides what its answer carries.
+// target_prompt_logprobs' layout: its shape [rows, k], and for a sparse request the CSR indices,
+// which the answer reuses.
+struct TargetLayout {
+  int64_t rows = 0, k = 0;
+  bool sparse = false;
+  std::vector<int64_t> crow, col;
+};
+struct SampleAnswer {
+  bool prompt_logprobs = false;
+  int64_t topk_prompt_logprobs = 0;
+  int64_t topk_sample_logprobs = 0;
+  std::optional<TargetLayout> target;
+  int64_t prompt_alt_tokens_k = 0;
+};
+
 // tinkerd's sample result as Tinker's: tokens as int32 and logprobs as float32 bytes;
-// prompt_logprobs (when asked) with NaN at position 0, which the SDK reads as None; top-k rows
-// (when k > 0) padded to k with the SDK's sentinel (token 0, logprob -99999), so position 0, which
-// has no context, reads as None.
-void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
-                            int64_t topk_prompt_logprobs, tinker_public::SampleResponse* out);
+// prompt_logprobs (when asked) with NaN at position 0 and at the positions
+// prompt_logprobs_last_n left out, which the SDK reads as None; top-k rows (prompt's and
+// samples', when k > 0) padded to k with the SDK's sentinel (token 0, logprob -99999), so a row
+// with none reads as None; target_prompt_logprobs in the request's layout, 0 where it had -1;
+// prompt_alt_tokens as two dense [P - 1, k] tensors (INT64 ids, FLOAT32 logprobs).
+void SampleResponseToTinker(const v1::SampleResponse& in, const SampleAnswer& asked,
+                            tinker_public::SampleResponse* out);
+
+// SDK 0.38's asample target_prompt_logprobs (a JSON TensorData of int64 ids [rows, K], dense or
+// sparse CSR whose unlisted cells are -1) as tinkerd's INT64 [rows, K] with -1 where nothing is
+// asked. rows in [1, max_rows] and K in [1, max_k] are checked before anything is allocated (the
+// sampler checks rows = len(prompt) - 1 and the ids); *layout keeps what the answer needs.
+absl::Status TargetPromptFromTinker(const nlohmann::json& t, int64_t max_rows, int64_t max_k,
+                                    v1::Tensor* out, TargetLayout* layout);
 
 // asample's JSON: Tinker's ModelInput (`prompt`: encoded_text chunks, concatenated into one chunk)
 // and SamplingParams (`sampling_params`; stop strings are refused, since they need the tokenizer,
@@ -65,7 +98,8 @@ void SampleResponseToTinker(const v1::SampleResponse& in, bool prompt_logprobs,
 absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out);
 absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::SamplingParams* out);
 
-// Fields of SDK 0.38's asample and save_weights_for_sampler bodies that tinkerd does not serve yet:
+// Fields of SDK 0.38's asample (record_stability_info) and
+// save_weights_for_sampler (kind inflight, ttl_seconds) bodies that tinkerd does not serve yet:
 // a value other than the field's "off" value (absent, null, 0, false, "snapshot") is refused,
 // INVALID_ARGUMENT naming the field, rather than silently ignored (docs/http.md lists them).
 absl::Status RefuseUnservedSampleFields(const nlohmann::json& body);

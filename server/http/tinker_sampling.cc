@@ -4,6 +4,9 @@
 // loads a sampler_weights export, and asample samples it. Retries find their first answer:
 // asample by (sampling_session_id, seq_id), create_sampling_session by (session_id,
 // sampling_session_seq_id), the unnamed save by the model's (model_id, seq_id).
+#include <limits>
+#include <tuple>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "runner/sample/sample_types.h"
@@ -118,32 +121,57 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   const std::optional<std::string> base_model = f.OptStr("base_model");
   const std::optional<std::string> model_path = f.OptStr("model_path");
   const int64_t num_samples = f.OptInt("num_samples").value_or(1);
-  const bool prompt_logprobs = f.OptBool("prompt_logprobs").value_or(false);
-  const int64_t topk = f.OptInt("topk_prompt_logprobs").value_or(0);
+  SampleAnswer asked;
+  asked.prompt_logprobs = f.OptBool("prompt_logprobs").value_or(false);
+  asked.topk_prompt_logprobs = f.OptInt("topk_prompt_logprobs").value_or(0);
+  asked.topk_sample_logprobs = f.OptInt("topk_sample_logprobs").value_or(0);
+  asked.prompt_alt_tokens_k = f.OptInt("prompt_alt_tokens_k").value_or(0);
+  const int64_t last_n = f.OptInt("prompt_logprobs_last_n").value_or(0);
   const Json* prompt = f.Obj("prompt");
   const Json* params = f.Obj("sampling_params");
+  const Json* target = f.Obj("target_prompt_logprobs");
   if (!f.status().ok()) return respond(Error(f.status()));
+  const SampleLimits& limits = sampling_->request_limits();
   absl::Status st = RefuseUnservedSampleFields(body);
   if (st.ok()) st = PromptFromTinker(prompt, req.mutable_prompt());
   if (st.ok()) st = SamplingParamsFromTinker(params, req.mutable_sampling_params());
+  if (st.ok() && target != nullptr) {
+    asked.target.emplace();
+    st = TargetPromptFromTinker(*target, ops_->limits().max_context_length,
+                                limits.max_target_prompt_k, req.mutable_target_prompt_logprobs(),
+                                &*asked.target);
+  }
   // Answered now rather than as the future's error: the SDK then raises at the call.
   if (st.ok()) {
     st = CheckStopStringsMatchable(req.sampling_params().stop_strings_size(), ops_->limits());
   }
   if (!st.ok()) return respond(Error(st));
-  // Checked here as well as by the sampler: the answer below lists one id per sample.
-  const SampleLimits& limits = sampling_->request_limits();
+  // Checked here as well as by the sampler: the answer below lists one id per sample and pads
+  // top-k rows to the widths asked.
   if (num_samples < 1 || num_samples > limits.max_num_samples) {
     return respond(Error(400, absl::StrCat("num_samples: must be in [1, ", limits.max_num_samples,
                                            "], got ", num_samples)));
   }
-  if (topk < 0 || topk > limits.max_topk_prompt_logprobs) {
-    return respond(Error(400, absl::StrCat("topk_prompt_logprobs: must be in [0, ",
-                                           limits.max_topk_prompt_logprobs, "], got ", topk)));
+  for (const auto& [field, k, max] :
+       {std::tuple<const char*, int64_t, int64_t>{
+            "topk_prompt_logprobs", asked.topk_prompt_logprobs, limits.max_topk_prompt_logprobs},
+        {"topk_sample_logprobs", asked.topk_sample_logprobs, limits.max_topk_sample_logprobs},
+        {"prompt_alt_tokens_k", asked.prompt_alt_tokens_k, limits.max_prompt_alt_tokens_k}}) {
+    if (k < 0 || k > max) {
+      return respond(Error(400, absl::StrCat(field, ": must be in [0, ", max, "], got ", k)));
+    }
+  }
+  if (last_n < 0 || last_n > std::numeric_limits<int32_t>::max()) {
+    return respond(Error(400, absl::StrCat("prompt_logprobs_last_n: must be in [1, "
+                                           "len(prompt) - 1], got ",
+                                           last_n)));
   }
   req.set_num_samples(static_cast<int32_t>(num_samples));
-  req.set_prompt_logprobs(prompt_logprobs);
-  req.set_topk_prompt_logprobs(static_cast<int32_t>(topk));
+  req.set_prompt_logprobs(asked.prompt_logprobs);
+  req.set_topk_prompt_logprobs(static_cast<int32_t>(asked.topk_prompt_logprobs));
+  req.set_topk_sample_logprobs(static_cast<int32_t>(asked.topk_sample_logprobs));
+  req.set_prompt_alt_tokens_k(static_cast<int32_t>(asked.prompt_alt_tokens_k));
+  req.set_prompt_logprobs_last_n(static_cast<int32_t>(last_n));
   std::string request_id, topic;
   if (session) {
     if (!seq_id) return respond(Error(400, "seq_id: required with sampling_session_id"));
@@ -188,12 +216,21 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
           throw;
         }
       },
-      [prompt_logprobs, topk](const v1::SampleResponse& r) {
+      [asked](const v1::SampleResponse& r) {
         tinker_public::SampleResponse out;
-        SampleResponseToTinker(r, prompt_logprobs, topk, &out);
+        SampleResponseToTinker(r, asked, &out);
         return Response{200, "application/x-protobuf", out.SerializeAsString(), {}};
       },
       std::move(respond), std::move(accepted), topic);
+}
+
+void TinkerApi::JoinSamplingSession(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string session = f.Str("sampling_session_id");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  absl::StatusOr<int64_t> counter = sampling_->JoinSampler(tenant, session);
+  if (!counter.ok()) return respond(Error(counter.status()));
+  respond(JsonResponse(Json{{"type", "join_sampling_session"}, {"client_counter", *counter}}));
 }
 
 void TinkerApi::CancelFuture(const std::string& tenant, const Json& body, Respond respond) {

@@ -122,7 +122,7 @@ void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, R
   const std::string request_id = absl::StrCat(in.model_id(), ":", seq_id);
   const bool forward_only = in.forward_only();
   const std::string kind = forward_only ? "Forward" : "ForwardBackward";
-  auto converted = FwdBwdFromTinker(&in);
+  auto converted = FwdBwdFromTinker(&in, config_.max_body_bytes);
   Ops* ops = ops_;
   if (!converted.ok()) {
     // The slot is taken with the error, so the client's later calls are not held up.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +25,38 @@ std::vector<int64_t> Tokens(const v1::ModelInput& input) {
   return out;
 }
 
+// target_prompt_logprobs' ids: INT64 [P - 1, K] (the sampler checks P - 1 and the ids).
+absl::Status TargetIds(const v1::Tensor& t, SampleRequest& r) {
+  auto bad = [](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("target_prompt_logprobs: ", why));
+  };
+  if (t.dtype() != v1::INT64) return bad("must be INT64 token ids");
+  // Bounds that keep the product below 2^64; the sampler holds P and K to far less.
+  if (t.shape_size() != 2 || t.shape(0) < 0 || t.shape(0) > (int64_t{1} << 40) || t.shape(1) < 1 ||
+      t.shape(1) > (int64_t{1} << 20)) {
+    return bad("must be [len(prompt) - 1, K], K >= 1");
+  }
+  if (t.data().size() % sizeof(int64_t) != 0 ||
+      t.data().size() / sizeof(int64_t) !=
+          static_cast<uint64_t>(t.shape(0)) * static_cast<uint64_t>(t.shape(1))) {
+    return bad(absl::StrCat(t.data().size(), " bytes do not hold its shape [", t.shape(0), ", ",
+                            t.shape(1), "] of INT64"));
+  }
+  r.target_prompt_k = t.shape(1);
+  r.target_prompt_ids.resize(t.data().size() / sizeof(int64_t));
+  if (!r.target_prompt_ids.empty()) {
+    std::memcpy(r.target_prompt_ids.data(), t.data().data(), t.data().size());
+  }
+  return absl::OkStatus();
+}
+
+void TopToProto(const TopLogprobs& row, v1::TopkLogprobs* out) {
+  for (const auto& [token, logprob] : row) {
+    out->add_tokens(token);
+    out->add_logprobs(logprob);
+  }
+}
+
 absl::Status CheckChunks(const v1::ModelInput& input) {
   for (int i = 0; i < input.chunks_size(); ++i) {
     if (!input.chunks(i).has_encoded_text()) {
@@ -42,15 +75,17 @@ v1::SampleResponse ToProto(const SampleResult& r) {
     seq->mutable_logprobs()->Add(s.logprobs.begin(), s.logprobs.end());
     seq->set_stop_reason(s.stop_reason == StopReason::kStop ? v1::STOP_REASON_STOP
                                                             : v1::STOP_REASON_LENGTH);
+    for (const TopLogprobs& row : s.topk_logprobs) TopToProto(row, seq->add_topk_logprobs());
   }
   out.mutable_prompt_logprobs()->Add(r.prompt_logprobs.begin(), r.prompt_logprobs.end());
-  for (const auto& row : r.topk_prompt_logprobs) {
-    v1::TopkLogprobs* t = out.add_topk_prompt_logprobs();
-    for (const auto& [token, logprob] : row) {
-      t->add_tokens(token);
-      t->add_logprobs(logprob);
-    }
+  for (const TopLogprobs& row : r.topk_prompt_logprobs) {
+    TopToProto(row, out.add_topk_prompt_logprobs());
   }
+  out.mutable_target_prompt_logprobs()->Add(r.target_prompt_logprobs.begin(),
+                                            r.target_prompt_logprobs.end());
+  out.mutable_prompt_alt_tokens()->Add(r.prompt_alt_tokens.begin(), r.prompt_alt_tokens.end());
+  out.mutable_prompt_alt_logprobs()->Add(r.prompt_alt_logprobs.begin(),
+                                         r.prompt_alt_logprobs.end());
   return out;
 }
 
@@ -104,6 +139,12 @@ absl::StatusOr<SampleRequest> Sampling::Decode(const v1::SampleRequest& req) {
   r.num_samples = req.num_samples() == 0 ? 1 : req.num_samples();
   r.prompt_logprobs = req.prompt_logprobs();
   r.topk_prompt_logprobs = req.topk_prompt_logprobs();
+  r.prompt_logprobs_last_n = req.prompt_logprobs_last_n();
+  r.topk_sample_logprobs = req.topk_sample_logprobs();
+  r.prompt_alt_tokens_k = req.prompt_alt_tokens_k();
+  if (req.has_target_prompt_logprobs()) {
+    RETURN_IF_ERROR(TargetIds(req.target_prompt_logprobs(), r));
+  }
   const v1::SamplingParams& p = req.sampling_params();
   r.params.max_tokens = p.max_tokens();
   r.params.temperature = p.has_temperature() ? p.temperature() : 1.0;
@@ -270,6 +311,23 @@ absl::StatusOr<v1::SamplerInfo> Sampling::GetSampler(const std::string& tenant,
     return absl::NotFoundError(absl::StrCat("sampler_id: no sampler '", Echo(sampler_id), "'"));
   }
   return it->second.info;
+}
+
+absl::StatusOr<int64_t> Sampling::JoinSampler(const std::string& tenant,
+                                              const std::string& sampler_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = samplers_.find(sampler_id);
+  if (it == samplers_.end() || it->second.owner != tenant) {
+    return absl::NotFoundError(
+        absl::StrCat("sampling_session_id: no sampler '", Echo(sampler_id), "'"));
+  }
+  constexpr int64_t kMaxClients = 1'000'000'000;  // request numbers client · 10^9 fit an int64
+  if (it->second.clients >= kMaxClients) {
+    return absl::ResourceExhaustedError(
+        "sampling_session_id: 10^9 clients have joined this sampler; make a new sampling client");
+  }
+  it->second.used = absl::Now();
+  return it->second.clients++;
 }
 
 absl::Status Sampling::DeleteSampler(const std::string& tenant, const std::string& sampler_id) {

@@ -57,6 +57,10 @@ class Sampling {
   absl::StatusOr<v1::SamplerInfo> GetSampler(const std::string& tenant,
                                              const std::string& sampler_id);
   absl::Status DeleteSampler(const std::string& tenant, const std::string& sampler_id);
+  // A copy of a sampling client joins the sampler: the next of its clients' numbers, 1, 2, ...
+  // (the original client is 0), unique for the sampler's life. Each client numbers its requests
+  // from 10^9 times it, so numbers stay below 10^9. NOT_FOUND for another tenant's sampler.
+  absl::StatusOr<int64_t> JoinSampler(const std::string& tenant, const std::string& sampler_id);
   // With `progress`, the tokens also go to it as they are decoded (see SampleProgress);
   // `done` still gets the whole response.
   void Sample(const std::string& tenant, const v1::SampleRequest& req,
@@ -75,6 +79,7 @@ class Sampling {
     std::shared_ptr<const Policy> policy;
     v1::SamplerInfo info;
     absl::Time used;
+    int64_t clients = 1;  // the original client's 0, then each JoinSampler's
   };
   // Makes the policy (on the scheduler thread, or the loader's for an export) and registers it.
   absl::StatusOr<v1::SamplerInfo> Make(const std::string& tenant,

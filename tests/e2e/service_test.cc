@@ -128,7 +128,8 @@ TEST(E2E, BadRequestsGetTheirCodeAndChangeNothing) {
              ->mutable_encoded_text()
              ->set_tokens(0, 128);
        }},
-      {"length mismatch", grpc::StatusCode::INVALID_ARGUMENT, "does not match model_input length",
+      {"length mismatch", grpc::StatusCode::INVALID_ARGUMENT,
+       "does not match model_input: want [7]",
        [](auto& r) {
          (*r.mutable_data(0)->mutable_loss_fn_inputs())["weights"].mutable_data()->resize(8);
        }},

@@ -4,7 +4,8 @@
 // no sanitizer report:
 //   - every refusal, of either step, is INVALID_ARGUMENT with a reason;
 //   - an accepted conversion keeps every datum and every token (int32 in, int64 out, same values)
-//     and the loss name.
+//     and the loss name;
+//   - sparse (CSR) inputs densify to no more bytes, all together, than the budget given.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,8 @@
 namespace {
 
 constexpr tinkerd::ModelLimits kLimits{/*vocab_size=*/128, /*max_context_length=*/256};
+// Small, so that inputs reach it: a CSR of a few bytes may name a shape of any size.
+constexpr int64_t kDenseBudget = int64_t{1} << 20;
 
 void CheckRefusal(const absl::Status& s) {
   FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument,
@@ -36,7 +39,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   tinker_public::ForwardBackwardRequest in;
   if (!in.ParseFromArray(bytes, static_cast<int>(size))) return 0;
   const tinker_public::ForwardBackwardRequest original = in;  // the conversion consumes `in`
-  auto converted = tinkerd::http::FwdBwdFromTinker(&in);
+  auto converted = tinkerd::http::FwdBwdFromTinker(&in, kDenseBudget);
   if (!converted.ok()) {
     CheckRefusal(converted.status());
     return 0;
@@ -62,6 +65,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
     }
     FUZZ_CHECK(got == want, "tokens changed in conversion");
   }
+  int64_t densified = 0;
+  for (int i = 0; i < original.data_size(); ++i) {
+    for (const auto& [key, t] : original.data(i).loss_fn_inputs()) {
+      if (!t.has_sparse_csr()) continue;
+      const int64_t elements = t.shape(0) * t.shape(1);
+      // The budget counts wire bytes; INT32 and BFLOAT16 then widen to 8 and 4 bytes.
+      densified +=
+          elements *
+          (t.dtype() == tinker_public::DTYPE_INT64 || t.dtype() == tinker_public::DTYPE_INT32 ? 8
+                                                                                              : 4);
+      FUZZ_CHECK(
+          req.data(i).loss_fn_inputs().at(key).data().size() ==
+              static_cast<size_t>(elements) *
+                  (req.data(i).loss_fn_inputs().at(key).dtype() == tinkerd::v1::INT64 ? 8 : 4),
+          "a sparse input densified to the wrong size");
+    }
+  }
+  FUZZ_CHECK(densified <= 2 * kDenseBudget, "sparse inputs densified past the budget");
   const absl::StatusOr<tinkerd::Batch> batch =
       tinkerd::BatchFromProto(req.data(), req.loss_fn(), kLimits);
   if (!batch.ok()) CheckRefusal(batch.status());

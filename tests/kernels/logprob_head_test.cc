@@ -159,6 +159,49 @@ TEST(LogprobHead, GradientsMatchAutogradOfTheReference) {
   }
 }
 
+// Top-K targets [T, K], a repeated target within a row among them: logp_TK and the gradient of
+// Σ g_tk·logp_tk against the full-logits reference; the control drops every column but the first
+// from the backward (dz = g_t1 (1[v = y_t1] − P_tv)), which a [T]-only kernel would compute.
+TEST(LogprobHead, TopKTargetsMatchTheReference) {
+  const int64_t T = 23, K = 4, V = 50;
+  Inputs in = MakeInputs(T, 6, V, 3, 41);
+  at::Generator gen = at::detail::createCPUGenerator(42);
+  in.y = at::randint(V, {T, K}, gen, at::TensorOptions().dtype(at::kLong));
+  in.y.select(1, 2).copy_(in.y.select(1, 0));  // column 2 repeats column 0
+  const at::Tensor g = Randn({T, K}, 43);
+  LogprobHeadParams p = Params(in);
+  p.hidden_TD.requires_grad_(true);
+  p.weight_VD.requires_grad_(true);
+  p.lora_A_rD.requires_grad_(true);
+  p.lora_B_Vr.requires_grad_(true);
+  const auto out = kernels::TokenLogprobs(p);
+  ASSERT_EQ(out.logp_T.sizes(), at::IntArrayRef({T, K}));
+  (out.logp_T * g).sum().backward();
+
+  auto reference = [&](const at::Tensor& h, const at::Tensor& W, const at::Tensor& A,
+                       const at::Tensor& B) {
+    const at::Tensor z = at::mm(h, W.t()) + in.s * at::mm(at::mm(h, A.t()), B.t());
+    return z.gather(1, in.y) - at::logsumexp(z, 1).unsqueeze(1);
+  };
+  const at::Tensor h = in.h.clone().requires_grad_(true), W = in.W.clone().requires_grad_(true);
+  const at::Tensor A = in.A.clone().requires_grad_(true), B = in.B.clone().requires_grad_(true);
+  const at::Tensor logp = reference(h, W, A, B);
+  (logp * g).sum().backward();
+  EXPECT_LT(RelErr(out.logp_T, logp), kF64Tol);
+  EXPECT_LT(RelErr(p.hidden_TD.grad(), h.grad()), kF64Tol);
+  EXPECT_LT(RelErr(p.weight_VD.grad(), W.grad()), kF64Tol);
+  EXPECT_LT(RelErr(p.lora_A_rD.grad(), A.grad()), kF64Tol);
+  EXPECT_LT(RelErr(p.lora_B_Vr.grad(), B.grad()), kF64Tol);
+  // Column k of the [T, K] result is the [T] result for targets y[:, k].
+  Inputs column = in;
+  column.y = in.y.select(1, 1).contiguous();
+  EXPECT_EQ(RelErr(out.logp_T.select(1, 1), kernels::TokenLogprobs(Params(column)).logp_T), 0.0);
+
+  const at::Tensor h0 = in.h.clone().requires_grad_(true);
+  (reference(h0, in.W, in.A, in.B).select(1, 0) * g.select(1, 0)).sum().backward();
+  EXPECT_GT(RelErr(p.hidden_TD.grad(), h0.grad()), 1e3 * kF64Tol);
+}
+
 TEST(LogprobHead, GradientsMatchFiniteDifferences) {
   const Inputs in = MakeInputs(23, 6, 50, 3, 26);
   const at::Tensor g = Randn({23}, 27);

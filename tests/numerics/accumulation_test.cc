@@ -15,8 +15,9 @@ namespace {
 
 constexpr double kRelTol = 1e-10;
 
+// cross_entropy_topk: cross_entropy with [T, K] targets and weights (RandomTopKData).
 const std::vector<std::string> kLosses = {
-    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"};
+    "cross_entropy", "cross_entropy_topk", "importance_sampling", "ppo", "cispo", "dro", "gspo"};
 const std::vector<LossReduction> kModes = {LossReduction::kTokenMean, LossReduction::kSum,
                                            LossReduction::kSeqMeanTokenMean,
                                            LossReduction::kSeqMeanTokenSum};
@@ -75,9 +76,12 @@ TEST_P(SplitVsCombined, NormalizedGradientIndependentOfCallSplit) {
   const std::string split_id = WarmModel(*runner, mode, g2);  // identical state
 
   // Strongly unequal lengths; the split puts 1, 3 and 2 datums into three calls.
-  auto data = RandomData(g, {2, 31, 5, 17, 3, 24}, loss, 128);
+  const std::vector<int> lengths = {2, 31, 5, 17, 3, 24};
+  const bool topk = loss == "cross_entropy_topk";
+  auto data = topk ? RandomTopKData(g, lengths, 3, 128) : RandomData(g, lengths, loss, 128);
   const auto cfg = ConfigFor(loss);
-  auto all = runner->ForwardBackward(combined_id, data, loss, cfg);
+  const std::string loss_fn = topk ? "cross_entropy" : loss;
+  auto all = runner->ForwardBackward(combined_id, data, loss_fn, cfg);
   ASSERT_TRUE(all.ok()) << all.status().message();
 
   std::vector<std::pair<size_t, size_t>> calls = {{0, 1}, {1, 4}, {4, 6}};
@@ -85,7 +89,7 @@ TEST_P(SplitVsCombined, NormalizedGradientIndependentOfCallSplit) {
   std::vector<double> broken(previous.size(), 0.0);  // Σ_c g_c / D_c: a per-call local denominator
   double loss_sum = 0;
   for (auto [b, e] : calls) {
-    auto r = runner->ForwardBackward(split_id, Slice(data, b, e), loss, cfg);
+    auto r = runner->ForwardBackward(split_id, Slice(data, b, e), loss_fn, cfg);
     ASSERT_TRUE(r.ok()) << r.status().message();
     loss_sum += r->metrics.at("loss:sum");
     const auto now = Flat(Snap(*runner, split_id, StateKind::kGrads));
@@ -140,6 +144,53 @@ INSTANTIATE_TEST_SUITE_P(AllLossesAllModes, SplitVsCombined, ::testing::ValuesIn
                            return info.param.loss + "_" +
                                   std::string(LossReductionName(info.param.mode));
                          });
+
+// Top-K cross_entropy, −Σ_t Σ_k w_tk·logp_tk, is linear in its columns: one [T, K] call equals K
+// one-target calls, one per column (under `sum`, where the token count does not enter), in the
+// gradient and, bit for bit, in each column's logprobs. The control is a kernel that backpropagates
+// column 0 alone: the first column's call by itself.
+TEST(TopKCrossEntropy, EqualsTheSumOfItsColumns) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("qwen3"));
+  auto runner = MakeRunner(model, ComputeDType::kFloat64, /*micro_batch_tokens=*/24);
+  const int64_t K = 4;
+  SplitMix64 g(17);
+  const auto data = RandomTopKData(g, {9, 30, 4, 13}, K, 128);
+  SplitMix64 ga(5), gb(5), gc(5);
+  const std::string whole = WarmModel(*runner, LossReduction::kSum, ga);
+  const std::string columns = WarmModel(*runner, LossReduction::kSum, gb);
+  const std::string first = WarmModel(*runner, LossReduction::kSum, gc);
+  auto all = runner->ForwardBackward(whole, data, "cross_entropy", {});
+  ASSERT_TRUE(all.ok()) << all.status().message();
+  double loss_sum = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    auto col = runner->ForwardBackward(columns, TopKColumn(data, k), "cross_entropy", {});
+    ASSERT_TRUE(col.ok()) << col.status().message();
+    loss_sum += col->metrics.at("loss:sum");
+    for (size_t i = 0; i < data.size(); ++i) {
+      const auto& got = all->outputs[i];
+      ASSERT_EQ(got.logprobs_shape,
+                (std::vector<int64_t>{static_cast<int64_t>(data[i].tokens.size()), K}));
+      for (size_t t = 0; t < data[i].tokens.size(); ++t) {
+        ASSERT_EQ(got.logprobs[t * K + k], col->outputs[i].logprobs[t])
+            << i << " " << t << " " << k;
+      }
+    }
+  }
+  ASSERT_TRUE(runner->ForwardBackward(first, TopKColumn(data, 0), "cross_entropy", {}).ok());
+  EXPECT_NEAR(all->metrics.at("loss:sum"), loss_sum, 1e-10 * std::abs(loss_sum));
+  // Valid positions count once however many targets they hold: the completion rows.
+  int64_t valid = 0;
+  for (const Datum& d : data) valid += static_cast<int64_t>(d.tokens.size() - d.tokens.size() / 4);
+  EXPECT_EQ(all->metrics.at("num_tokens:sum"), static_cast<double>(valid));
+
+  const auto want = Flat(Snap(*runner, columns, StateKind::kGrads));
+  const auto got = Flat(Snap(*runner, whole, StateKind::kGrads));
+  const double scale = MaxAbs(want);
+  ASSERT_GT(scale, 1e-6);
+  EXPECT_LE(MaxAbsDiff(want, got), kRelTol * scale);
+  EXPECT_GT(MaxAbsDiff(Flat(Snap(*runner, first, StateKind::kGrads)), got), 1e3 * kRelTol * scale);
+}
 
 TEST(MicroBatching, TokenBudgetDoesNotChangeGradients) {
   TempDir dir;

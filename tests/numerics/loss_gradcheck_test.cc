@@ -46,8 +46,11 @@ void CheckLoss(const std::string& name, const std::map<std::string, double>& use
       }
     }
   }
-  LossTokenInputs in{logp.clone().set_requires_grad(true), Rand(g, n, -1, 2), logq,
-                     Rand(g, n, -1, 1)};
+  LossTokenInputs in;
+  in.logp_T = logp.clone().set_requires_grad(true);
+  in.weights_T = Rand(g, n, -1, 2);
+  in.logq_T = logq;
+  in.adv_T = Rand(g, n, -1, 1);
   at::Tensor f = PerTokenLoss(name, in, cfg).loss_T.sum();
   at::Tensor grad = torch::autograd::grad({f}, {in.logp_T})[0];
 
@@ -57,7 +60,8 @@ void CheckLoss(const std::string& name, const std::map<std::string, double>& use
       cfg.count("clip_high_threshold") ? cfg.at("clip_high_threshold") : 0);
   auto eval = [&](const at::Tensor& lp) {
     if (name == "cispo") return (-cispo_weight * lp * in.adv_T).sum().item<double>();
-    LossTokenInputs x{lp, in.weights_T, in.logq_T, in.adv_T};
+    LossTokenInputs x = in;
+    x.logp_T = lp;
     return PerTokenLoss(name, x, cfg).loss_T.sum().item<double>();
   };
   double max_err = 0, max_grad = 0;
@@ -172,7 +176,10 @@ TEST(LossGradcheck, PpoClipsGradientCispoDoesNot) {
   at::Tensor logq = at::full({1}, -1.0, at::kDouble);
   at::Tensor logp = (logq + std::log(1.5)).set_requires_grad(true);  // r = 1.5 > hi
   at::Tensor adv = at::ones({1}, at::kDouble);                       // A > 0: PPO clips
-  LossTokenInputs in{logp, at::Tensor(), logq, adv};
+  LossTokenInputs in;
+  in.logp_T = logp;
+  in.logq_T = logq;
+  in.adv_T = adv;
   auto ppo = PpoLoss(in, cfg);
   EXPECT_EQ(torch::autograd::grad({ppo.loss_T.sum()}, {logp})[0].item<double>(), 0.0);
   EXPECT_TRUE(ppo.clipped_T.item<bool>());

@@ -696,7 +696,7 @@ struct Case {
   // Qwen config (max_window_layers alone).
   enum class Layout { kAsWritten, kTransformers5, kNoLayerTypes };
   Layout layout = Layout::kAsWritten;
-  std::function<void(json&)> edit_config;  // applied last, for the controls
+  std::function<void(json&)> edit_config = nullptr;  // applied last, for the controls
 };
 
 void PrintTo(const Case& c, std::ostream* os) {

@@ -241,6 +241,125 @@ TEST_F(SamplingTest, TopKPromptLogprobsAreTheTrainersMostLikelyTokens) {
   EXPECT_EQ(off_apart, kPrompt.size() - 2) << "the distribution one position off must not match";
 }
 
+// SDK 0.38's scoring fields, each against the trainer: target_prompt_logprobs equals the
+// trainer's Forward with those ids as top-K cross_entropy targets ([T, K], -1 cells NaN, rows
+// before the first asked id included); prompt_logprobs_last_n scores exactly the last n positions
+// of the full answer; topk_sample_logprobs are, at each sampled position, the trainer's k most
+// likely tokens after the prompt and the tokens before, the drawn (greedy) token first with its
+// reported logprob bit for bit. The control: the same comparisons one position off fail.
+TEST_F(SamplingTest, ScoringFieldsAreTheTrainersLogprobs) {
+  const int64_t P = static_cast<int64_t>(kPrompt.size()), K = 3, k = 4, n = 3;
+  SampleRequest r = Request(11, 6);
+  r.params.temperature = 0;  // greedy: the drawn token heads its row
+  r.prompt_logprobs = true;
+  r.prompt_logprobs_last_n = n;
+  r.topk_prompt_logprobs = 2;
+  r.topk_sample_logprobs = k;
+  r.target_prompt_k = K;
+  r.target_prompt_ids.assign((P - 1) * K, -1);  // row 0 asks nothing: not scored
+  for (int64_t i = 1; i < P - 1; ++i) {
+    for (int64_t j = 0; j < K; ++j) r.target_prompt_ids[i * K + j] = (i * 37 + j * 11) % 128;
+  }
+  r.target_prompt_ids[2 * K + 1] = -1;
+  SampleRequest full = Request(11, 6);
+  full.prompt_logprobs = true;
+  full.topk_prompt_logprobs = 2;
+  const std::vector<SampleResult> results = Run({r, full});
+  const SampleResult& got = results[0];
+
+  // target_prompt_logprobs against Forward with [P - 1, K] targets (-1 sent as 0, then dropped).
+  Datum d;
+  d.tokens.assign(kPrompt.begin(), kPrompt.end() - 1);
+  std::vector<int64_t> ids = r.target_prompt_ids;
+  std::vector<float> w(ids.size(), 1.0f);
+  for (int64_t& id : ids) id = std::max<int64_t>(id, 0);
+  d.loss_fn_inputs["target_tokens"] = TensorData::Int64(ids);
+  d.loss_fn_inputs["target_tokens"].shape = {P - 1, K};
+  d.loss_fn_inputs["weights"] = TensorData::Float32(w);
+  d.loss_fn_inputs["weights"].shape = {P - 1, K};
+  auto fwd = runner_->Forward(model_, {d}, "cross_entropy", {});
+  ASSERT_TRUE(fwd.ok()) << fwd.status().message();
+  ASSERT_EQ(got.target_prompt_logprobs.size(), static_cast<size_t>((P - 1) * K));
+  for (int64_t c = 0; c < (P - 1) * K; ++c) {
+    if (r.target_prompt_ids[c] == -1) {
+      EXPECT_TRUE(std::isnan(got.target_prompt_logprobs[c])) << "cell " << c;
+      continue;
+    }
+    // Forward's logprobs are float32: within its rounding of the float64 value.
+    const double f = fwd->outputs[0].logprobs[c];
+    EXPECT_NEAR(got.target_prompt_logprobs[c], f, 1e-6 * std::max(1.0, std::abs(f))) << c;
+    // And the float64 trainer: its logprob of that id after the first c / K + 1 tokens.
+    const std::vector<double> dist =
+        TrainerDistribution(std::vector<int64_t>(kPrompt.begin(), kPrompt.begin() + c / K + 1));
+    const double want = dist[r.target_prompt_ids[c]];
+    EXPECT_NEAR(got.target_prompt_logprobs[c], want, kFloat64Tol * std::abs(want)) << c;
+    if (c / K + 2 < P) {  // the control: the next position's distribution
+      const std::vector<double> off =
+          TrainerDistribution(std::vector<int64_t>(kPrompt.begin(), kPrompt.begin() + c / K + 2));
+      EXPECT_GT(std::abs(got.target_prompt_logprobs[c] - off[r.target_prompt_ids[c]]), 1e-6) << c;
+    }
+  }
+
+  // prompt_logprobs_last_n: the last n of the full answer (their rows go through the head in
+  // other groups, so to rounding); NaN and empty before.
+  const SampleResult& whole = results[1];
+  ASSERT_EQ(got.prompt_logprobs.size(), kPrompt.size());
+  ASSERT_EQ(got.topk_prompt_logprobs.size(), kPrompt.size());
+  for (int64_t t = 0; t < P; ++t) {
+    if (t < P - n) {
+      EXPECT_TRUE(std::isnan(got.prompt_logprobs[t])) << t;
+      EXPECT_TRUE(got.topk_prompt_logprobs[t].empty()) << t;
+    } else {
+      EXPECT_NEAR(got.prompt_logprobs[t], whole.prompt_logprobs[t],
+                  kFloat64Tol * std::abs(whole.prompt_logprobs[t]))
+          << t;
+      ASSERT_EQ(got.topk_prompt_logprobs[t].size(), 2u) << t;
+      for (size_t j = 0; j < 2; ++j) {
+        EXPECT_EQ(got.topk_prompt_logprobs[t][j].first, whole.topk_prompt_logprobs[t][j].first);
+        EXPECT_NEAR(got.topk_prompt_logprobs[t][j].second, whole.topk_prompt_logprobs[t][j].second,
+                    kFloat64Tol * std::abs(whole.topk_prompt_logprobs[t][j].second));
+      }
+    }
+  }
+
+  // topk_sample_logprobs: the trainer's k most likely after prompt + the tokens before.
+  const SampledSequence& s = got.sequences[0];
+  ASSERT_EQ(s.topk_logprobs.size(), s.tokens.size());
+  size_t drawn_listed = 0, off_apart = 0;
+  for (size_t i = 0; i < s.tokens.size(); ++i) {
+    std::vector<int64_t> context = kPrompt;
+    context.insert(context.end(), s.tokens.begin(), s.tokens.begin() + i);
+    const std::vector<double> dist = TrainerDistribution(context);
+    const TopLogprobs& row = s.topk_logprobs[i];
+    ASSERT_EQ(row.size(), static_cast<size_t>(k));
+    for (int64_t j = 0; j < k; ++j) {
+      EXPECT_NEAR(row[j].second, dist[row[j].first], kFloat64Tol * std::abs(row[j].second));
+      if (j > 0) {
+        EXPECT_GE(row[j - 1].second, row[j].second);
+      }
+      if (row[j].first == s.tokens[i]) {
+        EXPECT_EQ(row[j].second, s.logprobs[i]) << "token " << i;
+        ++drawn_listed;
+      }
+    }
+    // Nothing outside the row is more likely than its last entry.
+    for (size_t v = 0; v < dist.size(); ++v) {
+      bool listed = false;
+      for (const auto& e : row) listed = listed || e.first == static_cast<int64_t>(v);
+      if (!listed) {
+        EXPECT_LE(dist[v], row.back().second + kFloat64Tol) << v;
+      }
+    }
+    if (i > 0) {
+      std::vector<int64_t> before(context.begin(), context.end() - 1);
+      const std::vector<double> off = TrainerDistribution(before);
+      if (std::abs(off[row[0].first] - row[0].second) > 1e-6) ++off_apart;
+    }
+  }
+  EXPECT_EQ(drawn_listed, s.tokens.size()) << "a greedy token is its row's first";
+  EXPECT_EQ(off_apart, s.tokens.size() - 1) << "the control one position off must not match";
+}
+
 // The control: a decoder that forgets the cached length in its positions (RoPE from 0 for the new
 // token) gives logprobs the same comparison rejects.
 TEST_F(SamplingTest, BrokenControlDecodeAtWrongPositionIsCaught) {
@@ -598,6 +717,66 @@ TEST_F(SamplingTest, FrequenciesMatchTheSoftmax) {
   // Control: the same counts against the temperature-0.5 distribution must fail.
   double critical_cold = 0;
   EXPECT_GT(ChiSquare(counts, p_cold, kN, &critical_cold), critical_cold);
+}
+
+// prompt_alt_tokens_k: k independent draws at every prompt position after the first. Over many
+// requests their frequencies at one position follow the trainer's softmax there (the control: the
+// temperature-0.5 distribution fails); each draw's logprob is the trainer's; temperature 0 draws
+// the argmax; asking for them leaves the samples' own tokens as they were (a stream of their own).
+TEST_F(SamplingTest, PromptAltTokensFollowTheModelAtEachPosition) {
+  constexpr int64_t kRequests = 1000, k = 20;
+  std::vector<SampleRequest> requests;
+  for (int64_t i = 0; i < kRequests; ++i) {
+    SampleRequest r = Request(5000 + i, 1);
+    r.prompt = {kPrompt[0], kPrompt[1]};
+    r.prompt_alt_tokens_k = k;
+    requests.push_back(r);
+  }
+  const std::vector<SampleResult> results =
+      Run(requests, EngineLimits{kRequests, int64_t{1} << 30});
+  const std::vector<double> logp = TrainerDistribution({kPrompt[0]});
+  std::vector<int64_t> counts(logp.size(), 0);
+  for (const SampleResult& r : results) {
+    ASSERT_EQ(r.prompt_alt_tokens.size(), static_cast<size_t>(k));
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t v = r.prompt_alt_tokens[j];
+      ++counts.at(v);
+      ASSERT_NEAR(r.prompt_alt_logprobs[j], logp[v], kFloat64Tol * std::abs(logp[v]));
+    }
+  }
+  std::vector<double> p(logp.size()), p_cold(logp.size());
+  double cold_total = 0;
+  for (size_t v = 0; v < logp.size(); ++v) {
+    p[v] = std::exp(logp[v]);
+    cold_total += p_cold[v] = std::exp(2 * logp[v]);
+  }
+  for (double& q : p_cold) q /= cold_total;
+  double critical = 0, critical_cold = 0;
+  EXPECT_LT(ChiSquare(counts, p, kRequests * k, &critical), critical);
+  EXPECT_GT(ChiSquare(counts, p_cold, kRequests * k, &critical_cold), critical_cold);
+
+  // Every position of a longer prompt, greedy: the trainer's argmax there, k times.
+  SampleRequest greedy = Request(3, 4, 2);
+  greedy.params.temperature = 0;
+  greedy.prompt_alt_tokens_k = 3;
+  SampleRequest plain = greedy;
+  plain.prompt_alt_tokens_k = 0;
+  const std::vector<SampleResult> both = Run({greedy, plain});
+  const int64_t P = static_cast<int64_t>(kPrompt.size());
+  ASSERT_EQ(both[0].prompt_alt_tokens.size(), static_cast<size_t>((P - 1) * 3));
+  for (int64_t i = 0; i < P - 1; ++i) {
+    const std::vector<double> d =
+        TrainerDistribution(std::vector<int64_t>(kPrompt.begin(), kPrompt.begin() + i + 1));
+    const int64_t argmax = std::max_element(d.begin(), d.end()) - d.begin();
+    for (int64_t j = 0; j < 3; ++j) EXPECT_EQ(both[0].prompt_alt_tokens[i * 3 + j], argmax) << i;
+  }
+  SampleRequest seeded = Request(77, 5, 2), seeded_plain = Request(77, 5, 2);
+  seeded.prompt_alt_tokens_k = 4;
+  const std::vector<SampleResult> pair = Run({seeded, seeded_plain});
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(pair[0].sequences[s].tokens, pair[1].sequences[s].tokens) << "sample " << s;
+  }
+  EXPECT_TRUE(pair[1].prompt_alt_tokens.empty());
 }
 
 // The same through a decode step: each sample's second token follows the model after the prompt
@@ -1033,6 +1212,49 @@ TEST(SampleValidation, EachBadFieldIsNamed) {
   expect([](SampleRequest& r) { r.num_samples = 0; }, "num_samples");
   expect([](SampleRequest& r) { r.num_samples = 65; }, "num_samples");
   expect([](SampleRequest& r) { r.topk_prompt_logprobs = 21; }, "topk_prompt_logprobs");
+  expect([](SampleRequest& r) { r.topk_sample_logprobs = 21; }, "topk_sample_logprobs");
+  expect([](SampleRequest& r) { r.topk_sample_logprobs = -1; }, "topk_sample_logprobs");
+  expect([](SampleRequest& r) { r.prompt_alt_tokens_k = 21; },
+         "prompt_alt_tokens_k: must be in [0, 20], got 21");
+  expect(
+      [](SampleRequest& r) {
+        r.prompt = {1};
+        r.prompt_alt_tokens_k = 2;
+      },
+      "prompt_alt_tokens_k: needs a prompt of at least 2 tokens");
+  expect([](SampleRequest& r) { r.prompt_logprobs_last_n = 1; }, "needs prompt_logprobs");
+  expect(
+      [](SampleRequest& r) {
+        r.prompt_logprobs = true;
+        r.prompt_logprobs_last_n = 3;  // 3 tokens: at most 2
+      },
+      "prompt_logprobs_last_n: must be in [1, len(prompt) - 1 = 2], got 3");
+  SampleRequest target = ok;
+  target.target_prompt_k = 2;
+  target.target_prompt_ids = {-1, 5, -1, -1};
+  EXPECT_TRUE(ValidateSampleRequest(target, model, limits).ok());
+  auto expect_target = [&](std::function<void(SampleRequest&)> edit, const std::string& field) {
+    expect(
+        [&](SampleRequest& r) {
+          r.target_prompt_k = target.target_prompt_k;
+          r.target_prompt_ids = target.target_prompt_ids;
+          edit(r);
+        },
+        field);
+  };
+  expect_target([](SampleRequest& r) { r.target_prompt_ids.pop_back(); },
+                "must be [len(prompt) - 1, K] = [2, 2], got 3 ids");
+  expect_target([](SampleRequest& r) { r.target_prompt_ids[3] = 128; },
+                "target_prompt_logprobs[1][1]: token id 128");
+  expect_target([](SampleRequest& r) { r.target_prompt_ids[0] = -2; },
+                "target_prompt_logprobs[0][0]");
+  expect_target([](SampleRequest& r) { r.target_prompt_ids[1] = -1; }, "names no token id");
+  expect_target(
+      [](SampleRequest& r) {
+        r.target_prompt_k = 21;
+        r.target_prompt_ids.assign(42, 1);
+      },
+      "K = 21 ids per position must be in [1, 20]");
   expect([](SampleRequest& r) { r.params.stop = {{}}; }, "stop[0]");
   expect([](SampleRequest& r) { r.params.stop = {{5, -1}}; }, "stop[0][1]");
   // Stop strings: only with a tokenizer, non-empty, and bounded in number and length.

@@ -694,6 +694,96 @@ def check_s() -> None:
         expect_error(r, 404, "tenant B's GET samplers/<A's>", need_detail=True)
 
 
+def check_v() -> None:
+    """SDK 0.38's scoring fields of a sample: prompt_logprobs_last_n, topk_sample_logprobs and
+    target_prompt_logprobs (dense and sparse), each checked against the trainer's forward, and
+    prompt_alt_tokens_k."""
+    import inspect
+    if "topk_sample_logprobs" not in inspect.signature(tinker.SamplingClient.sample).parameters:
+        note(f"SDK {SDK_VERSION} has no 0.38 scoring fields: not checked")
+        return
+    tc = _client(S.svc.create_lora_training_client(base_model=S.model_name, rank=4, seed=3))
+    train_step(tc, sft_batch(), LR)
+    sc = _client(tc.save_weights_and_get_sampling_client())
+    prompt = [11, 47, 3, 29, 101, 11, 47, 3]
+    P, K, n = len(prompt), 2, 3
+    ids = np.full((P - 1, K), -1, dtype=np.int64)
+    ids[2:] = (np.arange(2, P - 1)[:, None] * 31 + np.arange(K)[None, :] * 7) % VOCAB
+    ids[4, 1] = -1
+    dense = types.TensorData(data=ids.reshape(-1).tolist(), dtype="int64", shape=[P - 1, K])
+    res = sample(sc, prompt, types.SamplingParams(max_tokens=4, temperature=1.0, seed=5),
+                 include_prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=3,
+                 prompt_logprobs_last_n=n, target_prompt_logprobs=dense)
+    seq = res.sequences[0]
+    full = prompt + list(seq.tokens)
+    fwd = forward_lps(tc, [datum(full)], "forward over prompt + sampled tokens")[0]
+    pl, tk = res.prompt_logprobs, res.topk_prompt_logprobs
+    ok(all(x is None for x in pl[:P - n]) and all(r is None for r in tk[:P - n]),
+       f"prompt_logprobs_last_n={n}: the first {P - n} positions are None ({pl})")
+    d = max(abs(pl[i] - fwd[i - 1]) for i in range(P - n, P))
+    ok(d <= LP_TOL_XBATCH, f"the last {n} prompt logprobs == forward's: max |diff| {d:.3g}")
+    rows = seq.topk_logprobs
+    ok(rows is not None and len(rows) == len(seq.tokens) and all(len(r) == 3 for r in rows),
+       f"topk_sample_logprobs=3: 3 (token, logprob) per sampled token")
+    drawn = [dict(r).get(t) for r, t in zip(rows, seq.tokens)]
+    ok(all(r[0][1] >= r[1][1] >= r[2][1] for r in rows) and all(
+        lp is None or abs(lp - x) <= 1e-6 for lp, x in zip(drawn, seq.logprobs)),
+       "rows are most likely first; a drawn token among them has its sampled logprob")
+    # Forward with the ids as [P - 1, K] cross_entropy targets scores the same cells.
+    tgt = np.maximum(ids, 0)
+    topk = topk_datum(prompt[:-1], tgt, np.ones((P - 1, K), dtype=np.float32), sparse=False)
+    want = np.asarray(_res(tc.forward([topk], "cross_entropy")).loss_fn_outputs[0]["logprobs"]
+                      .to_numpy(), dtype=np.float64)
+    want[ids == -1] = 0.0  # Tinker answers 0 where nothing was asked
+    got = np.asarray(res.target_prompt_logprobs.to_numpy(), dtype=np.float64)
+    ok(got.shape == (P - 1, K), f"target_prompt_logprobs is [{P - 1}, {K}] ({got.shape})")
+    d = float(np.max(np.abs(got - want)))
+    ok(d <= LP_TOL_XBATCH, f"target_prompt_logprobs == forward's top-K logprobs: max |diff| {d:.3g}")
+    # Sparse: only the listed cells ask, and the answer lists the same cells.
+    rows_, cols_ = np.nonzero(ids >= 0)
+    crow = np.zeros(P, dtype=np.int64)
+    np.add.at(crow, rows_ + 1, 1)
+    sparse = types.TensorData(data=ids[rows_, cols_].tolist(), dtype="int64", shape=[P - 1, K],
+                              sparse_crow_indices=np.cumsum(crow).tolist(),
+                              sparse_col_indices=cols_.tolist())
+    res2 = sample(sc, prompt, types.SamplingParams(max_tokens=1), target_prompt_logprobs=sparse)
+    t = res2.target_prompt_logprobs
+    ok(t.sparse_crow_indices == sparse.sparse_crow_indices
+       and t.sparse_col_indices == sparse.sparse_col_indices,
+       "a sparse request is answered sparse, in its own layout")
+    d = float(np.max(np.abs(np.asarray(t.data, dtype=np.float64) - want[rows_, cols_])))
+    ok(d <= LP_TOL_XBATCH, f"its values are the dense answer's cells: max |diff| {d:.3g}")
+    # prompt_alt_tokens_k at temperature 0: every draw is the position's most likely token.
+    alt = sample(sc, prompt, types.SamplingParams(max_tokens=1, temperature=0.0),
+                 topk_prompt_logprobs=1, prompt_alt_tokens_k=2)
+    pa = alt.prompt_alt_tokens
+    toks = np.asarray(pa.tokens.to_numpy())
+    lps = np.asarray(pa.logprobs.to_numpy(), dtype=np.float64)
+    top1 = alt.topk_prompt_logprobs
+    ok(toks.shape == (P - 1, 2) and all(
+        int(toks[i, j]) == top1[i + 1][0][0] and abs(lps[i, j] - top1[i + 1][0][1]) <= 1e-6
+        for i in range(P - 1) for j in range(2)),
+       f"prompt_alt_tokens_k=2 greedy: [{P - 1}, 2] draws, each the position's top-1 token")
+
+    # A copy of the sampling client (as a worker process unpickles it) joins the session for its
+    # own request numbers, and samples what the original does.
+    import pickle
+    copy = pickle.loads(pickle.dumps(sc))
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    a, b = sample(sc, prompt, greedy).sequences[0], sample(copy, prompt, greedy).sequences[0]
+    ok(list(a.tokens) == list(b.tokens), f"an unpickled copy samples as the original ({b.tokens})")
+    ok(getattr(copy, "_cloned_sampler_id", None) == 1,
+       f"the copy joined the session as its client 1 ({getattr(copy, '_cloned_sampler_id', None)})")
+    sid = sc._sampling_session_id  # the SDK has no public accessor for it
+    r = http("POST", "/api/v1/join_sampling_session", json_body={"sampling_session_id": sid})
+    ok(json_of(r, "join_sampling_session").get("client_counter") == 2,
+       f"the next join is client 2 ({r.text})")
+    if OTHER_API_KEY:
+        r = http("POST", "/api/v1/join_sampling_session", key=OTHER_API_KEY,
+                 json_body={"sampling_session_id": sid})
+        expect_error(r, 404, "another tenant's join_sampling_session", need_detail=True)
+
+
 def check_u() -> None:
     rest = S.svc.create_rest_client()
     # Training runs, one a page: every run once, the flow's model among them.
@@ -1024,6 +1114,72 @@ def check_z() -> None:
        f"gspo loss:sum {got:.6g} == its definition from the server's logprobs {expected:.6g}")
 
 
+def topk_datum(tokens: list[int], targets: np.ndarray, weights: np.ndarray,
+               sparse: bool) -> types.Datum:
+    """A cross_entropy datum with [T, K] targets and weights (tinker-cookbook's off-policy
+    distillation), dense, or sparse CSR as the SDK's Datum sends 2-D inputs with zero entries
+    (built here with numpy: the SDK's own encoder needs torch)."""
+    def tensor(a: np.ndarray, dtype: str) -> types.TensorData:
+        if not sparse:
+            return types.TensorData(data=a.reshape(-1).tolist(), dtype=dtype, shape=list(a.shape))
+        rows, cols = np.nonzero(a)
+        crow = np.zeros(a.shape[0] + 1, dtype=np.int64)
+        np.add.at(crow, rows + 1, 1)
+        return types.TensorData(data=a[rows, cols].tolist(), dtype=dtype, shape=list(a.shape),
+                                sparse_crow_indices=np.cumsum(crow).tolist(),
+                                sparse_col_indices=cols.tolist())
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                       loss_fn_inputs={"target_tokens": tensor(targets, "int64"),
+                                       "weights": tensor(weights, "float32")})
+
+
+def check_k() -> None:
+    """cross_entropy with [T, K] soft targets: logprobs come back [T, K], column k equals a
+    one-target forward on column k, loss:sum is -sum(w * logprobs), and a step lowers it. The
+    first datum's 2-D inputs go sparse (CSR, as the SDK sends them when smaller), the second's
+    dense."""
+    tc = _client(S.svc.create_lora_training_client(base_model=S.model_name, rank=4, seed=7))
+    rng = np.random.default_rng(11)
+    K = 3
+    batch, targets, weights = [], [], []
+    for i, T in enumerate((14, 9)):
+        toks = [int(x) for x in rng.integers(1, VOCAB, size=T)]
+        tgt = rng.integers(1, VOCAB, size=(T, K)).astype(np.int64)
+        tgt[:4] = 0  # prompt rows: nothing
+        w = rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32)
+        w[:, K - 1] = 0.0  # a padded slot, as the cookbook pads short teacher rows
+        w[:4] = 0.0
+        w /= np.maximum(w.sum(axis=1, keepdims=True), np.float32(1e-30))
+        batch.append(topk_datum(toks, tgt, w, sparse=(i == 0)))
+        targets.append(tgt)
+        weights.append(w.astype(np.float64))
+    out = _res(tc.forward(batch, "cross_entropy"))
+    lps = [np.asarray(rec["logprobs"].to_numpy(), dtype=np.float64) for rec in out.loss_fn_outputs]
+    shapes = [lp.shape for lp in lps]
+    ok(shapes == [t.shape for t in targets],
+       f"logprobs shapes {shapes} == the targets' {[t.shape for t in targets]}")
+    want = -sum(float((w * lp).sum()) for w, lp in zip(weights, lps))
+    got = float(out.metrics["loss:sum"])
+    ok(abs(got - want) <= LOSS_REL_TOL * max(1.0, abs(want)),
+       f"loss:sum {got:.6g} == -sum(w * logprobs) {want:.6g}")
+    col = [datum_of(d.model_input.to_ints(), t[:, 1].tolist()) for d, t in zip(batch, targets)]
+    one = forward_lps(tc, col, "one-target forward on column 1")
+    d = max(float(np.max(np.abs(lp[:, 1] - o))) for lp, o in zip(lps, one))
+    ok(d <= LP_TOL, f"column 1 of the [T, K] logprobs is the one-target forward's (max |diff| {d:.3g})")
+    _res(tc.forward_backward(batch, "cross_entropy"))
+    _res(tc.optim_step(adam(1e-3)))  # small: Adam's first step moves every weight by lr
+    after = float(_res(tc.forward(batch, "cross_entropy")).metrics["loss:sum"])
+    ok(after < got, f"a step on the soft targets lowers their loss ({got:.5g} -> {after:.5g})")
+
+
+def datum_of(inputs: list[int], targets: list[int]) -> types.Datum:
+    """A cross_entropy datum with the given input tokens and [T] targets, every weight 1."""
+    return types.Datum(model_input=types.ModelInput.from_ints(inputs), loss_fn_inputs={
+        "target_tokens": types.TensorData(data=targets, dtype="int64", shape=[len(targets)]),
+        "weights": types.TensorData(data=[1.0] * len(targets), dtype="float32",
+                                    shape=[len(targets)])})
+
+
 def check_i() -> None:
     env = dict(os.environ)
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), CHILD_ARG], env=env,
@@ -1111,6 +1267,9 @@ def main() -> None:
     run_check("h", "raw HTTP: config, errors, JSON shapes, a raw model lifecycle", check_h)
     run_check("i", "a SIGKILLed client; create_training_client_from_state trains on", check_i)
     run_check("z", "zero-gradient optim_step; gspo", check_z, needs=("a",))
+    run_check("k", "cross_entropy with [T, K] soft targets", check_k, needs=("a",))
+    run_check("v", "0.38's sample scoring: last_n, top-k of samples, target ids, alt tokens", check_v,
+              needs=("a",))
     run_check("t", "the server's tokenizer; stop strings", check_t, needs=("a",))
     finish()
 

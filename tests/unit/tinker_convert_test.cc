@@ -39,6 +39,24 @@ tinker_public::Tensor Dense(tinker_public::DType dtype, std::string bytes,
   return t;
 }
 
+// A sparse CSR tensor as the SDK's TensorData.from_torch_sparse writes it: int64 row pointers and
+// column indices, values in the tensor's dtype, the dense shape.
+tinker_public::Tensor Csr(tinker_public::DType dtype, std::vector<int64_t> shape,
+                          const std::vector<int64_t>& crow, const std::vector<int64_t>& col,
+                          const std::vector<float>& values) {
+  tinker_public::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  t.mutable_sparse_csr()->set_crow_indices(Bytes(crow));
+  t.mutable_sparse_csr()->set_col_indices(Bytes(col));
+  if (dtype == tinker_public::DTYPE_INT64) {
+    t.mutable_sparse_csr()->set_values(Bytes(std::vector<int64_t>(values.begin(), values.end())));
+  } else {
+    t.mutable_sparse_csr()->set_values(Bytes(values));
+  }
+  return t;
+}
+
 // A well-formed two-datum cross_entropy request: tokens [10, 11, 12] then [13, 14].
 tinker_public::ForwardBackwardRequest GoodRequest() {
   tinker_public::ForwardBackwardRequest r;
@@ -232,9 +250,44 @@ TEST(TinkerConvert, EachRefusalNamesFieldAndReason) {
        [&](Req& r) { input(r, 0, "weights").set_dtype(tinker_public::DTYPE_UNSPECIFIED); }},
       {"data[0].loss_fn_inputs[\"weights\"]: unknown dtype 9",
        [&](Req& r) { input(r, 0, "weights").set_dtype(static_cast<tinker_public::DType>(9)); }},
-      {"data[1].loss_fn_inputs[\"weights\"]: sparse (CSR) tensors are not supported by this "
-       "server; send it dense",
-       [&](Req& r) { input(r, 1, "weights").mutable_sparse_csr()->set_values("abcd"); }},
+      {"data[1].loss_fn_inputs[\"weights\"]: a sparse (CSR) tensor needs its 2-D dense shape, "
+       "got 0 dimensions",
+       [&](Req& r) {
+         input(r, 1, "weights") = Csr(tinker_public::DTYPE_FLOAT32, {}, {0}, {}, {});
+       }},
+      {"data[1].loss_fn_inputs[\"weights\"].sparse_csr.crow_indices: must hold rows + 1 = 3 "
+       "pointers from 0 to 1",
+       [&](Req& r) {
+         input(r, 1, "weights") = Csr(tinker_public::DTYPE_FLOAT32, {2, 3}, {0, 1}, {0}, {1.0f});
+       }},
+      {"data[1].loss_fn_inputs[\"weights\"].sparse_csr.crow_indices: row 1 ends (1) before it "
+       "starts (2)",
+       [&](Req& r) {
+         input(r, 1, "weights") = Csr(tinker_public::DTYPE_FLOAT32, {2, 3}, {0, 2, 1}, {0}, {1.0f});
+       }},
+      {"data[1].loss_fn_inputs[\"weights\"].sparse_csr.col_indices: row 1: column 3 is outside "
+       "[0, 3) or not after the row's previous column",
+       [&](Req& r) {
+         input(r, 1, "weights") = Csr(tinker_public::DTYPE_FLOAT32, {2, 3}, {0, 0, 1}, {3}, {1.0f});
+       }},
+      {"data[1].loss_fn_inputs[\"weights\"].sparse_csr.col_indices: row 0: column 1 is outside "
+       "[0, 3) or not after the row's previous column",
+       [&](Req& r) {
+         input(r, 1, "weights") =
+             Csr(tinker_public::DTYPE_FLOAT32, {2, 3}, {0, 2, 2}, {1, 1}, {1.0f, 2.0f});
+       }},
+      {"data[1].loss_fn_inputs[\"weights\"].sparse_csr: 2 column indices for 1 values",
+       [&](Req& r) {
+         input(r, 1, "weights") =
+             Csr(tinker_public::DTYPE_FLOAT32, {2, 3}, {0, 1, 1}, {0, 1}, {1.0f});
+       }},
+      // A few bytes standing for 2^40 dense bytes: refused before anything is allocated.
+      {"data[0].loss_fn_inputs[\"weights\"]: sparse shape [1048576, 262144] densifies to more "
+       "than the request may hold (268435456 bytes left of the body limit)",
+       [&](Req& r) {
+         input(r, 0, "weights") =
+             Csr(tinker_public::DTYPE_FLOAT32, {int64_t{1} << 20, int64_t{1} << 18}, {0}, {}, {});
+       }},
       {"data[0].loss_fn_inputs[\"target_tokens\"]: shape [2] holds 2 elements but the data has 3",
        [&](Req& r) { input(r, 0, "target_tokens").set_shape(0, 2); }},
       {"data[0].loss_fn_inputs[\"target_tokens\"]: shape[1] is negative (-3)",
@@ -267,6 +320,35 @@ TEST(TinkerConvert, EachRefusalNamesFieldAndReason) {
     EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << c.expect;
     EXPECT_EQ(out.status().message(), c.expect);
   }
+}
+
+// [T, K] targets and weights as the SDK's Datum sends them when sparse is smaller: CSR with the
+// zero entries left out, densified with 0 in each.
+TEST(TinkerConvert, SparseTopKInputsDensify) {
+  tinker_public::ForwardBackwardRequest r = GoodRequest();
+  auto& in = *r.mutable_data(0)->mutable_loss_fn_inputs();
+  // Dense [[0, 0], [5, 0], [7, 9]] and weights [[0, 0], [0.25, 0], [0.5, 0.25]].
+  in["target_tokens"] = Csr(tinker_public::DTYPE_INT64, {3, 2}, {0, 0, 1, 3}, {0, 0, 1}, {5, 7, 9});
+  in["weights"] =
+      Csr(tinker_public::DTYPE_FLOAT32, {3, 2}, {0, 0, 1, 3}, {0, 0, 1}, {0.25f, 0.5f, 0.25f});
+  auto out = FwdBwdFromTinker(&r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const v1::Tensor& t = out->request.data(0).loss_fn_inputs().at("target_tokens");
+  EXPECT_EQ(t.dtype(), v1::INT64);
+  EXPECT_EQ(std::vector<int64_t>(t.shape().begin(), t.shape().end()), (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(Elements<int64_t>(t.data()), (std::vector<int64_t>{0, 0, 5, 0, 7, 9}));
+  const v1::Tensor& w = out->request.data(0).loss_fn_inputs().at("weights");
+  EXPECT_EQ(Elements<float>(w.data()), (std::vector<float>{0, 0, 0.25f, 0, 0.5f, 0.25f}));
+
+  // The budget is the whole request's: two 24-byte dense tensors fit in 48 bytes, not in 47.
+  tinker_public::ForwardBackwardRequest again = GoodRequest();
+  (*again.mutable_data(0)->mutable_loss_fn_inputs())["target_tokens"] =
+      Csr(tinker_public::DTYPE_INT64, {3, 1}, {0, 1, 1, 1}, {0}, {5});
+  (*again.mutable_data(0)->mutable_loss_fn_inputs())["weights"] =
+      Csr(tinker_public::DTYPE_FLOAT32, {3, 2}, {0, 1, 1, 1}, {0}, {1.0f});
+  tinker_public::ForwardBackwardRequest tight = again;
+  EXPECT_TRUE(FwdBwdFromTinker(&again, 48).ok());
+  EXPECT_EQ(FwdBwdFromTinker(&tight, 47).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(TinkerConvert, SeveralBadInputsReportTheFirstKeyInSortedOrder) {
@@ -385,6 +467,24 @@ TEST(TinkerConvert, OutputBatchesLogprobsWithByteOffsets) {
   EXPECT_EQ(out.metrics().at("num_tokens:sum"), 7.0);
 }
 
+// Top-K targets: each datum's logprobs are [T, K], which the SDK rebuilds from trailing_shape.
+TEST(TinkerConvert, TopKOutputCarriesItsTrailingShape) {
+  v1::ForwardBackwardOutput in;
+  for (int64_t T : {1, 2}) {
+    v1::Tensor* t = in.add_outputs()->mutable_logprobs();
+    t->set_dtype(v1::FLOAT32);
+    t->add_shape(T);
+    t->add_shape(3);
+    t->set_data(Bytes(std::vector<float>(T * 3, -1.0f)));
+  }
+  tinker_public::ForwardBackwardOutput out;
+  FwdBwdOutputToTinker(in, "cross_entropy", &out);
+  const tinker_public::BatchedTensor& lp = out.loss_fn_outputs(0).fields().at("logprobs");
+  EXPECT_EQ(std::vector<int64_t>(lp.trailing_shape().begin(), lp.trailing_shape().end()),
+            std::vector<int64_t>{3});
+  EXPECT_EQ(Elements<int64_t>(lp.offsets()), (std::vector<int64_t>{0, 12, 36}));
+}
+
 TEST(TinkerConvert, OutputOfNoDatums) {
   tinker_public::ForwardBackwardOutput out;
   FwdBwdOutputToTinker(v1::ForwardBackwardOutput(), "ppo", &out);
@@ -453,6 +553,125 @@ TEST(TinkerConvert, APageIsReadFromTheQueryAndEachBadValueIsNamed) {
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << query;
     EXPECT_EQ(bad.status().message().substr(0, field.size()), field) << bad.status();
   }
+}
+
+// SDK 0.38's target_prompt_logprobs: dense ids, or sparse CSR whose unlisted cells ask nothing
+// (-1); the answer comes back in the request's layout, 0 where nothing was asked.
+TEST(TinkerConvert, TargetPromptLogprobsBothLayouts) {
+  v1::Tensor dense_ids;
+  TargetLayout dense;
+  ASSERT_TRUE(TargetPromptFromTinker(nlohmann::json::parse(
+                                         R"({"data": [4, -1, 6, 7], "dtype": "int64",
+                                             "shape": [2, 2]})"),
+                                     8, 20, &dense_ids, &dense)
+                  .ok());
+  EXPECT_FALSE(dense.sparse);
+  EXPECT_EQ(std::vector<int64_t>(dense_ids.shape().begin(), dense_ids.shape().end()),
+            (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(Elements<int64_t>(dense_ids.data()), (std::vector<int64_t>{4, -1, 6, 7}));
+
+  v1::Tensor sparse_ids;
+  TargetLayout sparse;
+  ASSERT_TRUE(TargetPromptFromTinker(nlohmann::json::parse(
+                                         R"({"data": [9, 5], "dtype": "int64", "shape": [3, 2],
+                                             "sparse_crow_indices": [0, 0, 2, 2],
+                                             "sparse_col_indices": [0, 1]})"),
+                                     8, 20, &sparse_ids, &sparse)
+                  .ok());
+  EXPECT_TRUE(sparse.sparse);
+  EXPECT_EQ(Elements<int64_t>(sparse_ids.data()), (std::vector<int64_t>{-1, -1, 9, 5, -1, -1}));
+
+  // The sampler's answer: [rows, K] with NaN where nothing was asked.
+  v1::SampleResponse in;
+  in.add_sequences()->add_tokens(3);
+  for (double v : std::vector<double>{-1.0, NAN, -2.0, -3.0}) in.add_target_prompt_logprobs(v);
+  SampleAnswer asked;
+  asked.target = dense;
+  tinker_public::SampleResponse out;
+  SampleResponseToTinker(in, asked, &out);
+  ASSERT_TRUE(out.has_target_prompt_logprobs());
+  EXPECT_EQ(Elements<float>(out.target_prompt_logprobs().dense()),
+            (std::vector<float>{-1.0f, 0.0f, -2.0f, -3.0f}));
+
+  v1::SampleResponse in3;
+  in3.add_sequences();
+  for (double v : std::vector<double>{NAN, NAN, -4.0, -5.0, NAN, NAN}) {
+    in3.add_target_prompt_logprobs(v);
+  }
+  asked.target = sparse;
+  tinker_public::SampleResponse out3;
+  SampleResponseToTinker(in3, asked, &out3);
+  const tinker_public::Tensor& t = out3.target_prompt_logprobs();
+  ASSERT_TRUE(t.has_sparse_csr());
+  EXPECT_EQ(Elements<float>(t.sparse_csr().values()), (std::vector<float>{-4.0f, -5.0f}));
+  EXPECT_EQ(Elements<int64_t>(t.sparse_csr().crow_indices()), (std::vector<int64_t>{0, 0, 2, 2}));
+  EXPECT_EQ(Elements<int64_t>(t.sparse_csr().col_indices()), (std::vector<int64_t>{0, 1}));
+
+  struct Case {
+    const char* json;
+    const char* expect;
+  };
+  const Case bad[] = {
+      {R"({"data": [1.5], "dtype": "float32", "shape": [1, 1]})",
+       "target_prompt_logprobs.dtype: must be 'int64' (token ids)"},
+      {R"({"data": [1], "dtype": "int64", "shape": [1]})",
+       "target_prompt_logprobs.shape: must be [len(prompt) - 1, K]"},
+      {R"({"data": [], "dtype": "int64", "shape": [9, 1]})",
+       "target_prompt_logprobs.shape: rows must be len(prompt) - 1, in [1, 8], got 9"},
+      {R"({"data": [], "dtype": "int64", "shape": [2, 21]})",
+       "target_prompt_logprobs.shape: K must be in [1, 20], got 21"},
+      {R"({"data": [1, 2, 3], "dtype": "int64", "shape": [2, 2]})",
+       "target_prompt_logprobs.data: 3 ids for shape [2, 2]"},
+      {R"({"data": [1], "dtype": "int64", "shape": [2, 2], "sparse_crow_indices": [0, 1, 1],
+          "sparse_col_indices": [2]})",
+       "target_prompt_logprobs.sparse_col_indices: row 0: column 2 is outside [0, 2) or not "
+       "after the row's previous column"},
+      {R"({"data": [1], "dtype": "int64", "shape": [2, 2], "sparse_crow_indices": [0, 1],
+          "sparse_col_indices": [0]})",
+       "target_prompt_logprobs: sparse CSR: need rows + 1 = 3 row pointers from 0 to 1 and 1 "
+       "column indices, one per id"},
+  };
+  for (const Case& c : bad) {
+    v1::Tensor ids;
+    TargetLayout layout;
+    const absl::Status st =
+        TargetPromptFromTinker(nlohmann::json::parse(c.json), 8, 20, &ids, &layout);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.expect;
+    EXPECT_EQ(st.message(), c.expect);
+  }
+}
+
+// A sample's top-k rows come back as its topk_sampled_logprobs, padded to k with the SDK's empty
+// slot (token 0, logprob -99999).
+TEST(TinkerConvert, TopkSampledLogprobs) {
+  v1::SampleResponse in;
+  v1::SampledSequence* s = in.add_sequences();
+  s->add_tokens(7);
+  s->add_tokens(8);
+  s->add_logprobs(-0.5);
+  s->add_logprobs(-0.25);
+  for (int i = 0; i < 2; ++i) {
+    v1::TopkLogprobs* row = s->add_topk_logprobs();
+    row->add_tokens(7 + i);
+    row->add_logprobs(-0.5 / (i + 1));
+    if (i == 0) {
+      row->add_tokens(3);
+      row->add_logprobs(-2.0);
+    }
+  }
+  SampleAnswer asked;
+  asked.topk_sample_logprobs = 2;
+  tinker_public::SampleResponse out;
+  SampleResponseToTinker(in, asked, &out);
+  const tinker_public::TopkLogprobs& t = out.sequences(0).topk_sampled_logprobs();
+  EXPECT_EQ(t.k(), 2u);
+  EXPECT_EQ(t.length(), 2u);
+  EXPECT_EQ(Elements<int32_t>(t.token_ids()), (std::vector<int32_t>{7, 3, 8, 0}));
+  EXPECT_EQ(Elements<float>(t.logprobs()), (std::vector<float>{-0.5f, -2.0f, -0.25f, -99999.0f}));
+  SampleAnswer none;
+  tinker_public::SampleResponse plain;
+  SampleResponseToTinker(in, none, &plain);
+  EXPECT_FALSE(plain.sequences(0).has_topk_sampled_logprobs());
 }
 
 }  // namespace
