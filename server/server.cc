@@ -168,10 +168,13 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     hc.tls_cert_file = config.tls_cert_file;  // the same certificate and clients as gRPC
     hc.tls_key_file = config.tls_key_file;
     hc.tls_client_ca_file = config.tls_client_ca_file;
+    http::TinkerApi* tinker = s->tinker_api_.get();
     auto server = http::HttpServer::Start(
-        hc, [api = s->tinker_api_.get()](http::Request req, http::Respond respond) {
-          api->Handle(std::move(req), std::move(respond));
-        });
+        hc,
+        [tinker](http::Request req, http::Respond respond) {
+          tinker->Handle(std::move(req), std::move(respond));
+        },
+        [tinker](const http::Request& head) { return tinker->Admit(head); });
     if (!server.ok()) return server.status();
     s->tinker_http_ = *std::move(server);
     s->tinker_api_->StartReaper();

@@ -12,7 +12,10 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "runner/util/hash.h"
 #include "server/http/futures.h"
 #include "server/http/http_server.h"
 #include "server/http/tinker_json.h"
@@ -26,22 +29,48 @@ namespace tinkerd::http {
 // calls without a place in a model's order, such as creations and samples).
 enum class Resend { kOperation, kFuture };
 
-// Starts the operation (`start`) whose answer becomes the tenant's future `request_id`, and
+// What names a call for its resends: its future's id, the digest of its kind and payload (a
+// resend must match it; Digest below), and the request field that chose the id, which a
+// different call reusing it is refused by (400 naming the field: never the first call's answer).
+struct CallKey {
+  std::string request_id;
+  uint64_t digest = 0;
+  std::string field;  // e.g. "seq_id", "model_seq_id"
+};
+
+// A call's digest: its kind (the endpoint, or a form of it) and its payload: a protobuf body's
+// bytes as sent (Digest), or a JSON body dumped with its keys sorted (JsonDigest). The SDK resends
+// a call as it was.
+inline uint64_t Digest(absl::string_view kind, absl::string_view payload) {
+  return Fnv64(payload, Fnv64("\n", Fnv64(kind)));
+}
+inline uint64_t JsonDigest(absl::string_view kind, const nlohmann::json& body) {
+  const std::string dumped = body.dump();
+  return Digest(kind, absl::string_view(dumped));
+}
+
+// Starts the operation (`start`) whose answer becomes the tenant's future `key.request_id`, and
 // answers the HTTP request. `encode` turns the operation's response into the future's result;
 // `accepted` holds fields added to the {"request_id"} answer; `topic` is the future's
 // (Futures::PollFinished).
 template <typename Resp>
-void CallIntoFuture(Futures* futures, const std::string& tenant, const std::string& request_id,
-                    Resend resend, std::function<void(Done<Resp>)> start,
+void CallIntoFuture(Futures* futures, const std::string& tenant, const CallKey& key, Resend resend,
+                    std::function<void(Done<Resp>)> start,
                     std::function<Response(const Resp&)> encode, Respond respond,
                     nlohmann::json accepted = nlohmann::json::object(),
                     const std::string& topic = "") {
+  const std::string& request_id = key.request_id;
   accepted["request_id"] = request_id;
   // The future is reserved before the call starts: a call answered 429 never ran, and of two
   // racing resends of a sample only one starts it.
-  const Futures::Opened opened = futures->Open(tenant, request_id, topic);
+  const Futures::Opened opened = futures->Open(tenant, request_id, key.digest, topic);
   if (opened == Futures::Opened::kFull) {
     return respond(Error(429, "too many unfinished futures; retry later"));
+  }
+  if (opened == Futures::Opened::kConflict) {
+    return respond(
+        Error(400, absl::StrCat(key.field, ": already used by a different request (", request_id,
+                                "); a resend must repeat its request as it was")));
   }
   if (opened == Futures::Opened::kExists && resend == Resend::kFuture) {
     return respond(JsonResponse(accepted));

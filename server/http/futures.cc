@@ -44,14 +44,18 @@ void Futures::ExpireLocked(size_t adding) {
 }
 
 Futures::Opened Futures::Open(const std::string& tenant, const std::string& request_id,
-                              const std::string& topic) {
+                              uint64_t digest, const std::string& topic) {
   absl::MutexLock lock(&mu_);
   const std::string key = Key(tenant, request_id);
-  if (entries_.count(key)) return Opened::kExists;
+  if (auto it = entries_.find(key); it != entries_.end()) {
+    return it->second.digest == digest ? Opened::kExists : Opened::kConflict;
+  }
   if (closed_) return Opened::kFull;
   ExpireLocked(/*adding=*/1);
   if (entries_.size() >= config_.max_entries) return Opened::kFull;
-  entries_.emplace(key, Entry()).first->second.topic = topic;
+  Entry& e = entries_.emplace(key, Entry()).first->second;
+  e.topic = topic;
+  e.digest = digest;
   return Opened::kNew;
 }
 

@@ -32,11 +32,13 @@ class Futures {
   // `after` runs a function later on the HTTP server's threads (HttpServer::After).
   Futures(FuturesConfig config, std::function<void(absl::Duration, std::function<void()>)> after);
 
-  enum class Opened { kNew, kExists, kFull };
-  // Registers a pending future, unless one exists already (a retry of the same call: kExists,
-  // left as it is). kFull when there is no room (every entry pending) or the table is closed.
-  // Opened before the call starts, so a call answered 429 was never started.
-  Opened Open(const std::string& tenant, const std::string& request_id,
+  enum class Opened { kNew, kExists, kConflict, kFull };
+  // Registers a pending future, unless one exists already: kExists (left as it is) when it was
+  // opened with the same `digest` (a retry of the same call), kConflict when with another (a
+  // different call reusing the id, which must not get the first call's answer). kFull when there
+  // is no room (every entry pending) or the table is closed. Opened before the call starts, so a
+  // call answered 429 was never started.
+  Opened Open(const std::string& tenant, const std::string& request_id, uint64_t digest,
               const std::string& topic = "");
   // Forgets a future opened for a call that was then refused at once, so that a resend starts
   // afresh; polls parked on it meanwhile are answered 503 (the client polls again, then 404).
@@ -76,6 +78,7 @@ class Futures {
     absl::Time finished;
     std::map<uint64_t, Parked> polls;  // by poll id
     std::string topic;
+    uint64_t digest = 0;  // the call's kind and payload (Open)
   };
   // What a poll gets for a finished future (see Poll's peek_bytes).
   static Response Answer(const Entry& e, int64_t peek_bytes);

@@ -1,5 +1,8 @@
 #include "server/http/http_server.h"
 
+#include <sys/socket.h>
+
+#include <array>
 #include <atomic>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
@@ -9,6 +12,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
+#include <cerrno>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -27,6 +31,12 @@ namespace {
 
 constexpr size_t kMaxHeaderBytes = 16 << 10;
 
+// Transfer-Encoding names the codings applied to the body, last one applied last; the server
+// decodes chunked alone (RFC 9112 §6.1: an unknown coding is 501).
+bool IsLoneChunked(absl::string_view te) {
+  return absl::AsciiStrToLower(absl::StripAsciiWhitespace(te)) == "chunked";
+}
+
 std::string ErrorBody(const std::string& detail) {
   // Only fixed texts and library messages reach here: no JSON escaping needed beyond quotes.
   std::string d;
@@ -39,6 +49,7 @@ std::string ErrorBody(const std::string& detail) {
 struct HttpServer::Impl {
   HttpServerConfig config;
   Handler handler;
+  Admit admit;
   // Before io: connections still queued in io when it is destroyed count themselves out here.
   std::atomic<int> connections{0};
   std::atomic<bool> stopped{false};
@@ -63,7 +74,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
       : stream_(std::forward<Args>(args)...), server_(server) {
     server_->connections.fetch_add(1);
   }
-  ~Connection() { server_->connections.fetch_sub(1); }
+  ~Connection() { Uncount(); }
 
   void Start() {
     if constexpr (std::is_same_v<Stream, beast::tcp_stream>) {
@@ -83,8 +94,9 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     parser_->body_limit(static_cast<uint64_t>(server_->config.max_body_bytes));
     parser_->header_limit(kMaxHeaderBytes);
     Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
-    bhttp::async_read(stream_, buffer_, *parser_,
-                      beast::bind_front_handler(&Connection::OnRead, this->shared_from_this()));
+    bhttp::async_read_header(
+        stream_, buffer_, *parser_,
+        beast::bind_front_handler(&Connection::OnHeader, this->shared_from_this()));
   }
 
   // Writes `r` on this connection's strand; then reads the next request or closes.
@@ -94,6 +106,55 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   }
 
  private:
+  // The headers are in: refuse what can be refused without the body, else read it.
+  void OnHeader(beast::error_code ec, size_t) {
+    if (ec) return OnRead(ec, 0);
+    auto& msg = parser_->get();
+    version_ = msg.version();
+    head_ = msg.method() == bhttp::verb::head;
+    const auto te = msg[bhttp::field::transfer_encoding];
+    if (!te.empty() && !IsLoneChunked(absl::string_view(te.data(), te.size()))) {
+      keep_alive_ = false;  // the body's framing is unknown: nothing after it can be read
+      return Write({501,
+                    "application/json",
+                    ErrorBody("Transfer-Encoding: only chunked is supported (no other coding)"),
+                    {}});
+    }
+    if (server_->admit) {
+      std::optional<Response> refused = server_->admit(RequestOf(msg));
+      if (refused) {
+        keep_alive_ = false;
+        discard_body_ = !parser_->is_done();
+        return Write(*std::move(refused));
+      }
+    }
+    bhttp::async_read(stream_, buffer_, *parser_,
+                      beast::bind_front_handler(&Connection::OnRead, this->shared_from_this()));
+  }
+
+  // A request's line and headers; the caller moves the body in.
+  Request RequestOf(const bhttp::request<bhttp::string_body>& msg) const {
+    Request req;
+    // HEAD is served as its GET; Write then leaves the body out.
+    req.method = head_ ? "GET" : std::string(msg.method_string());
+    const auto target = msg.target();
+    const size_t mark = target.find('?');
+    req.path = std::string(target.substr(0, mark));
+    if (mark != target.npos) req.query = std::string(target.substr(mark + 1));
+    const auto type = msg[bhttp::field::content_type];
+    const auto encoding = msg[bhttp::field::content_encoding];
+    absl::string_view type_view(type.data(), type.size());
+    type_view = type_view.substr(0, type_view.find(';'));
+    req.content_type = absl::AsciiStrToLower(absl::StripAsciiWhitespace(type_view));
+    req.content_encoding = absl::AsciiStrToLower(
+        absl::StripAsciiWhitespace(absl::string_view(encoding.data(), encoding.size())));
+    if (req.content_encoding == "identity") req.content_encoding.clear();
+    req.api_key = std::string(msg["X-API-Key"]);
+    req.host = std::string(msg[bhttp::field::host]);
+    req.tls = !std::is_same_v<Stream, beast::tcp_stream>;
+    return req;
+  }
+
   void OnRead(beast::error_code ec, size_t) {
     if (ec == bhttp::error::end_of_stream || ec == beast::error::timeout ||
         ec == asio::error::operation_aborted || ec == asio::error::connection_reset ||
@@ -120,30 +181,16 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     Lowest().expires_never();
     auto& msg = parser_->get();
     keep_alive_ = msg.keep_alive();
-    version_ = msg.version();
-    Request req;
-    req.method = std::string(msg.method_string());
-    const auto target = msg.target();
-    const size_t mark = target.find('?');
-    req.path = std::string(target.substr(0, mark));
-    if (mark != target.npos) req.query = std::string(target.substr(mark + 1));
-    const auto type = msg[bhttp::field::content_type];
-    const auto encoding = msg[bhttp::field::content_encoding];
-    absl::string_view type_view(type.data(), type.size());
-    type_view = type_view.substr(0, type_view.find(';'));
-    req.content_type = absl::AsciiStrToLower(absl::StripAsciiWhitespace(type_view));
-    req.content_encoding = absl::AsciiStrToLower(
-        absl::StripAsciiWhitespace(absl::string_view(encoding.data(), encoding.size())));
-    if (req.content_encoding == "identity") req.content_encoding.clear();
-    req.api_key = std::string(msg["X-API-Key"]);
-    req.host = std::string(msg[bhttp::field::host]);
-    req.tls = !std::is_same_v<Stream, beast::tcp_stream>;
+    Request req = RequestOf(msg);
     req.body = std::move(msg.body());
     auto once = std::make_shared<std::atomic<bool>>(false);
     Respond respond = [self = this->shared_from_this(), once](Response r) {
       if (once->exchange(true)) return;
       self->Answer(std::move(r));
     };
+    // While the answer is pending (a parked long poll, say), a client that hangs up is seen at
+    // once and its slot freed, rather than when the answer comes.
+    WatchForHangUp();
     // No exception leaves the front end: one escaping here would end the process, every
     // tenant's connections with it.
     try {
@@ -170,7 +217,39 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     m.keep_alive(keep_alive_ && !server_->stopped.load());
   }
 
+  // Waits for the socket to turn readable while an answer is pending: end of stream or an error
+  // means the client hung up, and the connection closes now (its answer, when it comes, is
+  // dropped). Bytes of a pipelined next request are left for Read. The wait may also end with
+  // nothing to read (asio may complete it speculatively): the peek never blocks, and then the
+  // watch starts again.
+  void WatchForHangUp() {
+    watching_ = true;
+    Lowest().socket().async_wait(
+        tcp::socket::wait_read, [self = this->shared_from_this()](beast::error_code ec) {
+          if (ec == asio::error::operation_aborted || !self->watching_) return;
+          if (ec) {
+            self->watching_ = false;
+            return self->Close();
+          }
+          char byte;
+          const ssize_t n =
+              ::recv(self->Lowest().socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+          if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            return self->WatchForHangUp();  // nothing there after all
+          }
+          self->watching_ = false;
+          if (n <= 0) self->Close();  // end of stream, or a reset
+        });
+  }
+
   void Write(Response r) {
+    if (!Lowest().socket().is_open()) return;  // the client hung up while its answer was pending
+    if (watching_) {
+      watching_ = false;
+      beast::error_code ignored;
+      Lowest().socket().cancel(ignored);  // the watch; nothing else is pending while it is
+    }
+    if (head_) return WriteHead(std::move(r));
     if (r.tar != nullptr) return WriteTar(std::move(r));
     response_ = {};
     Head(response_, r);
@@ -200,16 +279,60 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     });
   }
 
+  // A HEAD's answer: the GET's status and headers, Content-Length the GET body's, and no body.
+  void WriteHead(Response r) {
+    auto& m = head_response_.emplace();
+    Head(m, r);
+    m.content_length(r.tar != nullptr ? TarSize(*r.tar) : r.body.size());
+    Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
+    auto sr = std::make_shared<bhttp::response_serializer<bhttp::empty_body>>(m);
+    // The serializer is told the body is empty; a Content-Length header that says otherwise is
+    // what HEAD means, so the header is written as is.
+    bhttp::async_write_header(stream_, *sr,
+                              [self = this->shared_from_this(), sr](beast::error_code ec, size_t) {
+                                self->head_ = false;
+                                const bool keep = !ec && self->head_response_->keep_alive();
+                                self->head_response_.reset();
+                                if (!keep) return self->Close();
+                                self->Read();
+                              });
+  }
+
   void OnWrite(beast::error_code ec, size_t) {
-    if (ec || !response_.keep_alive()) return Close();
+    if (ec) return Close();
+    if (discard_body_) return Discard();
+    if (!response_.keep_alive()) return Close();
     Read();
   }
 
-  // Without TLS's close_notify: every response carries its length, so a cut is detectable.
+  // After an answer given before the body was read: read what the client still sends and drop
+  // it, a buffer at a time (never held), so that the client reads its answer rather than a reset,
+  // then close. Bounded by the body limit and the idle timeout.
+  void Discard() {
+    Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
+    Lowest().socket().shutdown(tcp::socket::shutdown_send, ignored_);
+    Lowest().async_read_some(
+        asio::buffer(drain_), [self = this->shared_from_this()](beast::error_code ec, size_t n) {
+          self->drained_ += n;
+          if (ec || self->drained_ > static_cast<uint64_t>(self->server_->config.max_body_bytes)) {
+            return self->Close();
+          }
+          self->Discard();
+        });
+  }
+
+  // Without TLS's close_notify: every response carries its length, so a cut is detectable. The
+  // slot is free from here, though a pending answer may keep this object a while.
   void Close() {
     beast::error_code ignored;
     Lowest().socket().shutdown(tcp::socket::shutdown_send, ignored);
     Lowest().close();
+    Uncount();
+  }
+
+  void Uncount() {
+    if (counted_) server_->connections.fetch_sub(1);
+    counted_ = false;
   }
 
   beast::tcp_stream& Lowest() { return beast::get_lowest_layer(stream_); }
@@ -220,7 +343,15 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   bhttp::response<bhttp::string_body> response_;
   std::optional<bhttp::response<TarBody>> tar_response_;
+  std::optional<bhttp::response<bhttp::empty_body>> head_response_;
   bool keep_alive_ = true;
+  bool counted_ = true;        // holds one of the server's connection slots
+  bool watching_ = false;      // WatchForHangUp's wait is pending
+  bool head_ = false;          // the request being answered is a HEAD
+  bool discard_body_ = false;  // answered before its body was read: drop the body, then close
+  std::array<char, 64 << 10> drain_;
+  uint64_t drained_ = 0;
+  beast::error_code ignored_;
   unsigned version_ = 11;
 };
 
@@ -251,11 +382,12 @@ void HttpServer::Impl::Accept() {
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerConfig config,
-                                                              Handler handler) {
+                                                              Handler handler, Admit admit) {
   if (config.threads < 1) return absl::InvalidArgumentError("http: threads must be >= 1");
   auto impl = std::make_unique<Impl>();
   impl->config = std::move(config);
   impl->handler = std::move(handler);
+  impl->admit = std::move(admit);
   beast::error_code ec;
   if (!impl->config.tls_cert_file.empty()) {
     impl->tls.emplace(asio::ssl::context::tls_server);
@@ -299,6 +431,10 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerConfig c
 
 int HttpServer::port() const {
   return impl_->port;
+}
+
+int HttpServer::connections() const {
+  return impl_->connections.load();
 }
 
 void HttpServer::After(absl::Duration delay, std::function<void()> fn) {

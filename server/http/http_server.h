@@ -2,11 +2,16 @@
 // threads, so that thousands of parked long polls (Tinker's retrieve_future) cost a socket and a
 // timer each, never a thread. Requests are handed whole (body read, size-capped) to one handler,
 // which answers exactly once, from any thread, whenever it is ready.
+//
+// Before a body is read: its headers pass Admit (the API key); a transfer coding other than a
+// lone `chunked` is 501. A HEAD request is handled as its GET and answered with the GET's status
+// and headers (Content-Length included) and no body.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +50,10 @@ using Respond = std::function<void(Response)>;
 // Should a handler throw, its request is answered 500 (unless it answered already) and the
 // server goes on.
 using Handler = std::function<void(Request, Respond)>;
+// Looks at a request's headers (`body` empty) before its body is read: an answer refuses it
+// there (a missing or unknown API key, say), so that no body is buffered for a request that will
+// be refused anyway; the connection then reads the body only to discard it, and closes.
+using Admit = std::function<std::optional<Response>(const Request&)>;
 
 struct HttpServerConfig {
   std::string host = "127.0.0.1";
@@ -61,11 +70,14 @@ struct HttpServerConfig {
 
 class HttpServer {
  public:
-  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(HttpServerConfig config,
-                                                           Handler handler);
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(HttpServerConfig config, Handler handler,
+                                                           Admit admit = nullptr);
   ~HttpServer();  // Stop()s
 
   int port() const;
+  // Open client connections: each holds a slot of max_connections until it closes (a client
+  // hanging up while its answer is pending closes it at once).
+  int connections() const;
   // Runs `fn` on a server thread after `delay`, unless the server stopped first.
   void After(absl::Duration delay, std::function<void()> fn);
   // Stops accepting, drops every connection and joins the threads. Answers given later are

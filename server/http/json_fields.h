@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -14,14 +15,25 @@
 
 namespace tinkerd::http {
 
-// Reads a JSON object's fields, keeping the first error (which names the field).
+// A JSON integer that is an int64: nlohmann keeps integers in [2^63, 2^64) as unsigned, and
+// reading them as int64 would wrap them (2^64 - 1 to -1).
+inline bool IsInt64(const nlohmann::json& v) {
+  return v.is_number_integer() &&
+         !(v.is_number_unsigned() &&
+           v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
+}
+
+// Reads a JSON object's fields, keeping the first error (which names the field). Absent and null
+// are absence; an empty string is a value, which no identifier takes.
 class Fields {
  public:
   explicit Fields(const nlohmann::json& j) : j_(j) {}
 
-  std::string Str(const char* name) {
-    return Get<std::string>(name, "a string", true).value_or("");
-  }
+  // A required identifier (an id, a name, a path): a non-empty string.
+  std::string Str(const char* name) { return Id(name, true).value_or(""); }
+  // An optional identifier: absent or null is nullopt; "" is refused, never taken for absence.
+  std::optional<std::string> OptId(const char* name) { return Id(name, false); }
+  // Any string, "" included.
   std::optional<std::string> OptStr(const char* name) {
     return Get<std::string>(name, "a string", false);
   }
@@ -30,6 +42,7 @@ class Fields {
     const nlohmann::json* v = Find(name, required);
     if (v == nullptr) return std::nullopt;
     if (!v->is_number_integer()) return Fail(name, "an integer");
+    if (!IsInt64(*v)) return Fail(name, "an integer in [-2^63, 2^63)");
     return v->get<int64_t>();
   }
   std::optional<double> OptNum(const char* name) {
@@ -72,6 +85,11 @@ class Fields {
       if (!v->is_boolean()) return Fail(name, what);
     }
     return v->get<T>();
+  }
+  std::optional<std::string> Id(const char* name, bool required) {
+    std::optional<std::string> v = Get<std::string>(name, "a string", required);
+    if (v && v->empty()) return Fail(name, "a non-empty string");
+    return v;
   }
   std::nullopt_t Fail(const char* name, const char* what) {
     if (status_.ok()) {

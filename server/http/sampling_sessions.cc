@@ -18,11 +18,14 @@ std::string SessionPrefix(const std::string& tenant, const std::string& session_
 
 SamplingSessions::Turn SamplingSessions::Begin(const std::string& tenant,
                                                const std::string& session_id, int64_t seq,
-                                               Respond* respond,
+                                               uint64_t digest, Respond* respond,
                                                const std::function<bool(const std::string&)>& alive,
                                                std::string* sampler_id) {
   absl::MutexLock lock(&mu_);
-  Call& call = calls_[Key(tenant, session_id, seq)];
+  auto [it, added] = calls_.try_emplace(Key(tenant, session_id, seq));
+  Call& call = it->second;
+  if (added) call.digest = digest;
+  if (call.digest != digest) return Turn::kConflict;
   if (!call.sampler_id.empty()) {
     if (alive(call.sampler_id)) {
       *sampler_id = call.sampler_id;

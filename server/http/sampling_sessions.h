@@ -21,14 +21,16 @@ namespace tinkerd::http {
 class SamplingSessions {
  public:
   enum class Turn {
-    kMake,    // the first call (or the first since one failed or was evicted): make the sampler
-    kWait,    // one is being made: `respond` gets its answer
-    kAnswer,  // made, and `alive`: the caller answers with `sampler_id`
+    kMake,      // the first call (or the first since one failed or was evicted): make the sampler
+    kWait,      // one is being made: `respond` gets its answer
+    kAnswer,    // made, and `alive`: the caller answers with `sampler_id`
+    kConflict,  // the key was used by a call with another body (`digest`): refuse this one
   };
-  // A call of create_sampling_session. For kMake and kWait, `respond` is taken, to be answered
-  // by Finish's caller. A sampler made earlier that `alive` says no longer samples (evicted, idle)
-  // is made again, as the first call made it, rather than answered with an id that is gone.
-  Turn Begin(const std::string& tenant, const std::string& session_id, int64_t seq,
+  // A call of create_sampling_session, `digest` its body's (future_call.h's Digest). For kMake
+  // and kWait, `respond` is taken, to be answered by Finish's caller. A sampler made earlier that
+  // `alive` says no longer samples (evicted, idle) is made again, as the first call made it,
+  // rather than answered with an id that is gone.
+  Turn Begin(const std::string& tenant, const std::string& session_id, int64_t seq, uint64_t digest,
              Respond* respond, const std::function<bool(const std::string&)>& alive,
              std::string* sampler_id);
   // The sampler of the call is made (`sampler_id`), or it failed (empty: forgotten). Returns the
@@ -47,6 +49,7 @@ class SamplingSessions {
   struct Call {
     std::string sampler_id;  // empty while it is made
     std::vector<Respond> waiting;
+    uint64_t digest = 0;
   };
 
   mutable absl::Mutex mu_;

@@ -22,6 +22,14 @@ TinkerApi::TinkerApi(Ops* ops, Sampling* sampling, ApiKeys keys, TinkerApiConfig
       futures_(config_.futures, after_),
       sessions_(config_.max_sessions, config_.session_idle) {}
 
+namespace {
+
+Response Unauthorized(const std::string& api_key) {
+  return Error(401, api_key.empty() ? "X-API-Key: missing" : "X-API-Key: not a key of this server");
+}
+
+}  // namespace
+
 std::map<std::string, Router::JsonHandler> TinkerApi::JsonPosts() {
   using Method = void (TinkerApi::*)(const std::string& tenant, const Json& body, Respond respond);
   static const std::pair<const char*, Method> kPosts[] = {
@@ -54,6 +62,17 @@ std::map<std::string, Router::JsonHandler> TinkerApi::JsonPosts() {
   return posts;
 }
 
+std::optional<Response> TinkerApi::Admit(const Request& head) const {
+  const Router::Kind kind = router_.Find(head.path).kind;
+  // Answered without a key (health, an archive URL, which is its own credential) or without a
+  // body to read first (an unknown path): the handler answers them.
+  if (kind == Router::Kind::kHealthz || kind == Router::Kind::kArchive ||
+      kind == Router::Kind::kUnknown || !keys_.enabled() || keys_.TenantOf(head.api_key).ok()) {
+    return std::nullopt;
+  }
+  return Unauthorized(head.api_key);
+}
+
 void TinkerApi::Handle(Request req, Respond respond) {
   const Router::Route route = router_.Find(req.path);
   const std::string& endpoint = route.endpoint;
@@ -77,10 +96,7 @@ void TinkerApi::Handle(Request req, Respond respond) {
 
   auto tenant =
       keys_.enabled() ? keys_.TenantOf(req.api_key) : absl::StatusOr<std::string>("default");
-  if (!tenant.ok()) {
-    return respond(Error(
-        401, req.api_key.empty() ? "X-API-Key: missing" : "X-API-Key: not a key of this server"));
-  }
+  if (!tenant.ok()) return respond(Unauthorized(req.api_key));
   if (!req.content_encoding.empty()) {
     return respond(Error(415, absl::StrCat("Content-Encoding: '", Echo(req.content_encoding),
                                            "' is not supported; send the body uncompressed")));

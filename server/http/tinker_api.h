@@ -55,6 +55,9 @@ class TinkerApi {
 
   // The HTTP server's handler.
   void Handle(Request req, Respond respond);
+  // HttpServer's Admit: a request whose key is missing or unknown is answered 401 from its
+  // headers, before its body is read (Handle answers the same for a request that got past).
+  std::optional<Response> Admit(const Request& head) const;
   // Starts ending idle sessions (when config.session_idle is set); once the server serves.
   void StartReaper();
   // Answers parked polls (503) and forgets every future; for shutdown, after the scheduler
@@ -109,7 +112,7 @@ class TinkerApi {
   void JoinSamplingSession(const std::string& tenant, const Json& body, Respond respond);
   void GetSampler(const std::string& tenant, const std::string& sampler_id, Respond respond);
   // save_weights_for_sampler without a name: the model frozen at seq_id into a new sampler.
-  void SaveWeightsForSession(const std::string& tenant, const std::string& request_id,
+  void SaveWeightsForSession(const std::string& tenant, const CallKey& key,
                              const std::string& model_id, int64_t seq_id, Respond respond);
   // The RestClient's views (tinker_listings.cc) of models ("training runs") and their
   // checkpoints: GET training_runs, GET training_runs/{id}, GET training_runs/{id}/checkpoints,

@@ -489,8 +489,8 @@ absl::Status TargetPromptFromTinker(const nlohmann::json& t, int64_t max_rows, i
   if (!f.status().ok()) return Invalid(field, std::string(f.status().message()));
   if (dtype != "int64") return Invalid(field + ".dtype", "must be 'int64' (token ids)");
   auto shape = t.find("shape");
-  if (shape == t.end() || !shape->is_array() || shape->size() != 2 ||
-      !(*shape)[0].is_number_integer() || !(*shape)[1].is_number_integer()) {
+  if (shape == t.end() || !shape->is_array() || shape->size() != 2 || !IsInt64((*shape)[0]) ||
+      !IsInt64((*shape)[1])) {
     return Invalid(field + ".shape", "must be [len(prompt) - 1, K]");
   }
   const int64_t rows = (*shape)[0].get<int64_t>(), k = (*shape)[1].get<int64_t>();
@@ -508,7 +508,7 @@ absl::Status TargetPromptFromTinker(const nlohmann::json& t, int64_t max_rows, i
     if (!a.is_array()) return Invalid(name, "must be an array of integers");
     v->reserve(a.size());
     for (const nlohmann::json& x : a) {
-      if (!x.is_number_integer()) return Invalid(name, "must be an array of integers");
+      if (!IsInt64(x)) return Invalid(name, "must be an array of int64 integers");
       v->push_back(x.get<int64_t>());
     }
     return absl::OkStatus();
@@ -592,7 +592,7 @@ absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out)
     auto tokens = c.find("tokens");
     if (tokens == c.end() || !tokens->is_array()) return Invalid(field + ".tokens", "required");
     for (const nlohmann::json& t : *tokens) {
-      if (!t.is_number_integer()) return Invalid(field + ".tokens", "must be integers");
+      if (!IsInt64(t)) return Invalid(field + ".tokens", "must be int64 integers");
       text->add_tokens(t.get<int64_t>());
     }
   }
@@ -646,7 +646,7 @@ absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::Sampling
       if (!t.is_string()) return Invalid("sampling_params.stop", "mixes strings and token ids");
       out->add_stop_strings(t.get<std::string>());
     } else {
-      if (!t.is_number_integer()) return Invalid("sampling_params.stop", "must be token ids");
+      if (!IsInt64(t)) return Invalid("sampling_params.stop", "must be token ids");
       out->add_stop()->add_tokens(t.get<int64_t>());  // each id stops on its own
     }
   }

@@ -28,8 +28,8 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
   Fields f(body);
   const std::string session_id = f.Str("session_id");
   const int64_t seq = f.Int("sampling_session_seq_id");
-  const std::optional<std::string> base_model = f.OptStr("base_model");
-  const std::optional<std::string> model_path = f.OptStr("model_path");
+  const std::optional<std::string> base_model = f.OptId("base_model");
+  const std::optional<std::string> model_path = f.OptId("model_path");
   if (!f.status().ok()) return respond(Error(f.status()));
   if (auto st = sessions_.Check(tenant, session_id); !st.ok()) return respond(Error(st));
   if (!model_path && base_model && *base_model != config_.served_model_name) {
@@ -45,7 +45,13 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
   auto alive = [this, &tenant](const std::string& sampler_id) {
     return sampling_->GetSampler(tenant, sampler_id).ok();
   };
-  switch (sampling_sessions_.Begin(tenant, session_id, seq, &respond, alive, &resent)) {
+  switch (sampling_sessions_.Begin(tenant, session_id, seq,
+                                   JsonDigest("create_sampling_session", body), &respond, alive,
+                                   &resent)) {
+    case SamplingSessions::Turn::kConflict:
+      return respond(Error(400, absl::StrCat("sampling_session_seq_id: ", seq,
+                                             " of this session was used by a different request; "
+                                             "a resend must repeat its request as it was")));
     case SamplingSessions::Turn::kAnswer:
       return respond(answer(resent));
     case SamplingSessions::Turn::kWait:
@@ -84,7 +90,7 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
       });
 }
 
-void TinkerApi::SaveWeightsForSession(const std::string& tenant, const std::string& request_id,
+void TinkerApi::SaveWeightsForSession(const std::string& tenant, const CallKey& key,
                                       const std::string& model_id, int64_t seq_id,
                                       Respond respond) {
   v1::CreateSamplerRequest req;
@@ -93,7 +99,7 @@ void TinkerApi::SaveWeightsForSession(const std::string& tenant, const std::stri
   if (seq_id <= 0) return respond(Error(400, "seq_id: must be positive"));
   tinkerd::Sampling* sampling = sampling_;
   CallIntoFuture<v1::SamplerInfo>(
-      &futures_, tenant, request_id, Resend::kOperation,
+      &futures_, tenant, key, Resend::kOperation,
       [sampling, tenant, req](Done<v1::SamplerInfo> done) {
         sampling->CreateSampler(tenant, req, std::move(done));
       },
@@ -116,10 +122,10 @@ void TinkerApi::GetSampler(const std::string& tenant, const std::string& sampler
 void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond respond) {
   Fields f(body);
   v1::SampleRequest req;
-  const std::optional<std::string> session = f.OptStr("sampling_session_id");
+  const std::optional<std::string> session = f.OptId("sampling_session_id");
   const std::optional<int64_t> seq_id = f.OptInt("seq_id");
-  const std::optional<std::string> base_model = f.OptStr("base_model");
-  const std::optional<std::string> model_path = f.OptStr("model_path");
+  const std::optional<std::string> base_model = f.OptId("base_model");
+  const std::optional<std::string> model_path = f.OptId("model_path");
   const int64_t num_samples = f.OptInt("num_samples").value_or(1);
   SampleAnswer asked;
   asked.prompt_logprobs = f.OptBool("prompt_logprobs").value_or(false);
@@ -197,7 +203,8 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   Json accepted{{"sample_sequence_ids", ids}};
   tinkerd::Sampling* sampling = sampling_;
   CallIntoFuture<v1::SampleResponse>(
-      &futures_, tenant, request_id, Resend::kFuture,
+      &futures_, tenant, CallKey{request_id, JsonDigest("asample", body), "seq_id"},
+      Resend::kFuture,
       [this, sampling, tenant, req, request_id](Done<v1::SampleResponse> done) {
         const SampleCancels::Flag cancelled = cancels_.Register(tenant, request_id);
         auto forget = [this, tenant, request_id, cancelled] {

@@ -67,7 +67,8 @@ void TinkerApi::CreateModel(const std::string& tenant, const Json& body, Respond
   const std::string request_id = absl::StrCat("create:", session_id, ":", model_seq_id);
   Ops* ops = ops_;
   CallIntoFuture<v1::ModelInfo>(
-      &futures_, tenant, request_id, Resend::kFuture,
+      &futures_, tenant, CallKey{request_id, JsonDigest("create_model", body), "model_seq_id"},
+      Resend::kFuture,
       [ops, tenant, req](Done<v1::ModelInfo> done) {
         ops->CreateModel(tenant, req, std::move(done));
       },
@@ -102,7 +103,8 @@ void TinkerApi::UnloadModel(const std::string& tenant, const Json& body, Respond
   const std::string request_id = absl::StrCat("unload:", model_id);
   Ops* ops = ops_;
   CallIntoFuture<v1::DeleteModelResponse>(
-      &futures_, tenant, request_id, Resend::kFuture,
+      &futures_, tenant, CallKey{request_id, JsonDigest("unload_model", body), "model_id"},
+      Resend::kFuture,
       [ops, tenant, id = aliases_.Resolve(tenant, model_id)](Done<v1::DeleteModelResponse> done) {
         ops->DeleteModel(tenant, id, std::move(done));
       },
@@ -122,13 +124,14 @@ void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, R
   const std::string request_id = absl::StrCat(in.model_id(), ":", seq_id);
   const bool forward_only = in.forward_only();
   const std::string kind = forward_only ? "Forward" : "ForwardBackward";
+  const CallKey key{request_id, Digest(kind, req.body), "seq_id"};
   auto converted = FwdBwdFromTinker(&in, config_.max_body_bytes);
   Ops* ops = ops_;
   if (!converted.ok()) {
     // The slot is taken with the error, so the client's later calls are not held up.
     const uint64_t hash = Fnv64(req.body, kFnv64Basis);
     return CallIntoFuture<v1::RetrieveResultResponse>(
-        &futures_, tenant, request_id, Resend::kOperation,
+        &futures_, tenant, key, Resend::kOperation,
         [ops, tenant, model_id, seq_id, kind, hash,
          st = converted.status()](Done<v1::RetrieveResultResponse> done) {
           ops->Refuse(tenant, model_id, seq_id, kind, hash, st, std::move(done));
@@ -140,7 +143,7 @@ void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, R
   request->set_seq_id(seq_id);
   const std::string loss_fn = request->loss_fn().name();
   CallIntoFuture<v1::ForwardBackwardOutput>(
-      &futures_, tenant, request_id, Resend::kOperation,
+      &futures_, tenant, key, Resend::kOperation,
       [ops, tenant, request, forward_only](Done<v1::ForwardBackwardOutput> done) {
         ops->ForwardBackward(tenant, request.get(), !forward_only, std::move(done));
       },
@@ -175,7 +178,8 @@ void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond r
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   Ops* ops = ops_;
   CallIntoFuture<v1::OptimStepResponse>(
-      &futures_, tenant, request_id, Resend::kOperation,
+      &futures_, tenant, CallKey{request_id, JsonDigest("optim_step", body), "seq_id"},
+      Resend::kOperation,
       [ops, tenant, req](Done<v1::OptimStepResponse> done) {
         ops->OptimStep(tenant, req, std::move(done));
       },
@@ -202,7 +206,8 @@ void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   Ops* ops = ops_;
   CallIntoFuture<v1::SaveStateResponse>(
-      &futures_, tenant, request_id, Resend::kOperation,
+      &futures_, tenant, CallKey{request_id, JsonDigest("save_weights", body), "seq_id"},
+      Resend::kOperation,
       [ops, tenant, req](Done<v1::SaveStateResponse> done) {
         ops->SaveState(tenant, req, std::move(done));
       },
@@ -216,7 +221,7 @@ void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond
   Fields f(body);
   const std::string path = f.Str("path");
   const bool optimizer = f.OptBool("optimizer").value_or(false);
-  const std::optional<std::string> model_id = f.OptStr("model_id");
+  const std::optional<std::string> model_id = f.OptId("model_id");
   Ops* ops = ops_;
   if (!model_id) {
     // The session form: a new model made from the checkpoint (create_training_client_from_state).
@@ -228,8 +233,10 @@ void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond
     v1::CreateModelFromStateRequest req;
     req.set_path(path);
     req.set_with_optimizer(optimizer);
+    // The key is create_model's too: a load_weights reusing a creation's key is refused.
     return CallIntoFuture<v1::ModelInfo>(
-        &futures_, tenant, request_id, Resend::kFuture,
+        &futures_, tenant, CallKey{request_id, JsonDigest("load_weights", body), "model_seq_id"},
+        Resend::kFuture,
         [ops, tenant, req](Done<v1::ModelInfo> done) {
           ops->CreateModelFromState(tenant, req, std::move(done));
         },
@@ -247,7 +254,10 @@ void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond
   req.set_with_optimizer(optimizer);
   if (!f.status().ok()) return respond(Error(f.status()));
   CallIntoFuture<v1::LoadStateResponse>(
-      &futures_, tenant, absl::StrCat(*model_id, ":", req.seq_id()), Resend::kOperation,
+      &futures_, tenant,
+      CallKey{absl::StrCat(*model_id, ":", req.seq_id()), JsonDigest("load_weights", body),
+              "seq_id"},
+      Resend::kOperation,
       [ops, tenant, req](Done<v1::LoadStateResponse> done) {
         ops->LoadState(tenant, req, std::move(done));
       },
@@ -264,19 +274,22 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   v1::SaveWeightsForSamplerRequest req;
   req.set_model_id(f.Str("model_id"));
   req.set_seq_id(f.Int("seq_id"));
-  const std::optional<std::string> name = f.OptStr("path");
+  const std::optional<std::string> name = f.OptId("path");
   if (!f.status().ok()) return respond(Error(f.status()));
   if (auto st = RefuseUnservedSaveFields(body); !st.ok()) return respond(Error(st));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   Ops* ops = ops_;
   if (!name) {
-    return SaveWeightsForSession(tenant, request_id, req.model_id(), req.seq_id(),
-                                 std::move(respond));
+    return SaveWeightsForSession(
+        tenant, CallKey{request_id, JsonDigest("save_weights_for_sampler", body), "seq_id"},
+        req.model_id(), req.seq_id(), std::move(respond));
   }
   req.set_name(*name);
   CallIntoFuture<v1::SaveWeightsForSamplerResponse>(
-      &futures_, tenant, request_id, Resend::kOperation,
+      &futures_, tenant,
+      CallKey{request_id, JsonDigest("save_weights_for_sampler", body), "seq_id"},
+      Resend::kOperation,
       [ops, tenant, req](Done<v1::SaveWeightsForSamplerResponse> done) {
         ops->SaveWeightsForSampler(tenant, req, std::move(done));
       },

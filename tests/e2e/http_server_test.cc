@@ -1,14 +1,24 @@
 // server/http/http_server.h on loopback with a handler of the test's own: an exception out of a
 // handler is answered 500 and the server serves on (once, an unchecked JSON type in asample took
-// the whole process down); a handler that answered before throwing keeps its answer.
+// the whole process down); a handler that answered before throwing keeps its answer; limits,
+// refusals from the headers alone, transfer codings, HEAD and hang-ups while an answer is pending
+// (issue 36, items 1, 5, 6, 7).
 #include "server/http/http_server.h"
 
 #include <gtest/gtest.h>
 #include <httplib.h>
 
 #include <atomic>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "tests/e2e/raw_http_client.h"
 
 namespace tinkerd::testing {
 namespace {
@@ -76,6 +86,138 @@ TEST(HttpServer, OversizedBodiesAndHeadersAreRefusedWithABodyAndNeverReachTheHan
   ASSERT_TRUE(small);
   EXPECT_EQ(small->status, 200);
   EXPECT_EQ(handled.load(), 2);
+}
+
+// A request whose key is refused is answered from its headers: here a 50 MiB body is announced and
+// not one byte of it sent, and the 401 still comes (before, the server waited for the whole body,
+// buffering it, and only then looked at the key). The connection then drops what the client sends
+// and closes. The control: an admitted request's body is read and reaches the handler.
+TEST(HttpServer, ARequestRefusedByItsHeadersIsAnsweredBeforeItsBodyIsRead) {
+  std::atomic<int> handled{0};
+  auto server = HttpServer::Start(
+      {},
+      [&](Request req, Respond respond) {
+        ++handled;
+        respond({200, "text/plain", "got " + req.body, {}});
+      },
+      [](const Request& head) -> std::optional<Response> {
+        if (head.api_key == "good") return std::nullopt;
+        return Response{401, "application/json", R"({"detail":"X-API-Key: missing"})", {}};
+      });
+  ASSERT_TRUE(server.ok()) << server.status();
+  RawClient refused((*server)->port());
+  ASSERT_TRUE(refused.connected());
+  ASSERT_TRUE(
+      refused.Send("POST /api/v1/x HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                   "Content-Length: 52428800\r\n\r\n"));
+  std::optional<RawClient::Answer> a = refused.Read();
+  ASSERT_TRUE(a.has_value()) << "no answer before the body: the server waits for it";
+  EXPECT_EQ(a->status, 401);
+  EXPECT_EQ(a->headers["connection"], "close");
+  EXPECT_EQ(a->body, R"({"detail":"X-API-Key: missing"})");
+  ASSERT_TRUE(refused.Send(std::string(1 << 20, 'x')));  // dropped, not an error for the client
+  EXPECT_TRUE(refused.ClosedByServer());
+  EXPECT_EQ(handled.load(), 0);
+
+  RawClient admitted((*server)->port());
+  ASSERT_TRUE(
+      admitted.Send("POST /api/v1/x HTTP/1.1\r\nHost: t\r\nX-API-Key: good\r\n"
+                    "Content-Length: 5\r\n\r\nhello"));
+  std::optional<RawClient::Answer> b = admitted.Read();
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(b->status, 200);
+  EXPECT_EQ(b->body, "got hello");
+  EXPECT_EQ(handled.load(), 1);
+}
+
+// RFC 9112 §6.1: a transfer coding the server does not know is 501, never ignored (the body
+// would be read as chunked data while it is gzip). A lone chunked is read as usual.
+TEST(HttpServer, TransferCodingsOtherThanALoneChunkedAre501) {
+  std::atomic<int> handled{0};
+  auto server = HttpServer::Start({}, [&](Request req, Respond respond) {
+    ++handled;
+    respond({200, "text/plain", req.body, {}});
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (const char* coding : {"gzip, chunked", "chunked, chunked", "deflate"}) {
+    RawClient c((*server)->port());
+    ASSERT_TRUE(c.Send(absl::StrCat("POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: ", coding,
+                                    "\r\n\r\n5\r\nhello\r\n0\r\n\r\n")));
+    std::optional<RawClient::Answer> a = c.Read();
+    ASSERT_TRUE(a.has_value()) << coding;
+    EXPECT_EQ(a->status, 501) << coding;
+    EXPECT_NE(a->body.find("Transfer-Encoding"), std::string::npos) << a->body;
+  }
+  EXPECT_EQ(handled.load(), 0);
+  RawClient c((*server)->port());
+  ASSERT_TRUE(
+      c.Send("POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: Chunked\r\n\r\n"
+             "5\r\nhello\r\n0\r\n\r\n"));
+  std::optional<RawClient::Answer> a = c.Read();
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->status, 200);
+  EXPECT_EQ(a->body, "hello");
+}
+
+// HEAD is answered as its GET without the body, so that a keep-alive client's next answer starts
+// where it should (before, the GET body followed the HEAD's headers and was read as the next
+// status line).
+TEST(HttpServer, HeadIsAnsweredWithoutABodyAndTheConnectionServesOn) {
+  auto server = HttpServer::Start({}, [](Request req, Respond respond) {
+    respond({200, "application/json", "{\"method\":\"" + req.method + "\"}", {}});
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  RawClient c((*server)->port());
+  ASSERT_TRUE(c.Send("HEAD /x HTTP/1.1\r\nHost: t\r\n\r\nGET /x HTTP/1.1\r\nHost: t\r\n\r\n"));
+  std::optional<RawClient::Answer> head = c.Read(/*head=*/true);
+  ASSERT_TRUE(head.has_value());
+  EXPECT_EQ(head->status, 200);
+  const std::string get_body = R"({"method":"GET"})";
+  EXPECT_EQ(head->headers["content-length"], std::to_string(get_body.size()));
+  std::optional<RawClient::Answer> get = c.Read();
+  ASSERT_TRUE(get.has_value()) << "the HEAD's answer carried a body";
+  EXPECT_EQ(get->status, 200);
+  EXPECT_EQ(get->body, get_body);
+}
+
+// Issue 36, item 5: a client that hangs up while its answer is pending (a parked long poll) frees
+// its connection slot at once, not when the answer comes: with two slots, two parked clients that
+// hung up leave room for a third, which is served; the parked answers, given later, go nowhere.
+TEST(HttpServer, AClientThatHangsUpWhileItsAnswerIsPendingFreesItsSlot) {
+  struct Parked {
+    absl::Mutex mu;
+    std::vector<Respond> responds ABSL_GUARDED_BY(mu);
+    size_t want ABSL_GUARDED_BY(mu) = 0;
+    bool Enough() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return responds.size() >= want; }
+  } parked;
+  http::HttpServerConfig config;
+  config.max_connections = 2;
+  auto server = HttpServer::Start(config, [&](Request req, Respond respond) {
+    if (req.path == "/park") {
+      absl::MutexLock lock(&parked.mu);
+      parked.responds.push_back(std::move(respond));
+      return;
+    }
+    respond({200, "text/plain", "now", {}});
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (size_t i = 1; i <= 2; ++i) {
+    RawClient c((*server)->port());
+    ASSERT_TRUE(c.Send("GET /park HTTP/1.1\r\nHost: t\r\n\r\n"));
+    absl::MutexLock lock(&parked.mu);
+    parked.want = i;
+    parked.mu.Await(absl::Condition(&parked, &Parked::Enough));
+  }  // each client hangs up here, its answer still pending
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while ((*server)->connections() > 0 && absl::Now() < deadline) std::this_thread::yield();
+  EXPECT_EQ((*server)->connections(), 0) << "a hung-up client still holds its slot";
+  RawClient third((*server)->port());
+  ASSERT_TRUE(third.Send("GET /now HTTP/1.1\r\nHost: t\r\n\r\n"));
+  const std::optional<RawClient::Answer> a = third.Read();
+  ASSERT_TRUE(a.has_value()) << "the third client was turned away";
+  EXPECT_EQ(a->body, "now");
+  absl::MutexLock lock(&parked.mu);
+  for (Respond& r : parked.responds) r({200, "text/plain", "late", {}});  // dropped, harmlessly
 }
 
 }  // namespace

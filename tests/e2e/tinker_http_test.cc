@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tests/e2e/e2e_util.h"
+#include "tests/e2e/raw_http_client.h"
 #include "tinker_public/tinker_public.pb.h"
 
 namespace tinkerd::testing {
@@ -279,6 +280,34 @@ TEST_F(TinkerHttp, BadRequestsGetAStatusAndABodyNamingTheReasonAndChangeNothing)
        Post("asample", {{"prompt", {{"chunks", {{{"type", 5}, {"tokens", {1}}}}}}},
                         {"sampling_params", {{"max_tokens", 2}}}}),
        400, "prompt.chunks[0]: type: must be a string"},
+      // Issue 36, items 11 and 12: an empty string is a value (no identifier takes it), never
+      // absence; an integer at or past 2^63 is refused, never read modulo 2^64.
+      {"an empty sampling session id",
+       Post("asample", {{"sampling_session_id", ""},
+                        {"seq_id", 0},
+                        {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
+                        {"sampling_params", {{"max_tokens", 2}}}}),
+       400, "sampling_session_id: must be a non-empty string"},
+      {"an empty export path",
+       Post("create_sampling_session",
+            {{"session_id", Session()}, {"sampling_session_seq_id", 0}, {"model_path", ""}}),
+       400, "model_path: must be a non-empty string"},
+      {"top_k of 2^64 - 1",
+       Post("asample", {{"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
+                        {"sampling_params",
+                         {{"max_tokens", 2}, {"top_k", Json(uint64_t{18446744073709551615ull})}}}}),
+       400, "sampling_params: top_k: must be an integer in [-2^63, 2^63)"},
+      {"num_samples of 2^64 - 1",
+       Post("asample", {{"num_samples", Json(uint64_t{18446744073709551615ull})},
+                        {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
+                        {"sampling_params", {{"max_tokens", 2}}}}),
+       400, "num_samples: must be an integer in [-2^63, 2^63)"},
+      {"a prompt token of 2^63",
+       Post("asample",
+            {{"prompt",
+              {{"chunks", {{{"type", "encoded_text"}, {"tokens", {Json(uint64_t{1} << 63)}}}}}}},
+             {"sampling_params", {{"max_tokens", 2}}}}),
+       400, "prompt.chunks[0].tokens: must be int64 integers"},
       {"too many samples",
        Post("asample", {{"num_samples", 1 << 30},
                         {"prompt", {{"chunks", Json::array()}}},
@@ -1038,6 +1067,114 @@ TEST_F(TinkerHttp, RequestsAreCountedByRouteAndStatus) {
   EXPECT_NE(r->body.find("tinkerd_http_requests_total{endpoint=\"unknown\",status=\"404\"} 1"),
             std::string::npos);
   EXPECT_EQ(r->body.find("no/such/route"), std::string::npos) << "a client's path became a label";
+}
+
+// Issue 36, item 1: a request without a valid key is answered 401 from its headers; the body it
+// announces (here 200 MiB, never sent) is not waited for, nor buffered. Health and an archive URL,
+// which need no key, and a keyed request are read as before.
+TEST_F(TinkerHttp, AKeylessRequestIsRefusedBeforeItsBodyIsRead) {
+  for (const std::string key : {"", "tml-not-a-key-of-this-server"}) {
+    RawClient c(port_);
+    ASSERT_TRUE(c.connected());
+    ASSERT_TRUE(c.Send(absl::StrCat("POST /api/v1/forward_backward HTTP/1.1\r\nHost: t\r\n",
+                                    key.empty() ? "" : "X-API-Key: " + key + "\r\n",
+                                    "Content-Type: application/x-protobuf\r\n"
+                                    "Content-Length: 209715200\r\n\r\n")));
+    std::optional<RawClient::Answer> a = c.Read();
+    ASSERT_TRUE(a.has_value()) << "no answer before the body";
+    EXPECT_EQ(a->status, 401);
+    EXPECT_NE(a->body.find("X-API-Key"), std::string::npos) << a->body;
+    EXPECT_TRUE(c.ClosedByServer());
+  }
+  RawClient health(port_);
+  ASSERT_TRUE(health.Send("GET /api/v1/healthz HTTP/1.1\r\nHost: t\r\n\r\n"));
+  std::optional<RawClient::Answer> h = health.Read();
+  ASSERT_TRUE(h.has_value());
+  EXPECT_EQ(h->status, 200);
+  const Reply keyed = Post("client/config", Json{{"sdk_version", "0.38.0"}});
+  EXPECT_EQ(keyed.status, 200) << keyed.body;
+}
+
+// join_sampling_session: a copy of a sampling client gets the next client number of the sampler
+// (1, 2, ...: the original is 0); another tenant's sampler, or none, is 404 naming the field.
+TEST_F(TinkerHttp, JoiningASamplingSessionNumbersItsClients) {
+  const Reply made = Post(
+      "create_sampling_session",
+      {{"session_id", Session()}, {"sampling_session_seq_id", 0}, {"base_model", "tiny-llama"}});
+  ASSERT_EQ(made.status, 200) << made.body;
+  const std::string sampler = made.json()["sampling_session_id"].get<std::string>();
+  for (int64_t want : {1, 2}) {
+    const Reply joined = Post("join_sampling_session", {{"sampling_session_id", sampler}});
+    ASSERT_EQ(joined.status, 200) << joined.body;
+    EXPECT_EQ(joined.json()["client_counter"].get<int64_t>(), want);
+    EXPECT_EQ(joined.json()["type"].get<std::string>(), "join_sampling_session");
+  }
+  const Reply foreign = Post("join_sampling_session", {{"sampling_session_id", sampler}}, kBob);
+  EXPECT_EQ(foreign.status, 404) << foreign.body;
+  EXPECT_NE(foreign.body.find("sampling_session_id"), std::string::npos) << foreign.body;
+  const Reply config = Post("client/config", Json{{"sdk_version", "0.38.0"}});
+  EXPECT_TRUE(config.json()["sample_join_sampling_session"].get<bool>()) << config.body;
+}
+
+// Issue 36, items 8-10: a request's key (a model's seq_id, a session's model_seq_id or
+// sampling_session_seq_id, a sampling session's seq_id) names one request. A resend of the same
+// request finds its first answer; a different request reusing the key is a 400 naming the field
+// and changes nothing (before, it was silently answered with the first request's result: an
+// optim_step with a forward_backward's output, a load_weights with a fresh model, a sample of
+// another prompt).
+TEST_F(TinkerHttp, AKeyReusedByADifferentRequestIsRefusedNamingItsField) {
+  const std::string session = Session();
+  const std::string model = CreateModel(5, session);
+  auto refused = [](const Reply& r, const std::string& field) {
+    EXPECT_EQ(r.status, 400) << r.body;
+    EXPECT_NE(r.body.find(field + ": "), std::string::npos) << r.body;
+    EXPECT_NE(r.body.find("different request"), std::string::npos) << r.body;
+  };
+  // A model's seq_id: forward_backward, then a forward under the same seq_id.
+  const std::string batch = TinkerBatch(model, 1, Batch(1));
+  Reply fb = SubmitBatch(batch);
+  ASSERT_EQ(fb.status, 200) << fb.body;
+  ASSERT_EQ(Await(fb.json()["request_id"]).status, 200);
+  const int64_t tokens = AccumulatedTokens(model);
+  refused(SubmitBatch(TinkerBatch(model, 1, Batch(1), /*forward_only=*/true)), "seq_id");
+  refused(SubmitBatch(TinkerBatch(model, 1, Batch(2))), "seq_id");
+  Reply resent = SubmitBatch(batch);  // the same request again: its first answer
+  ASSERT_EQ(resent.status, 200) << resent.body;
+  EXPECT_EQ(resent.json()["request_id"], fb.json()["request_id"]);
+  EXPECT_EQ(AccumulatedTokens(model), tokens) << "applied once";
+  // An optim_step under seq_id 2, then one with other parameters under it.
+  const Json step{{"model_id", model}, {"seq_id", 2}, {"adam_params", {{"learning_rate", 0.01}}}};
+  ASSERT_EQ(Call("optim_step", step).status, 200);
+  Json other_step = step;
+  other_step["adam_params"]["learning_rate"] = 0.02;
+  refused(Post("optim_step", other_step), "seq_id");
+  refused(Post("save_weights", {{"model_id", model}, {"seq_id", 2}, {"path", "ck"}}), "seq_id");
+  EXPECT_EQ(live_->server->runner()->GetInfo(model)->step, 1);
+  // A session's model_seq_id: create_model's key taken by a load_weights.
+  refused(Post("load_weights", {{"session_id", session},
+                                {"model_seq_id", 0},
+                                {"path", "tinker://" + model + "/weights/ck"}}),
+          "model_seq_id");
+  // A sampling session's seq_id, and a session's sampling_session_seq_id.
+  const Reply made = SamplingSession(session, 0);
+  ASSERT_EQ(made.status, 200) << made.body;
+  const std::string sampler = made.json()["sampling_session_id"];
+  auto sample = [&](std::vector<int64_t> prompt) {
+    return Post("asample",
+                {{"sampling_session_id", sampler},
+                 {"seq_id", 4},
+                 {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", prompt}}}}}},
+                 {"sampling_params", {{"max_tokens", 2}, {"seed", 1}}}});
+  };
+  const Reply first = sample({1, 2});
+  ASSERT_EQ(first.status, 200) << first.body;
+  refused(sample({3, 4}), "seq_id");
+  EXPECT_EQ(sample({1, 2}).json()["request_id"], first.json()["request_id"]);
+  refused(Post("create_sampling_session",
+               {{"session_id", session},
+                {"sampling_session_seq_id", 0},
+                {"model_path", "tinker://" + model + "/sampler_weights/none"}}),
+          "sampling_session_seq_id");
 }
 
 }  // namespace

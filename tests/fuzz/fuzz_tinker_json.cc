@@ -7,9 +7,13 @@
 //   - every refusal is INVALID_ARGUMENT whose message begins with the field it names;
 //   - an accepted prompt is one chunk holding the tokens of every input chunk, in order;
 //   - accepted params keep max_tokens, every stop id as a stop sequence of its own, and every stop
-//     string (a string or a list of them) as it was.
+//     string (a string or a list of them) as it was;
+//   - an accepted target_prompt_logprobs is INT64 [rows, K] within the bounds given, each cell an
+//     id it sent (dense) or -1 where a sparse one lists nothing, and the layout kept for the
+//     answer has rows + 1 row pointers.
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -60,6 +64,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   f.OptInt("topk_prompt_logprobs");
   const Json* prompt = f.Obj("prompt");
   const Json* params = f.Obj("sampling_params");
+  const Json* target = f.Obj("target_prompt_logprobs");
   if (!f.status().ok()) {
     FUZZ_CHECK(f.status().code() == absl::StatusCode::kInvalidArgument, "a field refusal");
     return 0;
@@ -76,6 +81,33 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
     FUZZ_CHECK(input.chunks_size() == 1, "a prompt is one chunk");
     const auto& got = input.chunks(0).encoded_text().tokens();
     FUZZ_CHECK(std::vector<int64_t>(got.begin(), got.end()) == want, "prompt tokens changed");
+  }
+
+  if (target != nullptr) {
+    constexpr int64_t kRows = 64, kK = 20;
+    tinkerd::v1::Tensor ids;
+    tinkerd::http::TargetLayout layout;
+    if (absl::Status s = tinkerd::http::TargetPromptFromTinker(*target, kRows, kK, &ids, &layout);
+        !s.ok()) {
+      CheckRefusal(s, "target_prompt_logprobs");
+    } else {
+      FUZZ_CHECK(ids.dtype() == tinkerd::v1::INT64 && ids.shape_size() == 2, "target: INT64 2-D");
+      const int64_t rows = ids.shape(0), k = ids.shape(1);
+      FUZZ_CHECK(rows >= 1 && rows <= kRows && k >= 1 && k <= kK, "target: shape out of bounds");
+      FUZZ_CHECK(ids.data().size() == static_cast<size_t>(rows * k) * sizeof(int64_t),
+                 "target: ids do not fill the shape");
+      FUZZ_CHECK(layout.rows == rows && layout.k == k, "target: layout lost the shape");
+      if (layout.sparse) {
+        FUZZ_CHECK(layout.crow.size() == static_cast<size_t>(rows + 1), "target: row pointers");
+      } else {
+        const Json& data = target->at("data");
+        for (int64_t c = 0; c < rows * k; ++c) {
+          int64_t v;
+          std::memcpy(&v, ids.data().data() + c * sizeof(int64_t), sizeof(v));
+          FUZZ_CHECK(v == data[static_cast<size_t>(c)].get<int64_t>(), "target: an id changed");
+        }
+      }
+    }
   }
 
   tinkerd::v1::SamplingParams sp;

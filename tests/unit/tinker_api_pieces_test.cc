@@ -108,19 +108,23 @@ TEST(SamplingSessions, AResendWaitsThenGetsTheSamplerWhileItLives) {
   auto is_alive = [&](const std::string&) { return alive; };
   std::string id;
   Respond first = respond, second = respond, third = respond;
-  EXPECT_EQ(calls.Begin("t", "s", 1, &first, is_alive, &id), SamplingSessions::Turn::kMake);
-  EXPECT_EQ(calls.Begin("t", "s", 1, &second, is_alive, &id), SamplingSessions::Turn::kWait);
+  EXPECT_EQ(calls.Begin("t", "s", 1, 7, &first, is_alive, &id), SamplingSessions::Turn::kMake);
+  EXPECT_EQ(calls.Begin("t", "s", 1, 7, &second, is_alive, &id), SamplingSessions::Turn::kWait);
+  // Another body under the same key is refused, and takes nothing (its respond stays).
+  Respond other = respond;
+  EXPECT_EQ(calls.Begin("t", "s", 1, 8, &other, is_alive, &id), SamplingSessions::Turn::kConflict);
+  EXPECT_TRUE(other != nullptr);
   EXPECT_TRUE(calls.Samplers("t", "s").empty()) << "not made yet";
   EXPECT_EQ(calls.ForgetSession("t", "s").size(), 0u) << "one being made stays";
   std::vector<Respond> waiting = calls.Finish("t", "s", 1, "sampler-1");
   EXPECT_EQ(waiting.size(), 2u);
-  EXPECT_EQ(calls.Begin("t", "s", 1, &third, is_alive, &id), SamplingSessions::Turn::kAnswer);
+  EXPECT_EQ(calls.Begin("t", "s", 1, 7, &third, is_alive, &id), SamplingSessions::Turn::kAnswer);
   EXPECT_EQ(id, "sampler-1");
   EXPECT_EQ(calls.Samplers("t", "s"), std::vector<std::string>{"sampler-1"});
   alive = false;  // evicted: made again
-  EXPECT_EQ(calls.Begin("t", "s", 1, &third, is_alive, &id), SamplingSessions::Turn::kMake);
+  EXPECT_EQ(calls.Begin("t", "s", 1, 7, &third, is_alive, &id), SamplingSessions::Turn::kMake);
   EXPECT_EQ(calls.Finish("t", "s", 1, "").size(), 1u) << "a failure is forgotten";
-  EXPECT_EQ(calls.Begin("t", "s", 1, &first, is_alive, &id), SamplingSessions::Turn::kMake);
+  EXPECT_EQ(calls.Begin("t", "s", 1, 7, &first, is_alive, &id), SamplingSessions::Turn::kMake);
   calls.Finish("t", "s", 1, "sampler-2");
   EXPECT_EQ(calls.ForgetSession("t", "s"), std::vector<std::string>{"sampler-2"});
   EXPECT_TRUE(calls.Samplers("t", "s").empty());
