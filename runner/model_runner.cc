@@ -31,6 +31,7 @@
 #include "runner/util/echo.h"
 #include "runner/util/exception_status.h"
 #include "runner/util/log.h"
+#include "runner/util/memory_limit.h"
 #include "runner/util/status_macros.h"
 #include "runner/validate.h"
 
@@ -77,12 +78,11 @@ std::string Bytes(int64_t n) {
   return absl::StrFormat("%.2f GiB", n / 1073741824.0);
 }
 
-// Half the machine's physical memory: the models' share when no budget is configured, leaving
-// the rest for activations, the base model and the process.
-int64_t DefaultMemoryBudget() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return int64_t{8} << 30;
-  return static_cast<int64_t>(pages) * page / 2;
+// Half the memory the process may use (runner/util/memory_limit.h: physical memory, its cgroup's
+// limit, RLIMIT_AS): the models' share when no budget is configured, leaving the rest for
+// activations, the base model and the process.
+int64_t DefaultMemoryBudget(const MemoryLimit& limit) {
+  return limit.bytes / 2;
 }
 
 }  // namespace
@@ -175,6 +175,7 @@ struct ModelRunner::Impl {
     }
     return absl::OkStatus();
   }
+  MemoryLimit memory_limit;   // what the process may use, and which bound says so
   int64_t memory_budget = 0;  // config.memory_budget_bytes, or DefaultMemoryBudget()
 
   // Resolves, reads and verifies a training checkpoint in the training dtype.
@@ -214,8 +215,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     }
     ASSIGN_OR_RETURN(impl->device, ResolveDevice(config.device));
     impl->collectives = config.collectives ? config.collectives : MakeLocalCollectives();
-    impl->memory_budget =
-        config.memory_budget_bytes > 0 ? config.memory_budget_bytes : DefaultMemoryBudget();
+    impl->memory_limit = ProcessMemoryLimit();
+    impl->memory_budget = config.memory_budget_bytes > 0 ? config.memory_budget_bytes
+                                                         : DefaultMemoryBudget(impl->memory_limit);
     if (config.num_threads > 0) at::set_num_threads(config.num_threads);
     TensorMap tensors;
     if (config.base_model_path == kEmbeddedDefaultModel) {
@@ -265,10 +267,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     const char* spin_count = std::getenv("GOMP_SPINCOUNT");
     const std::string blas_core = BlasCore();
     TLOG_INFO(
-        "runner: {} | {} | memory budget for models {} | intra-op threads {}, "
+        "runner: {} | {} | memory limit {} ({}), budget for models {} | intra-op threads {}, "
         "OMP_WAIT_POLICY={}, GOMP_SPINCOUNT={}, OpenBLAS kernels {}",
-        config.DebugString(), impl->model_config.DebugString(), Bytes(impl->memory_budget),
-        at::get_num_threads(), wait_policy != nullptr ? wait_policy : "(unset)",
+        config.DebugString(), impl->model_config.DebugString(), Bytes(impl->memory_limit.bytes),
+        impl->memory_limit.source, Bytes(impl->memory_budget), at::get_num_threads(),
+        wait_policy != nullptr ? wait_policy : "(unset)",
         spin_count != nullptr ? spin_count : "(unset)",
         blas_core.empty() ? "(not OpenBLAS)" : blas_core);
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));

@@ -2,6 +2,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <boost/asio/ip/tcp.hpp>
@@ -91,7 +92,8 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
 
   void Read() {
     parser_.emplace();
-    parser_->body_limit(static_cast<uint64_t>(server_->config.max_body_bytes));
+    body_limit_ = server_->config.max_body_bytes;
+    parser_->body_limit(static_cast<uint64_t>(body_limit_));
     parser_->header_limit(kMaxHeaderBytes);
     Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
     bhttp::async_read_header(
@@ -120,16 +122,39 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
                     ErrorBody("Transfer-Encoding: only chunked is supported (no other coding)"),
                     {}});
     }
+    Request head = RequestOf(msg);
+    // A JSON body becomes a DOM several times its size: it gets the smaller limit.
+    body_limit_ =
+        head.content_type == "application/json"
+            ? std::min(server_->config.max_body_bytes, server_->config.max_json_body_bytes)
+            : server_->config.max_body_bytes;
+    parser_->body_limit(static_cast<uint64_t>(body_limit_));
     if (server_->admit) {
-      std::optional<Response> refused = server_->admit(RequestOf(msg));
+      std::optional<Response> refused = server_->admit(head);
       if (refused) {
         keep_alive_ = false;
         discard_body_ = !parser_->is_done();
         return Write(*std::move(refused));
       }
     }
+    // The parser checked Content-Length against the limit it had when it read the headers.
+    if (const auto length = parser_->content_length();
+        length && *length > static_cast<uint64_t>(body_limit_)) {
+      keep_alive_ = false;
+      discard_body_ = true;
+      return Write(TooLarge());
+    }
     bhttp::async_read(stream_, buffer_, *parser_,
                       beast::bind_front_handler(&Connection::OnRead, this->shared_from_this()));
+  }
+
+  Response TooLarge() const {
+    return {413,
+            "application/json",
+            ErrorBody(absl::StrCat(
+                "body: larger than the server's limit of ", body_limit_, " bytes",
+                body_limit_ < server_->config.max_body_bytes ? " for a JSON body" : "")),
+            {}};
   }
 
   // A request's line and headers; the caller moves the body in.
@@ -162,13 +187,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
       return Close();
     }
     keep_alive_ = false;  // after an error the stream position is unknown
-    if (ec == bhttp::error::body_limit) {
-      return Write({413,
-                    "application/json",
-                    ErrorBody(absl::StrCat("body: larger than the server's limit of ",
-                                           server_->config.max_body_bytes, " bytes")),
-                    {}});
-    }
+    if (ec == bhttp::error::body_limit) return Write(TooLarge());
     if (ec == bhttp::error::header_limit) {
       return Write({431, "application/json", ErrorBody("headers: larger than 16 KiB"), {}});
     }
@@ -344,6 +363,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   bhttp::response<bhttp::string_body> response_;
   std::optional<bhttp::response<TarBody>> tar_response_;
   std::optional<bhttp::response<bhttp::empty_body>> head_response_;
+  int64_t body_limit_ = 0;  // the request's: the JSON one or the general one
   bool keep_alive_ = true;
   bool counted_ = true;        // holds one of the server's connection slots
   bool watching_ = false;      // WatchForHangUp's wait is pending

@@ -60,6 +60,9 @@ struct HttpServerConfig {
   int port = 0;  // 0: any free port
   int threads = 2;
   int64_t max_body_bytes = 256 << 20;
+  // A body sent as application/json: parsed into a DOM of several times its size, where the bulky
+  // bodies (forward_backward's) are protobuf. 16 MiB holds any asample or create call.
+  int64_t max_json_body_bytes = 16 << 20;
   int max_connections = 8192;
   // How long a connection may sit between requests, or take to send one.
   absl::Duration idle_timeout = absl::Seconds(120);

@@ -24,6 +24,10 @@ TinkerApi::TinkerApi(Ops* ops, Sampling* sampling, ApiKeys keys, TinkerApiConfig
 
 namespace {
 
+// The deepest any request body of the Tinker API nests is 5 levels (asample's
+// {prompt: {chunks: [{tokens: [...]}]}}); 16 leaves room for fields to come.
+constexpr int kMaxJsonDepth = 16;
+
 Response Unauthorized(const std::string& api_key) {
   return Error(401, api_key.empty() ? "X-API-Key: missing" : "X-API-Key: not a key of this server");
 }
@@ -145,6 +149,12 @@ void TinkerApi::Handle(Request req, Respond respond) {
     return respond(
         Error(415, absl::StrCat("Content-Type: ", endpoint, " takes application/json, not '",
                                 Echo(req.content_type), "'")));
+  }
+  // Nesting is measured before anything is built: a body of brackets would otherwise grow a
+  // parser's stack and DOM dozens of times its size.
+  if (JsonNesting(req.body) > kMaxJsonDepth) {
+    return respond(Error(400, absl::StrCat("body: nested deeper than ", kMaxJsonDepth,
+                                           " levels, which no request of this API is")));
   }
   Json body = req.body.empty() ? Json::object() : Json::parse(req.body, nullptr, false);
   if (body.is_discarded() || !body.is_object()) {

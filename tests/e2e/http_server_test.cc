@@ -59,6 +59,7 @@ TEST(HttpServer, OversizedBodiesAndHeadersAreRefusedWithABodyAndNeverReachTheHan
   std::atomic<int> handled{0};
   http::HttpServerConfig config;
   config.max_body_bytes = 4096;
+  config.max_json_body_bytes = 1000;
   auto server = HttpServer::Start(config, [&](Request req, Respond respond) {
     ++handled;
     respond({200, "text/plain", "path=" + req.path + " query=" + req.query, {}});
@@ -71,6 +72,12 @@ TEST(HttpServer, OversizedBodiesAndHeadersAreRefusedWithABodyAndNeverReachTheHan
   EXPECT_EQ(big->status, 413);
   EXPECT_NE(big->body.find("body: larger than the server's limit of 4096 bytes"), std::string::npos)
       << big->body;
+  // A JSON body has the smaller limit (its DOM is several times its size); protobuf does not.
+  auto json = cli.Post("/api/v1/x", "[" + std::string(1000, ' ') + "]", "application/json");
+  ASSERT_TRUE(json);
+  EXPECT_EQ(json->status, 413);
+  EXPECT_NE(json->body.find("limit of 1000 bytes for a JSON body"), std::string::npos)
+      << json->body;
   auto headers = cli.Get("/api/v1/x", {{"X-Padding", std::string(20 << 10, 'h')}});
   ASSERT_TRUE(headers);
   EXPECT_EQ(headers->status, 431);
@@ -78,7 +85,8 @@ TEST(HttpServer, OversizedBodiesAndHeadersAreRefusedWithABodyAndNeverReachTheHan
   EXPECT_EQ(handled.load(), 0);
 
   // Controls: at the limit, and headers under 16 KiB, reach the handler; the query is kept apart.
-  auto fits = cli.Post("/api/v1/x?limit=2&offset=4", std::string(4096, 'a'), "application/json");
+  auto fits =
+      cli.Post("/api/v1/x?limit=2&offset=4", std::string(4096, 'a'), "application/x-protobuf");
   ASSERT_TRUE(fits);
   EXPECT_EQ(fits->status, 200);
   EXPECT_EQ(fits->body, "path=/api/v1/x query=limit=2&offset=4");
