@@ -55,6 +55,16 @@ absl::StatusOr<std::string> ApiKeys::TenantOf(const std::string& key) const {
   return *tenant;
 }
 
+absl::StatusOr<int> ApiKeys::NumberOf(const std::string& key) const {
+  if (!enabled()) return 0;
+  int number = 0;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (ConstantTimeEquals(entries_[i].key, key) && number == 0) number = static_cast<int>(i) + 1;
+  }
+  if (number == 0) return absl::UnauthenticatedError("x-api-key: missing or unknown API key");
+  return number;
+}
+
 absl::StatusOr<std::string> ApiKeys::Authenticate(const grpc::CallbackServerContext* ctx) const {
   if (!enabled()) return std::string("default");
   const auto& md = ctx->client_metadata();

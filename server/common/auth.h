@@ -22,6 +22,9 @@ class ApiKeys {
   // The caller's tenant from its "x-api-key" metadata; UNAUTHENTICATED when missing or unknown.
   absl::StatusOr<std::string> Authenticate(const grpc::CallbackServerContext* ctx) const;
   absl::StatusOr<std::string> TenantOf(const std::string& key) const;
+  // The key's line among the file's keys, from 1 (0 with authentication off); UNAUTHENTICATED
+  // as TenantOf.
+  absl::StatusOr<int> NumberOf(const std::string& key) const;
 
  private:
   struct Entry {

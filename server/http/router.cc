@@ -32,6 +32,9 @@ Router::Route Router::Find(const std::string& path) const {
   } else if (e == "get_server_capabilities") {
     r.kind = Kind::kCapabilities;
     r.label = e;
+  } else if (e == "auth/apikey/me") {
+    r.kind = Kind::kApiKey;
+    r.label = e;
   } else if (absl::StartsWith(e, "samplers/")) {
     r.kind = Kind::kSampler;
     r.label = "samplers";

@@ -30,6 +30,7 @@ class Router {
     kFinishSession,    // sessions/{id}/finish
     kCapabilities,     // GET get_server_capabilities
     kSampler,          // GET samplers/{id}
+    kApiKey,           // GET (DELETE) auth/apikey/me: the caller's own key
     kForwardBackward,  // POST forward_backward, Tinker's protobuf
     kJson,             // a POST endpoint taking a JSON object: `handler`
   };

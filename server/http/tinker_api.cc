@@ -66,6 +66,25 @@ std::map<std::string, Router::JsonHandler> TinkerApi::JsonPosts() {
   return posts;
 }
 
+// `tinker auth login` checks a key with GET auth/apikey/me before storing it; `tinker auth logout`
+// deletes it with DELETE, which this server leaves to its operator: keys are lines of
+// --api_keys_file. There are no organizations or users here: the tenant names both.
+void TinkerApi::ApiKey(const std::string& tenant, const Request& req, Respond respond) {
+  if (req.method == "DELETE") {
+    return respond(Error(501,
+                         "auth/apikey/me: keys are lines of the server's --api_keys_file; "
+                         "its operator removes one there"));
+  }
+  if (req.method != "GET") return respond(Error(405, "auth/apikey/me: use GET"));
+  absl::StatusOr<int> number = keys_.NumberOf(req.api_key);
+  if (!number.ok()) return respond(Unauthorized(req.api_key));
+  respond(JsonResponse(
+      Json{{"key_id", *number},
+           {"name", tenant},
+           {"note", "a key of --api_keys_file"},
+           {"details", {{"org_details", {{"name", tenant}}}, {"user_details", {{"email", ""}}}}}}));
+}
+
 std::optional<Response> TinkerApi::Admit(const Request& head) const {
   const Router::Kind kind = router_.Find(head.path).kind;
   // Answered without a key (health, an archive URL, which is its own credential) or without a
@@ -106,6 +125,7 @@ void TinkerApi::Handle(Request req, Respond respond) {
                                            "' is not supported; send the body uncompressed")));
   }
 
+  if (route.kind == Kind::kApiKey) return ApiKey(*tenant, req, std::move(respond));
   if (route.kind == Kind::kTrainingRuns) {
     return TrainingRuns(*tenant, req, endpoint, std::move(respond));
   }

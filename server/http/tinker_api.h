@@ -110,6 +110,7 @@ class TinkerApi {
   // its future fails CANCELLED. {"cancelled": false} when it had finished (or is not a sample).
   void CancelFuture(const std::string& tenant, const Json& body, Respond respond);
   void JoinSamplingSession(const std::string& tenant, const Json& body, Respond respond);
+  void ApiKey(const std::string& tenant, const Request& req, Respond respond);
   void GetSampler(const std::string& tenant, const std::string& sampler_id, Respond respond);
   // save_weights_for_sampler without a name: the model frozen at seq_id into a new sampler.
   void SaveWeightsForSession(const std::string& tenant, const CallKey& key,

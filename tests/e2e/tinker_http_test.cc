@@ -1184,5 +1184,25 @@ TEST_F(TinkerHttp, AKeyReusedByADifferentRequestIsRefusedNamingItsField) {
           "sampling_session_seq_id");
 }
 
+// `tinker auth login` checks a key with GET auth/apikey/me: each key answers with its own number
+// and tenant; an unknown key is 401; DELETE (logout's revocation) is 501 naming where keys live.
+TEST_F(TinkerHttp, AKeyDescribesItselfAndIsNotDeletedOverHttp) {
+  for (const auto& [key, number, tenant] :
+       {std::tuple<std::string, int, std::string>{kAlice, 1, "alice"}, {kBob, 2, "bob"}}) {
+    const Reply me = Send("GET", "/api/v1/auth/apikey/me", "", "", key);
+    ASSERT_EQ(me.status, 200) << me.body;
+    EXPECT_EQ(me.json()["key_id"].get<int>(), number);
+    EXPECT_EQ(me.json()["name"].get<std::string>(), tenant);
+    EXPECT_EQ(me.json()["details"]["org_details"]["name"].get<std::string>(), tenant);
+    EXPECT_TRUE(me.json()["details"]["user_details"]["email"].is_string());
+  }
+  EXPECT_EQ(Send("GET", "/api/v1/auth/apikey/me", "", "", "tml-not-a-key-of-this-server").status,
+            401);
+  const Reply del = Send("DELETE", "/api/v1/auth/apikey/me", "", "", kAlice);
+  EXPECT_EQ(del.status, 501) << del.body;
+  EXPECT_NE(del.body.find("--api_keys_file"), std::string::npos) << del.body;
+  EXPECT_EQ(Send("GET", "/api/v1/auth/apikey/me", "", "", kAlice).status, 200) << "still a key";
+}
+
 }  // namespace
 }  // namespace tinkerd::testing

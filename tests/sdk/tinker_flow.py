@@ -908,6 +908,14 @@ def check_g() -> None:
 
 def check_h() -> None:
     # Client config and capabilities, as the SDK reads them.
+    try:  # `tinker auth login`'s check of a key (SDK 0.38's CLI)
+        from tinker.cli.auth_api import SelfApiKeyResponse
+    except ImportError:
+        SelfApiKeyResponse = None
+    if SelfApiKeyResponse is not None:
+        me = SelfApiKeyResponse.model_validate(
+            json_of(http("GET", "/api/v1/auth/apikey/me"), "auth/apikey/me"))
+        ok(me.key_id >= 1 and me.name, f"auth/apikey/me parses as the CLI's SelfApiKeyResponse ({me})")
     r = http("POST", "/api/v1/client/config", json_body={"sdk_version": SDK_VERSION})
     ok(r.status_code == 200, f"client/config: HTTP 200 ({r.status_code})")
     cfg = json_of(r, "client/config")
