@@ -105,6 +105,13 @@ v1::Tensor Float32ToProto(const std::vector<float>& v, const std::vector<int64_t
   return t;
 }
 
+void TopLogprobsToProto(const TopLogprobs& row, v1::TopkLogprobs* out) {
+  for (const auto& [token, logprob] : row) {
+    out->add_tokens(token);
+    out->add_logprobs(logprob);
+  }
+}
+
 void ResultToProto(const ForwardBackwardResult& r, v1::ForwardBackwardOutput* out) {
   for (const DatumOutput& o : r.outputs)
     *out->add_outputs()->mutable_logprobs() = Float32ToProto(o.logprobs, o.logprobs_shape);

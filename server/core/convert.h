@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "runner/batch.h"
+#include "runner/sample/sample_types.h"
 #include "runner/types.h"
 #include "runner/validate.h"
 #include "tinkerd/v1/tinkerd.pb.h"
@@ -22,6 +23,9 @@ absl::StatusOr<Datum> DatumFromProto(const v1::Datum& d, size_t index);
 // the request, and from the command on the other ranks. INVALID_ARGUMENT naming the field.
 absl::StatusOr<Batch> BatchFromProto(const google::protobuf::RepeatedPtrField<v1::Datum>& data,
                                      const v1::LossFn& loss, const ModelLimits& limits);
+
+// One position's (token, logprob) rows, most likely first, as the wire's TopkLogprobs.
+void TopLogprobsToProto(const TopLogprobs& row, v1::TopkLogprobs* out);
 
 // shape: empty for 1-D [v.size()].
 v1::Tensor Float32ToProto(const std::vector<float>& v, const std::vector<int64_t>& shape = {});

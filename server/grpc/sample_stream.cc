@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "server/common/status_map.h"
+#include "server/core/convert.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"  // SerializationTraits for protobuf messages
 
 namespace tinkerd {
@@ -110,11 +111,7 @@ class SampleStreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuff
         out->mutable_tokens()->Add(d.tokens.begin(), d.tokens.end());
         out->mutable_logprobs()->Add(d.logprobs.begin(), d.logprobs.end());
         for (const TopLogprobs& row : d.topk_logprobs) {
-          v1::TopkLogprobs* t = out->add_topk_logprobs();
-          for (const auto& [token, logprob] : row) {
-            t->add_tokens(token);
-            t->add_logprobs(logprob);
-          }
+          TopLogprobsToProto(row, out->add_topk_logprobs());
         }
         if (d.stop) out->set_stop_reason(ToProto(*d.stop));
       }

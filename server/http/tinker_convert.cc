@@ -95,6 +95,30 @@ absl::StatusOr<std::vector<int64_t>> Indices(const std::string& bytes, const std
   return out;
 }
 
+// A CSR layout's order, given row pointers from 0 to nnz and nnz column indices (the callers
+// check those counts): the pointers never decrease, so every row's range lies within the column
+// indices, and each row's columns rise strictly within [0, cols), so no cell is named twice.
+absl::Status CheckCsrOrder(const std::vector<int64_t>& crow, const std::vector<int64_t>& col,
+                           int64_t cols, const std::string& crow_path,
+                           const std::string& col_path) {
+  const int64_t rows = static_cast<int64_t>(crow.size()) - 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (crow[r + 1] < crow[r]) {
+      return Invalid(crow_path, absl::StrCat("row ", r, " ends (", crow[r + 1],
+                                             ") before it starts (", crow[r], ")"));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = crow[r]; k < crow[r + 1]; ++k) {
+      if (col[k] < 0 || col[k] >= cols || (k > crow[r] && col[k] <= col[k - 1])) {
+        return Invalid(col_path, absl::StrCat("row ", r, ": column ", col[k], " is outside [0, ",
+                                              cols, ") or not after the row's previous column"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Replaces t's sparse CSR encoding with the dense bytes it stands for, in t's own dtype: the
 // entries it does not list are 0, the pad value the SDK's Datum drops when it encodes 2-D
 // target_tokens and weights sparsely. *budget is what the dense bytes of the whole request may
@@ -138,22 +162,15 @@ absl::Status Densify(tinker_public::Tensor* t, const std::string& path, int64_t*
     return Invalid(sub + ".crow_indices",
                    absl::StrCat("must hold rows + 1 = ", rows + 1, " pointers from 0 to ", nnz));
   }
-  // Non-decreasing from 0 to nnz: every row's range then lies within the column indices.
-  for (int64_t r = 0; r < rows; ++r) {
-    if ((*crow)[r + 1] < (*crow)[r]) {
-      return Invalid(sub + ".crow_indices", absl::StrCat("row ", r, " ends (", (*crow)[r + 1],
-                                                         ") before it starts (", (*crow)[r], ")"));
-    }
+  if (absl::Status st =
+          CheckCsrOrder(*crow, *col, cols, sub + ".crow_indices", sub + ".col_indices");
+      !st.ok()) {
+    return st;
   }
   std::string dense(static_cast<size_t>(rows * cols) * esize, '\0');
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t k = (*crow)[r]; k < (*crow)[r + 1]; ++k) {
       const int64_t c = (*col)[k];
-      if (c < 0 || c >= cols || (k > (*crow)[r] && c <= (*col)[k - 1])) {
-        return Invalid(sub + ".col_indices",
-                       absl::StrCat("row ", r, ": column ", c, " is outside [0, ", cols,
-                                    ") or not after the row's previous column"));
-      }
       std::memcpy(&dense[static_cast<size_t>(r * cols + c) * esize],
                   csr.values().data() + static_cast<size_t>(k) * esize, esize);
     }
@@ -546,21 +563,15 @@ absl::Status TargetPromptFromTinker(const nlohmann::json& t, int64_t max_rows, i
                               nnz, " and ", nnz, " column indices, one per id"));
     }
     ids.assign(rows * k, -1);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (layout->crow[r + 1] < layout->crow[r]) {
-        return Invalid(field + ".sparse_crow_indices",
-                       absl::StrCat("row ", r, " ends before it starts"));
-      }
+    if (absl::Status st =
+            CheckCsrOrder(layout->crow, layout->col, k, field + ".sparse_crow_indices",
+                          field + ".sparse_col_indices");
+        !st.ok()) {
+      return st;
     }
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t i = layout->crow[r]; i < layout->crow[r + 1]; ++i) {
-        const int64_t c = layout->col[i];
-        if (c < 0 || c >= k || (i > layout->crow[r] && c <= layout->col[i - 1])) {
-          return Invalid(field + ".sparse_col_indices",
-                         absl::StrCat("row ", r, ": column ", c, " is outside [0, ", k,
-                                      ") or not after the row's previous column"));
-        }
-        ids[r * k + c] = values[i];
+        ids[r * k + layout->col[i]] = values[i];
       }
     }
   }

@@ -12,6 +12,7 @@
 #include "runner/util/echo.h"
 #include "runner/util/log.h"
 #include "runner/util/status_macros.h"
+#include "server/core/convert.h"
 #include "server/core/scheduler.h"
 
 namespace tinkerd {
@@ -50,13 +51,6 @@ absl::Status TargetIds(const v1::Tensor& t, SampleRequest& r) {
   return absl::OkStatus();
 }
 
-void TopToProto(const TopLogprobs& row, v1::TopkLogprobs* out) {
-  for (const auto& [token, logprob] : row) {
-    out->add_tokens(token);
-    out->add_logprobs(logprob);
-  }
-}
-
 absl::Status CheckChunks(const v1::ModelInput& input) {
   for (int i = 0; i < input.chunks_size(); ++i) {
     if (!input.chunks(i).has_encoded_text()) {
@@ -75,11 +69,12 @@ v1::SampleResponse ToProto(const SampleResult& r) {
     seq->mutable_logprobs()->Add(s.logprobs.begin(), s.logprobs.end());
     seq->set_stop_reason(s.stop_reason == StopReason::kStop ? v1::STOP_REASON_STOP
                                                             : v1::STOP_REASON_LENGTH);
-    for (const TopLogprobs& row : s.topk_logprobs) TopToProto(row, seq->add_topk_logprobs());
+    for (const TopLogprobs& row : s.topk_logprobs)
+      TopLogprobsToProto(row, seq->add_topk_logprobs());
   }
   out.mutable_prompt_logprobs()->Add(r.prompt_logprobs.begin(), r.prompt_logprobs.end());
   for (const TopLogprobs& row : r.topk_prompt_logprobs) {
-    TopToProto(row, out.add_topk_prompt_logprobs());
+    TopLogprobsToProto(row, out.add_topk_prompt_logprobs());
   }
   out.mutable_target_prompt_logprobs()->Add(r.target_prompt_logprobs.begin(),
                                             r.target_prompt_logprobs.end());

@@ -670,6 +670,19 @@ TEST_F(SamplingTest, ProgressDeltasConcatenateToTheResultAndFalseCancels) {
   EXPECT_EQ(cancelling.reserved_bytes(), 0);
 }
 
+// From logprobs: the distribution itself, and the one a temperature of 0.5 makes of it (the
+// frequency tests' control).
+std::pair<std::vector<double>, std::vector<double>> WarmAndCold(const std::vector<double>& logp) {
+  std::vector<double> p(logp.size()), cold(logp.size());
+  double cold_total = 0;
+  for (size_t v = 0; v < logp.size(); ++v) {
+    p[v] = std::exp(logp[v]);
+    cold_total += cold[v] = std::exp(2 * logp[v]);
+  }
+  for (double& q : cold) q /= cold_total;
+  return {p, cold};
+}
+
 // Pearson's chi-square over bins with an expected count of at least 5 (the rest pooled), against
 // the critical value at p = 1e-3 (Wilson–Hilferty: df·(1 − 2/(9df) + z·sqrt(2/(9df)))³,
 // z = 3.09). The seed is fixed, so the outcome is too.
@@ -704,13 +717,7 @@ TEST_F(SamplingTest, FrequenciesMatchTheSoftmax) {
   std::vector<int64_t> counts(policy_->config.vocab_size, 0);
   for (const SampledSequence& s : result.sequences) ++counts.at(s.tokens[0]);
   const std::vector<double> logp = TrainerDistribution(kPrompt);
-  std::vector<double> p(logp.size()), p_cold(logp.size());
-  double cold_total = 0;
-  for (size_t v = 0; v < logp.size(); ++v) {
-    p[v] = std::exp(logp[v]);
-    cold_total += p_cold[v] = std::exp(2 * logp[v]);
-  }
-  for (double& q : p_cold) q /= cold_total;
+  const auto [p, p_cold] = WarmAndCold(logp);
   double critical = 0;
   const double chi = ChiSquare(counts, p, kN, &critical);
   EXPECT_LT(chi, critical) << "counts do not follow softmax(z)";
@@ -744,13 +751,7 @@ TEST_F(SamplingTest, PromptAltTokensFollowTheModelAtEachPosition) {
       ASSERT_NEAR(r.prompt_alt_logprobs[j], logp[v], kFloat64Tol * std::abs(logp[v]));
     }
   }
-  std::vector<double> p(logp.size()), p_cold(logp.size());
-  double cold_total = 0;
-  for (size_t v = 0; v < logp.size(); ++v) {
-    p[v] = std::exp(logp[v]);
-    cold_total += p_cold[v] = std::exp(2 * logp[v]);
-  }
-  for (double& q : p_cold) q /= cold_total;
+  const auto [p, p_cold] = WarmAndCold(logp);
   double critical = 0, critical_cold = 0;
   EXPECT_LT(ChiSquare(counts, p, kRequests * k, &critical), critical);
   EXPECT_GT(ChiSquare(counts, p_cold, kRequests * k, &critical_cold), critical_cold);
