@@ -4,7 +4,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
@@ -96,6 +98,19 @@ struct DecoderPlan {
   std::vector<std::string> names;
 };
 
+// An integer field, or `fallback` when absent; nullopt for anything but an int64 (nlohmann's
+// value() would convert a float, and a float beyond int64's range is undefined behaviour).
+std::optional<int64_t> IntOr(const json& d, const char* key, int64_t fallback) {
+  auto it = d.find(key);
+  if (it == d.end()) return fallback;
+  if (!it->is_number_integer() ||
+      (it->is_number_unsigned() &&
+       it->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
+    return std::nullopt;
+  }
+  return it->get<int64_t>();
+}
+
 absl::Status PlanStep(const json& d, bool fused, DecoderPlan* plan) {
   if (!d.is_object() || !d.contains("type") || !d["type"].is_string()) {
     return Unsupported("a decoder without a type");
@@ -128,11 +143,12 @@ absl::Status PlanStep(const json& d, bool fused, DecoderPlan* plan) {
     });
   } else if (type == "Strip") {
     const std::string content = d.value("content", std::string(" "));
-    const int64_t start = d.value("start", int64_t{0}), stop = d.value("stop", int64_t{0});
-    if (!fused || content != " " || start > 1 || stop != 0) {
+    const std::optional<int64_t> start = IntOr(d, "start", 0), stop = IntOr(d, "stop", 0);
+    if (!start || !stop) return Unsupported("a Strip decoder's start and stop must be integers");
+    if (!fused || content != " " || *start > 1 || *stop != 0) {
       return Unsupported("only a Strip of one leading space after Fuse is read");
     }
-    plan->strips_leading_space = start == 1;
+    plan->strips_leading_space = *start == 1;
   } else {
     return Unsupported(absl::StrCat("decoder '", type,
                                     "' is not read (supported: ByteLevel, Metaspace, Sequence of "
