@@ -11,3 +11,11 @@
 #else
 #define TINKERD_HAS_FLASH_ATTENTION 0
 #endif
+
+// LibTorch 2.8 and later multiply bf16/fp16 matrices into an fp32 result on CUDA (aten::mm.dtype:
+// cuBLAS with fp32 output); earlier versions, and the CPU, widen the inputs first.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define TINKERD_HAS_MM_OUT_DTYPE 1
+#else
+#define TINKERD_HAS_MM_OUT_DTYPE 0
+#endif

@@ -7,6 +7,7 @@
 
 #include "kernels/cpu_clones.h"
 #include "kernels/gemv.h"
+#include "kernels/mixed_grad.h"
 #include "kernels/parallel.h"
 #include "kernels/vec16.h"
 
@@ -34,29 +35,31 @@ TINKERD_CPU_CLONES void SwiGLULoop(const float* g, const float* u, float* y, int
   }
 }
 
+// x·c(w)ᵀ with w cast to x's dtype: through MixedLinear when it records a bf16 gradient.
+at::Tensor Product(const at::Tensor& x_NI, const at::Tensor& w_OI) {
+  if (MixedInUse(x_NI, w_OI)) return MixedLinear({x_NI, w_OI, {}});
+  return LinearProduct(x_NI, w_OI.to(x_NI.scalar_type()));
+}
+
 }  // namespace
 
 at::Tensor Linear(const LinearParams& p) {
   const at::ScalarType dt = p.x_NI.scalar_type();
-  const at::Tensor w = p.w_OI.to(dt);
-  at::Tensor y;
-  if (GemvServes(p.x_NI, w)) {
-    y = Gemv({p.x_NI, w});
-    if (p.b_O.defined()) y.add_(p.b_O.to(dt));
-  } else {
-    y = p.b_O.defined() ? at::addmm(p.b_O.to(dt), p.x_NI, w.t()) : at::mm(p.x_NI, w.t());
-  }
+  const bool bias = p.b_O.defined();
+  at::Tensor y = MixedInUse(p.x_NI, p.w_OI) || (bias && MixedInUse(p.x_NI, p.b_O))
+                     ? MixedLinear({p.x_NI, p.w_OI, p.b_O})
+                     : AffineProduct(p.x_NI, p.w_OI.to(dt), bias ? p.b_O.to(dt) : at::Tensor());
   if (p.A_rI.defined()) {
-    const at::Tensor low_Nr = LinearProduct(p.x_NI, p.A_rI.to(dt));
-    y = y + LinearProduct(low_Nr, p.B_Or.to(dt)) * p.scale;
+    const at::Tensor low_Nr = Product(p.x_NI, p.A_rI);
+    y = y + Product(low_Nr, p.B_Or) * p.scale;
   }
   int64_t row = 0;
   for (const LoraRun& run : p.runs) {
     TORCH_CHECK(!p.A_rI.defined(), "Linear: runs and a single adapter are exclusive");
     if (run.A_rI.defined()) {
       // The single adapter's arithmetic on the run's rows, so each row rounds as it would alone.
-      const at::Tensor low_Nr = LinearProduct(p.x_NI.narrow(0, row, run.rows), run.A_rI.to(dt));
-      y.narrow(0, row, run.rows).add_(LinearProduct(low_Nr, run.B_Or.to(dt)) * run.scale);
+      const at::Tensor low_Nr = Product(p.x_NI.narrow(0, row, run.rows), run.A_rI);
+      y.narrow(0, row, run.rows).add_(Product(low_Nr, run.B_Or) * run.scale);
     }
     row += run.rows;
   }

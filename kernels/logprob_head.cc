@@ -7,16 +7,13 @@
 #include <vector>
 
 #include "kernels/gemv.h"
+#include "kernels/mixed_grad.h"
 
 namespace tinkerd::kernels {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-at::ScalarType AccumulateType(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 struct Head {
   at::Tensor h_TD, W_VD, A_rD, B_Vr;  // A and B already in h's dtype; undefined without LoRA
@@ -123,18 +120,20 @@ struct LogprobHeadFunction : torch::autograd::Function<LogprobHeadFunction> {
                             .mul_(g_sum.neg().unsqueeze(1));
         auto [in, col] = TargetColumns(y, v0, vc);
         dz.scatter_add_(1, col, at::where(in, g, at::zeros_like(g)));
-        const at::Tensor dz_dt = dz.to(dt);  // the matmuls run in the compute dtype
-        dh_t.add_(at::mm(dz_dt, hd.W_VD.narrow(0, v0, vc)));
-        if (need_W) dW.narrow(0, v0, vc).add_(at::mm(dz_dt.t(), h));
+        // The matmuls take compute-dtype inputs: a token's gradient is its own row's (RowProduct),
+        // the weights', sums over tokens, come out unrounded (WideProduct; kernels/mixed_grad.h).
+        const at::Tensor dz_dt = dz.to(dt);
+        dh_t.add_(RowProduct({dz_dt, hd.W_VD.narrow(0, v0, vc)}));
+        if (need_W) dW.narrow(0, v0, vc).add_(WideProduct({dz_dt.t(), h}));
         if (hd.lora()) {
-          du_t.add_(at::mm(dz_dt, hd.B_Vr.narrow(0, v0, vc)));
-          dB.narrow(0, v0, vc).add_(at::mm(dz_dt.t(), u));
+          du_t.add_(RowProduct({dz_dt, hd.B_Vr.narrow(0, v0, vc)}));
+          dB.narrow(0, v0, vc).add_(WideProduct({dz_dt.t(), u}));
         }
       }
       if (hd.lora()) {
         const at::Tensor du_dt = du_t.to(dt);
-        dh_t.add_(at::mm(du_dt, hd.A_rD).mul_(hd.s));
-        dA.add_(at::mm(du_dt.t(), h).mul_(hd.s));
+        dh_t.add_(RowProduct({du_dt, hd.A_rD}).mul_(hd.s));
+        dA.add_(WideProduct({du_dt.t(), h}).mul_(hd.s));
       }
       dh.narrow(0, t0, tc).copy_(dh_t);
     }

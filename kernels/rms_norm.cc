@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/cpu_clones.h"
+#include "kernels/mixed_grad.h"
 #include "kernels/parallel.h"
 #include "kernels/vec16.h"
 
@@ -74,7 +75,9 @@ at::Tensor RmsNorm(const RmsNormParams& p) {
   const at::ScalarType dt = p.x_ND.scalar_type();
   const at::Tensor x = dt == at::kDouble ? p.x_ND : p.x_ND.to(at::kFloat);
   const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + p.eps);
-  return normed.to(dt) * p.w_D.to(dt);
+  const at::Tensor normed_dt = normed.to(dt);
+  if (MixedInUse(normed_dt, p.w_D)) return MixedScale({normed_dt, p.w_D});
+  return normed_dt * p.w_D.to(dt);
 }
 
 }  // namespace tinkerd::kernels

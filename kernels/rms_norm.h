@@ -2,7 +2,8 @@
 //   y = w ⊙ cast_x( x / sqrt(mean_j x_j² + eps) )
 // with the mean of squares and the division in fp32 (fp64 for fp64 inputs), the result cast back
 // to x's dtype before the weight (cast to x's dtype too: an fp32 master under bf16 compute)
-// multiplies. Differentiable through ATen's autograd; with
+// multiplies. Differentiable through ATen's autograd, and an fp32 master weight's gradient summed
+// in fp32 (kernels/mixed_grad.h); with
 // activation checkpointing its intermediates live only while one layer is recomputed.
 // With `inference`, float32 on the CPU with no gradient to record runs as one loop over rows, the
 // same roundings in the same order but the sum of squares in sixteen lanes: a row's result is its

@@ -1,0 +1,138 @@
+// kernels/mixed_grad against float64 references of the same bf16 values: the forward is the
+// unmastered layer's bit for bit, dx is the compute-dtype product autograd would form, and the
+// masters' gradients are fp32 sums of exact products, within fp32's bound. Broken control: the
+// gradient autograd forms through the cast (a bf16 sum) misses that bound.
+//
+// Shape suffixes: N rows, I in features, O out features, D normalized features.
+#include "kernels/mixed_grad.h"
+
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "tests/kernels/kernel_test_util.h"
+
+namespace tinkerd::testing {
+namespace {
+
+constexpr int64_t kRows = 300, kIn = 48, kOut = 40;
+const double kU = std::ldexp(1.0, -24);  // fp32's unit roundoff
+
+// How many elements of `got` are off `want` (float64) by more than n·u·magnitude elementwise: a sum
+// of n exact terms in fp32, in any order, is within (n − 1)·u·Σ|terms| of the exact sum.
+int64_t OutsideBound(const at::Tensor& got, const at::Tensor& want, const at::Tensor& magnitude,
+                     int64_t n) {
+  const at::Tensor err = (got.detach().to(at::kCPU, at::kDouble) - want).abs();
+  return err.gt(magnitude * (static_cast<double>(n - 1) * kU)).sum().item<int64_t>();
+}
+
+at::Tensor Bf16(const at::Tensor& t) {
+  return t.to(at::kBFloat16).to(KernelDevice());
+}
+
+at::Tensor Master(const at::Tensor& t) {
+  return t.to(at::kFloat).to(KernelDevice()).set_requires_grad(true);
+}
+
+at::Tensor Double(const at::Tensor& t) {
+  return t.detach().to(at::kCPU, at::kDouble);
+}
+
+TEST(MixedGrad, LinearGradientsAreFp32SumsOfExactProducts) {
+  const at::Tensor x = Bf16(Randn({kRows, kIn}, 1)), dy = Bf16(Randn({kRows, kOut}, 2));
+  const at::Tensor w = Master(Randn({kOut, kIn}, 3)), b = Master(Randn({kOut}, 4));
+  ASSERT_TRUE(kernels::MixedInUse(x, w));
+  const at::Tensor y = kernels::MixedLinear({x.detach().requires_grad_(true), w, b});
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_TRUE(y.equal(kernels::AffineProduct(x, w.to(at::kBFloat16), b.to(at::kBFloat16))))
+        << "the forward is not the unmastered layer's";
+  }
+  y.backward(dy);
+  const at::Tensor x64 = Double(x), dy64 = Double(dy);
+  EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+  EXPECT_EQ(OutsideBound(w.grad(), at::mm(dy64.t(), x64), at::mm(dy64.abs().t(), x64.abs()), kRows),
+            0);
+  EXPECT_EQ(OutsideBound(b.grad(), dy64.sum(0), dy64.abs().sum(0), kRows), 0);
+
+  // The control: the same product differentiated through the cast, as before masters.
+  const at::Tensor w2 = Master(Randn({kOut, kIn}, 3)), xg = x.detach().requires_grad_(true);
+  at::mm(xg, w2.to(at::kBFloat16).t()).backward(dy);
+  EXPECT_GT(
+      OutsideBound(w2.grad(), at::mm(dy64.t(), x64), at::mm(dy64.abs().t(), x64.abs()), kRows), 0)
+      << "the broken control (a bf16 sum) stayed within fp32's bound";
+  // dx is a row's own product in bf16, the one autograd forms.
+  const at::Tensor x3 = x.detach().requires_grad_(true);
+  kernels::MixedLinear({x3, Master(Randn({kOut, kIn}, 3)), {}}).backward(dy);
+  EXPECT_TRUE(x3.grad().equal(xg.grad()));
+}
+
+TEST(MixedGrad, ScaleGradientSumsEveryLeadingRow) {
+  constexpr int64_t D = 16;
+  const at::Tensor x = Bf16(Randn({kRows / 4, 4, D}, 5)), dy = Bf16(Randn({kRows / 4, 4, D}, 6));
+  const at::Tensor w = Master(Randn({D}, 7));
+  const at::Tensor y = kernels::MixedScale({x, w});
+  EXPECT_TRUE(y.detach().equal(x * w.detach().to(at::kBFloat16)));
+  y.backward(dy);
+  const at::Tensor x64 = Double(x).reshape({-1, D}), dy64 = Double(dy).reshape({-1, D});
+  EXPECT_EQ(OutsideBound(w.grad(), (dy64 * x64).sum(0), (dy64 * x64).abs().sum(0), kRows), 0);
+  const at::Tensor w2 = Master(Randn({D}, 7));
+  (x * w2.to(at::kBFloat16)).backward(dy);
+  EXPECT_GT(OutsideBound(w2.grad(), (dy64 * x64).sum(0), (dy64 * x64).abs().sum(0), kRows), 0)
+      << "the broken control (a bf16 sum) stayed within fp32's bound";
+}
+
+TEST(MixedGrad, WideProductKeepsFp32) {
+  const at::Tensor a = Bf16(Randn({kOut, kRows}, 8)), b = Bf16(Randn({kRows, kIn}, 9));
+  const at::Tensor out = kernels::WideProduct({a, b});
+  EXPECT_EQ(out.scalar_type(), at::kFloat);
+  const at::Tensor a64 = Double(a), b64 = Double(b);
+  EXPECT_EQ(OutsideBound(out, at::mm(a64, b64), at::mm(a64.abs(), b64.abs()), kRows), 0);
+  EXPECT_GT(OutsideBound(at::mm(a, b), at::mm(a64, b64), at::mm(a64.abs(), b64.abs()), kRows), 0)
+      << "a bf16 product stayed within fp32's bound";
+}
+
+// Each row of dx is the same whether its row runs alone or among others, at every row count: the
+// property that makes a packed micro-batch's per-token gradients those of each datum alone.
+TEST(MixedGrad, RowProductRowsAreTheirOwn) {
+  // The LoRA shapes (rank 4) and a layer's, the weight frozen in bf16 as a LoRA model's base.
+  for (auto [O, I] : std::vector<std::pair<int64_t, int64_t>>{{kOut, kIn}, {32, 4}, {4, 32}}) {
+    const at::Tensor dy = Bf16(Randn({kRows, O}, 12)), w = Bf16(Randn({O, I}, 13));
+    const at::Tensor all = kernels::RowProduct({dy, w});
+    int64_t moved = 0, moved_plain = 0;
+    for (int64_t n = 1; n <= 64; ++n) {
+      moved += !kernels::RowProduct({dy.narrow(0, 5, n), w}).equal(all.narrow(0, 5, n));
+      moved_plain += !at::mm(dy.narrow(0, 5, n), w).equal(at::mm(dy, w).narrow(0, 5, n));
+    }
+    EXPECT_EQ(moved, 0) << O << "x" << I;
+    if (KernelDevice().is_cpu()) {
+      EXPECT_GT(moved_plain, 0) << "the broken control: the plain product's rows did not change";
+    }
+  }
+  // Through MixedLinear with a frozen bf16 weight: dx of 3 rows alone is dx of those rows among
+  // 300.
+  const at::Tensor x = Bf16(Randn({kRows, kIn}, 14)), dy = Bf16(Randn({kRows, kOut}, 15));
+  const at::Tensor w = Bf16(Randn({kOut, kIn}, 16));
+  const at::Tensor x_all = x.detach().requires_grad_(true), x_few = x.narrow(0, 0, 3).detach();
+  x_few.requires_grad_(true);
+  kernels::MixedLinear({x_all, w, {}}).backward(dy);
+  kernels::MixedLinear({x_few, w, {}}).backward(dy.narrow(0, 0, 3));
+  EXPECT_TRUE(x_few.grad().equal(x_all.grad().narrow(0, 0, 3)));
+}
+
+TEST(MixedGrad, InUseWhereABf16GradientIsRecorded) {
+  const at::Tensor x = Bf16(Randn({2, kIn}, 10));
+  EXPECT_TRUE(kernels::MixedInUse(x, Master(Randn({kOut, kIn}, 11))));
+  EXPECT_TRUE(kernels::MixedInUse(x.detach().requires_grad_(true), Bf16(Randn({kOut, kIn}, 11))));
+  EXPECT_FALSE(kernels::MixedInUse(x, Master(Randn({kOut, kIn}, 11)).detach()));
+  const at::Tensor x32 = Randn({2, kIn}, 10).to(at::kFloat).to(KernelDevice());
+  EXPECT_FALSE(kernels::MixedInUse(x32, Master(Randn({kOut, kIn}, 11))));
+  at::NoGradGuard no_grad;
+  EXPECT_FALSE(kernels::MixedInUse(x, Master(Randn({kOut, kIn}, 11))));
+}
+
+}  // namespace
+}  // namespace tinkerd::testing
