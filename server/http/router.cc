@@ -9,7 +9,11 @@ Router::Route Router::Find(const std::string& path) const {
   const size_t at = path.find(kApiPrefix);
   r.endpoint = at == std::string::npos ? "" : path.substr(at + sizeof(kApiPrefix) - 1);
   const std::string& e = r.endpoint;
-  if (absl::StartsWith(e, "archives/")) {
+  if (auto it = json_posts_.find(e); it != json_posts_.end()) {  // sessions/search among them
+    r.kind = Kind::kJson;
+    r.label = e;
+    r.handler = &it->second;
+  } else if (absl::StartsWith(e, "archives/")) {
     r.kind = Kind::kArchive;
     r.label = "archives";
   } else if (e == "training_runs" || absl::StartsWith(e, "training_runs/")) {
@@ -41,10 +45,6 @@ Router::Route Router::Find(const std::string& path) const {
   } else if (e == "forward_backward") {
     r.kind = Kind::kForwardBackward;
     r.label = e;
-  } else if (auto it = json_posts_.find(e); it != json_posts_.end()) {
-    r.kind = Kind::kJson;
-    r.label = e;
-    r.handler = &it->second;
   } else {
     r.label = "unknown";
   }

@@ -2,19 +2,58 @@
 
 #include <algorithm>
 #include <functional>
+#include <tuple>
+#include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "runner/util/echo.h"
 #include "server/http/tinker_json.h"
 
 namespace tinkerd::http {
+namespace {
 
-std::optional<std::string> Sessions::Create(const std::string& tenant) {
-  std::string id = "session-" + RandomHex();
+bool Matches(const SessionSummary& s, const SessionQuery& q) {
+  if (q.session_id || q.display_words) {
+    // With both, a session matching either one matches (Tinker's rule).
+    bool named = false;
+    if (q.display_words && s.display_name) {
+      const std::string name = absl::AsciiStrToLower(*s.display_name);
+      named = std::all_of(q.display_words->begin(), q.display_words->end(),
+                          [&](const std::string& w) { return absl::StrContains(name, w); });
+    }
+    if (!named && !(q.session_id && *q.session_id == s.id)) return false;
+  }
+  if (q.project_ids && std::find(q.project_ids->begin(), q.project_ids->end(), s.project_id) ==
+                           q.project_ids->end()) {
+    return false;
+  }
+  for (const auto& [key, value] : q.user_metadata) {
+    auto it = s.user_metadata.find(key);
+    if (it == s.user_metadata.end() || it->second != value) return false;
+  }
+  if (q.statuses) {
+    return std::any_of(q.statuses->begin(), q.statuses->end(), [&](const SessionQuery::Status& st) {
+      return st.type == s.status.type &&
+             (!st.reasons || std::find(st.reasons->begin(), st.reasons->end(), s.status.reason) !=
+                                 st.reasons->end());
+    });
+  }
+  return true;
+}
+
+}  // namespace
+
+std::optional<std::string> Sessions::Create(SessionSummary session) {
+  session.id = "session-" + RandomHex();
+  const absl::Time now = absl::Now();
+  session.created = absl::FromUnixMillis(absl::ToUnixMillis(now));
+  session.status = SessionStatus{};
   absl::MutexLock lock(&mu_);
   if (sessions_.size() >= max_sessions_) return std::nullopt;
-  const absl::Time now = absl::Now();
-  sessions_[id] = Session{tenant, now, now, {}};
+  std::string id = session.id;
+  sessions_[id] = Session{std::move(session), now};
   return id;
 }
 
@@ -25,10 +64,19 @@ bool Sessions::Heartbeat(const std::string& tenant, const std::string& id, Respo
   return true;
 }
 
+bool Sessions::Finish(const std::string& tenant, const std::string& id, const std::string& reason,
+                      const std::string& detail, Response* missing) {
+  absl::MutexLock lock(&mu_);
+  if (FindLocked(tenant, id, missing) == nullptr) return false;
+  SessionStatus& status = sessions_.at(id).summary.status;
+  if (status.type == "active") status = SessionStatus{"client_finished", reason, detail};
+  return true;
+}
+
 absl::Status Sessions::Check(const std::string& tenant, const std::string& id) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
-  if (it == sessions_.end() || it->second.tenant != tenant) {
+  if (it == sessions_.end() || it->second.summary.tenant != tenant) {
     return absl::NotFoundError(absl::StrCat("session_id: no session '", Echo(id), "'"));
   }
   return absl::OkStatus();
@@ -41,7 +89,9 @@ bool Sessions::IsOpen(const std::string& id) const {
 
 void Sessions::AddModel(const std::string& id, const std::string& model_id) {
   absl::MutexLock lock(&mu_);
-  if (auto it = sessions_.find(id); it != sessions_.end()) it->second.models.push_back(model_id);
+  if (auto it = sessions_.find(id); it != sessions_.end()) {
+    it->second.summary.models.push_back(model_id);
+  }
 }
 
 std::vector<std::string> Sessions::Ids(const std::string& tenant) const {
@@ -49,7 +99,7 @@ std::vector<std::string> Sessions::Ids(const std::string& tenant) const {
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, session] : sessions_) {
-      if (session.tenant == tenant) open.emplace_back(session.created, id);
+      if (session.summary.tenant == tenant) open.emplace_back(session.summary.created, id);
     }
   }
   std::sort(open.begin(), open.end(), std::greater<>());  // newest first
@@ -58,13 +108,33 @@ std::vector<std::string> Sessions::Ids(const std::string& tenant) const {
   return ids;
 }
 
-std::optional<std::vector<std::string>> Sessions::Models(const std::string& tenant,
-                                                         const std::string& id,
-                                                         Response* missing) const {
+std::optional<SessionSummary> Sessions::Get(const std::string& tenant, const std::string& id,
+                                            Response* missing) const {
   absl::MutexLock lock(&mu_);
   const Session* session = FindLocked(tenant, id, missing);
   if (session == nullptr) return std::nullopt;
-  return session->models;
+  return session->summary;
+}
+
+std::vector<SessionSummary> Sessions::Search(const std::string& tenant, const SessionQuery& query,
+                                             bool* more) const {
+  std::vector<SessionSummary> found;
+  {
+    absl::MutexLock lock(&mu_);
+    auto consider = [&](const SessionSummary& s) {
+      if (s.tenant != tenant) return;
+      if (query.after && std::make_pair(s.created, s.id) >= *query.after) return;
+      if (Matches(s, query)) found.push_back(s);
+    };
+    for (const auto& [id, session] : sessions_) consider(session.summary);
+    for (const auto& [id, summary] : ended_) consider(summary);
+  }
+  std::sort(found.begin(), found.end(), [](const SessionSummary& a, const SessionSummary& b) {
+    return std::tie(a.created, a.id) > std::tie(b.created, b.id);
+  });
+  *more = static_cast<int64_t>(found.size()) > query.limit;
+  if (*more) found.resize(static_cast<size_t>(query.limit));
+  return found;
 }
 
 std::vector<Sessions::Ended> Sessions::EndIdle(absl::Time cutoff) {
@@ -75,13 +145,18 @@ std::vector<Sessions::Ended> Sessions::EndIdle(absl::Time cutoff) {
       ++it;
       continue;
     }
-    ended_.insert(it->second.tenant + '\n' + it->first);
-    ended_order_.push_back(it->second.tenant + '\n' + it->first);
+    SessionSummary& s = it->second.summary;
+    if (s.status.type == "active") {
+      s.status = SessionStatus{"cancelled", "",
+                               absl::StrCat("no heartbeat for ", absl::FormatDuration(idle_))};
+    }
+    ended.push_back(Ended{it->first, s.tenant, s.models});
+    ended_order_.push_back(it->first);
+    ended_[it->first] = std::move(s);
     if (ended_order_.size() > max_sessions_) {
       ended_.erase(ended_order_.front());
       ended_order_.pop_front();
     }
-    ended.push_back(Ended{it->first, std::move(it->second.tenant), std::move(it->second.models)});
     it = sessions_.erase(it);
   }
   return ended;
@@ -90,8 +165,9 @@ std::vector<Sessions::Ended> Sessions::EndIdle(absl::Time cutoff) {
 const Sessions::Session* Sessions::FindLocked(const std::string& tenant, const std::string& id,
                                               Response* missing) const {
   auto it = sessions_.find(id);
-  if (it != sessions_.end() && it->second.tenant == tenant) return &it->second;
-  *missing = ended_.count(tenant + '\n' + id)
+  if (it != sessions_.end() && it->second.summary.tenant == tenant) return &it->second;
+  auto gone = ended_.find(id);
+  *missing = gone != ended_.end() && gone->second.tenant == tenant
                  ? Error(410, absl::StrCat("session_id: session '", Echo(id),
                                            "' ended after no heartbeat for ",
                                            absl::FormatDuration(idle_), "; create a new session"))

@@ -1,16 +1,18 @@
-// The Tinker API's sessions: which tenant opened which, when it last sent a heartbeat, and the
-// models made in it, so that a session that stops heartbeating can be ended and its models
-// deleted (TinkerApi::Reap). Sessions ended that way are remembered (the latest max_sessions):
-// a heartbeat for one is 410, which tells the SDK (0.38) to stop, not 404.
+// The Tinker API's sessions: which tenant opened which, when, with what name and metadata, when
+// it last sent a heartbeat, how it finished, and the models made in it, so that a session that
+// stops heartbeating can be ended and its models deleted (TinkerApi::Reap), and so that sessions
+// can be searched (sessions/search). Sessions ended that way are remembered (the latest
+// max_sessions): a heartbeat for one is 410, which tells the SDK (0.38) to stop, not 404, and a
+// search still finds them.
 //
 // Thread-safety: each method takes the table's own lock and calls nothing outside it.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -21,16 +23,56 @@
 
 namespace tinkerd::http {
 
+// Tinker's SessionStatus: "active", "client_finished" (reason "success", "errored" or
+// "interrupted", as the client reported it) or "cancelled" (ended by this server for want of
+// heartbeats). A client's finish is first-wins.
+struct SessionStatus {
+  std::string type = "active";
+  std::string reason;  // client_finished only
+  std::string detail;  // may be empty
+};
+
+// What a session was created with and what became of it (a search result).
+struct SessionSummary {
+  std::string id, tenant, project_id;
+  absl::Time created;  // whole milliseconds, as its RFC 3339 form carries it
+  std::optional<std::string> display_name;
+  std::map<std::string, std::string> user_metadata;
+  SessionStatus status;
+  std::vector<std::string> models;  // made in this session
+};
+
+// A search (Tinker's SessionSearchRequest), already checked.
+struct SessionQuery {
+  std::optional<std::string> session_id;
+  std::optional<std::vector<std::string>> display_words;  // lower-cased; each must appear
+  std::optional<std::vector<std::string>> project_ids;
+  std::map<std::string, std::string> user_metadata;  // every pair must hold
+  struct Status {
+    std::string type;
+    std::optional<std::vector<std::string>> reasons;  // client_finished only
+  };
+  std::optional<std::vector<Status>> statuses;  // any one must hold
+  int64_t limit = 50;
+  // The previous page's last session (newest first): results start after it.
+  std::optional<std::pair<absl::Time, std::string>> after;
+};
+
 class Sessions {
  public:
   // `idle`: how long a session may go without a heartbeat (for the 410's message).
   Sessions(size_t max_sessions, absl::Duration idle) : max_sessions_(max_sessions), idle_(idle) {}
 
-  // A new session of `tenant`, or nullopt when max_sessions are open.
-  std::optional<std::string> Create(const std::string& tenant);
+  // A new session of `tenant` (`created` and `status` of `session` are set here), or nullopt
+  // when max_sessions are open.
+  std::optional<std::string> Create(SessionSummary session);
   // Notes a heartbeat of the tenant's session `id`; false, with `missing` set to the answer, when
   // there is no such open session: 410 for one that ended for want of heartbeats, 404 otherwise.
   bool Heartbeat(const std::string& tenant, const std::string& id, Response* missing);
+  // Records the client's finish of its open session `id`, unless one was recorded already;
+  // false and `missing` as for Heartbeat.
+  bool Finish(const std::string& tenant, const std::string& id, const std::string& reason,
+              const std::string& detail, Response* missing);
   // NOT_FOUND unless `id` is an open session of `tenant`.
   absl::Status Check(const std::string& tenant, const std::string& id) const;
   // Whether session `id` is open, whoever's it is.
@@ -39,9 +81,13 @@ class Sessions {
   void AddModel(const std::string& id, const std::string& model_id);
   // The ids of the tenant's open sessions, newest first.
   std::vector<std::string> Ids(const std::string& tenant) const;
-  // The models made in the tenant's session `id`; nullopt and `missing` as for Heartbeat.
-  std::optional<std::vector<std::string>> Models(const std::string& tenant, const std::string& id,
-                                                 Response* missing) const;
+  // The tenant's open session `id`; nullopt and `missing` as for Heartbeat.
+  std::optional<SessionSummary> Get(const std::string& tenant, const std::string& id,
+                                    Response* missing) const;
+  // The tenant's sessions, open and remembered, that match `query`, newest first: at most
+  // query.limit, and whether more follow.
+  std::vector<SessionSummary> Search(const std::string& tenant, const SessionQuery& query,
+                                     bool* more) const;
 
   struct Ended {
     std::string id, tenant;
@@ -52,9 +98,8 @@ class Sessions {
 
  private:
   struct Session {
-    std::string tenant;
-    absl::Time created, last_heartbeat;
-    std::vector<std::string> models;  // made in this session
+    SessionSummary summary;
+    absl::Time last_heartbeat;
   };
   // The tenant's open session `id`, or null with `missing` set (see Heartbeat).
   const Session* FindLocked(const std::string& tenant, const std::string& id,
@@ -64,8 +109,8 @@ class Sessions {
   const absl::Duration idle_;
   mutable absl::Mutex mu_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
-  // Sessions ended for want of heartbeats (tenant \n id), the latest max_sessions_.
-  std::set<std::string> ended_ ABSL_GUARDED_BY(mu_);
+  // Sessions ended for want of heartbeats, the latest max_sessions_ (their ids oldest first).
+  std::map<std::string, SessionSummary> ended_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -41,6 +41,7 @@ std::map<std::string, Router::JsonHandler> TinkerApi::JsonPosts() {
       {"client/dynamic_config", &TinkerApi::DynamicConfig},
       {"create_session", &TinkerApi::CreateSession},
       {"session_heartbeat", &TinkerApi::SessionHeartbeat},
+      {"sessions/search", &TinkerApi::SearchSessions},
       {"telemetry", &TinkerApi::Telemetry},
       {"create_model", &TinkerApi::CreateModel},
       {"get_info", &TinkerApi::GetInfo},
@@ -180,7 +181,9 @@ void TinkerApi::Handle(Request req, Respond respond) {
   if (body.is_discarded() || !body.is_object()) {
     return respond(Error(400, "body: not a JSON object"));
   }
-  if (route.kind == Kind::kFinishSession) return FinishSession(*tenant, body, std::move(respond));
+  if (route.kind == Kind::kFinishSession) {
+    return FinishSession(*tenant, endpoint, body, std::move(respond));
+  }
   (*route.handler)(*tenant, body, std::move(respond));
 }
 

@@ -75,7 +75,11 @@ class TinkerApi {
   // Sessions (tinker_sessions.cc).
   void CreateSession(const std::string& tenant, const Json& body, Respond respond);
   void SessionHeartbeat(const std::string& tenant, const Json& body, Respond respond);
-  void FinishSession(const std::string& tenant, const Json& body, Respond respond);
+  void FinishSession(const std::string& tenant, const std::string& endpoint, const Json& body,
+                     Respond respond);
+  void SearchSessions(const std::string& tenant, const Json& body, Respond respond);
+  // A search result as Tinker's SessionSummary, with the checkpoints its models still have.
+  Json SessionSummaryJson(const SessionSummary& s);
   // Ends the sessions idle past config.session_idle and deletes their models and samplers; then
   // again later.
   void Reap();

@@ -116,18 +116,22 @@ void TinkerApi::ListSessions(const std::string& tenant, const Page& page,
   }
   const std::string id = endpoint.substr(sizeof("sessions/") - 1);
   Response missing;
-  const std::optional<std::vector<std::string>> models = sessions_.Models(tenant, id, &missing);
-  if (!models) return respond(std::move(missing));
+  const std::optional<SessionSummary> session = sessions_.Get(tenant, id, &missing);
+  if (!session) return respond(std::move(missing));
   const std::vector<std::string> samplers = sampling_sessions_.Samplers(tenant, id);
   // Only what still exists: unloaded models and deleted or evicted samplers are left out.
   Json run_ids = Json::array(), sampler_ids = Json::array();
-  for (const std::string& m : *models) {
+  for (const std::string& m : session->models) {
     if (ops_->GetInfo(tenant, m).ok()) run_ids.push_back(m);
   }
   for (const std::string& s : samplers) {
     if (sampling_->GetSampler(tenant, s).ok()) sampler_ids.push_back(s);
   }
-  respond(JsonResponse(Json{{"training_run_ids", run_ids}, {"sampler_ids", sampler_ids}}));
+  Json out{{"training_run_ids", run_ids},
+           {"sampler_ids", sampler_ids},
+           {"user_metadata", session->user_metadata}};
+  if (session->display_name) out["display_name"] = *session->display_name;
+  respond(JsonResponse(out));
 }
 
 void TinkerApi::UserCheckpoints(const std::string& tenant, const Page& page, Respond respond) {

@@ -997,6 +997,64 @@ def check_h() -> None:
                  "get_info after unload_model")
 
 
+def check_n() -> None:
+    """sessions/search (SDK 0.38's RestClient.search_sessions): filters, paging, status, isolation."""
+    if not hasattr(types, "SessionSearchRequest"):
+        ok(True, f"SDK {SDK_VERSION} has no search_sessions (0.38 added it)")
+        return
+    tag = uuid.uuid4().hex[:8]
+    clients = []
+    for i, name in enumerate([f"Flow RL math {tag}", f"flow chat {tag}"]):
+        svc = tinker.ServiceClient(user_metadata={"flow": tag, "i": str(i)}, display_name=name,
+                                   base_url=BASE_URL, api_key=API_KEY)
+        clients.append((svc, _client(svc.create_lora_training_client(
+            base_model=S.model_name, rank=4, seed=i))))
+    _res(clients[0][1].save_state(f"search-{tag}"))
+    rest = clients[0][0].create_rest_client()
+    Req = types.SessionSearchRequest
+
+    def search(**kw: Any) -> Any:
+        return _res(rest.search_sessions(Req(**kw)))
+
+    page = search(display_name=f"rl MATH {tag}")
+    ok(len(page.sessions) == 1 and page.sessions[0].display_name == f"Flow RL math {tag}"
+       and page.sessions[0].user_metadata == {"flow": tag, "i": "0"}
+       and page.sessions[0].status is not None and page.sessions[0].status.type == "active",
+       f"display_name words match case-insensitively, one session ({page.sessions})")
+    s0 = page.sessions[0]
+    ok(s0.checkpoints_count == 1 and (s0.checkpoint_storage_bytes or 0) > 0,
+       f"its saved state counts: {s0.checkpoints_count} checkpoint(s), "
+       f"{s0.checkpoint_storage_bytes} bytes")
+    first = search(user_metadata={"flow": tag}, limit=1)
+    ok(len(first.sessions) == 1 and first.next_cursor is not None,
+       f"limit 1 of 2: one session and a next_cursor ({first.next_cursor})")
+    second = search(user_metadata={"flow": tag}, limit=1, cursor=first.next_cursor)
+    ok(len(second.sessions) == 1 and second.next_cursor is None
+       and second.sessions[0].session_id != first.sessions[0].session_id
+       and first.sessions[0].created_at >= second.sessions[0].created_at,
+       "the cursor's page holds the other, older session, and no further cursor")
+    _res(clients[1][0].close("errored", detail="flow test"))
+    finished = search(user_metadata={"flow": tag},
+                      statuses=[types.ClientFinishedSessionStatusQuery(reasons=["errored"])])
+    st = finished.sessions[0].status if len(finished.sessions) == 1 else None
+    ok(st is not None and st.type == "client_finished" and st.reason.type == "errored"
+       and st.detail == "flow test" and "chat" in (finished.sessions[0].display_name or ""),
+       f"close('errored') is found by status and reason ({st})")
+    active = search(user_metadata={"flow": tag}, statuses=[types.ActiveSessionStatusQuery()])
+    ok([s.display_name for s in active.sessions] == [f"Flow RL math {tag}"],
+       "an active-status search leaves the finished session out")
+    if OTHER_API_KEY:
+        other = tinker.ServiceClient(base_url=BASE_URL, api_key=OTHER_API_KEY).create_rest_client()
+        ok(not _res(other.search_sessions(Req(user_metadata={"flow": tag}))).sessions,
+           "another tenant's search finds none of these sessions")
+    for body, what in [({"limit": 0}, "limit 0"), ({"display_name": ""}, "an empty display_name"),
+                       ({"cursor": {"last_created_at": "yesterday", "last_session_id": "x"}},
+                        "a cursor time that is not RFC 3339"),
+                       ({"statuses": [{"type": "sleeping"}]}, "an unknown status")]:
+        expect_error(http("POST", "/api/v1/sessions/search", json_body=body), 400,
+                     f"sessions/search with {what}", need_detail=True)
+
+
 CHILD_ARG = "--child-killed-client"
 
 
@@ -1279,6 +1337,8 @@ def main() -> None:
     run_check("v", "0.38's sample scoring: last_n, top-k of samples, target ids, alt tokens", check_v,
               needs=("a",))
     run_check("t", "the server's tokenizer; stop strings", check_t, needs=("a",))
+    run_check("n", "sessions/search: filters, paging, finish status, isolation", check_n,
+              needs=("a",))
     finish()
 
 

@@ -3,7 +3,11 @@
 // sessions forgotten with their session only, and archive URLs capped per tenant.
 #include <gtest/gtest.h>
 
+#include <map>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "server/http/aliases.h"
@@ -19,7 +23,8 @@ namespace {
 TEST(Router, NamesEachRouteAndLabelsItWithoutTheClientsText) {
   int called = 0;
   const Router router(
-      {{"create_model", [&](const std::string&, const nlohmann::json&, Respond) { ++called; }}});
+      {{"create_model", [&](const std::string&, const nlohmann::json&, Respond) { ++called; }},
+       {"sessions/search", [](const std::string&, const nlohmann::json&, Respond) {}}});
   struct Case {
     std::string path;
     Router::Kind kind;
@@ -39,6 +44,7 @@ TEST(Router, NamesEachRouteAndLabelsItWithoutTheClientsText) {
        "training_runs/m-1/checkpoints", "training_runs/checkpoints"},
       {"/api/v1/sessions", Router::Kind::kSessions, "sessions", "sessions"},
       {"/api/v1/sessions/s-1", Router::Kind::kSessions, "sessions/s-1", "sessions/session"},
+      {"/api/v1/sessions/search", Router::Kind::kJson, "sessions/search", "sessions/search"},
       {"/api/v1/sessions/s-1/finish", Router::Kind::kFinishSession, "sessions/s-1/finish",
        "sessions/finish"},
       {"/api/v1/checkpoints", Router::Kind::kCheckpoints, "checkpoints", "checkpoints"},
@@ -59,12 +65,24 @@ TEST(Router, NamesEachRouteAndLabelsItWithoutTheClientsText) {
   EXPECT_EQ(called, 1);
 }
 
+std::optional<std::string> Open(Sessions& sessions, const std::string& tenant,
+                                std::optional<std::string> name = std::nullopt,
+                                std::map<std::string, std::string> metadata = {},
+                                const std::string& project = "default") {
+  SessionSummary s;
+  s.tenant = tenant;
+  s.display_name = std::move(name);
+  s.user_metadata = std::move(metadata);
+  s.project_id = project;
+  return sessions.Create(std::move(s));
+}
+
 TEST(Sessions, AnEndedSessionIs410AnUnknownOne404AndAnotherTenantsUnknown) {
   Sessions sessions(/*max_sessions=*/2, absl::Seconds(5));
-  const auto a = sessions.Create("alice");
-  const auto b = sessions.Create("alice");
+  const auto a = Open(sessions, "alice");
+  const auto b = Open(sessions, "alice");
   ASSERT_TRUE(a && b);
-  EXPECT_FALSE(sessions.Create("bob")) << "past max_sessions";
+  EXPECT_FALSE(Open(sessions, "bob")) << "past max_sessions";
   Response missing;
   EXPECT_TRUE(sessions.Heartbeat("alice", *a, &missing));
   EXPECT_FALSE(sessions.Heartbeat("bob", *a, &missing));
@@ -83,9 +101,74 @@ TEST(Sessions, AnEndedSessionIs410AnUnknownOne404AndAnotherTenantsUnknown) {
   }
   EXPECT_FALSE(sessions.Heartbeat("alice", *a, &missing));
   EXPECT_EQ(missing.status, 410);
-  EXPECT_FALSE(sessions.Models("alice", "session-none", &missing));
+  EXPECT_FALSE(sessions.Heartbeat("bob", *a, &missing));
+  EXPECT_EQ(missing.status, 404) << "another tenant's ended session is unknown to bob";
+  EXPECT_FALSE(sessions.Get("alice", "session-none", &missing));
   EXPECT_EQ(missing.status, 404);
-  EXPECT_TRUE(sessions.Create("bob")) << "an ended session no longer counts";
+  EXPECT_TRUE(Open(sessions, "bob")) << "an ended session no longer counts";
+}
+
+std::vector<std::string> Names(const std::vector<SessionSummary>& found) {
+  std::vector<std::string> out;
+  for (const SessionSummary& s : found) out.push_back(s.display_name.value_or("-"));
+  return out;
+}
+
+TEST(Sessions, SearchFiltersPagesNewestFirstAndKeepsEndedSessions) {
+  Sessions sessions(/*max_sessions=*/8, absl::Seconds(5));
+  const auto rl = Open(sessions, "alice", "RL Math run", {{"team", "a"}}, "p1");
+  const auto chat = Open(sessions, "alice", "SFT chat", {{"team", "b"}});
+  const auto plain = Open(sessions, "alice");
+  ASSERT_TRUE(Open(sessions, "bob", "RL math", {{"team", "a"}}, "p1"));
+  ASSERT_TRUE(rl && chat && plain);
+  bool more = false;
+  auto find = [&](SessionQuery q) { return Names(sessions.Search("alice", q, &more)); };
+  SessionQuery q;
+  q.display_words = std::vector<std::string>{"math", "rl"};
+  EXPECT_EQ(find(q), std::vector<std::string>{"RL Math run"});
+  q.session_id = *plain;  // with a name: either matches
+  q.display_words = std::vector<std::string>{"chat"};
+  EXPECT_EQ(find(q).size(), 2u);
+  q = {};
+  q.user_metadata = {{"team", "a"}};
+  EXPECT_EQ(find(q), std::vector<std::string>{"RL Math run"}) << "bob's session stays his";
+  q = {};
+  q.project_ids = std::vector<std::string>{"p1"};
+  EXPECT_EQ(find(q), std::vector<std::string>{"RL Math run"});
+
+  Response missing;
+  ASSERT_TRUE(sessions.Finish("alice", *chat, "errored", "boom", &missing));
+  ASSERT_TRUE(sessions.Finish("alice", *chat, "success", "", &missing));  // first-wins
+  EXPECT_FALSE(sessions.Finish("bob", *chat, "success", "", &missing));
+  q = {};
+  q.statuses = std::vector<SessionQuery::Status>{{"client_finished", {{"errored"}}}};
+  EXPECT_EQ(find(q), std::vector<std::string>{"SFT chat"});
+  q.statuses = std::vector<SessionQuery::Status>{{"client_finished", {{"success"}}}};
+  EXPECT_TRUE(find(q).empty()) << "the second finish replaced the first";
+
+  // Pages of one, each after the last: every session once, newest first.
+  q = {};
+  q.limit = 1;
+  std::vector<SessionSummary> all;
+  for (int page = 0; page < 5; ++page) {
+    const std::vector<SessionSummary> found = sessions.Search("alice", q, &more);
+    all.insert(all.end(), found.begin(), found.end());
+    if (!more) break;
+    q.after = std::make_pair(found.back().created, found.back().id);
+  }
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_FALSE(more);
+  for (size_t i = 1; i < all.size(); ++i) {
+    EXPECT_GT(std::tie(all[i - 1].created, all[i - 1].id), std::tie(all[i].created, all[i].id));
+  }
+
+  // Reaped sessions are still found, cancelled, except the one its client had finished.
+  sessions.EndIdle(absl::InfiniteFuture());
+  q = {};
+  q.statuses = std::vector<SessionQuery::Status>{{"cancelled", std::nullopt}};
+  EXPECT_EQ(find(q).size(), 2u);
+  q.statuses = std::vector<SessionQuery::Status>{{"client_finished", std::nullopt}};
+  EXPECT_EQ(find(q), std::vector<std::string>{"SFT chat"});
 }
 
 TEST(Aliases, ResolveWithinTheTenantAndAreForgottenWithTheirSessionOnly) {
