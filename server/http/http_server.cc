@@ -175,6 +175,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
         absl::StripAsciiWhitespace(absl::string_view(encoding.data(), encoding.size())));
     if (req.content_encoding == "identity") req.content_encoding.clear();
     req.api_key = std::string(msg["X-API-Key"]);
+    req.idempotency_key = std::string(msg["X-Idempotency-Key"]);
     req.host = std::string(msg[bhttp::field::host]);
     req.tls = !std::is_same_v<Stream, beast::tcp_stream>;
     return req;

@@ -28,6 +28,7 @@ struct Request {
   std::string content_type;      // without parameters, lower case
   std::string content_encoding;  // empty for identity
   std::string api_key;           // X-API-Key
+  std::string idempotency_key;   // X-Idempotency-Key (copy_weights)
   std::string host;              // the Host header, as the client addressed the server
   bool tls = false;              // arrived over TLS
   std::string body;

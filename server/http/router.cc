@@ -27,6 +27,9 @@ Router::Route Router::Find(const std::string& path) const {
   } else if (e == "sessions" || absl::StartsWith(e, "sessions/")) {
     r.kind = Kind::kSessions;
     r.label = e == "sessions" ? "sessions" : "sessions/session";
+  } else if (e == "copy_weights") {
+    r.kind = Kind::kCopyWeights;
+    r.label = e;
   } else if (e == "checkpoints") {
     r.kind = Kind::kCheckpoints;
     r.label = e;

@@ -28,6 +28,7 @@ class Router {
     kSessions,         // sessions, sessions/{id}
     kCheckpoints,      // checkpoints
     kFinishSession,    // sessions/{id}/finish
+    kCopyWeights,      // POST copy_weights: JSON, and its X-Idempotency-Key
     kCapabilities,     // GET get_server_capabilities
     kSampler,          // GET samplers/{id}
     kApiKey,           // GET (DELETE) auth/apikey/me: the caller's own key

@@ -184,6 +184,9 @@ void TinkerApi::Handle(Request req, Respond respond) {
   if (route.kind == Kind::kFinishSession) {
     return FinishSession(*tenant, endpoint, body, std::move(respond));
   }
+  if (route.kind == Kind::kCopyWeights) {
+    return CopyWeights(*tenant, req.idempotency_key, body, std::move(respond));
+  }
   (*route.handler)(*tenant, body, std::move(respond));
 }
 

@@ -31,6 +31,7 @@
 #include "server/common/auth.h"
 #include "server/http/aliases.h"
 #include "server/http/archive_grants.h"
+#include "server/http/copies.h"
 #include "server/http/future_call.h"
 #include "server/http/futures.h"
 #include "server/http/http_server.h"
@@ -78,6 +79,8 @@ class TinkerApi {
   void FinishSession(const std::string& tenant, const std::string& endpoint, const Json& body,
                      Respond respond);
   void SearchSessions(const std::string& tenant, const Json& body, Respond respond);
+  void CopyWeights(const std::string& tenant, const std::string& idempotency_key, const Json& body,
+                   Respond respond);
   // A search result as Tinker's SessionSummary, with the checkpoints its models still have.
   Json SessionSummaryJson(const SessionSummary& s);
   // Ends the sessions idle past config.session_idle and deletes their models and samplers; then
@@ -152,6 +155,7 @@ class TinkerApi {
   Aliases aliases_;
   SamplingSessions sampling_sessions_;
   SampleCancels cancels_;
+  Copies copies_{4096};
   ArchiveGrants archives_;
   // Archive downloads streaming now. Shared with each archive, whose last reference counts it
   // out: that may be the HTTP server's, which outlives this API.

@@ -1,12 +1,14 @@
 // The Tinker API's training endpoints onto the shared operations: create_model, get_info,
 // unload_model, forward_backward (Tinker's protobuf), optim_step, save_weights, load_weights,
-// save_weights_for_sampler, weights_info. Ordered calls take the model's seq_id, so a resend is
-// recognized by the scheduler (Resend::kOperation); creations and unloads by their future.
+// save_weights_for_sampler, weights_info, copy_weights. Ordered calls take the model's seq_id, so a
+// resend is recognized by the scheduler (Resend::kOperation); creations and unloads by their
+// future.
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "runner/util/echo.h"
 #include "runner/util/hash.h"
+#include "server/core/checkpoint_paths.h"
 #include "server/http/tinker_api.h"
 #include "server/http/tinker_convert.h"
 #include "server/http/tinker_json.h"
@@ -313,6 +315,50 @@ void TinkerApi::WeightsInfo(const std::string& tenant, const Json& body, Respond
     out["train_unembed"] = info->lora().train_unembed();
   }
   respond(JsonResponse(out));
+}
+
+// RestClient.copy_weights: the checkpoint again under a new run (Ops::CopyCheckpoint), answered
+// at once with its path. A copy lands in `destination_project_id`, or in session `session_id`
+// as its model `model_seq_id` (listed with the session, and addressable by that alias); the
+// SDK requires one of them. Resends carry the first request's X-Idempotency-Key and get the
+// first copy (copies.h).
+void TinkerApi::CopyWeights(const std::string& tenant, const std::string& idempotency_key,
+                            const Json& body, Respond respond) {
+  Fields f(body);
+  const std::string source = f.Str("source_path");
+  const std::optional<std::string> session_id = f.OptId("session_id");
+  const std::optional<int64_t> model_seq_id = f.OptInt("model_seq_id");
+  const std::optional<std::string> project = f.OptId("destination_project_id");
+  const std::optional<int64_t> ttl = f.OptInt("ttl_seconds");
+  const std::optional<std::string> token = f.OptStr("weights_access_token");
+  if (!f.status().ok()) return respond(Error(f.status()));
+  if (ttl) {
+    return respond(
+        Error(400, "ttl_seconds: checkpoints on this server never expire; leave it out"));
+  }
+  if (token) {
+    return respond(Error(400,
+                         "weights_access_token: a copy is of the caller's own checkpoints only; "
+                         "this server has no cross-account access tokens"));
+  }
+  if (session_id.has_value() != model_seq_id.has_value()) {
+    return respond(Error(400, "session_id and model_seq_id: give both, or neither"));
+  }
+  if (!session_id && !project) {
+    return respond(Error(400, "destination_project_id: required without session_id"));
+  }
+  if (session_id) {
+    if (auto st = sessions_.Check(tenant, *session_id); !st.ok()) return respond(Error(st));
+  }
+  absl::StatusOr<std::string> path =
+      copies_.Once(tenant, idempotency_key, JsonDigest("copy_weights", body),
+                   [&] { return ops_->CopyCheckpoint(tenant, source); });
+  if (!path.ok()) return respond(Error(path.status()));
+  if (session_id) {
+    auto copy = ParseCheckpointPath(*path);
+    if (copy.ok()) AddSessionModel(tenant, *session_id, *model_seq_id, copy->model_id);
+  }
+  respond(JsonResponse(Json{{"tinker_path", *path}}));
 }
 
 }  // namespace tinkerd::http

@@ -12,6 +12,7 @@
 #include "runner/checkpoint/manifest.h"
 #include "runner/checkpoint/store.h"
 #include "runner/model/safetensors.h"
+#include "runner/model_runner.h"
 #include "runner/util/echo.h"
 #include "runner/util/hash.h"
 #include "server/core/checkpoint_paths.h"
@@ -222,6 +223,38 @@ absl::Status Ops::DeleteCheckpoint(const std::string& tenant, const std::string&
   if (!path.ok()) return path.status();
   return HidePaths(tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(tenant))), TenantRoot(tenant),
                    checkpoint_root_);
+}
+
+absl::StatusOr<std::string> Ops::CopyCheckpoint(const std::string& tenant, const std::string& uri) {
+  auto source = ParseCheckpointPath(uri);
+  if (!source.ok()) return source.status();
+  if (auto st = CheckOwner(source->model_id, tenant); !st.ok()) return st;
+  auto files = CheckpointFiles(tenant, uri);
+  if (!files.ok()) return files.status();
+  auto id = ModelRunner::NewModelId();
+  if (!id.ok()) return id.status();
+  const CheckpointPath copy{*id, source->kind, source->name};
+  namespace fs = std::filesystem;
+  const absl::Status st = CommitCheckpoint(
+      copy.Fs(TenantRoot(tenant)), /*overwrite=*/false, [&](const std::string& tmp) {
+        for (const CheckpointFile& f : *files) {
+          const fs::path to = fs::path(tmp) / f.name;
+          std::error_code ec;
+          fs::create_directories(to.parent_path(), ec);
+          if (!ec) fs::create_hard_link(f.path, to, ec);
+          if (ec) {  // another file system, or one without links: a copy then
+            ec.clear();
+            fs::copy_file(f.path, to, ec);
+          }
+          if (ec) {
+            return absl::UnavailableError(
+                absl::StrCat("copy of ", uri, ": ", f.name, ": ", ec.message()));
+          }
+        }
+        return absl::OkStatus();
+      });
+  if (!st.ok()) return HidePaths(st, TenantRoot(tenant), checkpoint_root_);
+  return copy.Uri();
 }
 
 absl::StatusOr<std::vector<CheckpointFile>> Ops::CheckpointFiles(const std::string& tenant,

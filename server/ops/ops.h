@@ -71,6 +71,11 @@ class Ops {
   // The models `tenant` has checkpoints of, existing or deleted since, by id.
   std::vector<std::string> CheckpointedModels(const std::string& tenant) const;
   absl::Status DeleteCheckpoint(const std::string& tenant, const std::string& path);
+  // Checkpoint `path` of `tenant` again, under a new run id with the same kind and name:
+  // tinker://<new id>/<kind>/<name>. Its files are hard links to the source's (copies where the
+  // file system cannot link), so no bytes are duplicated and deleting either leaves the other
+  // whole. The new run holds the checkpoint only: nothing trains on it until a model loads it.
+  absl::StatusOr<std::string> CopyCheckpoint(const std::string& tenant, const std::string& path);
   // The regular files of a checkpoint of this tenant (tinker://model/kind/name), sorted by name;
   // symbolic links and what they point at are left out.
   absl::StatusOr<std::vector<CheckpointFile>> CheckpointFiles(const std::string& tenant,

@@ -1055,6 +1055,50 @@ def check_n() -> None:
                      f"sessions/search with {what}", need_detail=True)
 
 
+def check_w() -> None:
+    """copy_weights (SDK 0.38's RestClient.copy_weights): a copy loads as the source, outlives it,
+    and a resend with the same X-Idempotency-Key gets the same copy."""
+    svc = service_client(API_KEY)
+    rest = svc.create_rest_client()
+    if not hasattr(rest, "copy_weights"):
+        ok(True, f"SDK {SDK_VERSION} has no copy_weights (0.38 added it)")
+        return
+    tag = uuid.uuid4().hex[:8]
+    batch = sft_batch()
+    src = _res(S.tc.save_state(f"copy-src-{tag}")).path
+    want = logprobs(_res(S.tc.forward(batch, "cross_entropy")))
+    copy = _res(rest.copy_weights(src, "proj-flow"))
+    ok(isinstance(copy, str) and copy.startswith("tinker://") and copy.endswith(f"/copy-src-{tag}")
+       and copy.split("/")[2] != src.split("/")[2],
+       f"copy_weights -> a new run holding the same name ({copy})")
+    _res(rest.delete_checkpoint_from_tinker_path(src))
+    tc = _client(svc.create_training_client_from_state(copy))
+    got = logprobs(_res(tc.forward(batch, "cross_entropy")))
+    ok(all(np.array_equal(a, b) for a, b in zip(want, got)),
+       "a model loaded from the copy, after the source was deleted, computes the source's "
+       "logprobs bit for bit")
+    src2 = _res(S.tc.save_weights_for_sampler(f"copy-smp-{tag}")).path
+    body = {"source_path": src2, "destination_project_id": "proj-flow"}
+    key = {"X-Idempotency-Key": str(uuid.uuid4())}
+    first = http("POST", "/api/v1/copy_weights", json_body=body, headers=key)
+    again = http("POST", "/api/v1/copy_weights", json_body=body, headers=key)
+    ok(first.status_code == 200 and again.status_code == 200
+       and first.json()["tinker_path"] == again.json()["tinker_path"]
+       and "/sampler_weights/" in first.json()["tinker_path"],
+       f"a resend with the same X-Idempotency-Key gets the same copy ({first.text}, {again.text})")
+    expect_error(http("POST", "/api/v1/copy_weights", headers=key,
+                      json_body={**body, "destination_project_id": "elsewhere"}), 400,
+                 "the same X-Idempotency-Key with another request", need_detail=True)
+    for bad, what in [({**body, "ttl_seconds": 3600}, "ttl_seconds"),
+                      ({"source_path": src2}, "no destination"),
+                      ({**body, "source_path": "tinker://nope/weights/x"}, "a bad path")]:
+        expect_error(http("POST", "/api/v1/copy_weights", json_body=bad),
+                     (400, 404), f"copy_weights with {what}", need_detail=True)
+    if OTHER_API_KEY:
+        expect_error(http("POST", "/api/v1/copy_weights", key=OTHER_API_KEY, json_body=body), 404,
+                     "another tenant's copy of this checkpoint", need_detail=True)
+
+
 CHILD_ARG = "--child-killed-client"
 
 
@@ -1338,6 +1382,8 @@ def main() -> None:
               needs=("a",))
     run_check("t", "the server's tokenizer; stop strings", check_t, needs=("a",))
     run_check("n", "sessions/search: filters, paging, finish status, isolation", check_n,
+              needs=("a",))
+    run_check("w", "copy_weights: a copy loads as its source, outlives it, once per key", check_w,
               needs=("a",))
     finish()
 

@@ -12,6 +12,7 @@
 
 #include "server/http/aliases.h"
 #include "server/http/archive_grants.h"
+#include "server/http/copies.h"
 #include "server/http/router.h"
 #include "server/http/sample_cancels.h"
 #include "server/http/sampling_sessions.h"
@@ -48,6 +49,7 @@ TEST(Router, NamesEachRouteAndLabelsItWithoutTheClientsText) {
       {"/api/v1/sessions/s-1/finish", Router::Kind::kFinishSession, "sessions/s-1/finish",
        "sessions/finish"},
       {"/api/v1/checkpoints", Router::Kind::kCheckpoints, "checkpoints", "checkpoints"},
+      {"/api/v1/copy_weights", Router::Kind::kCopyWeights, "copy_weights", "copy_weights"},
       {"/api/v1/get_server_capabilities", Router::Kind::kCapabilities, "get_server_capabilities",
        "get_server_capabilities"},
       {"/api/v1/samplers/x", Router::Kind::kSampler, "samplers/x", "samplers"},
@@ -169,6 +171,24 @@ TEST(Sessions, SearchFiltersPagesNewestFirstAndKeepsEndedSessions) {
   EXPECT_EQ(find(q).size(), 2u);
   q.statuses = std::vector<SessionQuery::Status>{{"client_finished", std::nullopt}};
   EXPECT_EQ(find(q), std::vector<std::string>{"SFT chat"});
+}
+
+TEST(Copies, OneCopyPerTenantAndKeyAndARefusalForAnotherRequest) {
+  Copies copies(/*capacity=*/2);
+  int made = 0;
+  auto copy = [&]() -> absl::StatusOr<std::string> { return "path-" + std::to_string(++made); };
+  EXPECT_EQ(*copies.Once("alice", "k1", 7, copy), "path-1");
+  EXPECT_EQ(*copies.Once("alice", "k1", 7, copy), "path-1") << "a resend gets the first copy";
+  EXPECT_EQ(made, 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(copies.Once("alice", "k1", 8, copy).status()));
+  EXPECT_EQ(*copies.Once("bob", "k1", 7, copy), "path-2") << "keys are the tenant's own";
+  EXPECT_EQ(*copies.Once("alice", "", 7, copy), "path-3");
+  EXPECT_EQ(*copies.Once("alice", "", 7, copy), "path-4") << "no key: every request copies";
+  auto fail = []() -> absl::StatusOr<std::string> { return absl::NotFoundError("no checkpoint"); };
+  EXPECT_TRUE(absl::IsNotFound(copies.Once("alice", "k2", 7, fail).status()));
+  EXPECT_EQ(*copies.Once("alice", "k2", 7, copy), "path-5") << "a failure is not remembered";
+  // Capacity 2: k1 (alice), then k1 (bob) and k2 came, so alice's k1 was forgotten.
+  EXPECT_EQ(*copies.Once("alice", "k1", 9, copy), "path-6");
 }
 
 TEST(Aliases, ResolveWithinTheTenantAndAreForgottenWithTheirSessionOnly) {
