@@ -17,6 +17,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Rows per tile of RowProduct on CUDA.
+constexpr int64_t kRowTile = 1024;
+
 // Saves x and the cast weight (what autograd saves for the product it replaces). Without a bias, b
 // is an empty stand-in: an autograd Function takes defined tensors only.
 struct MixedLinearFunction : torch::autograd::Function<MixedLinearFunction> {
@@ -144,9 +147,28 @@ at::Tensor MixedScale(const MixedScaleParams& p) {
 }
 
 at::Tensor RowProduct(const ProductParams& p) {
-  const at::ScalarType dt = p.a_MK.scalar_type();
-  if (AccumulateType(dt) == dt || !p.a_MK.device().is_cpu()) return at::mm(p.a_MK, p.b_KN);
-  return at::mm(p.a_MK, p.b_KN.t().contiguous().t());
+  const at::Tensor &a = p.a_MK, &b = p.b_KN;
+  const at::ScalarType dt = a.scalar_type();
+  if (AccumulateType(dt) == dt) return at::mm(a, b);
+  if (a.device().is_cpu()) return at::mm(a, b.t().contiguous().t());
+  // cuBLAS chooses its kernel (split-K among them) by the product's shape, so every row is
+  // multiplied within a tile of kRowTile rows: the whole tiles in one batched product, the rest
+  // zero-padded to a tile. Each row then meets a product of the same shape, whatever the count.
+  const int64_t N = a.size(0), K = a.size(1), M = b.size(1);
+  const int64_t whole = N / kRowTile * kRowTile, tiles = whole / kRowTile;
+  at::Tensor out = at::empty({N, M}, a.options());
+  if (tiles > 0) {  // written in place: no copy of the (large) result
+    at::Tensor whole_out = out.narrow(0, 0, whole).view({tiles, kRowTile, M});
+    at::bmm_out(whole_out, a.narrow(0, 0, whole).reshape({tiles, kRowTile, K}),
+                b.unsqueeze(0).expand({tiles, K, M}));
+  }
+  if (whole < N) {
+    at::Tensor rest = at::zeros({1, kRowTile, K}, a.options());
+    rest.select(0, 0).narrow(0, 0, N - whole).copy_(a.narrow(0, whole, N - whole));
+    out.narrow(0, whole, N - whole)
+        .copy_(at::bmm(rest, b.unsqueeze(0)).select(0, 0).narrow(0, 0, N - whole));
+  }
+  return out;
 }
 
 at::Tensor WideProduct(const ProductParams& p) {

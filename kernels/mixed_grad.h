@@ -57,9 +57,10 @@ struct ProductParams {
 // fp32 instead took 2-3x as long on a 2-vCPU Cooperlake Xeon). Elsewhere the inputs are widened,
 // exactly, and multiplied in fp32.
 at::Tensor WideProduct(const ProductParams& p);
-// In bf16/fp16 on the CPU, b is copied to its transpose's layout first; elsewhere at::mm, which
-// on CUDA is not row-invariant for skinny products (cuBLAS picks split-K kernels by the row count:
-// an H100 moved the rows of a 32→4 product), so LoRA's promise holds on the CPU only so far.
+// In bf16/fp16 on the CPU, b is copied to its transpose's layout first. On CUDA the rows are
+// multiplied in tiles of a fixed row count (one batched product, the last tile zero-padded):
+// cuBLAS picks its kernel, split-K among them, by the shape, and a plain product's rows moved
+// with the row count on an H100 (a 32→4 product). In fp32/fp64, at::mm.
 at::Tensor RowProduct(const ProductParams& p);
 
 // x·wᵀ + b with w and b in x's dtype, as a linear layer computes it without a gradient to record:
