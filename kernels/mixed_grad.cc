@@ -85,15 +85,20 @@ DnnlGemmBf16 FindDnnlGemmBf16() {
 }
 
 // A row-major operand for the product: its transpose flag and leading dimension, or nothing when
-// its strides are neither rows nor columns of contiguous elements.
+// its strides are neither rows nor columns of contiguous elements. A dimension of size 1 may have
+// any stride (LibTorch calls such a tensor contiguous whatever it is).
 struct Operand {
   char trans;
   int64_t ld;
 };
 std::optional<Operand> AsOperand(const at::Tensor& t) {
   const int64_t R = t.size(0), C = t.size(1);
-  if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(1, C)) return Operand{'N', t.stride(0)};
-  if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(1, R)) return Operand{'T', t.stride(1)};
+  if ((C <= 1 || t.stride(1) == 1) && (R <= 1 || t.stride(0) >= std::max<int64_t>(1, C))) {
+    return Operand{'N', R <= 1 ? std::max<int64_t>(1, C) : t.stride(0)};
+  }
+  if ((R <= 1 || t.stride(0) == 1) && (C <= 1 || t.stride(1) >= std::max<int64_t>(1, R))) {
+    return Operand{'T', C <= 1 ? std::max<int64_t>(1, R) : t.stride(1)};
+  }
   return std::nullopt;
 }
 
@@ -103,14 +108,15 @@ at::Tensor DnnlWideProduct(at::Tensor a, at::Tensor b) {
   if (gemm == nullptr || a.scalar_type() != at::kBFloat16 || !a.device().is_cpu()) return {};
   if (!AsOperand(a)) a = a.contiguous();
   if (!AsOperand(b)) b = b.contiguous();
-  const Operand oa = *AsOperand(a), ob = *AsOperand(b);
+  const std::optional<Operand> oa = AsOperand(a), ob = AsOperand(b);
+  if (!oa || !ob) return {};
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   at::Tensor c = at::empty({M, N}, a.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return c;
   if (K == 0) return c.zero_();
   const int status =
-      gemm(oa.trans, ob.trans, M, N, K, 1.0f, static_cast<const uint16_t*>(a.data_ptr()), oa.ld,
-           static_cast<const uint16_t*>(b.data_ptr()), ob.ld, 0.0f, c.data_ptr<float>(),
+      gemm(oa->trans, ob->trans, M, N, K, 1.0f, static_cast<const uint16_t*>(a.data_ptr()), oa->ld,
+           static_cast<const uint16_t*>(b.data_ptr()), ob->ld, 0.0f, c.data_ptr<float>(),
            std::max<int64_t>(1, N));
   return status == 0 ? c : at::Tensor();
 }
@@ -151,22 +157,20 @@ at::Tensor RowProduct(const ProductParams& p) {
   const at::ScalarType dt = a.scalar_type();
   if (AccumulateType(dt) == dt) return at::mm(a, b);
   if (a.device().is_cpu()) return at::mm(a, b.t().contiguous().t());
-  // cuBLAS chooses its kernel (split-K among them) by the product's shape, so every row is
-  // multiplied within a tile of kRowTile rows: the whole tiles in one batched product, the rest
-  // zero-padded to a tile. Each row then meets a product of the same shape, whatever the count.
+  // cuBLAS chooses its kernel (split-K among them) by the product's shape (and a batched one may
+  // by its batch count), so every row is multiplied within a product of exactly kRowTile rows: the
+  // whole tiles one by one, written in place, the rest zero-padded to a tile.
   const int64_t N = a.size(0), K = a.size(1), M = b.size(1);
-  const int64_t whole = N / kRowTile * kRowTile, tiles = whole / kRowTile;
+  const int64_t whole = N / kRowTile * kRowTile;
   at::Tensor out = at::empty({N, M}, a.options());
-  if (tiles > 0) {  // written in place: no copy of the (large) result
-    at::Tensor whole_out = out.narrow(0, 0, whole).view({tiles, kRowTile, M});
-    at::bmm_out(whole_out, a.narrow(0, 0, whole).reshape({tiles, kRowTile, K}),
-                b.unsqueeze(0).expand({tiles, K, M}));
+  for (int64_t r = 0; r < whole; r += kRowTile) {
+    at::Tensor tile = out.narrow(0, r, kRowTile);
+    at::mm_out(tile, a.narrow(0, r, kRowTile), b);
   }
   if (whole < N) {
-    at::Tensor rest = at::zeros({1, kRowTile, K}, a.options());
-    rest.select(0, 0).narrow(0, 0, N - whole).copy_(a.narrow(0, whole, N - whole));
-    out.narrow(0, whole, N - whole)
-        .copy_(at::bmm(rest, b.unsqueeze(0)).select(0, 0).narrow(0, 0, N - whole));
+    at::Tensor rest = at::zeros({kRowTile, K}, a.options());
+    rest.narrow(0, 0, N - whole).copy_(a.narrow(0, whole, N - whole));
+    out.narrow(0, whole, N - whole).copy_(at::mm(rest, b).narrow(0, 0, N - whole));
   }
   return out;
 }

@@ -58,9 +58,9 @@ struct ProductParams {
 // exactly, and multiplied in fp32.
 at::Tensor WideProduct(const ProductParams& p);
 // In bf16/fp16 on the CPU, b is copied to its transpose's layout first. On CUDA the rows are
-// multiplied in tiles of a fixed row count (one batched product, the last tile zero-padded):
-// cuBLAS picks its kernel, split-K among them, by the shape, and a plain product's rows moved
-// with the row count on an H100 (a 32→4 product). In fp32/fp64, at::mm.
+// multiplied in products of a fixed row count (1,024; the last zero-padded): cuBLAS picks its
+// kernel, split-K among them, by the shape, and a plain product's rows moved with the row count
+// on an H100 (a 32→4 product). In fp32/fp64, at::mm.
 at::Tensor RowProduct(const ProductParams& p);
 
 // x·wᵀ + b with w and b in x's dtype, as a linear layer computes it without a gradient to record:

@@ -2,8 +2,8 @@
 // it, and a resend must get the first copy's path, not a second copy. The latest `capacity` keys
 // are remembered per server, with the digest of the request they came with.
 //
-// Thread-safety: Once holds the table's lock while the copy runs, so two racing resends make one
-// copy; copies are rare and take milliseconds (hard links).
+// Thread-safety: the first request with a key copies without the table's lock; a resend racing it
+// waits for its result, so two racing resends make one copy, and other keys never wait.
 #pragma once
 
 #include <cstddef>
@@ -33,11 +33,13 @@ class Copies {
   struct Made {
     uint64_t digest;
     std::string path;
+    bool pending;  // its copy is running
   };
   const size_t capacity_;
   absl::Mutex mu_;
+  absl::CondVar copied_;
   std::map<std::string, Made> made_ ABSL_GUARDED_BY(mu_);  // tenant \n key
-  std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);     // oldest first
+  std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);     // the finished, oldest first
 };
 
 }  // namespace tinkerd::http

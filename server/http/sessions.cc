@@ -48,10 +48,14 @@ bool Matches(const SessionSummary& s, const SessionQuery& q) {
 std::optional<std::string> Sessions::Create(SessionSummary session) {
   session.id = "session-" + RandomHex();
   const absl::Time now = absl::Now();
-  session.created = absl::FromUnixMillis(absl::ToUnixMillis(now));
   session.status = SessionStatus{};
   absl::MutexLock lock(&mu_);
   if (sessions_.size() >= max_sessions_) return std::nullopt;
+  // Whole milliseconds, as the time's RFC 3339 form (and so a search cursor) carries it, and one
+  // later than the last session's at least: creation order is the time order, with no ties.
+  session.created = std::max(absl::FromUnixMillis(absl::ToUnixMillis(now)),
+                             last_created_ + absl::Milliseconds(1));
+  last_created_ = session.created;
   std::string id = session.id;
   sessions_[id] = Session{std::move(session), now};
   return id;
@@ -65,11 +69,15 @@ bool Sessions::Heartbeat(const std::string& tenant, const std::string& id, Respo
 }
 
 bool Sessions::Finish(const std::string& tenant, const std::string& id, const std::string& reason,
-                      const std::string& detail, Response* missing) {
+                      const std::string& detail) {
   absl::MutexLock lock(&mu_);
-  if (FindLocked(tenant, id, missing) == nullptr) return false;
-  SessionStatus& status = sessions_.at(id).summary.status;
-  if (status.type == "active") status = SessionStatus{"client_finished", reason, detail};
+  SessionSummary* s = nullptr;
+  if (auto it = sessions_.find(id); it != sessions_.end()) s = &it->second.summary;
+  if (auto it = ended_.find(id); it != ended_.end()) s = &it->second;
+  if (s == nullptr || s->tenant != tenant) return false;
+  // First-wins: an ended session's "cancelled" gives way to the client's own account.
+  if (s->status.type != "client_finished")
+    s->status = SessionStatus{"client_finished", reason, detail};
   return true;
 }
 
@@ -90,7 +98,11 @@ bool Sessions::IsOpen(const std::string& id) const {
 void Sessions::AddModel(const std::string& id, const std::string& model_id) {
   absl::MutexLock lock(&mu_);
   if (auto it = sessions_.find(id); it != sessions_.end()) {
-    it->second.summary.models.push_back(model_id);
+    std::vector<std::string>& models = it->second.summary.models;
+    // A resent copy_weights names its model again.
+    if (std::find(models.begin(), models.end(), model_id) == models.end()) {
+      models.push_back(model_id);
+    }
   }
 }
 
@@ -118,22 +130,24 @@ std::optional<SessionSummary> Sessions::Get(const std::string& tenant, const std
 
 std::vector<SessionSummary> Sessions::Search(const std::string& tenant, const SessionQuery& query,
                                              bool* more) const {
+  absl::MutexLock lock(&mu_);
+  // Only the page is copied: the matches are ranked by pointer, newest first.
+  std::vector<const SessionSummary*> matches;
+  auto consider = [&](const SessionSummary& s) {
+    if (s.tenant != tenant) return;
+    if (query.after && std::make_pair(s.created, s.id) >= *query.after) return;
+    if (Matches(s, query)) matches.push_back(&s);
+  };
+  for (const auto& [id, session] : sessions_) consider(session.summary);
+  for (const auto& [id, summary] : ended_) consider(summary);
+  const size_t page = std::min(matches.size(), static_cast<size_t>(query.limit));
+  std::partial_sort(matches.begin(), matches.begin() + page, matches.end(),
+                    [](const SessionSummary* a, const SessionSummary* b) {
+                      return std::tie(a->created, a->id) > std::tie(b->created, b->id);
+                    });
+  *more = matches.size() > page;
   std::vector<SessionSummary> found;
-  {
-    absl::MutexLock lock(&mu_);
-    auto consider = [&](const SessionSummary& s) {
-      if (s.tenant != tenant) return;
-      if (query.after && std::make_pair(s.created, s.id) >= *query.after) return;
-      if (Matches(s, query)) found.push_back(s);
-    };
-    for (const auto& [id, session] : sessions_) consider(session.summary);
-    for (const auto& [id, summary] : ended_) consider(summary);
-  }
-  std::sort(found.begin(), found.end(), [](const SessionSummary& a, const SessionSummary& b) {
-    return std::tie(a.created, a.id) > std::tie(b.created, b.id);
-  });
-  *more = static_cast<int64_t>(found.size()) > query.limit;
-  if (*more) found.resize(static_cast<size_t>(query.limit));
+  for (size_t i = 0; i < page; ++i) found.push_back(*matches[i]);
   return found;
 }
 
@@ -153,7 +167,7 @@ std::vector<Sessions::Ended> Sessions::EndIdle(absl::Time cutoff) {
     ended.push_back(Ended{it->first, s.tenant, s.models});
     ended_order_.push_back(it->first);
     ended_[it->first] = std::move(s);
-    if (ended_order_.size() > max_sessions_) {
+    if (ended_order_.size() > std::min(max_sessions_, kMaxEnded)) {
       ended_.erase(ended_order_.front());
       ended_order_.pop_front();
     }

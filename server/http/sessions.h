@@ -2,8 +2,8 @@
 // it last sent a heartbeat, how it finished, and the models made in it, so that a session that
 // stops heartbeating can be ended and its models deleted (TinkerApi::Reap), and so that sessions
 // can be searched (sessions/search). Sessions ended that way are remembered (the latest
-// max_sessions): a heartbeat for one is 410, which tells the SDK (0.38) to stop, not 404, and a
-// search still finds them.
+// max_sessions, at most kMaxEnded): a heartbeat for one is 410, which tells the SDK (0.38) to
+// stop, not 404, and a search still finds them.
 //
 // Thread-safety: each method takes the table's own lock and calls nothing outside it.
 #pragma once
@@ -35,7 +35,7 @@ struct SessionStatus {
 // What a session was created with and what became of it (a search result).
 struct SessionSummary {
   std::string id, tenant, project_id;
-  absl::Time created;  // whole milliseconds, as its RFC 3339 form carries it
+  absl::Time created;  // whole milliseconds, unique and increasing (Sessions::Create)
   std::optional<std::string> display_name;
   std::map<std::string, std::string> user_metadata;
   SessionStatus status;
@@ -69,10 +69,10 @@ class Sessions {
   // Notes a heartbeat of the tenant's session `id`; false, with `missing` set to the answer, when
   // there is no such open session: 410 for one that ended for want of heartbeats, 404 otherwise.
   bool Heartbeat(const std::string& tenant, const std::string& id, Response* missing);
-  // Records the client's finish of its open session `id`, unless one was recorded already;
-  // false and `missing` as for Heartbeat.
+  // Records the client's finish of its session `id`, open or remembered, unless one was recorded
+  // already; false when the tenant has no such session.
   bool Finish(const std::string& tenant, const std::string& id, const std::string& reason,
-              const std::string& detail, Response* missing);
+              const std::string& detail);
   // NOT_FOUND unless `id` is an open session of `tenant`.
   absl::Status Check(const std::string& tenant, const std::string& id) const;
   // Whether session `id` is open, whoever's it is.
@@ -97,6 +97,7 @@ class Sessions {
   std::vector<Ended> EndIdle(absl::Time cutoff);
 
  private:
+  static constexpr size_t kMaxEnded = 10000;
   struct Session {
     SessionSummary summary;
     absl::Time last_heartbeat;
@@ -109,6 +110,7 @@ class Sessions {
   const absl::Duration idle_;
   mutable absl::Mutex mu_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_created_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Sessions ended for want of heartbeats, the latest max_sessions_ (their ids oldest first).
   std::map<std::string, SessionSummary> ended_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);

@@ -25,10 +25,11 @@ using Json = TinkerApi::Json;
 
 namespace {
 
-// What a session may carry, so that the remembered sessions' metadata stays small: max_sessions
-// of them at most 32 · (128 + 1024) bytes each, plus the name.
+// What a session may carry, so that the sessions' metadata stays small: at most kMaxSessionText
+// bytes of name, project and metadata in all, each of max_sessions open and 10,000 remembered ones
+// (200 MB at the default 100,000 open sessions).
 constexpr size_t kMaxDisplayName = 256, kMaxMetadataPairs = 32, kMaxMetadataKey = 128,
-                 kMaxMetadataValue = 1024;
+                 kMaxMetadataValue = 1024, kMaxSessionText = 2048;
 
 // user_metadata as strings: Tinker's create_session takes any JSON values (a non-string is kept
 // as its JSON text), its search and summaries speak strings. `strict`: only strings (a search).
@@ -91,8 +92,10 @@ absl::StatusOr<SessionQuery> ParseSearch(const std::string& tenant, const Json& 
   const Json* cursor = f.Obj("cursor");
   if (!f.status().ok()) return f.status();
   if (name) {
-    if (name->empty()) return absl::InvalidArgumentError("display_name: must not be empty");
     q.display_words = absl::StrSplit(absl::AsciiStrToLower(*name), ' ', absl::SkipWhitespace());
+    if (q.display_words->empty()) {
+      return absl::InvalidArgumentError("display_name: must hold a word");
+    }
   }
   if (limit) {
     if (*limit < 1 || *limit > 200) return absl::InvalidArgumentError("limit: must be in [1, 200]");
@@ -186,6 +189,14 @@ void TinkerApi::CreateSession(const std::string& tenant, const Json& body, Respo
   }
   auto pairs = Metadata(metadata, /*strict=*/false);
   if (!pairs.ok()) return respond(Error(pairs.status()));
+  size_t text = session.project_id.size() + (name ? name->size() : 0);
+  for (const auto& [key, value] : *pairs) text += key.size() + value.size();
+  if (text > kMaxSessionText) {
+    return respond(
+        Error(400, absl::StrCat("user_metadata: a session's display_name, project_id and "
+                                "user_metadata take at most ",
+                                kMaxSessionText, " bytes in all")));
+  }
   session.user_metadata = std::move(*pairs);
   const std::optional<std::string> id = sessions_.Create(std::move(session));
   if (!id) return respond(Error(429, "too many open sessions; retry later"));
@@ -222,10 +233,9 @@ void TinkerApi::FinishSession(const std::string& tenant, const std::string& endp
   if (detail && detail->size() > kMaxMetadataValue) {
     return respond(Error(400, absl::StrCat("detail: at most ", kMaxMetadataValue, " bytes")));
   }
-  Response missing;
-  if (!sessions_.Finish(tenant, id, type, detail.value_or(""), &missing)) {
-    return respond(std::move(missing));
-  }
+  // A session this server no longer knows (ended long ago, or before a restart) is finished as far
+  // as anyone can tell: the client's close() succeeds.
+  sessions_.Finish(tenant, id, type, detail.value_or(""));
   respond(JsonResponse(Json::object()));
 }
 

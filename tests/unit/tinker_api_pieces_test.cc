@@ -3,13 +3,16 @@
 // sessions forgotten with their session only, and archive URLs capped per tenant.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "server/http/aliases.h"
 #include "server/http/archive_grants.h"
 #include "server/http/copies.h"
@@ -138,10 +141,9 @@ TEST(Sessions, SearchFiltersPagesNewestFirstAndKeepsEndedSessions) {
   q.project_ids = std::vector<std::string>{"p1"};
   EXPECT_EQ(find(q), std::vector<std::string>{"RL Math run"});
 
-  Response missing;
-  ASSERT_TRUE(sessions.Finish("alice", *chat, "errored", "boom", &missing));
-  ASSERT_TRUE(sessions.Finish("alice", *chat, "success", "", &missing));  // first-wins
-  EXPECT_FALSE(sessions.Finish("bob", *chat, "success", "", &missing));
+  ASSERT_TRUE(sessions.Finish("alice", *chat, "errored", "boom"));
+  ASSERT_TRUE(sessions.Finish("alice", *chat, "success", ""));  // first-wins
+  EXPECT_FALSE(sessions.Finish("bob", *chat, "success", ""));
   q = {};
   q.statuses = std::vector<SessionQuery::Status>{{"client_finished", {{"errored"}}}};
   EXPECT_EQ(find(q), std::vector<std::string>{"SFT chat"});
@@ -171,6 +173,10 @@ TEST(Sessions, SearchFiltersPagesNewestFirstAndKeepsEndedSessions) {
   EXPECT_EQ(find(q).size(), 2u);
   q.statuses = std::vector<SessionQuery::Status>{{"client_finished", std::nullopt}};
   EXPECT_EQ(find(q), std::vector<std::string>{"SFT chat"});
+  // A client that finishes after the server ended its session still has its say.
+  EXPECT_TRUE(sessions.Finish("alice", *rl, "interrupted", ""));
+  q.statuses = std::vector<SessionQuery::Status>{{"client_finished", {{"interrupted"}}}};
+  EXPECT_EQ(find(q), std::vector<std::string>{"RL Math run"});
 }
 
 TEST(Copies, OneCopyPerTenantAndKeyAndARefusalForAnotherRequest) {
@@ -189,6 +195,31 @@ TEST(Copies, OneCopyPerTenantAndKeyAndARefusalForAnotherRequest) {
   EXPECT_EQ(*copies.Once("alice", "k2", 7, copy), "path-5") << "a failure is not remembered";
   // Capacity 2: k1 (alice), then k1 (bob) and k2 came, so alice's k1 was forgotten.
   EXPECT_EQ(*copies.Once("alice", "k1", 9, copy), "path-6");
+}
+
+TEST(Copies, AResendWaitsForTheFirstCopyAndOtherKeysDoNot) {
+  Copies copies(/*capacity=*/8);
+  absl::Notification started, release;
+  std::atomic<int> made{0};
+  auto slow = [&]() -> absl::StatusOr<std::string> {
+    ++made;
+    started.Notify();
+    release.WaitForNotification();
+    return std::string("path-slow");
+  };
+  absl::StatusOr<std::string> first, resend;
+  std::thread a([&] { first = copies.Once("alice", "k", 1, slow); });
+  started.WaitForNotification();
+  // While k's copy runs, another key copies at once (were it to wait, this would never return).
+  EXPECT_EQ(*copies.Once("alice", "other", 1, [] { return absl::StatusOr<std::string>("p"); }),
+            "p");
+  std::thread b([&] { resend = copies.Once("alice", "k", 1, slow); });
+  release.Notify();
+  a.join();
+  b.join();
+  EXPECT_EQ(made.load(), 1);
+  EXPECT_EQ(*first, "path-slow");
+  EXPECT_EQ(*resend, "path-slow");
 }
 
 TEST(Aliases, ResolveWithinTheTenantAndAreForgottenWithTheirSessionOnly) {
