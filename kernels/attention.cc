@@ -7,15 +7,12 @@
 #include <limits>
 
 #include "kernels/compat.h"
+#include "kernels/mixed_grad.h"  // AccumulateType
 
 namespace tinkerd::kernels {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-at::ScalarType AccumulateType(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 double ScaleOf(const AttentionParams& p) {
   return p.scale > 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(p.q_THd.size(2)));
