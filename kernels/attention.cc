@@ -7,7 +7,8 @@
 #include <limits>
 
 #include "kernels/compat.h"
-#include "kernels/mixed_grad.h"  // AccumulateType
+#include "kernels/decode_attention.h"  // AttentionForwardRows
+#include "kernels/mixed_grad.h"        // AccumulateType
 
 namespace tinkerd::kernels {
 namespace {
@@ -231,7 +232,9 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
       return o;
     }
 #endif
-    AttentionForward f = AttentionForwardTiled(p);
+    // On the CPU each query as a decode step attends it, so that the sampler's logprobs are the
+    // trainer's to the bit (kernels/decode_attention.h).
+    AttentionForward f = q.device().is_cpu() ? AttentionForwardRows(p) : AttentionForwardTiled(p);
     ctx->save_for_backward({q, k, v, f.o_THd, f.lse_HT});
     return f.o_THd;
   }

@@ -37,7 +37,9 @@ struct AttentionParams {
 };
 
 // o_THd, differentiable with respect to q, k and v. On CUDA with bf16/fp16 inputs and LibTorch 2.x
-// it runs LibTorch's varlen flash attention; everywhere else the tiled implementation below.
+// it runs LibTorch's varlen flash attention; on the CPU the forward is AttentionForwardRows
+// (kernels/decode_attention.h: each query summed as a decode step sums it) and the backward the
+// tiled one below; elsewhere the tiled implementation both ways.
 at::Tensor Attention(const AttentionParams& p);
 
 // The tiled implementation on any device: the CPU kernel, the GPU fallback and the test oracle

@@ -157,7 +157,7 @@ inline void Axpy(A w, const T* __restrict v, A* __restrict o, int64_t d) {
 
 // One task: the G query heads of one sequence that read each of its kv heads [kv0, kv0 + nkv),
 // over its visible keys [first, first + visible). q_Nd is already scaled, N = nkv · G heads;
-// scores holds N · visible, o N · d, sum N.
+// scores holds N · visible, o N · d, sum N; lse_N, when set, gets each head's log Σ exp(score).
 template <typename T, typename A>
 struct Task {
   const A* q_Nd;
@@ -167,6 +167,7 @@ struct Task {
   A* o;
   A* sum;
   T* out_Nd;
+  A* lse_N;
 };
 
 template <typename T, typename A>
@@ -191,6 +192,7 @@ TINKERD_CPU_CLONES void Attend(const Task<T, A>& t) {
     const A top = *std::max_element(scores, scores + visible);
     t.sum[h] = 0;
     for (int64_t c = 0; c < visible; ++c) t.sum[h] += (scores[c] = std::exp(scores[c] - top));
+    if (t.lse_N != nullptr) t.lse_N[h] = top + std::log(t.sum[h]);
   }
   std::fill(t.o, t.o + N * d, A(0));
   j = 0;
@@ -229,21 +231,21 @@ TINKERD_CPU_CLONES void Attend(const Task<T, A>& t) {
 constexpr int64_t kValuesAlongside = int64_t{512} << 10;
 constexpr int64_t kAheadValues = 8;
 
-template <int D16>
-TINKERD_CPU_CLONES void AttendFloat(const Task<float, float>& t) {
+template <typename T, int D16>
+TINKERD_CPU_CLONES void AttendFloat(const Task<T, float>& t) {
   constexpr int64_t d = 16 * D16;
   const int64_t G = t.G, visible = t.visible, N = t.nkv * G, span = t.nkv * d;
-  const bool alongside = visible * span * static_cast<int64_t>(sizeof(float)) <= kValuesAlongside;
+  const bool alongside = visible * span * static_cast<int64_t>(sizeof(T)) <= kValuesAlongside;
   const V16 zero = {};
   int64_t j = 0;
-  for (const Piece<float>& piece : *t.pieces) {
+  for (const Piece<T>& piece : *t.pieces) {
     for (int64_t r = std::max<int64_t>(0, t.first - j); r < piece.n; ++r) {
-      const float* row = piece.k + r * piece.k_row + t.kv0 * d;
+      const T* row = piece.k + r * piece.k_row + t.kv0 * d;
       if (r + kAhead < piece.n) {
         Prefetch(row + kAhead * piece.k_row, span);
         if (alongside) {
-          const float* values = piece.v + (r + kAhead) * piece.v_row + t.kv0 * d;
-          for (int64_t i = 0; i < span; i += 16) __builtin_prefetch(values + i, 0, 2);
+          const T* values = piece.v + (r + kAhead) * piece.v_row + t.kv0 * d;
+          for (int64_t i = 0; i < span; i += 64 / sizeof(T)) __builtin_prefetch(values + i, 0, 2);
         }
       }
       const int64_t c = j + r - t.first;
@@ -254,8 +256,9 @@ TINKERD_CPU_CLONES void AttendFloat(const Task<float, float>& t) {
 #pragma GCC unroll 4
           for (int g = 0; g < 4; ++g) {
             const int64_t h = std::min<int64_t>(h0 + g, N - 1);  // past N: computed, not stored
-            acc[g] += *reinterpret_cast<const V16u*>(t.q_Nd + h * d + 16 * i) *
-                      *reinterpret_cast<const V16u*>(row + h / G * d + 16 * i);
+            V16 k16;
+            Widen(row + h / G * d + 16 * i, 16, k16);
+            acc[g] += *reinterpret_cast<const V16u*>(t.q_Nd + h * d + 16 * i) * k16;
           }
         }
         const V4 sums = Total4(acc[0], acc[1], acc[2], acc[3]);
@@ -292,6 +295,7 @@ TINKERD_CPU_CLONES void AttendFloat(const Task<float, float>& t) {
       sum16 += x;
     }
     t.sum[h] = Total(sum16);
+    if (t.lse_N != nullptr) t.lse_N[h] = top + std::log(t.sum[h]);
   }
   constexpr int64_t kHeads = 16 / D16;
   for (int64_t kv = 0; kv < t.nkv; ++kv) {
@@ -299,13 +303,13 @@ TINKERD_CPU_CLONES void AttendFloat(const Task<float, float>& t) {
       const int64_t heads = std::min(kHeads, G - g0), h0 = kv * G + g0;
       V16 acc[kHeads][D16] = {};
       j = 0;
-      for (const Piece<float>& piece : *t.pieces) {
+      for (const Piece<T>& piece : *t.pieces) {
         for (int64_t r = std::max<int64_t>(0, t.first - j); r < piece.n; ++r) {
-          const float* row = piece.v + r * piece.v_row + (t.kv0 + kv) * d;
+          const T* row = piece.v + r * piece.v_row + (t.kv0 + kv) * d;
           if (!alongside && r + kAheadValues < piece.n) {
             // The first pass asks for every kv head's elements of the row, the rest find them
             // in cache.
-            const float* ahead = piece.v + (r + kAheadValues) * piece.v_row + t.kv0 * d;
+            const T* ahead = piece.v + (r + kAheadValues) * piece.v_row + t.kv0 * d;
             if (kv == 0 && g0 == 0) {
               Prefetch(ahead, span);
             } else {
@@ -315,7 +319,7 @@ TINKERD_CPU_CLONES void AttendFloat(const Task<float, float>& t) {
           const float* w = &t.scores[h0 * visible + j + r - t.first];
           V16 v[D16];
 #pragma GCC unroll 8
-          for (int i = 0; i < D16; ++i) v[i] = *reinterpret_cast<const V16u*>(row + 16 * i);
+          for (int i = 0; i < D16; ++i) Widen(row + 16 * i, 16, v[i]);
 #pragma GCC unroll 16
           for (int64_t g = 0; g < kHeads; ++g) {
             if (g >= heads) break;
@@ -331,26 +335,83 @@ TINKERD_CPU_CLONES void AttendFloat(const Task<float, float>& t) {
         if (g >= heads) break;
 #pragma GCC unroll 8
         for (int i = 0; i < D16; ++i) {
-          *reinterpret_cast<V16u*>(t.out_Nd + (h0 + g) * d + 16 * i) = acc[g][i] / t.sum[h0 + g];
+          const V16 out = acc[g][i] / t.sum[h0 + g];
+          T* dst = t.out_Nd + (h0 + g) * d + 16 * i;
+          if constexpr (std::is_same_v<T, float>) {
+            *reinterpret_cast<V16u*>(dst) = out;
+          } else {
+            for (int l = 0; l < 16; ++l) dst[l] = static_cast<T>(out[l]);
+          }
         }
       }
     }
   }
 }
 
-using AttendFloatFn = void (*)(const Task<float, float>&);
-
-// kAttendFloat[D16 − 1] is AttendFloat<D16>.
-constexpr std::array<AttendFloatFn, 8> kAttendFloat = {
-    &AttendFloat<1>, &AttendFloat<2>, &AttendFloat<3>, &AttendFloat<4>,
-    &AttendFloat<5>, &AttendFloat<6>, &AttendFloat<7>, &AttendFloat<8>};
-
 template <typename T>
-void Cpu(const DecodeAttentionParams& p, double scale, at::Tensor& out_SHd) {
+using AttendFloatFn = void (*)(const Task<T, float>&);
+
+// kAttendFloat<T>[D16 − 1] is AttendFloat<T, D16>.
+template <typename T>
+constexpr std::array<AttendFloatFn<T>, 8> kAttendFloat = {
+    &AttendFloat<T, 1>, &AttendFloat<T, 2>, &AttendFloat<T, 3>, &AttendFloat<T, 4>,
+    &AttendFloat<T, 5>, &AttendFloat<T, 6>, &AttendFloat<T, 7>, &AttendFloat<T, 8>};
+
+// Every query row s of q_SHd over its own pieces' first lengths[s] keys (its position is
+// lengths[s] − 1), the window counted back from there. lse_SH, when set, gets each head's lse.
+template <typename T>
+void Cpu(const at::Tensor& q_SHd, int64_t K, const std::vector<std::vector<Piece<T>>>& pieces,
+         const std::vector<int64_t>& lengths, int64_t window, double scale, at::Tensor& out_SHd,
+         at::opmath_type<T>* lse_SH) {
   using A = at::opmath_type<T>;
-  const int64_t S = p.q_SHd.size(0), H = p.q_SHd.size(1), d = p.q_SHd.size(2);
-  const int64_t K = p.k_pieces[0][0].size(1), G = H / K;
-  const at::Tensor q_SHd = p.q_SHd.contiguous();
+  const int64_t S = q_SHd.size(0), H = q_SHd.size(1), d = q_SHd.size(2), G = H / K;
+  // A task per sequence reads its cached rows whole, K · d contiguous elements each; a task per
+  // (sequence, kv head) reads d of every K · d, and the batch-64 decode ran about 15% slower that
+  // way (bench/RESULTS.md). Per kv head only when the sequences are too few to keep every thread
+  // busy. Each head's sums run in the same order either way.
+  const int64_t nkv = S >= 2 * at::get_num_threads() ? K : 1;
+  // Float and bf16 take the vector registers where d is a multiple of 16 they hold (up to 128).
+  [[maybe_unused]] const bool vector = d % 16 == 0 && d / 16 >= 1 && d / 16 <= 8;
+  const T* q_all = q_SHd.data_ptr<T>();
+  T* out_all = out_SHd.data_ptr<T>();
+  ParallelFor(0, S * (K / nkv), 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> q(nkv * G * d), o(nkv * G * d), scores, sum(nkv * G);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / (K / nkv), kv0 = task % (K / nkv) * nkv, L = lengths[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      const T* q_Nd = q_all + (s * H + kv0 * G) * d;
+      for (int64_t i = 0; i < nkv * G * d; ++i) {
+        q[i] = static_cast<A>(q_Nd[i]) * static_cast<A>(scale);
+      }
+      scores.resize(nkv * G * (L - first));
+      const Task<T, A> t{q.data(),
+                         &pieces[s],
+                         G,
+                         d,
+                         kv0,
+                         nkv,
+                         first,
+                         L - first,
+                         scores.data(),
+                         o.data(),
+                         sum.data(),
+                         out_all + (s * H + kv0 * G) * d,
+                         lse_SH != nullptr ? lse_SH + s * H + kv0 * G : nullptr};
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+        if (vector) {
+          kAttendFloat<T>[d / 16 - 1](t);
+          continue;
+        }
+      }
+      Attend<T, A>(t);
+    }
+  });
+}
+
+// Each sequence's pieces, cut to its length.
+template <typename T>
+void Decode(const DecodeAttentionParams& p, double scale, at::Tensor& out_SHd) {
+  const int64_t S = p.q_SHd.size(0);
   std::vector<at::Tensor> held;  // keeps RowsDense copies alive
   std::vector<std::vector<Piece<T>>> pieces(S);
   std::vector<int64_t> lengths(S, 0);
@@ -365,37 +426,31 @@ void Cpu(const DecodeAttentionParams& p, double scale, at::Tensor& out_SHd) {
       lengths[s] += n;
     }
   }
-  // A task per sequence reads its cached rows whole, K · d contiguous elements each; a task per
-  // (sequence, kv head) reads d of every K · d, and the batch-64 decode ran about 15% slower that
-  // way (bench/RESULTS.md). Per kv head only when the sequences are too few to keep every thread
-  // busy. Each head's sums run in the same order either way.
-  const int64_t nkv = S >= 2 * at::get_num_threads() ? K : 1;
-  // Float takes the vector registers where d is a multiple of 16 they hold (up to 128).
-  [[maybe_unused]] const bool vector = d % 16 == 0 && d / 16 >= 1 && d / 16 <= 8;
-  const T* q_all = q_SHd.data_ptr<T>();
-  T* out_all = out_SHd.data_ptr<T>();
-  ParallelFor(0, S * (K / nkv), 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> q(nkv * G * d), o(nkv * G * d), scores, sum(nkv * G);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / (K / nkv), kv0 = task % (K / nkv) * nkv, L = lengths[s];
-      const int64_t first = p.window > 0 ? std::max<int64_t>(0, L - p.window) : 0;
-      const T* q_Nd = q_all + (s * H + kv0 * G) * d;
-      for (int64_t i = 0; i < nkv * G * d; ++i) {
-        q[i] = static_cast<A>(q_Nd[i]) * static_cast<A>(scale);
-      }
-      scores.resize(nkv * G * (L - first));
-      const Task<T, A> t{q.data(),      &pieces[s], G,          d,
-                         kv0,           nkv,        first,      L - first,
-                         scores.data(), o.data(),   sum.data(), out_all + (s * H + kv0 * G) * d};
-      if constexpr (std::is_same_v<T, float>) {
-        if (vector) {
-          kAttendFloat[d / 16 - 1](t);
-          continue;
-        }
-      }
-      Attend<T, A>(t);
+  Cpu<T>(p.q_SHd.contiguous(), p.k_pieces[0][0].size(1), pieces, lengths, p.window, scale, out_SHd,
+         nullptr);
+}
+
+// Query i of a packed sequence, at position p, as a decode step would attend with the sequence's
+// first p + 1 keys as one piece.
+template <typename T>
+void Rows(const AttentionParams& p, double scale, const at::Tensor& q, const at::Tensor& k,
+          const at::Tensor& v, at::Tensor& out_THd, at::Tensor& lse_TH) {
+  const int64_t rows = q.size(0), row = k.size(1) * k.size(2);  // row: a key's K·d elements
+  std::vector<std::vector<Piece<T>>> pieces(rows);
+  std::vector<int64_t> lengths(rows);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  for (size_t s = 0; s + 1 < p.cu_seqlens_q.size(); ++s) {
+    const int64_t q0 = p.cu_seqlens_q[s], Lq = p.cu_seqlens_q[s + 1] - q0;
+    const int64_t k0 = p.cu_seqlens_k[s], Lk = p.cu_seqlens_k[s + 1] - k0;
+    for (int64_t i = 0; i < Lq; ++i) {
+      const int64_t n = Lk - Lq + i + 1;
+      pieces[q0 + i].push_back({kp + k0 * row, vp + k0 * row, n, row, row});
+      lengths[q0 + i] = n;
     }
-  });
+  }
+  Cpu<T>(q, k.size(1), pieces, lengths, p.window, scale, out_THd,
+         lse_TH.data_ptr<at::opmath_type<T>>());
 }
 
 }  // namespace
@@ -408,8 +463,23 @@ at::Tensor DecodeAttention(const DecodeAttentionParams& p) {
       p.scale > 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(p.q_SHd.size(2)));
   at::Tensor out_SHd = at::empty(p.q_SHd.sizes(), p.q_SHd.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q_SHd.scalar_type(),
-                                  "decode_attention", [&] { Cpu<scalar_t>(p, scale, out_SHd); });
+                                  "decode_attention", [&] { Decode<scalar_t>(p, scale, out_SHd); });
   return out_SHd;
+}
+
+AttentionForward AttentionForwardRows(const AttentionParams& p) {
+  TORCH_CHECK(p.q_THd.device().is_cpu() && p.k_UKd.device().is_cpu() && p.v_UKd.device().is_cpu(),
+              "attention rows: CPU only");
+  const at::Tensor q = p.q_THd.contiguous(), k = p.k_UKd.contiguous(), v = p.v_UKd.contiguous();
+  const double scale = p.scale > 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  at::Tensor o_THd = at::empty_like(q);
+  at::Tensor lse_TH =
+      at::empty({q.size(0), q.size(1)}, q.options().dtype(at::toOpMathType(q.scalar_type())));
+  if (q.size(0) > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_rows",
+                                    [&] { Rows<scalar_t>(p, scale, q, k, v, o_THd, lse_TH); });
+  }
+  return {o_THd, lse_TH.t().contiguous()};
 }
 
 }  // namespace tinkerd::kernels

@@ -9,6 +9,14 @@
 // Scores, softmax and the accumulator are fp32 (fp64 for fp64 inputs); the output has the
 // inputs' dtype.
 //
+// Its order of operations is the definition every CPU path shares (docs/kernels.md, "the
+// reduction order"): q is scaled first; each score is q·k in sixteen partial sums over d, added
+// pairwise; the softmax subtracts the maximum over all visible scores and sums the exponentials
+// in sixteen lanes from the first visible key (float; one running sum otherwise); the output sums
+// the weighted values key by key in position order, then divides by the sum. Nothing depends on
+// the other sequences, the batch or the threads, so AttentionForwardRows below, the trainer's and
+// a prefill's forward, computes each query exactly as a decode step does.
+//
 // Shape suffixes: S sequences, H query heads, K kv heads, d head_dim, n a piece's rows.
 #pragma once
 
@@ -16,6 +24,8 @@
 
 #include <cstdint>
 #include <vector>
+
+#include "kernels/attention.h"
 
 namespace tinkerd::kernels {
 
@@ -34,5 +44,10 @@ struct DecodeAttentionParams {
 // o_SHd. On the CPU a loop over (sequence, kv head) that reads the pieces in place; on other
 // devices the pieces are packed and kernels::Attention runs with one query per sequence.
 at::Tensor DecodeAttention(const DecodeAttentionParams& p);
+
+// The packed function of kernels/attention.h on the CPU, each query row attended as a decode
+// step at its position would attend it (above), with each row's lse_HT for the tiled backward.
+// Takes parameters kernels::Attention has checked.
+AttentionForward AttentionForwardRows(const AttentionParams& p);
 
 }  // namespace tinkerd::kernels

@@ -82,12 +82,15 @@ bool GemvRunsHere() {
   return avx512;
 }
 
-bool GemvServes(const at::Tensor& x_NI, const at::Tensor& w_OI) {
-  if (!GemvRunsHere()) return false;
-  const bool grad = c10::GradMode::is_enabled() && (x_NI.requires_grad() || w_OI.requires_grad());
-  return !grad && x_NI.device().is_cpu() && w_OI.device().is_cpu() &&
+bool GemvFits(const at::Tensor& x_NI, const at::Tensor& w_OI) {
+  return GemvRunsHere() && x_NI.device().is_cpu() && w_OI.device().is_cpu() &&
          x_NI.scalar_type() == at::kFloat && w_OI.scalar_type() == at::kFloat && x_NI.dim() == 2 &&
          w_OI.dim() == 2 && x_NI.size(1) == w_OI.size(1);
+}
+
+bool GemvServes(const at::Tensor& x_NI, const at::Tensor& w_OI) {
+  const bool grad = c10::GradMode::is_enabled() && (x_NI.requires_grad() || w_OI.requires_grad());
+  return !grad && GemvFits(x_NI, w_OI);
 }
 
 at::Tensor Gemv(const GemvParams& p) {

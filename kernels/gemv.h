@@ -37,8 +37,12 @@ constexpr int64_t kGemvTileRows = 64;
 // registers; on narrower CPUs they would spill, and it was measured on AVX-512 only.
 bool GemvRunsHere();
 
-// Whether Gemv serves this product: float32 on a CPU where it runs, with no gradient to record
-// (Gemv is inference only; training's products are LibTorch's).
+// Whether Gemv can take this product: float32 on a CPU where it runs.
+bool GemvFits(const at::Tensor& x_NI, const at::Tensor& w_OI);
+
+// Whether Gemv serves this product as it is called: it fits, with no gradient to record. Training
+// reaches Gemv through kernels::Linear's autograd Function (kernels/mixed_grad.h), whose forward
+// records nothing: every float32 CPU forward takes the same products.
 bool GemvServes(const at::Tensor& x_NI, const at::Tensor& w_OI);
 
 // y_NO in float32. Requires GemvServes' dtype and device.

@@ -38,10 +38,10 @@ struct LinearParams {
 
 at::Tensor Linear(const LinearParams& p);
 
-// silu(gate) ⊙ up, the gated activation of Llama-family MLPs. With `inference` (the sampler's
-// steps), float32 on the CPU with no gradient to record runs as one vectorized loop, ATen's order
-// of operations with kernels/vec16.h's exponential; otherwise ATen's ops, those of training and of
-// the trainer's Forward.
-at::Tensor SwiGLU(const at::Tensor& gate_NI, const at::Tensor& up_NI, bool inference = false);
+// silu(gate) ⊙ up, the gated activation of Llama-family MLPs. Float32 and bfloat16 on the CPU run
+// one vectorized loop, in every path (sampler, Forward, forward_backward): ATen's order of
+// operations with kernels/vec16.h's exponential, each element its own, differentiated by its
+// formula; elsewhere ATen's ops.
+at::Tensor SwiGLU(const at::Tensor& gate_NI, const at::Tensor& up_NI);
 
 }  // namespace tinkerd::kernels

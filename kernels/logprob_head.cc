@@ -2,12 +2,20 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <ATen/Dispatch.h>
+
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "kernels/cpu_clones.h"
 #include "kernels/gemv.h"
 #include "kernels/mixed_grad.h"
+#include "kernels/parallel.h"
+#include "kernels/vec16.h"
 
 namespace tinkerd::kernels {
 namespace {
@@ -24,11 +32,87 @@ struct Head {
 
 // Logits of tokens [t0, t0 + tc) against vocabulary rows [v0, v0 + vc), in the accumulate type.
 // u_tr = s·h·Aᵀ of the same tokens (undefined without LoRA).
+// The products are HeadLogits' (LinearProduct), so a sampler's logits are these to the bit.
 at::Tensor ChunkLogits(const Head& hd, const at::Tensor& h_tD, const at::Tensor& u_tr, int64_t v0,
                        int64_t vc, at::ScalarType acc) {
-  at::Tensor z = at::mm(h_tD, hd.W_VD.narrow(0, v0, vc).t());
-  if (u_tr.defined()) z.add_(at::mm(u_tr, hd.B_Vr.narrow(0, v0, vc).t()));
-  return z.to(acc);
+  at::Tensor z = LinearProduct(h_tD, hd.W_VD.narrow(0, v0, vc));
+  if (u_tr.defined()) z.add_(LinearProduct(u_tr, hd.B_Vr.narrow(0, v0, vc)));
+  return z.to(acc).contiguous();
+}
+
+// u = s·h·Aᵀ.
+at::Tensor LowRank(const Head& hd, const at::Tensor& h_tD) {
+  return LinearProduct(h_tD, hd.A_rD).mul_(hd.s);
+}
+
+// Folds n logits of one row into its running maximum m and sum l of exp(z − m):
+//   m' = max(m, max_v z_v),   l' = l · e^(m − m') + Σ_v e^(z_v − m')
+// In float the maximum and the sum run in sixteen lanes from the chunk's first logit (the last
+// n mod 16 padded with −∞, added last), the sum then Total, the rescale by libm's expf; in double
+// one running sum with libm's exp.
+TINKERD_CPU_CLONES void Fold(const float* z, int64_t n, float& m, float& l) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const V16 zero = {};
+  const int64_t whole = n / 16 * 16;
+  V16 rest = zero - inf;  // the last n mod 16, padded with −∞
+  std::memcpy(&rest, z + whole, (n - whole) * sizeof(float));
+  V16 top16 = rest;
+  for (int64_t v = 0; v < whole; v += 16) {
+    const V16 x = *reinterpret_cast<const V16u*>(z + v);
+    top16 = x > top16 ? x : top16;
+  }
+  float top = m;
+  for (int l16 = 0; l16 < 16; ++l16) top = std::max(top, top16[l16]);
+  if (top == -inf) return;  // no finite logit yet: nothing to add
+  V16 sum16 = {};
+  for (int64_t v = 0; v < whole; v += 16) {
+    V16 x = *reinterpret_cast<const V16u*>(z + v) - top;
+    Exp(x);
+    sum16 += x;
+  }
+  rest -= top;
+  Exp(rest);
+  sum16 += rest;
+  l = l * std::exp(m - top) + Total(sum16);
+  m = top;
+}
+
+void Fold(const double* z, int64_t n, double& m, double& l) {
+  double top = m;
+  for (int64_t v = 0; v < n; ++v) top = std::max(top, z[v]);
+  if (top == -std::numeric_limits<double>::infinity()) return;
+  double sum = 0;
+  for (int64_t v = 0; v < n; ++v) sum += std::exp(z[v] - top);
+  l = l * std::exp(m - top) + sum;
+  m = top;
+}
+
+// Folds chunk z_tv (rows of contiguous logits, accumulate type, on the host) into each row's m_t
+// and l_t.
+void FoldChunk(const at::Tensor& z_tv, at::Tensor& m_t, at::Tensor& l_t) {
+  TORCH_CHECK(z_tv.stride(1) == 1 || z_tv.size(1) <= 1, "logsumexp: rows must be contiguous");
+  const int64_t rows = z_tv.size(0), n = z_tv.size(1), ld = z_tv.stride(0);
+  AT_DISPATCH_FLOATING_TYPES(z_tv.scalar_type(), "logsumexp_fold", [&] {
+    const scalar_t* z = z_tv.data_ptr<scalar_t>();
+    scalar_t* m = m_t.data_ptr<scalar_t>();
+    scalar_t* l = l_t.data_ptr<scalar_t>();
+    ParallelFor(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(n, 1)),
+                [&](int64_t begin, int64_t end) {
+                  for (int64_t t = begin; t < end; ++t) Fold(z + t * ld, n, m[t], l[t]);
+                });
+  });
+}
+
+// lse_t = m_t + log l_t, by libm's log.
+at::Tensor Lse(const at::Tensor& m_t, const at::Tensor& l_t) {
+  at::Tensor lse = at::empty_like(m_t);
+  AT_DISPATCH_FLOATING_TYPES(m_t.scalar_type(), "logsumexp", [&] {
+    const scalar_t* m = m_t.data_ptr<scalar_t>();
+    const scalar_t* l = l_t.data_ptr<scalar_t>();
+    scalar_t* out = lse.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < m_t.numel(); ++t) out[t] = m[t] + std::log(l[t]);
+  });
+  return lse;
 }
 
 // For targets y_tK of a token chunk: whether each falls in [v0, v0 + vc) and its column there.
@@ -46,19 +130,24 @@ LogprobHeadOutput Forward(const Head& hd, const at::Tensor& y_TK) {
   for (int64_t t0 = 0; t0 < T; t0 += hd.chunk_t) {
     const int64_t tc = std::min(hd.chunk_t, T - t0);
     const at::Tensor h = hd.h_TD.narrow(0, t0, tc), y = y_TK.narrow(0, t0, tc);
-    const at::Tensor u = hd.lora() ? at::mm(h, hd.A_rD.t()).mul_(hd.s) : at::Tensor();
+    const at::Tensor u = hd.lora() ? LowRank(hd, h) : at::Tensor();
+    const bool cpu = h.device().is_cpu();
     at::Tensor m = at::full({tc}, -std::numeric_limits<double>::infinity(), to);
     at::Tensor l = at::zeros({tc}, to), target = at::zeros({tc, K}, to);
     for (int64_t v0 = 0; v0 < V; v0 += hd.chunk_v) {
       const int64_t vc = std::min(hd.chunk_v, V - v0);
       const at::Tensor z = ChunkLogits(hd, h, u, v0, vc, acc);
-      const at::Tensor m_new = at::maximum(m, std::get<0>(z.max(1)));
-      l = l * at::exp(m - m_new) + at::exp(z - m_new.unsqueeze(1)).sum(1);
-      m = m_new;
+      if (cpu) {
+        FoldChunk(z, m, l);  // the sampler's order (LogitsLse)
+      } else {
+        const at::Tensor m_new = at::maximum(m, std::get<0>(z.max(1)));
+        l = l * at::exp(m - m_new) + at::exp(z - m_new.unsqueeze(1)).sum(1);
+        m = m_new;
+      }
       auto [in, col] = TargetColumns(y, v0, vc);
       target = at::where(in, z.gather(1, col), target);
     }
-    const at::Tensor lse = m + at::log(l);
+    const at::Tensor lse = cpu ? Lse(m, l) : m + at::log(l);
     out.lse_T.narrow(0, t0, tc).copy_(lse);
     out.logp_T.narrow(0, t0, tc).copy_(target - lse.unsqueeze(1));
   }
@@ -111,7 +200,7 @@ struct LogprobHeadFunction : torch::autograd::Function<LogprobHeadFunction> {
       const at::Tensor g = g_TK.narrow(0, t0, tc), lse = lse_T.narrow(0, t0, tc);
       // Σ_k g_tk weighs each row's softmax term; with K = 1 it is g itself, bit for bit.
       const at::Tensor g_sum = K == 1 ? g.squeeze(1) : g.sum(1);
-      const at::Tensor u = hd.lora() ? at::mm(h, hd.A_rD.t()).mul_(hd.s) : at::Tensor();
+      const at::Tensor u = hd.lora() ? LowRank(hd, h) : at::Tensor();
       at::Tensor dh_t = at::zeros({tc, hd.h_TD.size(1)}, h.options().dtype(acc));
       at::Tensor du_t = hd.lora() ? at::zeros({tc, hd.A_rD.size(0)}, dh_t.options()) : at::Tensor();
       for (int64_t v0 = 0; v0 < V; v0 += hd.chunk_v) {
@@ -203,7 +292,7 @@ at::Tensor HeadLogits(const LogprobHeadParams& p) {
     at::Tensor u_tr, B_Vr;
   };
   std::vector<Adapted> adapted;
-  if (hd.lora()) adapted.push_back({0, T, LinearProduct(hd.h_TD, hd.A_rD).mul_(hd.s), hd.B_Vr});
+  if (hd.lora()) adapted.push_back({0, T, LowRank(hd, hd.h_TD), hd.B_Vr});
   int64_t row = 0;
   for (const LoraRun& run : p.lora_runs) {
     if (run.A_rI.defined()) {
@@ -229,6 +318,19 @@ at::Tensor HeadLogits(const LogprobHeadParams& p) {
     chunks.push_back(z.to(acc));
   }
   return chunks.size() == 1 ? chunks.front() : at::cat(chunks, 1);
+}
+
+at::Tensor LogitsLse(const at::Tensor& z_TV, int64_t chunk_vocab) {
+  TORCH_CHECK(z_TV.dim() == 2 && chunk_vocab > 0, "logsumexp: logits [T, V], positive chunks");
+  at::Tensor z = z_TV.cpu();
+  if (z.size(1) > 1 && z.stride(1) != 1) z = z.contiguous();
+  const int64_t T = z.size(0), V = z.size(1);
+  at::Tensor m = at::full({T}, -std::numeric_limits<double>::infinity(), z.options());
+  at::Tensor l = at::zeros({T}, z.options());
+  for (int64_t v0 = 0; v0 < V; v0 += chunk_vocab) {
+    FoldChunk(z.narrow(1, v0, std::min(chunk_vocab, V - v0)), m, l);
+  }
+  return Lse(m, l);
 }
 
 }  // namespace tinkerd::kernels

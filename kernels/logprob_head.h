@@ -10,6 +10,12 @@
 // Logits are formed in the input dtype (as a bf16 model's lm_head would) and the softmax, max,
 // sum, lse and logp are fp32 (fp64 for fp64 inputs).
 //
+// On the CPU a token's logprob has one definition, the sampler's as the trainer's
+// (docs/kernels.md, "the reduction order"): each logit by kernels::LinearProduct (Gemv's order in
+// float32), then lse folded over vocabulary chunks of chunk_vocab in order from the first, each
+// chunk's maximum and exponentials in sixteen lanes (LogitsLse), and logp = z_target − lse in the
+// accumulate type. Neither depends on the other tokens, the chunk of tokens or the threads.
+//
 // Shape suffixes: T tokens, D hidden, V vocabulary, r LoRA rank, K targets per token.
 #pragma once
 
@@ -49,5 +55,9 @@ LogprobHeadOutput TokenLogprobs(const LogprobHeadParams& p);
 // run's rows as TokenLogprobs would form them with that run's adapter. targets_T is not read;
 // no graph is kept.
 at::Tensor HeadLogits(const LogprobHeadParams& p);
+
+// lse_T of logits z_TV (accumulate type, as HeadLogits gives them) on the host, folded as
+// TokenLogprobs folds them with chunk_vocab: z_{t,y} − lse_t is TokenLogprobs' logp of target y.
+at::Tensor LogitsLse(const at::Tensor& z_TV, int64_t chunk_vocab = LogprobHeadParams{}.chunk_vocab);
 
 }  // namespace tinkerd::kernels

@@ -1,7 +1,9 @@
 // Training under bf16 (or fp16) compute: the backward of the layers that hold weights, written so
 // that every row's gradient is its own and every weight's gradient is an fp32 sum, whatever the
 // tokens' grouping into micro-batches and calls. Weights may be fp32 masters (cast to the compute
-// dtype for use) or frozen compute-dtype weights (a LoRA model's base).
+// dtype for use) or frozen compute-dtype weights (a LoRA model's base). kernels::Linear also
+// trains float32 products through MixedLinear where Gemv takes them (kernels/linear.cc): its
+// forward is then Gemv's, the sampler's order, and its backward the BLAS's.
 //
 //   MixedLinear: y_NO = x_NI·c(w_OI)ᵀ + c(b_O)   dx = dy·c(w)   dw = dyᵀ·x   db = Σ_n dy
 //   MixedScale:  y_ND = x_ND ⊙ c(w_D)            dx = dy ⊙ c(w)  dw = Σ_n dy ⊙ x

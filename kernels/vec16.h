@@ -6,7 +6,11 @@
 // __builtin_shufflevector needs GCC 12 or newer (Debian 12's), or clang.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace tinkerd::kernels {
 
@@ -19,6 +23,35 @@ using V16i = int32_t __attribute__((vector_size(64)));
 // Eight doubles: one AVX-512 register.
 using V8d = double __attribute__((vector_size(64)));
 using V8l = int64_t __attribute__((vector_size(64)));
+
+// Sixteen bf16 values as their bit patterns, from any address.
+using V16h = uint16_t __attribute__((vector_size(32), aligned(2), may_alias));
+
+// v = the n <= 16 elements at x widened to float, the rest zero (in place, as Exp). A bf16 value
+// is the high half of its float, so sixteen widen at once by a shift.
+template <typename T>
+inline void Widen(const T* x, int64_t n, V16& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == 16) {
+      v = *reinterpret_cast<const V16u*>(x);
+      return;
+    }
+    v = V16{};
+    std::memcpy(&v, x, n * sizeof(float));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    V16h bits = {};
+    if (n == 16) {
+      bits = *reinterpret_cast<const V16h*>(x);
+    } else {
+      std::memcpy(&bits, x, n * sizeof(uint16_t));
+    }
+    const V16i wide = __builtin_convertvector(bits, V16i) << 16;
+    std::memcpy(&v, &wide, sizeof(v));
+  } else {
+    v = V16{};
+    for (int64_t j = 0; j < n; ++j) v[j] = static_cast<float>(x[j]);
+  }
+}
 
 inline float Total(const V16& v) {
   const V8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

@@ -39,10 +39,8 @@ kernels::LinearParams Proj(const at::Tensor& x, const at::Tensor& w, const at::T
   return p;
 }
 
-// `sampling`: a sampler's step (a KV cache in use), whose norms may take the inference loop; the
-// trainer's Forward keeps forward_backward's own (rms_norm.h).
-at::Tensor Norm(const at::Tensor& x, const at::Tensor& w, double eps, bool sampling) {
-  return kernels::RmsNorm({x, w, eps, sampling});
+at::Tensor Norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return kernels::RmsNorm({x, w, eps});
 }
 
 // One decoder layer on the residual stream h_TD: h + attn(norm(h)), then + mlp(norm(·)).
@@ -56,7 +54,7 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   const int64_t d = c.head_dim;
   const double eps = c.rms_norm_eps;
   const at::Tensor none;
-  at::Tensor x_TD = Norm(h_TD, L.input_norm_D, eps, kv != nullptr);
+  at::Tensor x_TD = Norm(h_TD, L.input_norm_D, eps);
   at::Tensor q_THd =
       Linear(Proj(x_TD, L.q_proj, L.q_bias, lora, p + "self_attn.q_proj")).view({T, H, d});
   at::Tensor k_TKd =
@@ -64,8 +62,8 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   at::Tensor v_TKd =
       Linear(Proj(x_TD, L.v_proj, L.v_bias, lora, p + "self_attn.v_proj")).view({T, K, d});
   if (c.qk_norm) {
-    q_THd = Norm(q_THd, L.q_norm_d, eps, kv != nullptr);
-    k_TKd = Norm(k_TKd, L.k_norm_d, eps, kv != nullptr);
+    q_THd = Norm(q_THd, L.q_norm_d, eps);
+    k_TKd = Norm(k_TKd, L.k_norm_d, eps);
   }
   kernels::AttentionParams attn;
   attn.q_THd = ApplyRope(q_THd, rope);
@@ -91,11 +89,11 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   const at::Tensor attn_TD = out_THd.reshape({T, H * d});
   at::Tensor out_TD = h_TD + Linear(Proj(attn_TD, L.o_proj, none, lora, p + "self_attn.o_proj"));
 
-  x_TD = Norm(out_TD, L.post_norm_D, eps, kv != nullptr);
+  x_TD = Norm(out_TD, L.post_norm_D, eps);
   const at::Tensor gate_TI = Linear(Proj(x_TD, L.gate_proj, none, lora, p + "mlp.gate_proj"));
   const at::Tensor up_TI = Linear(Proj(x_TD, L.up_proj, none, lora, p + "mlp.up_proj"));
-  return out_TD + Linear(Proj(kernels::SwiGLU(gate_TI, up_TI, kv != nullptr), L.down_proj, none,
-                              lora, p + "mlp.down_proj"));
+  return out_TD + Linear(Proj(kernels::SwiGLU(gate_TI, up_TI), L.down_proj, none, lora,
+                              p + "mlp.down_proj"));
 }
 
 // The trainable tensors a layer reads: its LoRA pairs, or its own weights under full fine-tuning.
@@ -257,7 +255,7 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
                ? kernels::Recompute(layer, h_TD, LayerParams(L, lora.all, p))
                : layer(h_TD);
   }
-  return Norm(h_TD, w.final_norm_D, c.rms_norm_eps, options.kv != nullptr);
+  return Norm(h_TD, w.final_norm_D, c.rms_norm_eps);
 }
 
 }  // namespace tinkerd

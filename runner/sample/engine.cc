@@ -1,5 +1,6 @@
 #include "runner/sample/engine.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
@@ -79,6 +80,18 @@ kernels::LogprobHeadParams Head(const Policy& p, const at::Tensor& hidden_TD) {
     head.lora_scale = p.lora->scale();
   }
   return head;
+}
+
+// Sets a choice's logprobs (the token's and its top-k's) to the head's: z_v − lse in the logits'
+// accumulate type, lse folded as TokenLogprobs folds it (kernels::LogitsLse), so that a sampled
+// token's logprob is the trainer's to the bit. The token was drawn from the same logits widened.
+void HeadLogprobs(const at::Tensor& z_SV, const at::Tensor& lse_S, int64_t row, Choice& c) {
+  AT_DISPATCH_FLOATING_TYPES(z_SV.scalar_type(), "head_logprobs", [&] {
+    const scalar_t* z = z_SV.data_ptr<scalar_t>() + row * z_SV.stride(0);
+    const scalar_t lse = lse_S.data_ptr<scalar_t>()[row];
+    c.logprob = static_cast<double>(z[c.token] - lse);
+    for (auto& [v, logprob] : c.top) logprob = static_cast<double>(z[v] - lse);
+  });
 }
 
 // Rows of a decode step by policy: (policy, rows) runs in row order.
@@ -268,21 +281,22 @@ void SampleEngine::Prefill(const std::vector<Job*>& jobs) {
   const at::Tensor hidden_TD =
       ForwardHidden(pol.config, pol.weights, LoraOf(pol), batch, Options(pol, &kv));
   // Every prompt's next-token logits in one head: its last row.
-  const at::Tensor z_JV =
+  const at::Tensor logits_JV =
       kernels::HeadLogits(Head(pol, hidden_TD.index_select(0, Tokens(last, pol.device))))
-          .to(at::kDouble)
           .cpu()
           .contiguous();
+  const at::Tensor lse_J = kernels::LogitsLse(logits_JV);
+  const at::Tensor z_JV = logits_JV.to(at::kDouble);
   const int64_t V = z_JV.size(1);
   for (size_t i = 0; i < jobs.size(); ++i) {
     const double lse = LogSumExp(z_JV.data_ptr<double>() + i * V, V);
     Begin(*jobs[i], hidden_TD.narrow(0, cu[i], cu[i + 1] - cu[i]), z_JV.data_ptr<double>() + i * V,
-          V, lse);
+          V, lse, [&, i](Choice& c) { HeadLogprobs(logits_JV, lse_J, i, c); });
   }
 }
 
 void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V,
-                         double lse) {
+                         double lse, absl::FunctionRef<void(Choice&)> score) {
   const Policy& pol = *job.policy;
   const SampleRequest& r = job.request;
   const int64_t P = job.prompt_length();
@@ -305,11 +319,12 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
     constexpr int64_t kRows = 256;  // bounds the [rows, V] logits held at once
     for (int64_t t0 = first - 1; t0 + 1 < P; t0 += kRows) {
       const int64_t rows = std::min(kRows, P - 1 - t0);
-      const at::Tensor z = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows)));
+      // The head's logprobs (HeadLogprobs' definition), the most likely first.
+      const at::Tensor z = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows))).cpu();
       auto [values, indices] =
-          at::log_softmax(z.to(at::kDouble), 1).topk(r.topk_prompt_logprobs, 1);
-      values = values.cpu().contiguous();
-      indices = indices.cpu().contiguous();
+          (z - kernels::LogitsLse(z).unsqueeze(1)).topk(r.topk_prompt_logprobs, 1);
+      values = values.to(at::kDouble).contiguous();
+      indices = indices.contiguous();
       for (int64_t i = 0; i < rows; ++i) {
         auto& entries = job.result.topk_prompt_logprobs[t0 + i + 1];
         for (int64_t j = 0; j < r.topk_prompt_logprobs; ++j) {
@@ -329,17 +344,19 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
     constexpr int64_t kRows = 256;  // bounds the [rows, V] logits held at once
     for (int64_t t0 = 0; t0 + 1 < P; t0 += kRows) {
       const int64_t rows = std::min(kRows, P - 1 - t0);
-      const at::Tensor z = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows)))
-                               .to(at::kDouble)
-                               .cpu()
-                               .contiguous();
+      const at::Tensor logits =
+          kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows))).cpu().contiguous();
+      const at::Tensor lse = kernels::LogitsLse(logits);
+      const at::Tensor z = logits.to(at::kDouble);
       for (int64_t i = 0; i < rows; ++i) {
         const double* row_V = z.data_ptr<double>() + i * V;
         DrawIndependent(row_V, V, LogSumExp(row_V, V), r.params.temperature, k, job.alt_rng,
                         drawn.data());
         for (int64_t j = 0; j < k; ++j) {
-          job.result.prompt_alt_tokens[(t0 + i) * k + j] = drawn[j].first;
-          job.result.prompt_alt_logprobs[(t0 + i) * k + j] = drawn[j].second;
+          Choice c{drawn[j].first, 0, {}};
+          HeadLogprobs(logits, lse, i, c);  // the trainer's logprob of the drawn token
+          job.result.prompt_alt_tokens[(t0 + i) * k + j] = c.token;
+          job.result.prompt_alt_logprobs[(t0 + i) * k + j] = c.logprob;
         }
       }
     }
@@ -351,6 +368,7 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
   for (Sample& s : job.samples) {
     Choice c = ChooseToken(z_V, V, lse, r.params, s.rng);
     if (r.topk_sample_logprobs > 0) c.top = MostLikely(z_V, V, lse, r.topk_sample_logprobs);
+    score(c);
     Take(r.params, pol.config.eos_token_ids, c, s.out, s.finished, s.stop_strings);
     if (s.finished) continue;
     // The last token is never fed back: max_tokens - 1 rows suffice.
@@ -443,6 +461,8 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   } else {
     ChooseTokens(z_SV.to(at::kDouble).data_ptr<double>(), V, chosen);
   }
+  const at::Tensor lse_S = kernels::LogitsLse(z_SV);
+  for (int64_t i = 0; i < S; ++i) HeadLogprobs(z_SV, lse_S, i, chosen[i].choice);
   for (int64_t i = 0; i < S; ++i) {
     const auto& [job, s] = batch[i];
     ++s->cached;

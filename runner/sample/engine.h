@@ -21,8 +21,10 @@
 #include <memory>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "runner/sample/choose.h"
 #include "runner/sample/policy.h"
 #include "runner/sample/sample_types.h"
 
@@ -69,7 +71,9 @@ class SampleEngine {
   void Prefill(const std::vector<Job*>& jobs);
   // From a job's prompt hidden states [P, D] and next-token logits z_V (lse: their log-sum-exp):
   // its prompt logprobs, and each sample's first token and KV cache.
-  void Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V, double lse);
+  // `score` sets a choice's reported logprobs to the trainer's (HeadLogprobs).
+  void Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V, double lse,
+             absl::FunctionRef<void(Choice&)> score);
   // One token for each of `batch`: samples of policies sharing one base, each policy's together.
   void Decode(const std::vector<std::pair<Job*, Sample*>>& batch);
   void Release(const Job& job);

@@ -5,7 +5,9 @@ each completion by the fraction of its tokens that are even, and gives every com
 reward minus its group's mean (group-relative advantages). Each group's trajectories are streamed
 into one StreamForwardBackward as soon as the group is sampled, with the sampler's logprobs, under
 the importance_sampling loss; then one optimizer step. The importance ratio p_train / p_sample
-is reported: the sampler is the trainer's own weights, so it stays at 1 to rounding.
+is reported with the number of trained tokens where it is not exactly 1: the sampler is the
+trainer's own weights and kernels, summing in the trainer's order, so in float32 and bf16 on a
+CPU with AVX-512 every ratio is 1.0 to the bit (docs/sampling.md).
 
     python3 rl.py --target 127.0.0.1:50051
 """
@@ -83,6 +85,7 @@ def train(conn, args) -> list[float]:
                   for train, sampled, trained in zip(out.logprobs, sampled_logprobs, masks)
                   if trained]
         ratio = float(np.mean(np.concatenate(ratios))) if ratios else 1.0
+        off = sum(int(np.count_nonzero(r != 1.0)) for r in ratios)
         tokens = out.metrics["num_tokens:sum"]
         if tokens > 0:
             trainer.optim_step(args.lr).result()
@@ -91,7 +94,8 @@ def train(conn, args) -> list[float]:
         rewards.append(float(np.mean(step_rewards)))
         sampled = args.prompts * args.group * args.max_tokens
         print(f"step {step:3d}/{args.steps} {bar(step, args.steps)} reward {rewards[-1]:.3f}  "
-              f"loss/token {out.metrics['loss:sum'] / max(tokens, 1):+.1e}  ratio {ratio:.4f}  "
+              f"loss/token {out.metrics['loss:sum'] / max(tokens, 1):+.1e}  ratio {ratio:.4f} "
+              f"({off} tokens != 1)  "
               f"{sampled / secs:5.0f} sampled tok/s  {secs:4.1f} s", flush=True)
     return rewards
 

@@ -73,6 +73,14 @@ def server():
 
 
 @pytest.fixture(scope="session")
+def float32_server():
+    """float32, where the sampler's logprobs are the trainer's to the bit (docs/sampling.md)."""
+    s = Server(64, "--compute_dtype=float32")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def wide_server():
     """One micro-batch holds every call of these tests: a call's plan never depends on how its
     datums arrived, so two ways of sending the same data sum in the same order."""
