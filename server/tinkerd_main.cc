@@ -40,6 +40,8 @@ ABSL_FLAG(int64_t, memory_budget_mb, 0,
           "trainable state all models together may hold, MiB (0: half the physical memory)");
 ABSL_FLAG(int, max_message_mb, 256, "largest request or response, MiB");
 ABSL_FLAG(int, max_pending_per_model, 64, "queued requests per model before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_pending_per_tenant, 1024,
+          "queued requests over a tenant's models before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, result_cache_per_model, 256, "finished results kept per model for retries");
 ABSL_FLAG(int, order_timeout_s, 60, "how long a request waits for an earlier seq_id");
 ABSL_FLAG(int, shutdown_grace_s, 30, "on SIGTERM, time allowed for accepted work to finish");
@@ -206,6 +208,7 @@ int main(int argc, char** argv) {
   sc.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   sc.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   sc.scheduler.max_pending_per_model = absl::GetFlag(FLAGS_max_pending_per_model);
+  sc.scheduler.max_pending_per_tenant = absl::GetFlag(FLAGS_max_pending_per_tenant);
   sc.scheduler.result_cache_per_model = absl::GetFlag(FLAGS_result_cache_per_model);
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
   sc.scheduler.steps_between_jobs = absl::GetFlag(FLAGS_sample_steps_between_jobs);

@@ -90,7 +90,12 @@ void Scheduler::RemoveLocked(const std::string& model_id,
     for (auto& w : p.waiters) calls->emplace_back(std::move(w.done), gone);
     if (p.spec.on_drop) p.spec.on_drop();
   }
+  const std::string owner = it->second.owner;
   queues_.erase(it);
+  for (const auto& [id, q] : queues_) {
+    if (q.owner == owner) return;
+  }
+  tenants_.erase(owner);
 }
 
 bool Scheduler::HasModel(const std::string& model_id) const {
@@ -193,6 +198,11 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
         immediate = absl::ResourceExhaustedError(
             absl::StrCat("model ", Echo(model_id), " has ", q.pending.size(),
                          " queued requests (the limit); retry later"));
+      } else if (seq_id != q.next_seq &&
+                 PendingOfLocked(q.owner) >= config_.max_pending_per_tenant) {
+        immediate = absl::ResourceExhaustedError(
+            absl::StrCat("this tenant has ", config_.max_pending_per_tenant,
+                         " queued requests over its models (the limit); retry later"));
       } else {
         Pending p;
         p.spec = std::move(job);
@@ -233,20 +243,49 @@ JobResult Scheduler::Retrieve(const std::string& model_id, int64_t seq_id) const
   return absl::NotFoundError(absl::StrCat("seq_id ", seq_id, ": result no longer cached"));
 }
 
+int Scheduler::PendingOfLocked(const std::string& owner) const {
+  int n = 0;
+  for (const auto& [id, q] : queues_) {
+    if (q.owner == owner) n += static_cast<int>(q.pending.size());
+  }
+  return n;
+}
+
 std::pair<Scheduler::Queue*, Scheduler::Pending*> Scheduler::PickLocked(std::string* model) {
-  if (queues_.empty()) return {nullptr, nullptr};
-  // Round-robin: start just after the model served last.
-  auto start = queues_.upper_bound(last_served_);
-  for (size_t n = 0; n < queues_.size(); ++n, ++start) {
-    if (start == queues_.end()) start = queues_.begin();
-    Queue& q = start->second;
+  // Per tenant with a runnable job: its first runnable model after the one served last (wrapping
+  // to its first), and its service, a returning tenant's raised to the level.
+  struct Candidate {
+    const std::string* model;
+    Queue* queue;
+    Pending* job;
+    absl::Duration served;
+  };
+  std::map<std::string, Candidate> runnable;
+  for (auto& [id, q] : queues_) {
     auto head = q.pending.find(q.next_seq);
     if (head == q.pending.end()) continue;
     if (head->second.spec.ready && !head->second.spec.ready()) continue;
-    *model = start->first;
-    return {&q, &head->second};
+    const Tenant& t = tenants_[q.owner];
+    auto [it, first] = runnable.try_emplace(
+        q.owner, Candidate{&id, &q, &head->second, std::max(t.served, level_)});
+    if (!first && *it->second.model <= t.last_model && id > t.last_model) {
+      it->second = Candidate{&id, &q, &head->second, it->second.served};
+    }
   }
-  return {nullptr, nullptr};
+  if (runnable.empty()) return {nullptr, nullptr};
+  // The least served; among equals, the first after the tenant picked last.
+  auto best = runnable.end();
+  auto start = runnable.upper_bound(last_owner_);
+  for (size_t n = 0; n < runnable.size(); ++n, ++start) {
+    if (start == runnable.end()) start = runnable.begin();
+    if (best == runnable.end() || start->second.served < best->second.served) best = start;
+  }
+  Tenant& t = tenants_[best->first];
+  t.served = level_ = best->second.served;
+  t.last_model = *best->second.model;
+  last_owner_ = best->first;
+  *model = *best->second.model;
+  return {best->second.queue, best->second.job};
 }
 
 void Scheduler::ExpireLocked(std::vector<std::pair<JobCallback, JobResult>>* calls) {
@@ -321,13 +360,16 @@ void Scheduler::Loop() {
     }
     job->running = true;
     const int64_t seq = q->next_seq;
+    const std::string owner = q->owner;
     std::function<JobStep()> run = job->spec.run;
     mu_.Unlock();
     for (auto& [cb, r] : calls) cb(r);
     calls.clear();
+    const absl::Time began = absl::Now();
     JobStep step = run();
+    const absl::Duration took = absl::Now() - began;
     mu_.Lock();
-    last_served_ = model;
+    if (auto t = tenants_.find(owner); t != tenants_.end()) t->second.served += took;
     background_turns_ = config_.steps_between_jobs;
     job->running = false;
     if (!step.done) continue;

@@ -1,13 +1,22 @@
 // The scheduler: one thread that owns the runner and applies each model's requests in seq_id
-// order, serving models round-robin.
+// order, sharing its time fairly between tenants.
 //
 // Per model: requests wait in an ordered queue until every earlier seq_id was applied (or time
 // out with DEADLINE_EXCEEDED, the slot left open for a retry). Each result stays in a bounded
 // cache keyed by seq_id, with the request's kind (which RPC) and a hash of its payload: a retry
 // with the same key, kind and payload gets that result (or joins the one in flight) and is never
 // applied twice; the same key with another kind or payload gets ALREADY_EXISTS. Past
-// `max_pending_per_model` queued requests, RESOURCE_EXHAUSTED (except for the model's next seq_id,
-// which is always admitted so a full queue cannot deadlock).
+// `max_pending_per_model` queued requests, or `max_pending_per_tenant` over a tenant's models,
+// RESOURCE_EXHAUSTED (except for a model's next seq_id, which is always admitted so a full queue
+// cannot deadlock).
+//
+// Fair share: tenants (the models' owners) take turns by the scheduler time their jobs used, not
+// by calls or models. The next job is the runnable one of the tenant served least, counted from
+// when it last became busy (start-time fair queueing: a tenant returning from idle starts level
+// with the least-served busy tenant, so idle time is not banked); a tenant's models take turns
+// within its share. So a tenant's many models or long calls cannot delay another tenant's call by
+// more than the job running when it arrives: a job costs its own time, and the light tenant is
+// then the least served.
 //
 // It is also the registry of models: each model's id, owner (tenant) and queue. The registry
 // changes on the scheduler thread alone, between jobs, so no job of a model runs while the model
@@ -62,6 +71,7 @@ struct JobSpec {
 
 struct SchedulerConfig {
   int max_pending_per_model = 64;
+  int max_pending_per_tenant = 1024;
   int result_cache_per_model = 256;
   absl::Duration order_timeout = absl::Seconds(60);
   // Background steps (decode steps) between two jobs while both have work: a queued job waits
@@ -149,14 +159,22 @@ class Scheduler {
     std::string owner;
     absl::Time last_request = absl::Now();
   };
+  // A tenant's share: the scheduler time its jobs used (from its level when it became busy), and
+  // the model it was served for last (its models take turns).
+  struct Tenant {
+    absl::Duration served;
+    std::string last_model;
+  };
 
   void Loop();
   // Under mu_: removes the model's queue, failing its requests with NOT_FOUND.
   void RemoveLocked(const std::string& model_id,
                     std::vector<std::pair<JobCallback, JobResult>>* calls)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Under mu_: the next runnable (model, job) in round-robin order, or nulls.
+  // Under mu_: the next runnable (model, job) by fair share (above), or nulls.
   std::pair<Queue*, Pending*> PickLocked(std::string* model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_: the requests queued for `owner`'s models.
+  int PendingOfLocked(const std::string& owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Under mu_: fails out-of-order jobs that waited longer than order_timeout.
   void ExpireLocked(std::vector<std::pair<JobCallback, JobResult>>* calls)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -165,7 +183,10 @@ class Scheduler {
   mutable absl::Mutex mu_;
   std::map<std::string, Queue> queues_ ABSL_GUARDED_BY(mu_);  // the registry
   std::deque<std::function<void()>> between_jobs_ ABSL_GUARDED_BY(mu_);
-  std::string last_served_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Tenant> tenants_ ABSL_GUARDED_BY(mu_);  // by owner, while it has models
+  // The service level of the tenant picked last: where a tenant returning from idle starts.
+  absl::Duration level_ ABSL_GUARDED_BY(mu_);
+  std::string last_owner_ ABSL_GUARDED_BY(mu_);
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();

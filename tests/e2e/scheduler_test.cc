@@ -1,13 +1,18 @@
 // The scheduler's sharing between model requests (training) and background steps (the sampling
 // engine's decode steps), on its real thread: a queued job waits at most one step (or
-// steps_between_jobs), and steps go on while jobs are queued.
+// steps_between_jobs), and steps go on while jobs are queued. And its fair share between tenants:
+// a tenant's many models cannot delay another tenant's call; per-tenant queue limits.
 #include "server/core/scheduler.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <set>
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "tests/e2e/e2e_util.h"
@@ -98,6 +103,135 @@ TEST(Scheduler, StepsBetweenJobsGiveSamplingMoreTurns) {
   const std::string events = JobsBesideSteps(3, &before);
   ASSERT_NE(before, std::string::npos) << events;
   EXPECT_EQ(events.substr(0, 17), "JSSSJSSSJSSSJSSSJ") << events;
+}
+
+// Models of tenants on one scheduler whose jobs record the order they ran in; the first job
+// submitted holds the thread until Release(), so that everything queued meanwhile is ordered by
+// the scheduler's choice alone.
+class Tenants {
+ public:
+  explicit Tenants(SchedulerConfig config = {}) : scheduler_(config) { scheduler_.Start(); }
+  ~Tenants() { scheduler_.Stop(absl::Seconds(10)); }
+
+  void Create(const std::string& owner, const std::string& model) {
+    absl::Notification created;
+    scheduler_.CreateModel(
+        owner, [model] { return absl::StatusOr<std::string>(model); },
+        [&](const absl::StatusOr<std::string>& id) {
+          EXPECT_TRUE(id.ok()) << id.status().message();
+          created.Notify();
+        });
+    created.WaitForNotification();
+  }
+
+  // Queues (model, seq); returns the status it was answered with once it ran (or was refused).
+  void Submit(const std::string& model, int64_t seq, bool gate = false) {
+    JobSpec spec;
+    spec.kind = "forward_backward";
+    spec.run = [this, model, gate] {
+      if (gate) {
+        running_.Notify();
+        release_.WaitForNotification();
+      }
+      absl::MutexLock lock(&mu_);
+      order_.push_back(model);
+      return JobStep{true, v1::RetrieveResultResponse()};
+    };
+    scheduler_.Submit(model, seq, std::move(spec), [this](const JobResult& r) {
+      absl::MutexLock lock(&mu_);
+      answers_.push_back(r.status());
+    });
+  }
+  void WaitRunning() { running_.WaitForNotification(); }
+  void Release() { release_.Notify(); }
+  void WaitAnswers(size_t n) {
+    WaitFor(
+        [&] {
+          absl::MutexLock lock(&mu_);
+          return answers_.size() >= n;
+        },
+        "answers");
+  }
+  std::vector<std::string> Order() {
+    absl::MutexLock lock(&mu_);
+    return order_;
+  }
+  std::vector<absl::Status> Answers() {
+    absl::MutexLock lock(&mu_);
+    return answers_;
+  }
+
+ private:
+  Scheduler scheduler_;
+  absl::Notification running_, release_;
+  absl::Mutex mu_;
+  std::vector<std::string> order_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Status> answers_ ABSL_GUARDED_BY(mu_);
+};
+
+// A greedy tenant with 32 calls queued over 8 models, and one light tenant's call queued after
+// them: the light call runs right after the job that was running when it arrived, the bound of
+// fair share by tenants (scheduler.h). The control: the same call from a ninth model of the
+// greedy tenant waits its turn among that tenant's models, behind at least seven of its calls.
+std::vector<std::string> GreedyThenLight(const std::string& light_owner) {
+  Tenants t;
+  for (int m = 0; m < 8; ++m) t.Create("greedy", absl::StrCat("g", m));
+  t.Create(light_owner, "light");
+  t.Submit("g0", 1, /*gate=*/true);
+  t.WaitRunning();
+  for (int m = 0; m < 8; ++m) {
+    for (int64_t seq = m == 0 ? 2 : 1; seq <= 4; ++seq) t.Submit(absl::StrCat("g", m), seq);
+  }
+  t.Submit("light", 1);
+  t.Release();
+  t.WaitAnswers(33);
+  for (const absl::Status& st : t.Answers()) EXPECT_TRUE(st.ok()) << st.message();
+  return t.Order();
+}
+
+size_t Position(const std::vector<std::string>& order, const std::string& model) {
+  return std::find(order.begin(), order.end(), model) - order.begin();
+}
+
+TEST(Scheduler, AGreedyTenantsManyModelsCannotDelayAnotherTenantsCall) {
+  const std::vector<std::string> fair = GreedyThenLight("light tenant");
+  ASSERT_EQ(fair.size(), 33u);
+  EXPECT_EQ(fair[0], "g0");
+  EXPECT_EQ(Position(fair, "light"), 1u) << "behind more than the job running when it came";
+  // The greedy tenant's models take turns within its share: its first eight jobs after the gate
+  // are eight different models.
+  std::set<std::string> first_round(fair.begin() + 2, fair.begin() + 10);
+  EXPECT_EQ(first_round.size(), 8u);
+  const std::vector<std::string> same_tenant = GreedyThenLight("greedy");
+  ASSERT_EQ(same_tenant.size(), 33u);
+  EXPECT_GE(Position(same_tenant, "light"), 8u) << "control: one tenant's models share its turns";
+}
+
+TEST(Scheduler, ATenantsQueuedCallsAreBoundedOverItsModels) {
+  SchedulerConfig config;
+  config.max_pending_per_tenant = 3;
+  Tenants t(config);
+  t.Create("a", "a1");
+  t.Create("a", "a2");
+  t.Create("b", "b1");
+  t.Submit("a1", 1, /*gate=*/true);
+  t.WaitRunning();
+  t.Submit("a1", 2);
+  t.Submit("a1", 3);  // a's three: the one running and two queued
+  t.Submit("a2", 2);  // not a2's next: refused, the tenant is full
+  t.Submit("a2", 1);  // a2's next is always admitted
+  t.Submit("b1", 2);  // another tenant's queue is its own
+  t.Submit("b1", 1);
+  t.WaitAnswers(1);
+  const std::vector<absl::Status> refused = t.Answers();
+  ASSERT_EQ(refused.size(), 1u);
+  EXPECT_EQ(refused[0].code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused[0].message().find("tenant"), std::string::npos) << refused[0].message();
+  t.Release();
+  t.WaitAnswers(7);
+  int ok = 0;
+  for (const absl::Status& st : t.Answers()) ok += st.ok();
+  EXPECT_EQ(ok, 6);
 }
 
 }  // namespace
