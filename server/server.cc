@@ -131,7 +131,7 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   if (config.metrics_port >= 0) {
     s->http_ = std::make_unique<MetricsHttpServer>(
         s->metrics_.get(), [raw] { return raw->scheduler_->QueueDepth(); },
-        [raw] { return raw->serving_.load(); });
+        [raw] { return raw->serving_.load(); }, [raw] { return raw->scheduler_->Usage(); });
     if (!s->http_->Start(config.metrics_host, config.metrics_port)) {
       return absl::UnavailableError(
           absl::StrCat("cannot serve metrics on port ", config.metrics_port));

@@ -11,6 +11,20 @@
 namespace tinkerd {
 namespace {
 
+// A label value in the exposition format: backslash, double quote and newline escaped.
+std::string LabelValue(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
 class RpcInterceptor final : public grpc::experimental::Interceptor {
  public:
   RpcInterceptor(Metrics* m, std::string method)
@@ -92,9 +106,10 @@ void Metrics::ObserveHttp(const std::string& endpoint, int status, double second
   h.sum += seconds;
 }
 
-void Metrics::AddTokens(int64_t n) {
+void Metrics::AddTokens(const std::string& tenant, int64_t n) {
   absl::MutexLock lock(&mu_);
   tokens_ += n;
+  tenant_tokens_[tenant] += n;
 }
 
 void Metrics::AddSampleRequest() {
@@ -102,10 +117,11 @@ void Metrics::AddSampleRequest() {
   ++sample_requests_;
 }
 
-void Metrics::AddSampled(int64_t sequences, int64_t tokens) {
+void Metrics::AddSampled(const std::string& tenant, int64_t sequences, int64_t tokens) {
   absl::MutexLock lock(&mu_);
   sampled_sequences_ += sequences;
   sampled_tokens_ += tokens;
+  tenant_sampled_[tenant] += tokens;
 }
 
 void Metrics::AddRunningSamples(int64_t delta) {
@@ -133,7 +149,7 @@ void Metrics::ObserveCheckpoint(const std::string& op, double seconds) {
   h.sum += seconds;
 }
 
-std::string Metrics::Render(int64_t queue_depth, bool serving) const {
+std::string Metrics::Render(int64_t queue_depth, bool serving, const TenantUsages& usage) const {
   absl::MutexLock lock(&mu_);
   std::string out;
   auto histogram = [&](const std::string& name, const std::string& label,
@@ -204,6 +220,31 @@ std::string Metrics::Render(int64_t queue_depth, bool serving) const {
                   "weights.\n# TYPE tinkerd_sampler_bytes gauge\ntinkerd_sampler_bytes ",
                   sampler_bytes_, "\n");
   absl::StrAppend(&out, "# TYPE tinkerd_serving gauge\ntinkerd_serving ", serving ? 1 : 0, "\n");
+  // Per tenant. Tenant names come from the keys file; escaped as label values all the same.
+  auto per_tenant = [&](const std::string& name, const std::string& help, const auto& values,
+                        auto value) {
+    absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " counter\n");
+    for (const auto& [tenant, v] : values) {
+      absl::StrAppend(&out, name, "{tenant=\"", LabelValue(tenant), "\"} ", value(v), "\n");
+    }
+  };
+  auto count = [](int64_t v) { return absl::StrCat(v); };
+  per_tenant("tinkerd_tenant_tokens_trained_total",
+             "Tokens a tenant's forward_backward calls "
+             "trained on.",
+             tenant_tokens_, count);
+  per_tenant("tinkerd_tenant_tokens_sampled_total", "Tokens sampled for a tenant.", tenant_sampled_,
+             count);
+  per_tenant("tinkerd_tenant_scheduler_seconds_total", "Scheduler time a tenant's jobs ran.", usage,
+             [](const TenantUsage& u) { return absl::StrFormat("%.6f", u.scheduler_seconds); });
+  per_tenant("tinkerd_tenant_jobs_total", "A tenant's requests the scheduler ran.", usage,
+             [](const TenantUsage& u) { return absl::StrCat(u.jobs); });
+  per_tenant("tinkerd_tenant_queue_wait_seconds_total",
+             "Time a tenant's requests waited in the queue before they began.", usage,
+             [](const TenantUsage& u) { return absl::StrFormat("%.6f", u.queue_wait_seconds); });
+  per_tenant("tinkerd_tenant_rejected_total",
+             "A tenant's requests refused by the queue limits (RESOURCE_EXHAUSTED).", usage,
+             [](const TenantUsage& u) { return absl::StrCat(u.rejected); });
   return out;
 }
 
@@ -213,12 +254,14 @@ struct MetricsHttpServer::Impl {
 };
 
 MetricsHttpServer::MetricsHttpServer(Metrics* metrics, std::function<int64_t()> queue_depth,
-                                     std::function<bool()> serving)
+                                     std::function<bool()> serving,
+                                     std::function<TenantUsages()> usage)
     : impl_(std::make_unique<Impl>()) {
-  impl_->http.Get(
-      "/metrics", [metrics, queue_depth, serving](const httplib::Request&, httplib::Response& res) {
-        res.set_content(metrics->Render(queue_depth(), serving()), "text/plain; version=0.0.4");
-      });
+  impl_->http.Get("/metrics", [metrics, queue_depth, serving, usage](const httplib::Request&,
+                                                                     httplib::Response& res) {
+    res.set_content(metrics->Render(queue_depth(), serving(), usage()),
+                    "text/plain; version=0.0.4");
+  });
   impl_->http.Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
     res.set_content("ok\n", "text/plain");
   });

@@ -198,11 +198,13 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
         immediate = absl::ResourceExhaustedError(
             absl::StrCat("model ", Echo(model_id), " has ", q.pending.size(),
                          " queued requests (the limit); retry later"));
+        ++usage_[q.owner].rejected;
       } else if (seq_id != q.next_seq &&
                  PendingOfLocked(q.owner) >= config_.max_pending_per_tenant) {
         immediate = absl::ResourceExhaustedError(
             absl::StrCat("this tenant has ", config_.max_pending_per_tenant,
                          " queued requests over its models (the limit); retry later"));
+        ++usage_[q.owner].rejected;
       } else {
         Pending p;
         p.spec = std::move(job);
@@ -216,6 +218,11 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
   }
   if (job.on_drop) job.on_drop();
   done(immediate);
+}
+
+TenantUsages Scheduler::Usage() const {
+  absl::MutexLock lock(&mu_);
+  return usage_;
 }
 
 int64_t Scheduler::QueueDepth() const {
@@ -370,6 +377,13 @@ void Scheduler::Loop() {
     const absl::Duration took = absl::Now() - began;
     mu_.Lock();
     if (auto t = tenants_.find(owner); t != tenants_.end()) t->second.served += took;
+    TenantUsage& usage = usage_[owner];
+    usage.scheduler_seconds += absl::ToDoubleSeconds(took);
+    if (!job->started) {
+      job->started = true;
+      ++usage.jobs;
+      usage.queue_wait_seconds += absl::ToDoubleSeconds(began - job->enqueued);
+    }
     background_turns_ = config_.steps_between_jobs;
     job->running = false;
     if (!step.done) continue;

@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/common/metrics.h"  // TenantUsage
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {
@@ -131,6 +132,9 @@ class Scheduler {
 
   // Requests queued or running, over all models (a gauge for /metrics).
   int64_t QueueDepth() const;
+  // Every tenant's account so far, by owner (for /metrics; kept after its models are deleted, so
+  // its counters only grow).
+  TenantUsages Usage() const;
   // A finished result again, from the cache.
   JobResult Retrieve(const std::string& model_id, int64_t seq_id) const;
 
@@ -146,6 +150,7 @@ class Scheduler {
     std::vector<Waiter> waiters;
     absl::Time enqueued;
     bool running = false;
+    bool started = false;  // its first step ran (a stream's job takes several)
   };
   struct Done {
     std::string kind;
@@ -184,6 +189,7 @@ class Scheduler {
   std::map<std::string, Queue> queues_ ABSL_GUARDED_BY(mu_);  // the registry
   std::deque<std::function<void()>> between_jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Tenant> tenants_ ABSL_GUARDED_BY(mu_);  // by owner, while it has models
+  TenantUsages usage_ ABSL_GUARDED_BY(mu_);
   // The service level of the tenant picked last: where a tenant returning from idle starts.
   absl::Duration level_ ABSL_GUARDED_BY(mu_);
   std::string last_owner_ ABSL_GUARDED_BY(mu_);

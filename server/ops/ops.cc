@@ -342,12 +342,14 @@ void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest*
   pending->batch = std::move(batch);
   ReplicatedRunner* runner = runner_;
   Metrics* metrics = metrics_;
-  job.run = [runner, pending, backward, metrics]() -> JobStep {
+  job.run = [runner, pending, backward, metrics, tenant]() -> JobStep {
     if (!pending->batch.ok()) return {true, pending->batch.status()};
     auto r =
         runner->ForwardBackward(std::move(pending->request), *std::move(pending->batch), backward);
     if (!r.ok()) return {true, r.status()};
-    if (backward) metrics->AddTokens(static_cast<int64_t>(r->metrics.at("num_tokens:sum")));
+    if (backward) {
+      metrics->AddTokens(tenant, static_cast<int64_t>(r->metrics.at("num_tokens:sum")));
+    }
     v1::RetrieveResultResponse out;
     ResultToProto(*r, out.mutable_forward_backward());
     return {true, out};

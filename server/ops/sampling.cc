@@ -370,18 +370,19 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
   }
 }
 
-void Sampling::Run(std::shared_ptr<const Policy> policy, SampleRequest request,
+void Sampling::Run(const std::string& tenant, std::shared_ptr<const Policy> policy,
+                   SampleRequest request,
                    std::function<void(const absl::StatusOr<SampleResult>&)> done,
                    SampleProgress progress) {
   Metrics* metrics = ops_->metrics();
   const int64_t samples = request.num_samples;
-  auto counted = [metrics, done, samples](const absl::StatusOr<SampleResult>& r) {
+  auto counted = [metrics, done, samples, tenant](const absl::StatusOr<SampleResult>& r) {
     if (metrics != nullptr) {
       metrics->AddRunningSamples(-samples);
       if (r.ok()) {
         int64_t tokens = 0;
         for (const SampledSequence& s : r->sequences) tokens += std::ssize(s.tokens);
-        metrics->AddSampled(std::ssize(r->sequences), tokens);
+        metrics->AddSampled(tenant, std::ssize(r->sequences), tokens);
       }
     }
     done(r);
@@ -407,10 +408,10 @@ void Sampling::Sample(const std::string& tenant, const v1::SampleRequest& req,
   }
   if (!request.ok()) return done(request.status());
   Resolve(tenant, req.sampler_id(), req.model_id(),
-          [this, request = *std::move(request), done, progress](auto policy) mutable {
+          [this, tenant, request = *std::move(request), done, progress](auto policy) mutable {
             if (!policy.ok()) return done(policy.status());
             Run(
-                *std::move(policy), std::move(request),
+                tenant, *std::move(policy), std::move(request),
                 [done](const absl::StatusOr<SampleResult>& r) {
                   if (!r.ok()) return done(r.status());
                   done(ToProto(*r));
@@ -437,9 +438,9 @@ void Sampling::ComputeLogprobs(const std::string& tenant, const v1::ComputeLogpr
     return done(st);
   }
   Resolve(tenant, req.sampler_id(), req.model_id(),
-          [this, request = std::move(request), done](auto policy) mutable {
+          [this, tenant, request = std::move(request), done](auto policy) mutable {
             if (!policy.ok()) return done(policy.status());
-            Run(*std::move(policy), std::move(request),
+            Run(tenant, *std::move(policy), std::move(request),
                 [done](const absl::StatusOr<SampleResult>& r) {
                   if (!r.ok()) return done(r.status());
                   v1::ComputeLogprobsResponse out;

@@ -96,7 +96,7 @@ class Sampling {
                const std::string& model_id,
                std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then);
   void StopExpirer();
-  void Run(std::shared_ptr<const Policy> policy, SampleRequest request,
+  void Run(const std::string& tenant, std::shared_ptr<const Policy> policy, SampleRequest request,
            std::function<void(const absl::StatusOr<SampleResult>&)> done,
            SampleProgress progress = nullptr);
   // Deletes the samplers unused for config_.sampler_idle; returns them, for the caller to free

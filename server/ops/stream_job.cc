@@ -17,6 +17,7 @@ void Ops::StreamForwardBackward(const std::string& tenant, const std::string& mo
                                 Done<v1::ForwardBackwardOutput> done) {
   if (auto st = CheckOwner(model_id, tenant); !st.ok()) return done(st);
   ReplicatedRunner* runner = runner_;
+  Metrics* metrics = metrics_;
   auto stream_id = std::make_shared<int64_t>(0);
   JobSpec job;
   job.kind = "StreamForwardBackward";
@@ -34,7 +35,7 @@ void Ops::StreamForwardBackward(const std::string& tenant, const std::string& mo
     absl::MutexLock lock(&state->mu);
     return !state->queue.empty() || state->closed || !state->error.ok();
   };
-  job.run = [state, runner, stream_id, model_id, loss_fn]() -> JobStep {
+  job.run = [state, runner, metrics, tenant, stream_id, model_id, loss_fn]() -> JobStep {
     std::vector<v1::Datum> wire;
     std::optional<Batch> batch;
     bool closed;
@@ -71,6 +72,7 @@ void Ops::StreamForwardBackward(const std::string& tenant, const std::string& mo
     if (!closed) return JobStep{/*done=*/false};  // more datums to come: yield
     auto r = runner->FinishStream(*stream_id);
     if (!r.ok()) return {true, r.status()};
+    metrics->AddTokens(tenant, static_cast<int64_t>(r->metrics.at("num_tokens:sum")));
     v1::RetrieveResultResponse out;
     ResultToProto(*r, out.mutable_forward_backward());
     return {true, out};

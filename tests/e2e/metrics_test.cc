@@ -47,6 +47,13 @@ TEST(Metrics, CountsRequestsTokensStepsAndServesProbes) {
   EXPECT_TRUE(HasLine(body, "tinkerd_tokens_processed_total " +
                                 std::to_string(static_cast<int64_t>(os.num_tokens()))));
   EXPECT_TRUE(HasLine(body, "tinkerd_optimizer_steps_total 1"));
+  // Per tenant (auth off: every call is the tenant "default"): the tokens trained, and the
+  // scheduler's three jobs (the refused loss is answered by its job).
+  EXPECT_TRUE(HasLine(body, "tinkerd_tenant_tokens_trained_total{tenant=\"default\"} " +
+                                std::to_string(static_cast<int64_t>(os.num_tokens()))))
+      << body;
+  EXPECT_TRUE(HasLine(body, "tinkerd_tenant_jobs_total{tenant=\"default\"} 3")) << body;
+  EXPECT_TRUE(HasLine(body, "tinkerd_tenant_rejected_total{tenant=\"default\"} 0")) << body;
   EXPECT_TRUE(HasLine(body, "tinkerd_skipped_steps_total 0"));
   EXPECT_TRUE(HasLine(body, "tinkerd_queue_depth 0"));
   EXPECT_TRUE(HasLine(body, "tinkerd_serving 1"));

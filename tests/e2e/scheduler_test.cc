@@ -160,6 +160,7 @@ class Tenants {
     absl::MutexLock lock(&mu_);
     return answers_;
   }
+  TenantUsages Usage() const { return scheduler_.Usage(); }
 
  private:
   Scheduler scheduler_;
@@ -232,6 +233,16 @@ TEST(Scheduler, ATenantsQueuedCallsAreBoundedOverItsModels) {
   int ok = 0;
   for (const absl::Status& st : t.Answers()) ok += st.ok();
   EXPECT_EQ(ok, 6);
+  // Each tenant's account (/metrics): its jobs, the refusal, and the gate's time as a's.
+  const TenantUsages usage = t.Usage();
+  ASSERT_EQ(usage.count("a"), 1u);
+  ASSERT_EQ(usage.count("b"), 1u);
+  EXPECT_EQ(usage.at("a").jobs, 4);
+  EXPECT_EQ(usage.at("a").rejected, 1);
+  EXPECT_EQ(usage.at("b").jobs, 2);
+  EXPECT_EQ(usage.at("b").rejected, 0);
+  EXPECT_GT(usage.at("a").scheduler_seconds, usage.at("b").scheduler_seconds);
+  EXPECT_GT(usage.at("b").queue_wait_seconds, 0.0) << "b's calls waited for the gate";
 }
 
 }  // namespace
