@@ -3,11 +3,14 @@ model on one sequence per call, against one tenant sending the same K sequences 
 spread between tenants (slowest / fastest tenant's tokens/s). Starts its own tinkerd with an API
 keys file of K tenants, on the embedded default model.
 
-    PYTHONPATH=build/client/python python3 bench/tenants.py --binary=build/server/tinkerd \
+    PYTHONPATH=build/client/python /usr/bin/python3 bench/tenants.py --binary=build/server/tinkerd \
         --tenants=1,4,8,16 --tokens=64 --rounds=6
 
 Each round of a model is a forward_backward and an optim_step, sent together (pipelined); every
-tenant runs its rounds on its own thread and connection. Prints one Markdown table row per K.
+model runs its rounds on its own thread and connection. With --greedy_models=M the first tenant
+trains M models at once, the same tokens in all as every other tenant's one model (each of its
+models takes rounds / M rounds), so the spread says whether a tenant's share grows with its number
+of models. Prints one Markdown table row per K.
 """
 
 import argparse
@@ -44,8 +47,9 @@ def sequence(rng, vocab: int, tokens: int):
 
 
 def train(target: str, key: str, rounds: int, per_call: int, tokens: int, rank: int, seed: int,
-          start: threading.Barrier):
-    """Trains one model; returns (tokens trained, seconds from the barrier to the last step)."""
+          start: threading.Barrier, depth: int = 1):
+    """Trains one model, `depth` rounds in flight; returns (tokens trained, seconds from the barrier
+    to the last step)."""
     with tinkerd.Connection(target, api_key=key) as conn:
         trainer = conn.create_training_client(lora_rank=rank, seed=seed)
         vocab = trainer.get_info().vocab_size
@@ -54,26 +58,38 @@ def train(target: str, key: str, rounds: int, per_call: int, tokens: int, rank: 
         trainer.optim_step(1e-4).result()
         start.wait()
         t0 = time.monotonic()
+        in_flight = []
         for _ in range(rounds):
-            fb = trainer.forward_backward([sequence(rng, vocab, tokens) for _ in range(per_call)])
-            step = trainer.optim_step(1e-4)
-            fb.result()
-            step.result()
+            in_flight.append(
+                trainer.forward_backward([sequence(rng, vocab, tokens) for _ in range(per_call)]))
+            in_flight.append(trainer.optim_step(1e-4))
+            while len(in_flight) > 2 * depth:
+                in_flight.pop(0).result()
+        for f in in_flight:
+            f.result()
         return rounds * per_call * tokens, time.monotonic() - t0
 
 
 def run(target: str, keys: list[str], k: int, args) -> tuple[float, float, float]:
     """(one tenant's tokens/s with k sequences per call, k tenants' aggregate, slowest/fastest)."""
     one = train(target, keys[0], args.rounds, k, args.tokens, args.rank, 1, threading.Barrier(1))
-    barrier = threading.Barrier(k)
-    with concurrent.futures.ThreadPoolExecutor(k) as pool:
+    owners = [0] * (args.greedy_models - 1) + list(range(k))  # a model per entry
+    barrier = threading.Barrier(len(owners))
+    with concurrent.futures.ThreadPoolExecutor(len(owners)) as pool:
         t0 = time.monotonic()
         results = list(pool.map(
-            lambda i: train(target, keys[i], args.rounds, 1, args.tokens, args.rank, 100 + i,
-                            barrier), range(k)))
+            lambda i: train(target, keys[owners[i]],
+                            args.rounds // args.greedy_models if owners[i] == 0 else args.rounds,
+                            1, args.tokens, args.rank, 100 + i, barrier, args.depth),
+            range(len(owners))))
         wall = time.monotonic() - t0
-    rates = [n / s for n, s in results]
-    return one[0] / one[1], sum(n for n, _ in results) / wall, max(rates) / min(rates)
+    # A tenant's rate: its models' tokens over the time its last one took.
+    tokens, seconds = [0] * k, [0.0] * k
+    for owner, (n, s) in zip(owners, results):
+        tokens[owner] += n
+        seconds[owner] = max(seconds[owner], s)
+    rates = [n / s for n, s in zip(tokens, seconds)]
+    return one[0] / one[1], sum(tokens) / wall, max(rates) / min(rates)
 
 
 def main() -> int:
@@ -84,6 +100,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--greedy_models", type=int, default=1,
+                   help="models the first tenant trains at once")
+    p.add_argument("--depth", type=int, default=1,
+                   help="rounds each model keeps in flight (its calls queued at the server)")
     args = p.parse_args()
     ks = [int(k) for k in args.tenants.split(",")]
     keys = [f"tenant-{i:03d}-key-0123456789abcdef" for i in range(max(ks))]
