@@ -25,6 +25,10 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError("server: max_pending_per_model < 1");
   if (scheduler.max_pending_per_tenant < 1)
     return absl::InvalidArgumentError("server: max_pending_per_tenant < 1");
+  if (scheduler.max_models_per_tenant < 0)
+    return absl::InvalidArgumentError("server: max_models_per_tenant < 0");
+  if (sampling.max_samples_per_tenant < 0)
+    return absl::InvalidArgumentError("server: max_samples_per_tenant < 0");
   if (scheduler.result_cache_per_model < 1)
     return absl::InvalidArgumentError("server: result_cache_per_model < 1");
   if (scheduler.order_timeout <= absl::ZeroDuration())
@@ -46,13 +50,15 @@ absl::Status ServerConfig::Validate() const {
 std::string ServerConfig::DebugString() const {
   return absl::StrFormat(
       "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
-      "max_pending_per_tenant=%d result_cache_per_model=%d order_timeout=%s checkpoint_root=%s "
+      "max_pending_per_tenant=%d max_models_per_tenant=%d max_samples_per_tenant=%d "
+      "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s "
       "auth=%s tls=%s %s "
       "sample_max_sequences=%d sample_kv_cache_bytes=%d sampler_idle=%s "
       "sampler_bytes_per_tenant=%d sample_steps_between_jobs=%d "
       "sample_prefill_tokens_per_step=%d",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       scheduler.max_pending_per_model, scheduler.max_pending_per_tenant,
+      scheduler.max_models_per_tenant, sampling.max_samples_per_tenant,
       scheduler.result_cache_per_model, absl::FormatDuration(scheduler.order_timeout),
       checkpoint_root, api_keys.enabled() ? "api_keys" : "off",
       tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"),

@@ -42,6 +42,11 @@ ABSL_FLAG(int, max_message_mb, 256, "largest request or response, MiB");
 ABSL_FLAG(int, max_pending_per_model, 64, "queued requests per model before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_pending_per_tenant, 1024,
           "queued requests over a tenant's models before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_models_per_tenant, 0,
+          "models one tenant may hold (0: only --max_models bounds them)");
+ABSL_FLAG(int, max_samples_per_tenant, 0,
+          "samples one tenant may have running at once (0: only --sample_max_sequences bounds "
+          "them); past it RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, result_cache_per_model, 256, "finished results kept per model for retries");
 ABSL_FLAG(int, order_timeout_s, 60, "how long a request waits for an earlier seq_id");
 ABSL_FLAG(int, shutdown_grace_s, 30, "on SIGTERM, time allowed for accepted work to finish");
@@ -209,6 +214,8 @@ int main(int argc, char** argv) {
   sc.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   sc.scheduler.max_pending_per_model = absl::GetFlag(FLAGS_max_pending_per_model);
   sc.scheduler.max_pending_per_tenant = absl::GetFlag(FLAGS_max_pending_per_tenant);
+  sc.scheduler.max_models_per_tenant = absl::GetFlag(FLAGS_max_models_per_tenant);
+  sc.sampling.max_samples_per_tenant = absl::GetFlag(FLAGS_max_samples_per_tenant);
   sc.scheduler.result_cache_per_model = absl::GetFlag(FLAGS_result_cache_per_model);
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
   sc.scheduler.steps_between_jobs = absl::GetFlag(FLAGS_sample_steps_between_jobs);

@@ -73,6 +73,7 @@ struct JobSpec {
 struct SchedulerConfig {
   int max_pending_per_model = 64;
   int max_pending_per_tenant = 1024;
+  int max_models_per_tenant = 0;  // 0: only the runner's --max_models bounds a tenant's models
   int result_cache_per_model = 256;
   absl::Duration order_timeout = absl::Seconds(60);
   // Background steps (decode steps) between two jobs while both have work: a queued job waits
@@ -91,7 +92,8 @@ class Scheduler {
   void Stop(absl::Duration grace);
 
   // On the scheduler thread, between jobs: `create` makes the model in the runner and returns its
-  // id, which is then registered to `owner` with an empty queue; `done` gets the id or the error.
+  // id, which is then registered to `owner` with an empty queue; `done` gets the id or the error
+  // (RESOURCE_EXHAUSTED, `create` not called, when `owner` holds max_models_per_tenant models).
   void CreateModel(std::string owner, std::function<absl::StatusOr<std::string>()> create,
                    std::function<void(const absl::StatusOr<std::string>&)> done);
   // On the scheduler thread, between jobs: the model leaves the registry (its queued requests,

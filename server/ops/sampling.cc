@@ -370,13 +370,39 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
   }
 }
 
+absl::Status Sampling::Reserve(const std::string& tenant, int64_t samples) {
+  if (config_.max_samples_per_tenant <= 0) return absl::OkStatus();
+  absl::MutexLock lock(&running_mu_);
+  int64_t& running = running_[tenant];
+  if (running + samples > config_.max_samples_per_tenant) {
+    const int64_t held = running;
+    if (running == 0) running_.erase(tenant);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this tenant has ", held, " samples running; ", samples, " more would pass the limit of ",
+        config_.max_samples_per_tenant, " (--max_samples_per_tenant); retry later"));
+  }
+  running += samples;
+  return absl::OkStatus();
+}
+
+void Sampling::Release(const std::string& tenant, int64_t samples) {
+  if (config_.max_samples_per_tenant <= 0) return;
+  absl::MutexLock lock(&running_mu_);
+  auto it = running_.find(tenant);
+  if (it == running_.end()) return;
+  it->second -= samples;
+  if (it->second <= 0) running_.erase(it);
+}
+
 void Sampling::Run(const std::string& tenant, std::shared_ptr<const Policy> policy,
                    SampleRequest request,
                    std::function<void(const absl::StatusOr<SampleResult>&)> done,
                    SampleProgress progress) {
   Metrics* metrics = ops_->metrics();
   const int64_t samples = request.num_samples;
-  auto counted = [metrics, done, samples, tenant](const absl::StatusOr<SampleResult>& r) {
+  if (absl::Status st = Reserve(tenant, samples); !st.ok()) return done(st);
+  auto counted = [this, metrics, done, samples, tenant](const absl::StatusOr<SampleResult>& r) {
+    Release(tenant, samples);
     if (metrics != nullptr) {
       metrics->AddRunningSamples(-samples);
       if (r.ok()) {
@@ -392,6 +418,7 @@ void Sampling::Run(const std::string& tenant, std::shared_ptr<const Policy> poli
   absl::Status admitted =
       engine_->Admit(std::move(policy), std::move(request), counted, std::move(progress));
   if (!admitted.ok()) {
+    Release(tenant, samples);
     if (metrics != nullptr) metrics->AddRunningSamples(-samples);
     return done(admitted);
   }

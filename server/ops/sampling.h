@@ -31,6 +31,9 @@ struct SamplingConfig {
   EngineLimits engine;
   SampleLimits request;
   int max_samplers_per_tenant = 32;
+  // Samples a tenant may have in the engine at once (0: only the engine's own bound); past it a
+  // request is RESOURCE_EXHAUSTED, for the client to retry.
+  int max_samples_per_tenant = 0;
   // Memory a tenant's samplers may hold beyond the base model's weights (a LoRA sampler holds its
   // adapter, a full fine-tune's or a merged export's its whole weights). A new sampler evicts the
   // tenant's least recently used ones until it fits; one larger than this alone is refused.
@@ -96,6 +99,9 @@ class Sampling {
                const std::string& model_id,
                std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then);
   void StopExpirer();
+  // Takes `samples` of the tenant's share of the engine, or says why not.
+  absl::Status Reserve(const std::string& tenant, int64_t samples);
+  void Release(const std::string& tenant, int64_t samples);
   void Run(const std::string& tenant, std::shared_ptr<const Policy> policy, SampleRequest request,
            std::function<void(const absl::StatusOr<SampleResult>&)> done,
            SampleProgress progress = nullptr);
@@ -113,6 +119,10 @@ class Sampling {
   std::shared_ptr<const Policy> base_;
   absl::Mutex mu_;
   std::map<std::string, Sampler> samplers_ ABSL_GUARDED_BY(mu_);
+  // Samples each tenant has in the engine (config_.max_samples_per_tenant); its own lock, taken
+  // alone, since the engine's completions run on the scheduler thread.
+  absl::Mutex running_mu_;
+  std::map<std::string, int64_t> running_ ABSL_GUARDED_BY(running_mu_);
   // Expires idle samplers every sampler_idle / 4 (50 ms to 1 min), so that an idle server frees
   // their memory too, not only at the next sampler call.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -311,6 +311,27 @@ TEST(SamplingE2e, ATenantsSamplersStayWithinItsMemoryBudget) {
       << st.error_message();
 }
 
+// --max_samples_per_tenant: a request that would take a tenant past its samples in the engine is
+// RESOURCE_EXHAUSTED naming the flag (retryable), and a finished request gives its share back.
+TEST(SamplingE2e, ATenantsRunningSamplesAreBounded) {
+  ServerConfig sc;
+  sc.sampling.max_samples_per_tenant = 4;
+  LiveServer live(sc);
+  v1::SampleRequest req = SampleReq("", 1, 4);
+  req.set_num_samples(5);
+  v1::SampleResponse out;
+  grpc::Status st = Sample(live, req, &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(st.error_message().find("--max_samples_per_tenant"), std::string::npos)
+      << st.error_message();
+  req.set_num_samples(4);
+  for (int i = 0; i < 2; ++i) {  // the second fits only if the first gave its share back
+    st = Sample(live, req, &out);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(out.sequences_size(), 4);
+  }
+}
+
 // A gauge's value from /metrics.
 double Gauge(int port, const std::string& name) {
   httplib::Client c("127.0.0.1", port);

@@ -245,5 +245,50 @@ TEST(Scheduler, ATenantsQueuedCallsAreBoundedOverItsModels) {
   EXPECT_GT(usage.at("b").queue_wait_seconds, 0.0) << "b's calls waited for the gate";
 }
 
+// --max_models_per_tenant: a tenant's models past the limit are refused before the runner is
+// asked (RESOURCE_EXHAUSTED naming the flag); another tenant is not counted against it, and a
+// deleted model makes room again.
+TEST(Scheduler, ATenantsModelsAreBounded) {
+  SchedulerConfig config;
+  config.max_models_per_tenant = 2;
+  Scheduler scheduler(config);
+  scheduler.Start();
+  int created = 0;
+  auto create = [&](const std::string& owner, const std::string& model) {
+    absl::Notification answered;
+    absl::Status status;
+    scheduler.CreateModel(
+        owner,
+        [&created, model] {
+          ++created;
+          return absl::StatusOr<std::string>(model);
+        },
+        [&](const absl::StatusOr<std::string>& id) {
+          status = id.status();
+          answered.Notify();
+        });
+    answered.WaitForNotification();
+    return status;
+  };
+  EXPECT_TRUE(create("a", "a1").ok());
+  EXPECT_TRUE(create("a", "a2").ok());
+  const absl::Status third = create("a", "a3");
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.message().find("--max_models_per_tenant"), std::string::npos) << third.message();
+  EXPECT_EQ(created, 2) << "a refused model is never created";
+  EXPECT_TRUE(create("b", "b1").ok());
+  absl::Notification deleted;
+  scheduler.DeleteModel(
+      "a1", [] { return absl::OkStatus(); },
+      [&](const absl::Status& st) {
+        EXPECT_TRUE(st.ok()) << st.message();
+        deleted.Notify();
+      });
+  deleted.WaitForNotification();
+  EXPECT_TRUE(create("a", "a3").ok());
+  EXPECT_EQ(scheduler.Usage().at("a").rejected, 1);
+  scheduler.Stop(absl::Seconds(10));
+}
+
 }  // namespace
 }  // namespace tinkerd::testing
