@@ -105,18 +105,19 @@ struct NormalizeFunction : torch::autograd::Function<NormalizeFunction> {
 at::Tensor RmsNorm(const RmsNormParams& p) {
   const bool grad =
       c10::GradMode::is_enabled() && (p.x_ND.requires_grad() || p.w_D.requires_grad());
+  const bool rows = RowsServe(p);
+  if (rows && !grad) return Rows(p.x_ND, p.w_D, p.eps);
+  // cast(x · r): the loop's, differentiated by its formula, or ATen's ops (float64, CUDA).
   const at::ScalarType dt = p.x_ND.scalar_type();
-  if (RowsServe(p)) {
-    if (!grad) return Rows(p.x_ND, p.w_D, p.eps);
-    const at::Tensor normed = NormalizeFunction::apply(p.x_ND, p.eps);
-    if (MixedInUse(normed, p.w_D)) return MixedScale({normed, p.w_D});
-    return normed * p.w_D.to(dt);
+  at::Tensor normed;
+  if (rows) {
+    normed = NormalizeFunction::apply(p.x_ND, p.eps);
+  } else {
+    const at::Tensor x = dt == at::kDouble ? p.x_ND : p.x_ND.to(at::kFloat);
+    normed = (x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + p.eps)).to(dt);
   }
-  const at::Tensor x = dt == at::kDouble ? p.x_ND : p.x_ND.to(at::kFloat);
-  const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + p.eps);
-  const at::Tensor normed_dt = normed.to(dt);
-  if (MixedInUse(normed_dt, p.w_D)) return MixedScale({normed_dt, p.w_D});
-  return normed_dt * p.w_D.to(dt);
+  if (MixedInUse(normed, p.w_D)) return MixedScale({normed, p.w_D});
+  return normed * p.w_D.to(dt);
 }
 
 }  // namespace tinkerd::kernels

@@ -52,17 +52,15 @@ bool Scheduler::RunBetweenJobs(std::function<void()> op) {
 void Scheduler::CreateModel(std::string owner, std::function<absl::StatusOr<std::string>()> create,
                             std::function<void(const absl::StatusOr<std::string>&)> done) {
   auto op = [this, owner = std::move(owner), create = std::move(create), done] {
-    if (config_.max_models_per_tenant > 0) {
-      int held = 0;
+    if (const size_t held = Models(owner).size();
+        config_.max_models_per_tenant > 0 &&
+        held >= static_cast<size_t>(config_.max_models_per_tenant)) {
       {
         absl::MutexLock lock(&mu_);
-        for (const auto& [id, q] : queues_) held += q.owner == owner;
-        if (held >= config_.max_models_per_tenant) ++usage_[owner].rejected;
+        ++usage_[owner].rejected;
       }
-      if (held >= config_.max_models_per_tenant) {
-        return done(absl::ResourceExhaustedError(absl::StrCat(
-            "this tenant has ", held, " models (the limit, --max_models_per_tenant); delete one")));
-      }
+      return done(absl::ResourceExhaustedError(absl::StrCat(
+          "this tenant has ", held, " models (the limit, --max_models_per_tenant); delete one")));
     }
     absl::StatusOr<std::string> id = create();
     if (id.ok()) {
