@@ -16,7 +16,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <sys/resource.h>
 #include <torch/cuda.h>
 #ifdef TINKERD_BENCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -41,6 +40,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "bench/rss.h"
 #include "bench/trace.h"
 #include "runner/model/config.h"
 #include "runner/model/tiny_model.h"
@@ -371,34 +371,9 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Peak resident set of this process over its whole life (ru_maxrss is in KiB on Linux): the
-// set-up (writing and loading the model) included.
-double PeakRssMB() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_maxrss) / 1024.0;
-}
-
-// Peak resident set since the last ResetPeakRss (VmHWM), or -1 where /proc cannot say. Training
-// memory is measured from the first step, so that generating and loading the model's weights,
-// which a server does once, do not hide how memory grows with tokens.
-double PeakRssSinceResetMB() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return -1;
-  char line[256];
-  double kb = -1;
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    if (std::sscanf(line, "VmHWM: %lf kB", &kb) == 1) break;
-  }
-  std::fclose(f);
-  return kb < 0 ? -1 : kb / 1024.0;
-}
-void ResetPeakRss() {
-  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
-    std::fputs("5", f);  // 5: reset the peak resident set size (proc(5))
-    std::fclose(f);
-  }
-}
+using tinkerd::bench::PeakRssMB;
+using tinkerd::bench::PeakRssSinceResetMB;
+using tinkerd::bench::ResetPeakRss;
 
 // The CUDA caching allocator's peak, from the matmul probe's end to the last training step.
 void ResetPeakDeviceMemory(const at::Device& device) {

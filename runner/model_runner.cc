@@ -141,7 +141,8 @@ struct ModelRunner::Impl {
   }
   // Memory a model's trainable state would take, counted before anything is allocated: each
   // trainable value is held four times (the parameter, its gradient sum, AdamW's two moments) in
-  // the training dtype. Activations are bounded by micro_batch_tokens, not counted here.
+  // the training dtype; under --shard=optimizer the parameter once and the other three a W-th
+  // each. Activations are bounded by micro_batch_tokens, not counted here.
   absl::StatusOr<int64_t> StateBytes(const CreateModelOptions& options) const {
     int64_t values = 0;
     if (options.lora) {
@@ -152,7 +153,11 @@ struct ModelRunner::Impl {
         values += w.numel();
       }
     }
-    return values * 4 * at::elementSize(TrainDType());
+    // Under --shard=optimizer a rank holds the parameters and 1/W of the other three.
+    const int64_t W = collectives->world_size();
+    const int64_t held =
+        config.shard == ShardMode::kOptimizer ? values + 3 * ((values + W - 1) / W) : 4 * values;
+    return held * at::elementSize(TrainDType());
   }
   // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
   at::ScalarType TrainDType() const { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
@@ -193,6 +198,30 @@ const RunnerConfig& ModelRunner::config() const {
 ModelLimits ModelRunner::limits() const {
   return impl_->Limits();
 }
+
+namespace {
+
+// Data-parallel ranks must hold the same base model in the same dtype and split training state
+// the same way: ranks that differ in --shard would issue different collectives and never line up.
+// Every rank calls this once, at start-up.
+absl::Status AgreeOnSetup(Collectives& c, const RunnerConfig& config, uint64_t fingerprint) {
+  if (c.world_size() == 1) return absl::OkStatus();
+  const std::string mine =
+      absl::StrFormat("base model %016x, compute_dtype %s, shard %s", fingerprint,
+                      ComputeDTypeName(config.compute_dtype), ShardModeName(config.shard));
+  ASSIGN_OR_RETURN(std::vector<std::string> all, c.AllGatherBytes(mine));
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r] != all[0]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "runner: every rank must run the same base model, compute dtype and shard mode; rank 0 "
+          "has ",
+          all[0], ", rank ", r, " has ", all[r]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerConfig& config) {
   RETURN_IF_ERROR(config.Validate());
@@ -260,6 +289,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     for (auto& [name, t] : tensors) t = t.to(impl->device);
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
+    RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
     impl->rope = std::make_shared<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
     // See util/cpu_environment.h.
@@ -333,10 +363,18 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
       t.params = own.Named(tied);
       t.full = std::move(own);
     }
-    for (const auto& [name, p] : t.params) {
-      t.grad_sum[name] = at::zeros_like(p).set_requires_grad(false);
-      t.exp_avg[name] = at::zeros_like(p).set_requires_grad(false);
-      t.exp_avg_sq[name] = at::zeros_like(p).set_requires_grad(false);
+    if (impl_->config.shard == ShardMode::kOptimizer) {
+      std::vector<int64_t> numels;
+      for (const auto& [name, p] : t.params) numels.push_back(p.numel());
+      t.shard.emplace(ShardLayout(std::move(numels), impl_->collectives->world_size(),
+                                  impl_->collectives->rank()),
+                      at::TensorOptions().dtype(train_dtype).device(impl_->device));
+    } else {
+      for (const auto& [name, p] : t.params) {
+        t.grad_sum[name] = at::zeros_like(p).set_requires_grad(false);
+        t.exp_avg[name] = at::zeros_like(p).set_requires_grad(false);
+        t.exp_avg_sq[name] = at::zeros_like(p).set_requires_grad(false);
+      }
     }
     t.id = id;
     t.state_bytes = state_bytes;
@@ -504,6 +542,32 @@ void ModelRunner::AbortStream(int64_t stream_id) {
   impl_->streams.erase(stream_id);
 }
 
+namespace {
+
+// Under --shard=optimizer: the model with its gradient sums and moments as whole tensors,
+// assembled one tensor at a time from every rank's slice. Rank 0 keeps them (it writes the
+// checkpoint); the other ranks drop each as it arrives.
+absl::StatusOr<ModelState> GatherShard(Collectives& c, const ModelState& t) {
+  ModelState whole = t;
+  whole.shard.reset();
+  std::vector<std::string> names;
+  std::vector<at::Tensor> like;
+  for (const auto& [name, p] : t.params) {
+    names.push_back(name);
+    like.push_back(p);
+  }
+  for (auto [flat_C, out] : {std::pair{&t.shard->grad_sum_C, &whole.grad_sum},
+                             std::pair{&t.shard->exp_avg_C, &whole.exp_avg},
+                             std::pair{&t.shard->exp_avg_sq_C, &whole.exp_avg_sq}}) {
+    RETURN_IF_ERROR(t.shard->Gather(c, *flat_C, like, [&](size_t i, at::Tensor v) {
+      if (c.rank() == 0) (*out)[names[i]] = std::move(v);
+    }));
+  }
+  return whole;
+}
+
+}  // namespace
+
 absl::Status ModelRunner::SaveState(const std::string& model_id, const std::string& path,
                                     const SaveStateOptions& options) {
   absl::MutexLock lock(&impl_->mu);
@@ -517,6 +581,14 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   CheckpointMeta meta{options.last_seq_id, impl_->base_fingerprint, impl_->config.base_model_path,
                       impl_->dtype == at::kDouble ? "float64" : "float32"};
   return Guarded("save_state", [&]() -> absl::Status {
+    if (t->shard) {
+      ASSIGN_OR_RETURN(ModelState whole, GatherShard(*impl_->collectives, *t));
+      if (impl_->collectives->rank() != 0) return absl::OkStatus();
+      return CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
+        return WriteTrainingState(whole, meta,
+                                  options.include_accumulated ? &whole.grad_sum : nullptr, dir);
+      });
+    }
     // Each rank holds its share of the gradient until optim_step reduces them (Note [Reduce once]
     // in runner/dist/collectives.h); a checkpoint holds their sum.
     std::map<std::string, at::Tensor> accumulated;
@@ -541,22 +613,30 @@ namespace {
 
 // Copies a checked checkpoint into a model. Called with the runner's lock held, after
 // CheckCompatible, so it cannot fail halfway.
-// `rank`: the checkpoint's gradient sum goes to rank 0, zeros to the others (see SaveState).
+// `rank`: replicas put the checkpoint's gradient sum on rank 0 and zeros on the others (see
+// SaveState). Shards take their slice of every whole tensor, the sum included (it is already
+// reduced), so a checkpoint of any world size and sharding loads at any other.
 void ApplyLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer, int rank) {
   at::NoGradGuard no_grad;
+  std::vector<at::Tensor> avg, avg_sq, sums;  // whole tensors in name order
   for (auto& [name, p] : t.params) {
     p.copy_(s.params.at(name));
-    t.exp_avg[name].copy_(s.exp_avg.at(name));
-    t.exp_avg_sq[name].copy_(s.exp_avg_sq.at(name));
-    if (!with_optimizer) {
-      t.exp_avg[name].zero_();
-      t.exp_avg_sq[name].zero_();
-    }
+    avg.push_back(with_optimizer ? s.exp_avg.at(name) : at::zeros_like(p));
+    avg_sq.push_back(with_optimizer ? s.exp_avg_sq.at(name) : at::zeros_like(p));
     auto g = s.grad_sum.find(name);
-    if (g != s.grad_sum.end() && rank == 0) {
-      t.grad_sum[name].copy_(g->second);
-    } else {
-      t.grad_sum[name].zero_();
+    sums.push_back(g != s.grad_sum.end() && (t.shard || rank == 0) ? g->second : at::zeros_like(p));
+  }
+  if (t.shard) {
+    t.shard->Scatter(avg, t.shard->exp_avg_C);
+    t.shard->Scatter(avg_sq, t.shard->exp_avg_sq_C);
+    t.shard->Scatter(sums, t.shard->grad_sum_C);
+  } else {
+    size_t i = 0;
+    for (const auto& [name, p] : t.params) {
+      t.exp_avg[name].copy_(avg[i]);
+      t.exp_avg_sq[name].copy_(avg_sq[i]);
+      t.grad_sum[name].copy_(sums[i]);
+      ++i;
     }
   }
   t.step = with_optimizer ? s.step : 0;
@@ -736,6 +816,25 @@ absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string
   if (kind == StateKind::kAdamExpAvgSq) src = &t->exp_avg_sq;
   return Guarded("snapshot", [&]() -> absl::StatusOr<std::vector<NamedValues>> {
     std::vector<NamedValues> out;
+    if (t->shard && kind != StateKind::kParams) {
+      const OptimizerShard& shard = *t->shard;
+      const at::Tensor& flat_C = kind == StateKind::kGrads        ? shard.grad_sum_C
+                                 : kind == StateKind::kAdamExpAvg ? shard.exp_avg_C
+                                                                  : shard.exp_avg_sq_C;
+      std::vector<std::string> names;
+      for (const auto& [name, p] : t->params) names.push_back(name);
+      const ShardLayout& l = shard.layout;
+      for (const auto& piece : l.Pieces(l.begin(l.rank()), l.end(l.rank()))) {
+        at::Tensor d = flat_C.narrow(0, piece.offset, piece.length).to(at::kCPU, at::kDouble);
+        NamedValues v{absl::StrCat(names[piece.tensor], "[", piece.tensor_offset, ":",
+                                   piece.tensor_offset + piece.length, "]"),
+                      {piece.length},
+                      {}};
+        v.values.assign(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+        out.push_back(std::move(v));
+      }
+      return out;
+    }
     for (const auto& [name, tensor] : *src) {
       at::Tensor d = tensor.detach().to(at::kCPU, at::kDouble).contiguous();
       NamedValues v{name, d.sizes().vec(), {}};

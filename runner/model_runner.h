@@ -108,6 +108,8 @@ class ModelRunner {
   absl::StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path) const;
 
   // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.
+  // Under --shard=optimizer, gradients and moments are this rank's slices, each named
+  // "<tensor>[begin:end]" by its range in the flattened tensor.
   absl::StatusOr<std::vector<NamedValues>> Snapshot(const std::string& model_id,
                                                     StateKind kind) const;
 

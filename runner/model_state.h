@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "runner/dist/shard.h"
 #include "runner/model/lora.h"
 #include "runner/model/transformer.h"
 #include "runner/types.h"
@@ -26,6 +27,9 @@ struct ModelState {
   std::map<std::string, at::Tensor> grad_sum;
   std::map<std::string, at::Tensor> exp_avg;
   std::map<std::string, at::Tensor> exp_avg_sq;
+  // Under ShardMode::kOptimizer: this rank's slice of the sums and moments, reduced per call;
+  // grad_sum, exp_avg and exp_avg_sq are then empty.
+  std::optional<OptimizerShard> shard;
   int64_t state_bytes = 0;  // of params and accumulators, as admitted (ModelRunner::CreateModel)
   int64_t accumulated_tokens = 0;     // global valid tokens since the last step
   int64_t accumulated_sequences = 0;  // global valid sequences since the last step

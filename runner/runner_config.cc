@@ -46,6 +46,28 @@ const char* ComputeDTypeName(ComputeDType dtype) {
   return "?";
 }
 
+absl::StatusOr<ShardMode> ParseShardMode(absl::string_view name) {
+  for (ShardMode m : {ShardMode::kNone, ShardMode::kOptimizer}) {
+    if (name == ShardModeName(m)) return m;
+  }
+  if (name == "full") {
+    return absl::InvalidArgumentError(
+        "runner: shard=full (parameters sharded as well) is not built yet; use none or optimizer");
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("runner: shard must be none or optimizer, not \"", std::string(name), "\""));
+}
+
+const char* ShardModeName(ShardMode mode) {
+  switch (mode) {
+    case ShardMode::kNone:
+      return "none";
+    case ShardMode::kOptimizer:
+      return "optimizer";
+  }
+  return "?";
+}
+
 absl::StatusOr<DeviceSpec> ParseDevice(absl::string_view device) {
   if (device == "cpu") return DeviceSpec{false, 0};
   if (device == "cuda") return DeviceSpec{true, 0};
@@ -63,10 +85,10 @@ std::string RunnerConfig::DebugString() const {
   return absl::StrFormat(
       "base_model_path=%s device=%s compute_dtype=%s micro_batch_tokens=%d "
       "activation_checkpointing=%s num_threads=%d max_models=%d max_model_bytes=%d "
-      "memory_budget_bytes=%d",
+      "memory_budget_bytes=%d shard=%s",
       base_model_path, device, ComputeDTypeName(compute_dtype), micro_batch_tokens,
       activation_checkpointing ? "true" : "false", num_threads, max_models, max_model_bytes,
-      memory_budget_bytes);
+      memory_budget_bytes, ShardModeName(shard));
 }
 
 }  // namespace tinkerd

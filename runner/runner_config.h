@@ -19,6 +19,13 @@ enum class ComputeDType { kFloat32, kFloat64, kBFloat16, kFloat16 };
 absl::StatusOr<ComputeDType> ParseComputeDType(absl::string_view name);
 const char* ComputeDTypeName(ComputeDType dtype);
 
+// What each data-parallel rank holds of a model's training state. kNone: all of it (replicas).
+// kOptimizer: every parameter, but 1/W of the gradient sums and AdamW moments
+// (runner/dist/shard.h). Parameter sharding (full) is not built yet.
+enum class ShardMode { kNone, kOptimizer };
+absl::StatusOr<ShardMode> ParseShardMode(absl::string_view name);
+const char* ShardModeName(ShardMode mode);
+
 struct RunnerConfig {
   std::string base_model_path;  // directory with config.json and *.safetensors
   ComputeDType compute_dtype = ComputeDType::kFloat32;
@@ -40,6 +47,7 @@ struct RunnerConfig {
   // Where weights live and compute runs: "cpu", "cuda" (device 0) or "cuda:N". A CUDA device
   // needs a CUDA build of LibTorch and a visible GPU; ModelRunner::Create checks both.
   std::string device = "cpu";
+  ShardMode shard = ShardMode::kNone;
   // Data-parallel hook; null means a single process (world size 1).
   std::shared_ptr<Collectives> collectives;
 

@@ -224,8 +224,11 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
         counts[0] > 0 ? static_cast<double>(counts[2]) / static_cast<double>(counts[0]) : 0.0;
   }
   if (backward_) {
+    at::Tensor reduced_C;  // see Note [Reduce once, sharded] in runner/dist/shard.h
+    if (model_.shard) RETURN_IF_ERROR(model_.shard->ReduceScatter(c, staged_, reduced_C));
     // The only place a call changes training state.
     at::NoGradGuard no_grad;
+    if (model_.shard) model_.shard->grad_sum_C.add_(reduced_C);
     size_t k = 0;
     for (auto& [name, g] : model_.grad_sum) g.add_(staged_[k++]);
     model_.accumulated_tokens += counts[0];
@@ -294,30 +297,38 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
       break;
   }
   at::NoGradGuard no_grad;
+  // The whole gradients, or under --shard=optimizer this rank's slices of them (views of one
+  // copy of its shard, cut at the tensors' boundaries).
   std::vector<at::Tensor> grads;
-  for (auto& [name, g] : t.grad_sum) grads.push_back(g.clone());
-  // See Note [Reduce once] in runner/dist/collectives.h.
-  if (auto st = ctx.collectives->AllReduceSumGradients(grads); !st.ok()) return st;
+  if (t.shard) {
+    grads = t.shard->Cut(t.shard->grad_sum_C.clone());
+  } else {
+    for (auto& [name, g] : t.grad_sum) grads.push_back(g.clone());
+    // See Note [Reduce once] in runner/dist/collectives.h.
+    RETURN_IF_ERROR(ctx.collectives->AllReduceSumGradients(grads));
+  }
   // With nothing valid accumulated the step is still taken, with a zero gradient, as Tinker does:
   // 0/0 is 0 (every accumulator is exactly 0 then, since masked tokens add nothing), and AdamW's
   // moments decay and weight decay applies as torch's AdamW would with a zero gradient.
-  at::_foreach_mul_(grads, denominator > 0 ? 1.0 / denominator : 0.0);
+  if (!grads.empty()) at::_foreach_mul_(grads, denominator > 0 ? 1.0 / denominator : 0.0);
   // One host sync for the norm, not one per parameter; the squares summed in float64 and the
-  // parameters added in their order, as a loop over them would.
+  // parameters added in their order, as a loop over them would. Shards add their partial sums.
   std::vector<at::Tensor> squares;
   for (const at::Tensor& g : grads) squares.push_back(g.to(at::kDouble).pow(2).sum());
-  double sq = 0;
+  std::vector<double> sq{0.0};
   if (!squares.empty()) {
     const at::Tensor squares_P = at::stack(squares).cpu();
-    for (int64_t i = 0; i < squares_P.size(0); ++i) sq += squares_P.data_ptr<double>()[i];
+    for (int64_t i = 0; i < squares_P.size(0); ++i) sq[0] += squares_P.data_ptr<double>()[i];
   }
+  if (t.shard) RETURN_IF_ERROR(ctx.collectives->AllReduceSumDoubles(sq));
   OptimStepResult r;
-  r.grad_norm = std::sqrt(sq);
+  r.grad_norm = std::sqrt(sq[0]);
   r.learning_rate = p.learning_rate;
   r.denominator = denominator;
   r.num_tokens = t.accumulated_tokens;
   r.num_sequences = t.accumulated_sequences;
   auto clear = [&] {
+    if (t.shard) t.shard->grad_sum_C.zero_();
     for (auto& [name, g] : t.grad_sum) g.zero_();
     t.accumulated_tokens = 0;
     t.accumulated_sequences = 0;
@@ -336,13 +347,22 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
     r.clipped = coef < 1.0;
   }
   const int64_t step = t.step + 1;
-  if (coef != 1.0) at::_foreach_mul_(grads, coef);
+  if (coef != 1.0 && !grads.empty()) at::_foreach_mul_(grads, coef);
   kernels::AdamWParams adam;
   adam.grads = std::move(grads);
-  for (auto& [name, param] : t.params) {
-    adam.params.push_back(param);
-    adam.exp_avgs.push_back(t.exp_avg[name]);
-    adam.exp_avg_sqs.push_back(t.exp_avg_sq[name]);
+  std::vector<at::Tensor> params;
+  for (auto& [name, param] : t.params) params.push_back(param);
+  if (t.shard) {
+    // Each rank steps its slice of the parameters in place, then the slices are exchanged.
+    adam.params = t.shard->Views(params);
+    adam.exp_avgs = t.shard->Cut(t.shard->exp_avg_C);
+    adam.exp_avg_sqs = t.shard->Cut(t.shard->exp_avg_sq_C);
+  } else {
+    adam.params = params;
+    for (auto& [name, param] : t.params) {
+      adam.exp_avgs.push_back(t.exp_avg[name]);
+      adam.exp_avg_sqs.push_back(t.exp_avg_sq[name]);
+    }
   }
   adam.lr = p.learning_rate;
   adam.beta1 = p.beta1;
@@ -351,6 +371,7 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   adam.weight_decay = p.weight_decay;
   adam.step = step;
   kernels::AdamW(adam);
+  if (t.shard) RETURN_IF_ERROR(t.shard->AllGather(*ctx.collectives, params));
   clear();
   t.step = step;
   r.step = step;

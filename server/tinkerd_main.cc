@@ -106,6 +106,9 @@ ABSL_FLAG(int64_t, sampler_mb_per_tenant, 8192,
 ABSL_FLAG(int, nproc, 1,
           "data-parallel ranks to spawn on this machine (ignored when WORLD_SIZE is set, e.g. by "
           "torchrun, Slurm or Kubernetes)");
+ABSL_FLAG(std::string, shard, "none",
+          "data parallel: what each rank holds of a model's training state: none (a whole "
+          "replica) or optimizer (the parameters, and 1/N of the gradient sums and AdamW moments)");
 ABSL_FLAG(int, collective_timeout_s, 600,
           "data parallel: a collective that takes longer fails and the server turns NOT_SERVING; "
           "must exceed the longest call's compute time");
@@ -116,23 +119,18 @@ namespace {
 // --nproc N without a launcher: this process becomes rank 0 and starts ranks 1..N-1 as copies of
 // itself with torchrun's environment, exactly as an external launcher would.
 std::vector<pid_t> SpawnLocalRanks(int nproc, char** argv) {
-  const std::string port = std::to_string(tinkerd::FreeLoopbackPort());
-  setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-  setenv("MASTER_ADDR", "127.0.0.1", 1);
-  setenv("MASTER_PORT", port.c_str(), 1);
+  const int port = tinkerd::FreeLoopbackPort();
   std::vector<pid_t> children;
   for (int rank = 1; rank < nproc; ++rank) {
     pid_t pid = fork();
     if (pid == 0) {
-      setenv("RANK", std::to_string(rank).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      tinkerd::SetLocalRankEnvironment(rank, nproc, port);
       execv("/proc/self/exe", argv);
       _exit(127);
     }
     children.push_back(pid);
   }
-  setenv("RANK", "0", 1);
-  setenv("LOCAL_RANK", "0", 1);
+  tinkerd::SetLocalRankEnvironment(0, nproc, port);
   return children;
 }
 
@@ -178,6 +176,12 @@ int main(int argc, char** argv) {
   rc.max_model_bytes = absl::GetFlag(FLAGS_max_model_mb) << 20;
   rc.memory_budget_bytes = absl::GetFlag(FLAGS_memory_budget_mb) << 20;
   rc.device = absl::GetFlag(FLAGS_device);
+  const auto shard = tinkerd::ParseShardMode(absl::GetFlag(FLAGS_shard));
+  if (!shard.ok()) {
+    std::fprintf(stderr, "tinkerd: --shard: %s\n", std::string(shard.status().message()).c_str());
+    return 2;
+  }
+  rc.shard = *shard;
   auto device = tinkerd::ParseDevice(rc.device);
   if (!device.ok()) {
     std::fprintf(stderr, "tinkerd: --device: %s\n", std::string(device.status().message()).c_str());

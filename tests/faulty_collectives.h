@@ -49,6 +49,18 @@ class FaultyCollectives : public Collectives {
     }
     return st;
   }
+  // reduce_twice on sharded state: a call's gradient reduce-scattered into its shard twice.
+  absl::Status ReduceScatterSum(const at::Tensor& in_WK, at::Tensor& out_K) override {
+    absl::Status st = inner_->ReduceScatterSum(in_WK, out_K);
+    if (!st.ok() || !faults_.reduce_twice) return st;
+    at::Tensor again_K = at::empty_like(out_K);
+    st = inner_->ReduceScatterSum(in_WK, again_K);
+    if (st.ok()) out_K.add_(again_K);
+    return st;
+  }
+  absl::Status AllGather(const at::Tensor& in_K, at::Tensor& out_WK) override {
+    return inner_->AllGather(in_K, out_WK);
+  }
   absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) override {
     return inner_->AllReduceSumCounts(counts);
   }

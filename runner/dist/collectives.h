@@ -4,6 +4,8 @@
 // Note [Reduce once]: gradients are reduced exactly once per optimizer step, in OptimStep, over
 // the accumulated buffers. Never per call (an accumulated buffer reduced per call counts earlier
 // calls again), never zeroed per call. Counters are global: summed over ranks once per call.
+// Sharded optimizer state reduces per call instead, into the owners' shards, and never again: see
+// Note [Reduce once, sharded] in shard.h.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,6 +27,11 @@ class Collectives {
   // In place: each tensor becomes the sum over ranks. (A DDP-style mean all-reduce followed by
   // multiplication by world_size is the same sum; implementations may do either.)
   virtual absl::Status AllReduceSumGradients(std::vector<at::Tensor>& grads) = 0;
+  // Sharded state (runner/dist/shard.h). out_K = row `rank` of the sum over ranks of in_WK
+  // ([W, K]). Gradients: no mean and no world-size factor, the plain sum.
+  virtual absl::Status ReduceScatterSum(const at::Tensor& in_WK, at::Tensor& out_K) = 0;
+  // Row r of out_WK ([W, K]) = rank r's in_K.
+  virtual absl::Status AllGather(const at::Tensor& in_K, at::Tensor& out_WK) = 0;
   // In place: each count becomes the sum over ranks.
   virtual absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) = 0;
   // In place: true on every rank when true on all (a call commits only if every rank succeeded).

@@ -38,6 +38,14 @@ int FreeLoopbackPort() {
   return port;
 }
 
+void SetLocalRankEnvironment(int rank, int world_size, int master_port) {
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(master_port).c_str(), 1);
+}
+
 absl::StatusOr<DistConfig> DistConfigFromEnv() {
   DistConfig c;
   if (auto st = ReadInt("WORLD_SIZE", &c.world_size); !st.ok()) return st;

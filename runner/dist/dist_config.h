@@ -28,6 +28,10 @@ struct DistConfig {
 // A TCP port on 127.0.0.1 that is free right now (for MASTER_PORT of local jobs and tests).
 int FreeLoopbackPort();
 
+// Sets torchrun's variables for rank `rank` of a job of `world_size` ranks on this host, with its
+// rendezvous on 127.0.0.1:`master_port` (a process starting local ranks, before each exec).
+void SetLocalRankEnvironment(int rank, int world_size, int master_port);
+
 // InvalidArgument when a variable is malformed or inconsistent (RANK >= WORLD_SIZE, ...).
 // Without WORLD_SIZE: a single process.
 absl::StatusOr<DistConfig> DistConfigFromEnv();

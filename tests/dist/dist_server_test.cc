@@ -72,11 +72,15 @@ std::vector<v1::Datum> Wire(const std::vector<Datum>& data) {
   return out;
 }
 
-TEST(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
+// Both tests below run with the ranks as replicas and with the optimizer state sharded
+// (--shard=optimizer), on the LoRA model CreateModel makes by default.
+class DataParallelServer : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
   TempDir dir;
   const std::string model = WriteModel(dir, TinyConfig("llama"));
-  Job job = StartJob(
-      {"--nproc=2", "--base_model=" + model, "--compute_dtype=float64", "--micro_batch_tokens=16"});
+  Job job = StartJob({"--nproc=2", "--base_model=" + model, "--compute_dtype=float64",
+                      "--micro_batch_tokens=16", "--shard=" + GetParam()});
   ASSERT_GT(job.port, 0);
   client::ClientOptions o;
   o.target = "127.0.0.1:" + std::to_string(job.port);
@@ -135,11 +139,12 @@ TEST(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
 // A checkpoint saved with accumulated gradients holds the sum of every rank's share, so restoring
 // it and stepping takes the same step as the uninterrupted model (issue 9, defect 12: it held rank
 // 0's share only, and the grad norms differed, 2.61 against 1.97).
-TEST(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare) {
+TEST_P(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare) {
   TempDir dir;
   const std::string model = WriteModel(dir, TinyConfig("llama"));
   Job job = StartJob({"--nproc=2", "--base_model=" + model, "--compute_dtype=float64",
-                      "--micro_batch_tokens=16", "--checkpoint_root=" + dir.Sub("checkpoints")});
+                      "--micro_batch_tokens=16", "--checkpoint_root=" + dir.Sub("checkpoints"),
+                      "--shard=" + GetParam()});
   ASSERT_GT(job.port, 0);
   client::ClientOptions o;
   o.target = "127.0.0.1:" + std::to_string(job.port);
@@ -199,10 +204,12 @@ TEST(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare) {
   EXPECT_EQ(ExitCode(job.pid), 0);
 }
 
+INSTANTIATE_TEST_SUITE_P(Shard, DataParallelServer, ::testing::Values("none", "optimizer"));
+
 // Ranks that differ on whether a command succeeded no longer hold the same state: the job stops
 // serving rather than train on, diverged. Here rank 1 runs with a memory budget too small for a
 // model rank 0 admits (ranks on machines of other sizes, or launched with other flags).
-TEST(DataParallelServer, RanksThatDisagreeOnAnOutcomeStopTheJob) {
+TEST(DataParallelJob, RanksThatDisagreeOnAnOutcomeStopTheJob) {
   TempDir dir;
   const std::string model = WriteModel(dir, TinyConfig("llama"));
   const std::vector<std::pair<std::string, std::string>> env = {
@@ -251,7 +258,7 @@ TEST(DataParallelServer, RanksThatDisagreeOnAnOutcomeStopTheJob) {
   ExitCode(rank0.pid);
 }
 
-TEST(DataParallelServer, KilledRankMakesServerUnhealthyWithinBound) {
+TEST(DataParallelJob, KilledRankMakesServerUnhealthyWithinBound) {
   Job job = StartJob({"--nproc=2", "--collective_timeout_s=3", "--heartbeat_s=1"});
   ASSERT_GT(job.port, 0);
   client::ClientOptions o;

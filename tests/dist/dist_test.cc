@@ -1,6 +1,7 @@
-// Data parallelism on real processes over Gloo (loopback): 2 and 3 ranks must end where one
-// process ends, for every reduction mode, with calls, streams, packing, unequal lengths and a rank
-// that gets no datum. Two deliberately broken reductions must be caught.
+// Data parallelism on real processes over Gloo (loopback): 2 and 3 ranks, replicas or with the
+// optimizer state sharded over 1 to 4, must end where one process ends, for every reduction mode,
+// LoRA and full fine-tuning, with calls, streams, packing, unequal lengths and a rank that gets no
+// datum. Deliberately broken reductions must be caught.
 //
 // Tolerance: the runs differ only in how float64 sums are grouped (per rank, then all-reduced).
 // As in accumulation_test.cc, that moves gradients by ~1e-11 relative; through two AdamW steps of
@@ -19,22 +20,24 @@ namespace {
 
 constexpr double kTol = 1e-9;
 
-// Runs `world` ranks to completion; returns each rank's output doubles.
+// Runs `world` ranks of dist_worker with `flags` (and `rank1_flags` on rank 1) to completion,
+// expecting each to exit with `exit_code`; returns each rank's output doubles.
 std::vector<std::vector<double>> RunRanks(const std::string& model, const std::string& out,
-                                          int world, const std::string& broken = "none") {
+                                          int world, std::vector<std::string> flags = {},
+                                          const std::vector<std::string>& rank1_flags = {},
+                                          int exit_code = 0) {
   const int port = FreeLoopbackPort();
+  flags.insert(flags.begin(), {"dist_worker", "--model_dir=" + model, "--out=" + out});
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
     pid_t pid = fork();
     if (pid == 0) {
-      setenv("RANK", std::to_string(rank).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      const std::string a1 = "--model_dir=" + model, a2 = "--out=" + out, a3 = "--broken=" + broken;
-      execl(DIST_WORKER_BINARY, "dist_worker", a1.c_str(), a2.c_str(), a3.c_str(),
-            static_cast<char*>(nullptr));
+      SetLocalRankEnvironment(rank, world, port);
+      if (rank == 1) flags.insert(flags.end(), rank1_flags.begin(), rank1_flags.end());
+      std::vector<char*> argv;
+      for (std::string& f : flags) argv.push_back(f.data());
+      argv.push_back(nullptr);
+      execv(DIST_WORKER_BINARY, argv.data());
       _exit(127);
     }
     pids.push_back(pid);
@@ -43,7 +46,7 @@ std::vector<std::vector<double>> RunRanks(const std::string& model, const std::s
   for (int rank = 0; rank < world; ++rank) {
     int status = 0;
     waitpid(pids[rank], &status, 0);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == exit_code)
         << "rank " << rank << " status " << status;
     std::ifstream f(out + "." + std::to_string(rank), std::ios::binary);
     std::vector<double> v;
@@ -87,7 +90,7 @@ TEST_F(DataParallel, TwoAndThreeRanksEqualOneProcess) {
 }
 
 TEST_F(DataParallel, ForgettingTheWorldSizeFactorIsCaught) {
-  auto ranks = RunRanks(*model_, dir_->Sub("nofactor"), 2, "no_world_size_factor");
+  auto ranks = RunRanks(*model_, dir_->Sub("nofactor"), 2, {"--broken=no_world_size_factor"});
   ASSERT_EQ(ranks[0].size(), reference_->size());
   EXPECT_GT(MaxAbsDiff(ranks[0], *reference_), 1e3 * kTol);
 }
@@ -96,13 +99,76 @@ TEST_F(DataParallel, ForgettingTheWorldSizeFactorIsCaught) {
 // every rank must fail that step with "diverged" (each worker exits 0 only then). The control is
 // TwoAndThreeRanksEqualOneProcess, where the same comparison runs at every step and never fires.
 TEST_F(DataParallel, ADivergedReplicaIsCaughtAtTheStep) {
-  RunRanks(*model_, dir_->Sub("diverge"), 2, "diverge_rank1");
+  RunRanks(*model_, dir_->Sub("diverge"), 2, {"--broken=diverge_rank1"});
 }
 
 TEST_F(DataParallel, ReducingTheAccumulatorTwiceIsCaught) {
-  auto ranks = RunRanks(*model_, dir_->Sub("twice"), 2, "reduce_twice");
+  auto ranks = RunRanks(*model_, dir_->Sub("twice"), 2, {"--broken=reduce_twice"});
   ASSERT_EQ(ranks[0].size(), reference_->size());
   EXPECT_GT(MaxAbsDiff(ranks[0], *reference_), 1e3 * kTol);
+}
+
+// --shard=optimizer (runner/dist/shard.h): each rank holds 1/W of the gradient sums and moments,
+// reduce-scattered per call. W = 3 cuts the flat space unevenly. At W = 1 the shard is the whole
+// state and every sum runs in the replica's order: bitwise. Otherwise the sums group differently
+// (per call over ranks, instead of per rank over calls): kTol, derived above.
+TEST_F(DataParallel, ShardedOptimizerStateEqualsOneProcess) {
+  for (int world : {1, 2, 3, 4}) {
+    auto ranks =
+        RunRanks(*model_, dir_->Sub("shard" + std::to_string(world)), world, {"--shard=optimizer"});
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(ranks[r].size(), reference_->size()) << "world " << world << " rank " << r;
+      if (world == 1) {
+        EXPECT_EQ(ranks[r], *reference_);
+      } else {
+        EXPECT_LE(MaxAbsDiff(ranks[r], *reference_), kTol) << "world " << world << " rank " << r;
+      }
+      EXPECT_EQ(ranks[r], ranks[0]) << "ranks must hold identical parameters";
+    }
+  }
+}
+
+// Ranks that split the state differently would issue different collectives: the job refuses to
+// start: each rank's runner fails naming what differs (the worker exits 8 on that message only).
+// The control is every test above, where the same comparison passes.
+TEST_F(DataParallel, RanksWithAnotherShardModeRefuseToStart) {
+  RunRanks(*model_, dir_->Sub("mixed"), 2, {}, {"--shard=optimizer"}, /*exit_code=*/8);
+}
+
+// The broken control of the sharded path: each call's gradient reduce-scattered into its shard
+// twice.
+TEST_F(DataParallel, ReduceScatteringTwiceIsCaught) {
+  auto ranks =
+      RunRanks(*model_, dir_->Sub("rs_twice"), 2, {"--shard=optimizer", "--broken=reduce_twice"});
+  ASSERT_EQ(ranks[0].size(), reference_->size());
+  EXPECT_GT(MaxAbsDiff(ranks[0], *reference_), 1e3 * kTol);
+}
+
+// A checkpoint saved mid-accumulation at W = 4 with sharded state resumes: bitwise at W = 4 (each
+// rank takes back exactly its slices), and to rounding at W = 2 sharded and at W = 1 as a
+// replica (the gradient sum is the global one; kResumeTol: one step's sums grouped otherwise,
+// ~1e-15 relative on O(1) values through one AdamW step).
+TEST_F(DataParallel, AShardedCheckpointResumesAtAnyWorldSize) {
+  constexpr double kResumeTol = 1e-12;
+  const std::string ckpt = dir_->Sub("sharded_ckpt");
+  auto saved = RunRanks(*model_, dir_->Sub("save4"), 4,
+                        {"--shard=optimizer", "--scenario=save", "--checkpoint=" + ckpt});
+  ASSERT_GT(saved[0].size(), 100u);
+  auto same = RunRanks(*model_, dir_->Sub("load4"), 4,
+                       {"--shard=optimizer", "--scenario=load", "--checkpoint=" + ckpt});
+  EXPECT_EQ(same[0], saved[0]);
+  auto two = RunRanks(*model_, dir_->Sub("load2"), 2,
+                      {"--shard=optimizer", "--scenario=load", "--checkpoint=" + ckpt});
+  auto one = RunRanks(*model_, dir_->Sub("load1"), 1, {"--scenario=load", "--checkpoint=" + ckpt});
+  for (const auto* resumed : {&two[0], &one[0]}) {
+    ASSERT_EQ(resumed->size(), saved[0].size());
+    EXPECT_LE(MaxAbsDiff(*resumed, saved[0]), kResumeTol);
+  }
+  // The control: a resume that leaves the moments behind ends elsewhere.
+  auto fresh = RunRanks(*model_, dir_->Sub("fresh1"), 1,
+                        {"--scenario=load_without_optimizer", "--checkpoint=" + ckpt});
+  ASSERT_EQ(fresh[0].size(), saved[0].size());
+  EXPECT_GT(MaxAbsDiff(fresh[0], saved[0]), 1e3 * kResumeTol);
 }
 
 }  // namespace

@@ -2,8 +2,14 @@
 // environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes what it ended with (every
 // model's parameters, every step's gradient norm, every call's loss) as raw doubles to
 // --out.<rank>, so the test can compare world sizes.
-//   dist_worker --model_dir=D --out=F
+//   dist_worker --model_dir=D --out=F [--shard=none|optimizer]
+//       [--scenario=train|save|load|load_without_optimizer --checkpoint=PATH]
 //       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1]
+// train: LoRA models in every reduction mode and a full fine-tune, two steps each.
+// save: one step, then a call left accumulated is saved with the accumulation to --checkpoint,
+//       and the run goes on (one more call, one step); load: the same continuation from that
+//       checkpoint (load_without_optimizer: without its moments, a control). Each writes the
+//       continuation's losses, norms and parameters.
 // With diverge_rank1, rank 1's replica is perturbed at the first step, and the worker exits 0 only
 // if that step fails with "diverged" on its rank.
 #include <cstdio>
@@ -19,6 +25,9 @@
 
 ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
+ABSL_FLAG(std::string, shard, "none", "none or optimizer (RunnerConfig::shard)");
+ABSL_FLAG(std::string, scenario, "train", "train, save, load or load_without_optimizer");
+ABSL_FLAG(std::string, checkpoint, "", "the checkpoint the save scenario writes and load reads");
 ABSL_FLAG(std::string, broken, "none", "none, no_world_size_factor, reduce_twice or diverge_rank1");
 
 namespace tinkerd::testing {
@@ -46,8 +55,15 @@ int Run() {
   rc.micro_batch_tokens = 16;
   rc.num_threads = 1;
   rc.collectives = collectives;
+  auto shard = ParseShardMode(absl::GetFlag(FLAGS_shard));
+  if (!shard.ok()) return 2;
+  rc.shard = *shard;
   auto runner = ModelRunner::Create(rc);
-  if (!runner.ok()) return 4;
+  if (!runner.ok()) {
+    const std::string why(runner.status().message());
+    std::fprintf(stderr, "rank %d: %s\n", dist->rank, why.c_str());
+    return absl::StrContains(why, "same base model, compute dtype and shard mode") ? 8 : 4;
+  }
   ModelRunner& r = **runner;
 
   std::vector<double> out;
@@ -57,50 +73,94 @@ int Run() {
       std::exit(5);
     }
   };
-  for (LossReduction mode : {LossReduction::kTokenMean, LossReduction::kSum,
-                             LossReduction::kSeqMeanTokenMean, LossReduction::kSeqMeanTokenSum}) {
-    CreateModelOptions o;
-    o.loss_reduction = mode;
-    o.seed = 3;
-    o.lora = LoraConfig{4, 8, true, true, true};
-    auto id = r.CreateModel(o);
-    check(id.status());
-    SplitMix64 g(17);  // the same data on every rank, as the server's broadcast delivers it
-    AdamParams adam;
-    adam.learning_rate = 1e-2;
-    for (int step = 0; step < 2; ++step) {
-      // Strongly unequal lengths; the second call has fewer datums than ranks.
-      for (const auto& [lengths, loss] : std::vector<std::pair<std::vector<int>, std::string>>{
-               {{2, 31, 5, 17, 3}, "cross_entropy"}, {{9}, "ppo"}, {{4, 22}, "dro"}}) {
-        std::map<std::string, double> cfg;
-        if (loss == "dro") cfg["beta"] = 0.2;
-        auto fb = r.ForwardBackward(*id, RandomData(g, lengths, loss, 128), loss, cfg);
-        check(fb.status());
-        out.push_back(fb->metrics.at("loss:sum"));
-        out.push_back(fb->outputs.back().logprobs.back());  // outputs gathered in datum order
-      }
-      // A stream, fed in three chunks, packed under the budget as it fills.
-      auto sid = r.BeginStream(*id, "importance_sampling", {});
-      check(sid.status());
-      for (const auto& chunk :
-           {std::vector<int>{6, 11}, std::vector<int>{1}, std::vector<int>{13, 2, 8}}) {
-        check(r.StreamAppend(*sid, RandomData(g, chunk, "importance_sampling", 128)));
-      }
-      auto fs = r.FinishStream(*sid);
-      check(fs.status());
-      out.push_back(fs->metrics.at("loss:sum"));
-      auto os = r.OptimStep(*id, adam);
-      if (broken == "diverge_rank1") {
-        const bool caught = !os.ok() && absl::StrContains(os.status().message(), "diverged");
-        if (!caught)
-          std::fprintf(stderr, "rank %d: the diverged replica went unnoticed\n", dist->rank);
-        std::exit(caught ? 0 : 7);
-      }
-      check(os.status());
-      out.push_back(os->grad_norm);
-      out.push_back(static_cast<double>(os->num_tokens));
+  AdamParams adam;
+  adam.learning_rate = 1e-2;
+  // One step's calls: strongly unequal lengths, a call with fewer datums than ranks, and a stream
+  // fed in three chunks, packed under the budget as it fills.
+  auto calls = [&](const std::string& id, SplitMix64& g) {
+    for (const auto& [lengths, loss] : std::vector<std::pair<std::vector<int>, std::string>>{
+             {{2, 31, 5, 17, 3}, "cross_entropy"}, {{9}, "ppo"}, {{4, 22}, "dro"}}) {
+      std::map<std::string, double> cfg;
+      if (loss == "dro") cfg["beta"] = 0.2;
+      auto fb = r.ForwardBackward(id, RandomData(g, lengths, loss, 128), loss, cfg);
+      check(fb.status());
+      out.push_back(fb->metrics.at("loss:sum"));
+      out.push_back(fb->outputs.back().logprobs.back());  // outputs gathered in datum order
     }
-    for (double v : Flat(Snap(r, *id, StateKind::kParams))) out.push_back(v);
+    auto sid = r.BeginStream(id, "importance_sampling", {});
+    check(sid.status());
+    for (const auto& chunk :
+         {std::vector<int>{6, 11}, std::vector<int>{1}, std::vector<int>{13, 2, 8}}) {
+      check(r.StreamAppend(*sid, RandomData(g, chunk, "importance_sampling", 128)));
+    }
+    auto fs = r.FinishStream(*sid);
+    check(fs.status());
+    out.push_back(fs->metrics.at("loss:sum"));
+  };
+  auto step = [&](const std::string& id) {
+    auto os = r.OptimStep(id, adam);
+    if (broken == "diverge_rank1") {
+      const bool caught = !os.ok() && absl::StrContains(os.status().message(), "diverged");
+      if (!caught)
+        std::fprintf(stderr, "rank %d: the diverged replica went unnoticed\n", dist->rank);
+      std::exit(caught ? 0 : 7);
+    }
+    check(os.status());
+    out.push_back(os->grad_norm);
+    out.push_back(static_cast<double>(os->num_tokens));
+  };
+  auto params = [&](const std::string& id) {
+    for (double v : Flat(Snap(r, id, StateKind::kParams))) out.push_back(v);
+  };
+  CreateModelOptions lora;
+  lora.seed = 3;
+  lora.lora = LoraConfig{4, 8, true, true, true};
+  const std::string scenario = absl::GetFlag(FLAGS_scenario);
+  const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint);
+  if (scenario == "train") {
+    std::vector<CreateModelOptions> models;
+    for (LossReduction mode : {LossReduction::kTokenMean, LossReduction::kSum,
+                               LossReduction::kSeqMeanTokenMean, LossReduction::kSeqMeanTokenSum}) {
+      models.push_back(lora);
+      models.back().loss_reduction = mode;
+    }
+    models.emplace_back();
+    models.back().lora.reset();  // full fine-tuning, token mean
+    for (const CreateModelOptions& o : models) {
+      auto id = r.CreateModel(o);
+      check(id.status());
+      SplitMix64 g(17);  // the same data on every rank, as the server's broadcast delivers it
+      for (int i = 0; i < 2; ++i) {
+        calls(*id, g);
+        step(*id);
+      }
+      params(*id);
+    }
+  } else if (scenario == "save" || absl::StartsWith(scenario, "load")) {
+    std::string id;
+    SplitMix64 g(17);
+    if (scenario == "save") {
+      auto created = r.CreateModel(lora);
+      check(created.status());
+      id = *created;
+      calls(id, g);
+      step(id);
+      calls(id, g);  // left accumulated
+      SaveStateOptions so;
+      so.include_accumulated = true;
+      check(r.SaveState(id, checkpoint, so));
+      out.clear();  // what follows is what a resumed run must reproduce
+    } else {
+      auto loaded = r.CreateModelFromState(checkpoint, scenario == "load");
+      check(loaded.status());
+      id = *loaded;
+    }
+    SplitMix64 later(29);
+    calls(id, later);
+    step(id);
+    params(id);
+  } else {
+    return 2;
   }
   std::ofstream f(absl::GetFlag(FLAGS_out) + "." + std::to_string(dist->rank), std::ios::binary);
   f.write(reinterpret_cast<const char*>(out.data()),

@@ -1,0 +1,259 @@
+// shard_memory_bench: what a rank holds and how long a step takes when full fine-tuning runs
+// data-parallel, with replicas (--shard=none) against sharded optimizer state (--shard=optimizer),
+// at several world sizes, on real processes over Gloo (loopback).
+//   shard_memory_bench [--worlds=1,2,4] [--steps=3] [--hidden=1024 ...] [--out_dir=DIR]
+// The driver writes the model once, then for each world size and sharding runs that many copies
+// of itself as ranks (torchrun's environment) and prints a markdown row:
+//   state: resident memory a rank gained when the model was created (parameters, gradient sums
+//          and moments, zero-filled, so every page is touched), the largest over ranks;
+//   peak:  the resident set's peak over the steps, above what it was before the model existed
+//          (state plus a step's transients: activations, the staged gradient, collectives);
+//   step:  the median step (forward_backward of the batch + optim_step) on rank 0;
+//   collective: the bytes rank 0 handed per step to the collectives that scale with the model
+//          (world size 1 hands them too: its collectives are the identity).
+// Not part of the test suite: it asserts nothing beyond "every call succeeded".
+#include <malloc.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "bench/rss.h"
+#include "runner/dist/c10d_collectives.h"
+#include "runner/dist/dist_config.h"
+#include "runner/model/tiny_model.h"
+#include "runner/model_runner.h"
+#include "runner/util/log.h"
+#include "runner/util/rng.h"
+
+ABSL_FLAG(std::string, out_dir, "/tmp/tinkerd_shard_bench", "model and per-rank results");
+ABSL_FLAG(std::string, worlds, "1,2,4", "world sizes to run");
+ABSL_FLAG(int, steps, 3, "steps per configuration (the median is reported)");
+ABSL_FLAG(int, num_seqs, 4, "sequences per step");
+ABSL_FLAG(int, seq_len, 256, "tokens per sequence");
+ABSL_FLAG(int, threads, 1, "intra-op threads per rank");
+ABSL_FLAG(int64_t, hidden, 1024, "hidden size");
+ABSL_FLAG(int64_t, intermediate, 2816, "MLP intermediate size");
+ABSL_FLAG(int64_t, layers, 4, "decoder layers");
+ABSL_FLAG(int64_t, heads, 16, "attention heads");
+ABSL_FLAG(int64_t, kv_heads, 4, "key/value heads");
+ABSL_FLAG(int64_t, vocab, 32000, "vocabulary size");
+// Set by the driver on the copies it starts.
+ABSL_FLAG(std::string, rank_shard, "", "internal: run as one rank with this sharding");
+
+namespace tinkerd::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string ModelDir() {
+  return absl::GetFlag(FLAGS_out_dir) + "/model";
+}
+
+std::string ResultPath(int world, const std::string& shard, int rank) {
+  return absl::StrCat(absl::GetFlag(FLAGS_out_dir), "/result.", world, ".", shard, ".", rank);
+}
+
+// Forwards to the real collectives and counts the bytes this rank hands to the ones that scale
+// with the model: the gradient all-reduce, the reduce-scatter and the all-gather (payload, not wire
+// traffic: a ring all-reduce sends about twice its payload, a reduce-scatter or all-gather once).
+class CountingCollectives final : public Collectives {
+ public:
+  explicit CountingCollectives(std::shared_ptr<Collectives> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  absl::Status AllReduceSumGradients(std::vector<at::Tensor>& grads) override {
+    for (const at::Tensor& g : grads) bytes += static_cast<int64_t>(g.nbytes());
+    return inner_->AllReduceSumGradients(grads);
+  }
+  absl::Status ReduceScatterSum(const at::Tensor& in_WK, at::Tensor& out_K) override {
+    bytes += static_cast<int64_t>(in_WK.nbytes());
+    return inner_->ReduceScatterSum(in_WK, out_K);
+  }
+  absl::Status AllGather(const at::Tensor& in_K, at::Tensor& out_WK) override {
+    bytes += static_cast<int64_t>(out_WK.nbytes());
+    return inner_->AllGather(in_K, out_WK);
+  }
+  absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) override {
+    return inner_->AllReduceSumCounts(counts);
+  }
+  absl::Status AllAgree(bool& ok) override { return inner_->AllAgree(ok); }
+  absl::Status AllReduceSumDoubles(std::vector<double>& values) override {
+    return inner_->AllReduceSumDoubles(values);
+  }
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine) override {
+    return inner_->AllGatherBytes(mine);
+  }
+  absl::Status BroadcastBytes(std::string& bytes_, int root) override {
+    return inner_->BroadcastBytes(bytes_, root);
+  }
+  int64_t bytes = 0;
+
+ private:
+  std::shared_ptr<Collectives> inner_;
+};
+
+int Fail(const char* what, const absl::Status& st) {
+  std::fprintf(stderr, "shard_memory_bench: %s: %s\n", what, std::string(st.message()).c_str());
+  return 1;
+}
+
+int RunRank(const std::string& shard_name) {
+  auto dist = DistConfigFromEnv();
+  if (!dist.ok()) return Fail("environment", dist.status());
+  dist->timeout = std::chrono::seconds(600);
+  InitLogging(dist->rank, spdlog::level::warn);
+  auto c10d = MakeC10dCollectives(*dist);
+  if (!c10d.ok()) return Fail("rendezvous", c10d.status());
+  auto shard = ParseShardMode(shard_name);
+  if (!shard.ok()) return Fail("--rank_shard", shard.status());
+  RunnerConfig rc;
+  rc.base_model_path = ModelDir();
+  rc.num_threads = absl::GetFlag(FLAGS_threads);
+  rc.micro_batch_tokens = absl::GetFlag(FLAGS_num_seqs) * absl::GetFlag(FLAGS_seq_len);
+  auto counting = std::make_shared<CountingCollectives>(*c10d);
+  rc.collectives = counting;
+  rc.shard = *shard;
+  auto runner = ModelRunner::Create(rc);
+  if (!runner.ok()) return Fail("load", runner.status());
+  ModelRunner& r = **runner;
+
+  // Freed pages of the load (file buffers, conversions) go back to the kernel first, so that the
+  // model's state cannot hide in them.
+  malloc_trim(0);
+  const double before = RssMB();
+  ResetPeakRss();
+  CreateModelOptions full;
+  full.lora.reset();  // full fine-tuning
+  auto id = r.CreateModel(full);
+  if (!id.ok()) return Fail("create_model", id.status());
+  const double state = RssMB() - before;
+
+  SplitMix64 g(7);
+  std::vector<double> step_s;
+  for (int step = 0; step < absl::GetFlag(FLAGS_steps); ++step) {
+    std::vector<Datum> data;
+    for (int i = 0; i < absl::GetFlag(FLAGS_num_seqs); ++i) {
+      Datum d;
+      for (int t = 0; t < absl::GetFlag(FLAGS_seq_len); ++t) {
+        d.tokens.push_back(static_cast<int64_t>(g.Next() % absl::GetFlag(FLAGS_vocab)));
+      }
+      std::vector<int64_t> targets(d.tokens.begin() + 1, d.tokens.end());
+      targets.push_back(d.tokens.front());
+      d.loss_fn_inputs["target_tokens"] = TensorData::Int64(std::move(targets));
+      d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.0f));
+      data.push_back(std::move(d));
+    }
+    const auto t0 = Clock::now();
+    auto fb = r.ForwardBackward(*id, data, "cross_entropy", {});
+    if (!fb.ok()) return Fail("forward_backward", fb.status());
+    AdamParams adam;
+    adam.learning_rate = 1e-5;
+    auto os = r.OptimStep(*id, adam);
+    if (!os.ok()) return Fail("optim_step", os.status());
+    step_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  const double collective_mb_per_step =
+      static_cast<double>(counting->bytes) / (1 << 20) / absl::GetFlag(FLAGS_steps);
+  std::sort(step_s.begin(), step_s.end());
+  const double peak = PeakRssSinceResetMB() - before;
+  std::ofstream out(ResultPath(dist->world_size, shard_name, dist->rank));
+  out << state << " " << peak << " " << step_s[step_s.size() / 2] << " " << collective_mb_per_step
+      << "\n";
+  return out.good() ? 0 : 1;
+}
+
+// Starts `world` ranks of this binary and waits for them; false if any failed.
+bool RunJob(int world, const std::string& shard, char* self) {
+  const int port = FreeLoopbackPort();
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < world; ++rank) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      SetLocalRankEnvironment(rank, world, port);
+      std::vector<std::string> args{self, "--rank_shard=" + shard};
+      for (const char* f : {"out_dir", "steps", "num_seqs", "seq_len", "threads", "vocab"}) {
+        args.push_back(absl::StrCat("--", f, "=", absl::FindCommandLineFlag(f)->CurrentValue()));
+      }
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv("/proc/self/exe", argv.data());
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  bool ok = true;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  return ok;
+}
+
+int Drive(char* self) {
+  TinyModelSpec spec;
+  spec.config = TinyConfig("llama");
+  spec.config.vocab_size = absl::GetFlag(FLAGS_vocab);
+  spec.config.hidden_size = absl::GetFlag(FLAGS_hidden);
+  spec.config.intermediate_size = absl::GetFlag(FLAGS_intermediate);
+  spec.config.num_hidden_layers = absl::GetFlag(FLAGS_layers);
+  spec.config.num_attention_heads = absl::GetFlag(FLAGS_heads);
+  spec.config.num_key_value_heads = absl::GetFlag(FLAGS_kv_heads);
+  spec.config.head_dim = absl::GetFlag(FLAGS_hidden) / absl::GetFlag(FLAGS_heads);
+  spec.config.max_position_embeddings = 2048;
+  spec.config.tie_word_embeddings = false;
+  if (auto st = WriteTinyModel(ModelDir(), spec); !st.ok()) return Fail("write model", st);
+  std::printf("model: %s\n", spec.config.DebugString().c_str());
+  std::printf(
+      "| ranks | shard | state per rank MB | peak per rank MB | step s | collective MB |\n");
+  std::printf("|---:|---|---:|---:|---:|---:|\n");
+  for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_worlds), ',')) {
+    int world = 0;
+    if (!absl::SimpleAtoi(w, &world) || world < 1) return 2;
+    for (const std::string shard : {"none", "optimizer"}) {
+      if (!RunJob(world, shard, self)) {
+        std::fprintf(stderr, "shard_memory_bench: a rank failed (world %d, %s)\n", world,
+                     shard.c_str());
+        return 1;
+      }
+      double state = 0, peak = 0, step = 0, traffic = 0;
+      for (int rank = 0; rank < world; ++rank) {
+        std::ifstream in(ResultPath(world, shard, rank));
+        double s = 0, p = 0, t = 0, c = 0;
+        in >> s >> p >> t >> c;
+        state = std::max(state, s);
+        peak = std::max(peak, p);
+        if (rank == 0) {
+          step = t;
+          traffic = c;
+        }
+      }
+      std::printf("| %d | %s | %.0f | %.0f | %.2f | %.0f |\n", world, shard.c_str(), state, peak,
+                  step, traffic);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace tinkerd::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const std::string shard = absl::GetFlag(FLAGS_rank_shard);
+  return shard.empty() ? tinkerd::bench::Drive(argv[0]) : tinkerd::bench::RunRank(shard);
+}
