@@ -545,8 +545,8 @@ void ModelRunner::AbortStream(int64_t stream_id) {
 namespace {
 
 // Under --shard=optimizer: the model with its gradient sums and moments as whole tensors,
-// assembled one tensor at a time from every rank's slice. Rank 0 keeps them (it writes the
-// checkpoint); the other ranks drop each as it arrives.
+// assembled one tensor at a time from every rank's slice. Rank 0 keeps them in host memory (it
+// writes the checkpoint); the other ranks drop each as it arrives.
 absl::StatusOr<ModelState> GatherShard(Collectives& c, const ModelState& t) {
   ModelState whole = t;
   whole.shard.reset();
@@ -560,7 +560,7 @@ absl::StatusOr<ModelState> GatherShard(Collectives& c, const ModelState& t) {
                              std::pair{&t.shard->exp_avg_C, &whole.exp_avg},
                              std::pair{&t.shard->exp_avg_sq_C, &whole.exp_avg_sq}}) {
     RETURN_IF_ERROR(t.shard->Gather(c, *flat_C, like, [&](size_t i, at::Tensor v) {
-      if (c.rank() == 0) (*out)[names[i]] = std::move(v);
+      if (c.rank() == 0) (*out)[names[i]] = v.to(at::kCPU);  // one tensor on the device at a time
     }));
   }
   return whole;

@@ -60,7 +60,7 @@ CallStage::CallStage(const StepContext& ctx, ModelState& model, ResolvedLoss los
     : ctx_(ctx), model_(model), loss_(std::move(loss)), backward_(backward) {
   for (const auto& [name, p] : model_.params) {
     params_.push_back(p);
-    if (backward_) staged_.push_back(at::zeros_like(p).set_requires_grad(false));
+    if (backward_) staged_.emplace_back();  // undefined until a micro-batch reaches it
   }
 }
 
@@ -164,7 +164,15 @@ void CallStage::Run(const std::vector<Datum>& data) {
           torch::autograd::grad({raw}, params_, /*grad_outputs=*/{}, /*retain_graph=*/false,
                                 /*create_graph=*/false, /*allow_unused=*/true);
       for (size_t k = 0; k < grads.size(); ++k) {
-        if (grads[k].defined()) staged_[k].add_(grads[k]);
+        if (!grads[k].defined()) continue;
+        // The first gradient is kept, not added to zeros: a call holds one gradient-sized buffer
+        // beside autograd's result, not two (a stride-0 expansion is copied: it cannot be added
+        // to).
+        if (!staged_[k].defined()) {
+          staged_[k] = grads[k].contiguous();
+        } else {
+          staged_[k].add_(grads[k]);
+        }
       }
     }
     loss_sum_ += raw.item<double>();
@@ -230,7 +238,10 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
     at::NoGradGuard no_grad;
     if (model_.shard) model_.shard->grad_sum_C.add_(reduced_C);
     size_t k = 0;
-    for (auto& [name, g] : model_.grad_sum) g.add_(staged_[k++]);
+    for (auto& [name, g] : model_.grad_sum) {
+      if (staged_[k].defined()) g.add_(staged_[k]);
+      ++k;
+    }
     model_.accumulated_tokens += counts[0];
     model_.accumulated_sequences += counts[1];
   }

@@ -52,7 +52,8 @@ class CallStage {
   ResolvedLoss loss_;
   bool backward_;
   std::vector<at::Tensor> params_;
-  std::vector<at::Tensor> staged_;  // this call's gradient, same order as model_.params
+  // This call's gradient, in model_.params' order; undefined where no micro-batch reached it yet.
+  std::vector<at::Tensor> staged_;
   ForwardBackwardResult result_;
   double loss_sum_ = 0;
   int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;

@@ -53,6 +53,7 @@ std::vector<ShardLayout::Piece> ShardLayout::Pieces(int64_t begin, int64_t end) 
 void ReadFlat(const ShardLayout& layout, const std::vector<at::Tensor>& tensors, int64_t begin,
               int64_t end, at::Tensor out_K) {
   for (const auto& p : layout.Pieces(begin, end)) {
+    if (!tensors[p.tensor].defined()) continue;
     out_K.narrow(0, p.offset, p.length)
         .copy_(tensors[p.tensor].reshape(-1).narrow(0, p.tensor_offset, p.length));
   }

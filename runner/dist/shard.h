@@ -53,7 +53,8 @@ class ShardLayout {
   int64_t chunk_;
 };
 
-// Copies elements [begin, end) of the flat space of `tensors` into out_K (K = end - begin).
+// Copies elements [begin, end) of the flat space of `tensors` into out_K (K = end - begin); an
+// undefined tensor (a gradient no micro-batch reached) leaves its part of out_K as it was.
 void ReadFlat(const ShardLayout& layout, const std::vector<at::Tensor>& tensors, int64_t begin,
               int64_t end, at::Tensor out_K);
 // Copies in_K into elements [begin, end) of the flat space of `tensors`.
