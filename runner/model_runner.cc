@@ -16,8 +16,10 @@
 #include <filesystem>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "runner/checkpoint/state_io.h"
 #include "runner/checkpoint/store.h"
@@ -544,26 +546,76 @@ void ModelRunner::AbortStream(int64_t stream_id) {
 
 namespace {
 
-// Under --shard=optimizer: the model with its gradient sums and moments as whole tensors,
-// assembled one tensor at a time from every rank's slice. Rank 0 keeps them in host memory (it
-// writes the checkpoint); the other ranks drop each as it arrives.
-absl::StatusOr<ModelState> GatherShard(Collectives& c, const ModelState& t) {
-  ModelState whole = t;
-  whole.shard.reset();
-  std::vector<std::string> names;
-  std::vector<at::Tensor> like;
-  for (const auto& [name, p] : t.params) {
-    names.push_back(name);
-    like.push_back(p);
+// Rank 0 alone commits a checkpoint, and its outcome is every rank's: a save refused there (a
+// name taken, a full disk) must not read as "rank 0 failed, the others succeeded", which would
+// stop the job as diverged although a save changes no state.
+absl::Status SendOutcome(Collectives& c, absl::Status st) {
+  if (c.world_size() == 1) return st;
+  std::string outcome = st.ok() ? "ok" : st.ToString();
+  RETURN_IF_ERROR(c.BroadcastBytes(outcome, 0));
+  return st;
+}
+absl::Status ReceiveOutcome(Collectives& c) {
+  std::string outcome;
+  RETURN_IF_ERROR(c.BroadcastBytes(outcome, 0));
+  if (outcome == "ok") return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat("save_state on rank 0: ", outcome));
+}
+
+// Under --shard=optimizer every rank writes its own slices, in parallel, into the directory rank
+// 0 is committing (the checkpoint root must be shared by all ranks, as loading already needs);
+// rank 0 writes the parameters and, last, the manifest naming every rank's files. Each step that
+// can fail on one rank is followed by a collective that tells the others, so all ranks end with
+// the same outcome: a failed save changes no state on any rank.
+absl::Status SaveSharded(Collectives& c, const ModelState& t, const CheckpointMeta& meta,
+                         const std::string& path, const SaveStateOptions& options) {
+  const bool sums = options.include_accumulated;
+  // Writes this rank's files into `dir` and gathers every rank's digests, or every rank's failure.
+  auto write_shards =
+      [&](const std::string& dir) -> absl::StatusOr<std::map<std::string, FileDigest>> {
+    auto mine = WriteStateShard(*t.shard, sums, meta.training_dtype, dir);
+    std::string line = mine.ok() ? "ok" : absl::StrCat("failed: ", mine.status().message());
+    if (mine.ok()) {
+      for (const auto& [name, d] : *mine)
+        absl::StrAppend(&line, " ", name, " ", d.bytes, " ", d.fnv64);
+    }
+    ASSIGN_OR_RETURN(std::vector<std::string> all, c.AllGatherBytes(line));
+    std::map<std::string, FileDigest> files;
+    for (size_t r = 0; r < all.size(); ++r) {
+      std::vector<std::string> words = absl::StrSplit(all[r], ' ');
+      if (words[0] != "ok") {
+        return absl::InternalError(absl::StrCat("save_state: rank ", r, " ", all[r]));
+      }
+      for (size_t i = 1; i + 2 < words.size(); i += 3) {
+        FileDigest& d = files[words[i]];
+        if (!absl::SimpleAtoi(words[i + 1], &d.bytes) ||
+            !absl::SimpleAtoi(words[i + 2], &d.fnv64)) {
+          return absl::InternalError(absl::StrCat("save_state: rank ", r, " sent ", all[r]));
+        }
+      }
+    }
+    return files;
+  };
+  if (c.rank() != 0) {
+    std::string dir;
+    RETURN_IF_ERROR(c.BroadcastBytes(dir, 0));
+    if (dir.empty()) return absl::AbortedError("save_state: rank 0 did not start the checkpoint");
+    const absl::Status written = write_shards(dir).status();
+    RETURN_IF_ERROR(ReceiveOutcome(c));
+    return written;
   }
-  for (auto [flat_C, out] : {std::pair{&t.shard->grad_sum_C, &whole.grad_sum},
-                             std::pair{&t.shard->exp_avg_C, &whole.exp_avg},
-                             std::pair{&t.shard->exp_avg_sq_C, &whole.exp_avg_sq}}) {
-    RETURN_IF_ERROR(t.shard->Gather(c, *flat_C, like, [&](size_t i, at::Tensor v) {
-      if (c.rank() == 0) (*out)[names[i]] = v.to(at::kCPU);  // one tensor on the device at a time
-    }));
-  }
-  return whole;
+  bool started = false;
+  absl::Status st = CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
+    started = true;
+    std::string shared = dir;
+    RETURN_IF_ERROR(c.BroadcastBytes(shared, 0));
+    ASSIGN_OR_RETURN(auto files, write_shards(dir));
+    return WriteShardedTrainingState(t, meta, sums, c.world_size(), files, dir);
+  });
+  if (started) return SendOutcome(c, st);
+  std::string none;  // the others wait for a directory, not an outcome
+  RETURN_IF_ERROR(c.BroadcastBytes(none, 0));
+  return st;
 }
 
 }  // namespace
@@ -581,14 +633,7 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   CheckpointMeta meta{options.last_seq_id, impl_->base_fingerprint, impl_->config.base_model_path,
                       impl_->dtype == at::kDouble ? "float64" : "float32"};
   return Guarded("save_state", [&]() -> absl::Status {
-    if (t->shard) {
-      ASSIGN_OR_RETURN(ModelState whole, GatherShard(*impl_->collectives, *t));
-      if (impl_->collectives->rank() != 0) return absl::OkStatus();
-      return CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
-        return WriteTrainingState(whole, meta,
-                                  options.include_accumulated ? &whole.grad_sum : nullptr, dir);
-      });
-    }
+    if (t->shard) return SaveSharded(*impl_->collectives, *t, meta, path, options);
     // Each rank holds its share of the gradient until optim_step reduces them (Note [Reduce once]
     // in runner/dist/collectives.h); a checkpoint holds their sum.
     std::map<std::string, at::Tensor> accumulated;
@@ -601,11 +646,12 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
       size_t i = 0;
       for (const auto& [name, g] : t->grad_sum) accumulated[name] = sums[i++];
     }
-    if (impl_->collectives->rank() != 0) return absl::OkStatus();
-    return CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
-      return WriteTrainingState(*t, meta, options.include_accumulated ? &accumulated : nullptr,
-                                dir);
-    });
+    Collectives& c = *impl_->collectives;
+    if (c.rank() != 0) return ReceiveOutcome(c);
+    return SendOutcome(c, CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
+                         return WriteTrainingState(
+                             *t, meta, options.include_accumulated ? &accumulated : nullptr, dir);
+                       }));
   });
 }
 

@@ -85,7 +85,9 @@ class ModelRunner {
   // nothing. Without the optimizer, Adam moments and the step start from zero.
   // Under data parallelism every rank calls SaveState (accumulated gradients are summed over the
   // ranks, so the checkpoint holds the global sum at any world size) and rank 0 alone writes;
-  // loading puts that sum on rank 0 and zeros elsewhere, so the next step reduces to it.
+  // loading puts that sum on rank 0 and zeros elsewhere, so the next step reduces to it. Under
+  // --shard=optimizer every rank writes its slices and loads its slice of any checkpoint. Every
+  // rank returns rank 0's outcome.
   absl::Status SaveState(const std::string& model_id, const std::string& path,
                          const SaveStateOptions& options);
   absl::Status LoadState(const std::string& model_id, const std::string& path, bool with_optimizer);

@@ -80,11 +80,13 @@ inline std::string TestDevice() {
 
 inline std::unique_ptr<ModelRunner> MakeRunner(const std::string& model_dir,
                                                ComputeDType dtype = ComputeDType::kFloat64,
-                                               int64_t micro_batch_tokens = 4096) {
+                                               int64_t micro_batch_tokens = 4096,
+                                               ShardMode shard = ShardMode::kNone) {
   RunnerConfig rc;
   rc.base_model_path = model_dir;
   rc.compute_dtype = dtype;
   rc.micro_batch_tokens = micro_batch_tokens;
+  rc.shard = shard;
   rc.device = TestDevice();
   auto r = ModelRunner::Create(rc);
   EXPECT_TRUE(r.ok()) << r.status().message();

@@ -103,6 +103,13 @@ absl::StatusOr<TrainingManifest> FromJson(const json& m) {
     ASSIGN_OR_RETURN(a.sequences, NonNegative(*it, "sequences"));
     out.accumulated = a;
   }
+  if (m.contains("shards")) {
+    ASSIGN_OR_RETURN(const int64_t shards, NonNegative(m, "shards"));
+    if (shards < 1 || shards > kMaxCheckpointShards) {
+      return Malformed("shards", absl::StrCat("must be 1 to ", kMaxCheckpointShards));
+    }
+    out.shards = static_cast<int>(shards);
+  }
   ASSIGN_OR_RETURN(const json* files, Field(m, "files"));
   if (!files->is_object()) return Malformed("files", "must be an object");
   for (const auto& [name, f] : files->items()) {
@@ -150,6 +157,7 @@ std::string TrainingManifestToJson(const TrainingManifest& t) {
   if (t.accumulated) {
     m["accumulated"] = {{"tokens", t.accumulated->tokens}, {"sequences", t.accumulated->sequences}};
   }
+  if (t.shards > 0) m["shards"] = t.shards;
   json files = json::object();
   for (const auto& [name, d] : t.files) {
     files[name] = {{"bytes", d.bytes}, {"fnv64", std::to_string(d.fnv64)}};

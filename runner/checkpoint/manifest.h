@@ -7,7 +7,7 @@
 //    "step": n, "skipped_steps": n, "last_seq_id": n, "loss_reduction": "token_mean",
 //    "seed": "<u64 decimal>", "training_dtype": "float32"|"float64", "base_model": ...,
 //    "base_fingerprint": "<u64 decimal>", "lora": null | {rank, alpha, train_attn, train_mlp,
-//    train_unembed}, "accumulated": {tokens, sequences} (optional),
+//    train_unembed}, "accumulated": {tokens, sequences} (optional), "shards": W (optional),
 //    "files": {name: {"bytes": n, "fnv64": "<u64 decimal>"}}}
 // 64-bit values that JSON readers may round through a double are decimal strings.
 #pragma once
@@ -23,6 +23,8 @@
 namespace tinkerd {
 
 inline constexpr int kCheckpointFormatVersion = 1;
+// A loader opens one file per shard: a forged manifest must not make it open millions.
+inline constexpr int kMaxCheckpointShards = 65536;
 
 struct FileDigest {
   uint64_t bytes = 0;
@@ -46,6 +48,9 @@ struct TrainingManifest {
   std::string base_model;
   uint64_t base_fingerprint = 0;
   std::optional<Accumulated> accumulated;   // set iff the checkpoint holds unapplied gradients
+  // 0: optimizer.safetensors (and accumulators.safetensors) hold whole tensors; W: W files each
+  // of flat slices, one per rank that saved them (runner/checkpoint/state_io.h).
+  int shards = 0;
   std::map<std::string, FileDigest> files;  // plain file names in the checkpoint directory
 };
 

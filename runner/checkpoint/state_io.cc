@@ -48,25 +48,25 @@ uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base) {
   return Fnv64(bytes);
 }
 
-absl::Status WriteTrainingState(const ModelState& t, const CheckpointMeta& meta,
-                                const std::map<std::string, at::Tensor>* accumulated,
-                                const std::string& dir) {
-  TrainingManifest m;
-  auto save = [&](const std::string& name,
-                  const std::map<std::string, at::Tensor>& tensors) -> absl::Status {
-    // The checksum comes from the bytes in hand; reading the file back would only re-read them.
-    ASSIGN_OR_RETURN(std::string bytes, SerializeTensors(tensors, meta.training_dtype));
-    m.files[name] = {bytes.size(), Fnv64(bytes)};
-    return WriteFileAtomically(Join(dir, name), bytes);
-  };
-  RETURN_IF_ERROR(save("params.safetensors", t.params));
-  std::map<std::string, at::Tensor> moments = Prefixed(t.exp_avg, "exp_avg.");
-  for (auto& [k, v] : Prefixed(t.exp_avg_sq, "exp_avg_sq.")) moments[k] = v;
-  RETURN_IF_ERROR(save("optimizer.safetensors", moments));
-  if (accumulated != nullptr) {
-    RETURN_IF_ERROR(save("accumulators.safetensors", *accumulated));
-    m.accumulated = Accumulated{t.accumulated_tokens, t.accumulated_sequences};
-  }
+namespace {
+
+// Serializes `tensors` to dir/name and records the file's digest.
+absl::StatusOr<FileDigest> SaveTensors(const std::string& dir, const std::string& name,
+                                       const std::map<std::string, at::Tensor>& tensors,
+                                       const std::string& dtype) {
+  // The checksum comes from the bytes in hand; reading the file back would only re-read them.
+  ASSIGN_OR_RETURN(std::string bytes, SerializeTensors(tensors, dtype));
+  RETURN_IF_ERROR(WriteFileAtomically(Join(dir, name), bytes));
+  return FileDigest{bytes.size(), Fnv64(bytes)};
+}
+
+// params.safetensors, then (last: its presence marks the checkpoint complete) the manifest, which
+// lists `files` besides the parameters.
+absl::Status WriteParamsAndManifest(const ModelState& t, const CheckpointMeta& meta,
+                                    bool accumulated, TrainingManifest m, const std::string& dir) {
+  ASSIGN_OR_RETURN(m.files["params.safetensors"],
+                   SaveTensors(dir, "params.safetensors", t.params, meta.training_dtype));
+  if (accumulated) m.accumulated = Accumulated{t.accumulated_tokens, t.accumulated_sequences};
   m.model_id = t.id;
   m.options = t.options;
   m.step = t.step;
@@ -75,8 +75,57 @@ absl::Status WriteTrainingState(const ModelState& t, const CheckpointMeta& meta,
   m.training_dtype = meta.training_dtype;
   m.base_model = meta.base_model;
   m.base_fingerprint = meta.base_fingerprint;
-  // Last: the manifest's presence marks the checkpoint complete.
   return WriteFileAtomically(Join(dir, "manifest.json"), TrainingManifestToJson(m));
+}
+
+std::string ShardFileName(const std::string& kind, int rank, int world_size) {
+  return absl::StrCat(kind, "-", rank, "-of-", world_size, ".safetensors");
+}
+
+}  // namespace
+
+absl::Status WriteTrainingState(const ModelState& t, const CheckpointMeta& meta,
+                                const std::map<std::string, at::Tensor>* accumulated,
+                                const std::string& dir) {
+  TrainingManifest m;
+  std::map<std::string, at::Tensor> moments = Prefixed(t.exp_avg, "exp_avg.");
+  for (auto& [k, v] : Prefixed(t.exp_avg_sq, "exp_avg_sq.")) moments[k] = v;
+  ASSIGN_OR_RETURN(m.files["optimizer.safetensors"],
+                   SaveTensors(dir, "optimizer.safetensors", moments, meta.training_dtype));
+  if (accumulated != nullptr) {
+    ASSIGN_OR_RETURN(
+        m.files["accumulators.safetensors"],
+        SaveTensors(dir, "accumulators.safetensors", *accumulated, meta.training_dtype));
+  }
+  return WriteParamsAndManifest(t, meta, accumulated != nullptr, std::move(m), dir);
+}
+
+absl::StatusOr<std::map<std::string, FileDigest>> WriteStateShard(const OptimizerShard& shard,
+                                                                  bool accumulated,
+                                                                  const std::string& dtype,
+                                                                  const std::string& dir) {
+  const int r = shard.layout.rank(), w = shard.layout.world_size();
+  std::map<std::string, FileDigest> files;
+  const std::string optimizer = ShardFileName("optimizer", r, w);
+  ASSIGN_OR_RETURN(
+      files[optimizer],
+      SaveTensors(dir, optimizer, {{"exp_avg", shard.exp_avg_C}, {"exp_avg_sq", shard.exp_avg_sq_C}},
+                  dtype));
+  if (accumulated) {
+    const std::string sums = ShardFileName("accumulators", r, w);
+    ASSIGN_OR_RETURN(files[sums], SaveTensors(dir, sums, {{"grad_sum", shard.grad_sum_C}}, dtype));
+  }
+  return files;
+}
+
+absl::Status WriteShardedTrainingState(const ModelState& t, const CheckpointMeta& meta,
+                                       bool accumulated, int world_size,
+                                       const std::map<std::string, FileDigest>& shard_files,
+                                       const std::string& dir) {
+  TrainingManifest m;
+  m.shards = world_size;
+  m.files = shard_files;
+  return WriteParamsAndManifest(t, meta, accumulated, std::move(m), dir);
 }
 
 absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t base_fingerprint,
@@ -109,16 +158,57 @@ absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t b
     return LoadSafetensorsFile(Join(dir, name), dtype);
   };
   ASSIGN_OR_RETURN(s.params, load("params.safetensors"));
-  ASSIGN_OR_RETURN(auto moments, load("optimizer.safetensors"));
-  for (auto& [k, v] : moments) {
-    if (k.rfind("exp_avg_sq.", 0) == 0) {
-      s.exp_avg_sq[k.substr(11)] = v;
-    } else if (k.rfind("exp_avg.", 0) == 0) {
-      s.exp_avg[k.substr(8)] = v;
+  if (m->shards > 0) {
+    // Rank r's file holds [begin(r), end(r)) of the flat space of the parameters in name order
+    // (runner/dist/shard.h) under the world size it was saved at; concatenated, the files are the
+    // whole flat vectors, cut back at the tensors here. So any world size loads it.
+    std::vector<int64_t> numels;
+    std::vector<at::Tensor> like;
+    for (const auto& [name, p] : s.params) {
+      numels.push_back(p.numel());
+      like.push_back(p);
+    }
+    auto whole = [&](const std::string& kind,
+                     const std::string& key) -> absl::StatusOr<std::map<std::string, at::Tensor>> {
+      std::vector<at::Tensor> slices;
+      for (int r = 0; r < m->shards; ++r) {
+        const std::string name = ShardFileName(kind, r, m->shards);
+        ASSIGN_OR_RETURN(auto file, load(name));
+        const int64_t owned = ShardLayout(numels, m->shards, r).owned();
+        auto it = file.find(key);
+        if (it == file.end() || it->second.dim() != 1 || it->second.numel() != owned) {
+          return DataLoss(dir, absl::StrCat(name, " lacks ", key, " of ", owned, " values"));
+        }
+        slices.push_back(it->second);
+      }
+      const at::Tensor flat_N = at::cat(slices);
+      std::map<std::string, at::Tensor> out;
+      int64_t offset = 0;
+      for (const auto& [name, p] : s.params) {
+        out[name] = flat_N.narrow(0, offset, p.numel()).view(p.sizes());
+        offset += p.numel();
+      }
+      return out;
+    };
+    ASSIGN_OR_RETURN(s.exp_avg, whole("optimizer", "exp_avg"));
+    ASSIGN_OR_RETURN(s.exp_avg_sq, whole("optimizer", "exp_avg_sq"));
+    if (m->accumulated) {
+      ASSIGN_OR_RETURN(s.grad_sum, whole("accumulators", "grad_sum"));
+    }
+  } else {
+    ASSIGN_OR_RETURN(auto moments, load("optimizer.safetensors"));
+    for (auto& [k, v] : moments) {
+      if (k.rfind("exp_avg_sq.", 0) == 0) {
+        s.exp_avg_sq[k.substr(11)] = v;
+      } else if (k.rfind("exp_avg.", 0) == 0) {
+        s.exp_avg[k.substr(8)] = v;
+      }
+    }
+    if (m->accumulated) {
+      ASSIGN_OR_RETURN(s.grad_sum, load("accumulators.safetensors"));
     }
   }
   if (m->accumulated) {
-    ASSIGN_OR_RETURN(s.grad_sum, load("accumulators.safetensors"));
     s.accumulated_tokens = m->accumulated->tokens;
     s.accumulated_sequences = m->accumulated->sequences;
   }

@@ -1,7 +1,8 @@
 // Internal: a model's training state to and from a checkpoint directory, and sampler exports.
 //
 // A training checkpoint holds params.safetensors (trainable tensors, training dtype, exact),
-// optimizer.safetensors (AdamW moments), optionally accumulators.safetensors (unapplied gradient
+// optimizer.safetensors (AdamW moments; per-rank files of slices when the optimizer state was
+// sharded, see WriteStateShard), optionally accumulators.safetensors (unapplied gradient
 // sums and their counters), and manifest.json: format and version, step, skipped steps, the last
 // applied seq_id, LoRA config, loss_reduction, seed, the base model's fingerprint, and a size and
 // FNV-64 checksum per file. The runner draws no random numbers after initialization (no dropout),
@@ -11,6 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "runner/checkpoint/manifest.h"
 #include "runner/model_state.h"
 
 namespace tinkerd {
@@ -27,6 +29,21 @@ struct CheckpointMeta {
 absl::Status WriteTrainingState(const ModelState& t, const CheckpointMeta& meta,
                                 const std::map<std::string, at::Tensor>* accumulated,
                                 const std::string& dir);
+
+// Sharded optimizer state (--shard=optimizer), saved by every rank in parallel: each writes its
+// slices of the moments (and, with the accumulation, of the gradient sums) as flat tensors to
+// optimizer-<r>-of-<W>.safetensors (accumulators-<r>-of-<W>.safetensors) and returns their
+// digests; rank 0 then writes params.safetensors and, last, the manifest ("shards": W) naming
+// every rank's files. ReadTrainingState joins the slices back into whole tensors, so such a
+// checkpoint loads at any world size, sharded or not.
+absl::StatusOr<std::map<std::string, FileDigest>> WriteStateShard(const OptimizerShard& shard,
+                                                                  bool accumulated,
+                                                                  const std::string& dtype,
+                                                                  const std::string& dir);
+absl::Status WriteShardedTrainingState(const ModelState& t, const CheckpointMeta& meta,
+                                       bool accumulated, int world_size,
+                                       const std::map<std::string, FileDigest>& shard_files,
+                                       const std::string& dir);
 
 struct LoadedState {
   CreateModelOptions options;

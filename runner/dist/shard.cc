@@ -122,36 +122,6 @@ absl::Status OptimizerShard::AllGather(Collectives& c,
   return absl::OkStatus();
 }
 
-absl::Status OptimizerShard::Gather(Collectives& c, const at::Tensor& flat_C,
-                                    const std::vector<at::Tensor>& like,
-                                    const std::function<void(size_t, at::Tensor)>& take) const {
-  at::NoGradGuard no_grad;
-  const int W = layout.world_size();
-  const int64_t mine_begin = layout.begin(layout.rank());
-  for (size_t i = 0; i < like.size(); ++i) {
-    // Tensor i is [s, e) of the flat space; rank r holds its part [max(s, begin r), min(e, end r)).
-    const int64_t s = layout.tensor_begin(i), e = layout.tensor_end(i);
-    auto part = [&](int r) {
-      return std::make_pair(std::max(s, layout.begin(r)), std::min(e, layout.end(r)));
-    };
-    int64_t M = 1;
-    for (int r = 0; r < W; ++r) M = std::max(M, part(r).second - part(r).first);
-    at::Tensor mine_M = at::zeros({M}, flat_C.options());
-    const auto [lo, hi] = part(layout.rank());
-    if (lo < hi) mine_M.narrow(0, 0, hi - lo).copy_(flat_C.narrow(0, lo - mine_begin, hi - lo));
-    at::Tensor all_WM = at::empty({W, M}, flat_C.options());
-    RETURN_IF_ERROR(c.AllGather(mine_M, all_WM));
-    std::vector<at::Tensor> rows;
-    for (int r = 0; r < W; ++r) {
-      const auto [rlo, rhi] = part(r);
-      if (rlo < rhi) rows.push_back(all_WM[r].narrow(0, 0, rhi - rlo));
-    }
-    at::Tensor whole = rows.empty() ? at::empty({0}, flat_C.options()) : at::cat(rows);
-    take(i, whole.view(like[i].sizes()));
-  }
-  return absl::OkStatus();
-}
-
 void OptimizerShard::Scatter(const std::vector<at::Tensor>& whole, at::Tensor& flat_C) const {
   at::NoGradGuard no_grad;
   ReadFlat(layout, whole, layout.begin(layout.rank()), layout.end(layout.rank()), flat_C);

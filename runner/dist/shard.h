@@ -15,7 +15,6 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -75,11 +74,6 @@ struct OptimizerShard {
   // Writes every rank's slice of `tensors` into every rank's `tensors` (after each rank stepped
   // its own slice of the parameters).
   absl::Status AllGather(Collectives& c, const std::vector<at::Tensor>& tensors) const;
-  // The whole tensors of a flat vector of the shard (a checkpoint's gradient sums or moments),
-  // assembled one tensor at a time and handed to `take` with their index; `like` gives the
-  // shapes, in the layout's order. Every rank calls it, and every rank is handed every tensor.
-  absl::Status Gather(Collectives& c, const at::Tensor& flat_C, const std::vector<at::Tensor>& like,
-                      const std::function<void(size_t, at::Tensor)>& take) const;
   // Sets a flat vector of the shard from whole tensors (a checkpoint's), in the layout's order.
   void Scatter(const std::vector<at::Tensor>& whole, at::Tensor& flat_C) const;
   // Views of this rank's slices of `tensors`, one per piece (AdamW on the owned parameters).

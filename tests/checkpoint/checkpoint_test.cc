@@ -166,6 +166,56 @@ TEST(Checkpoint, BadCheckpointsAreRefusedAndChangeNothing) {
   EXPECT_EQ(Flat(Snap(*r, target, StateKind::kParams)), Flat(Snap(*r, src, StateKind::kParams)));
 }
 
+// A checkpoint of sharded optimizer state (one process here, so one shard: the multi-rank
+// resumes are in tests/dist/dist_test.cc) holds per-rank files of flat slices; an unsharded model
+// loads it as whole tensors, mid-accumulation, and steps exactly as the sharded one does. A
+// truncated shard is refused by name.
+TEST(Checkpoint, ShardedSavesLoadIntoReplicasAndBadShardsAreRefused) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("llama"));
+  auto sharded = MakeRunner(model, ComputeDType::kFloat64, 4096, ShardMode::kOptimizer);
+  const std::string a = *sharded->CreateModel(Lora(LossReduction::kSeqMeanTokenMean));
+  Step(*sharded, a, 0);
+  SplitMix64 g(21);
+  ASSERT_TRUE(sharded
+                  ->ForwardBackward(a, RandomData(g, {5, 17}, "cross_entropy", 128),
+                                    "cross_entropy", {})
+                  .ok());
+  SaveStateOptions with;
+  with.include_accumulated = true;
+  ASSERT_TRUE(sharded->SaveState(a, dir.Sub("c/sharded"), with).ok());
+  const std::string saved = *ResolveCheckpoint(dir.Sub("c/sharded"));
+  EXPECT_TRUE(fs::exists(saved + "/optimizer-0-of-1.safetensors"));
+  EXPECT_TRUE(fs::exists(saved + "/accumulators-0-of-1.safetensors"));
+  EXPECT_FALSE(fs::exists(saved + "/optimizer.safetensors"));
+
+  auto replicas = MakeRunner(model);
+  auto b = replicas->CreateModelFromState(dir.Sub("c/sharded"), /*with_optimizer=*/true);
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  // At one rank a shard's slices are its tensors flattened in name order: the same values.
+  for (StateKind kind : {StateKind::kGrads, StateKind::kAdamExpAvg, StateKind::kAdamExpAvgSq}) {
+    EXPECT_EQ(Flat(Snap(*replicas, *b, kind)), Flat(Snap(*sharded, a, kind)));
+  }
+  auto s1 = sharded->OptimStep(a, AdamParams{});
+  auto s2 = replicas->OptimStep(*b, AdamParams{});
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  EXPECT_EQ(s1->grad_norm, s2->grad_norm);
+  EXPECT_EQ(Flat(Snap(*replicas, *b, StateKind::kParams)),
+            Flat(Snap(*sharded, a, StateKind::kParams)));
+
+  const std::string bad = dir.Sub("c/truncated_shard");
+  fs::copy(saved, bad, fs::copy_options::recursive);
+  fs::resize_file(bad + "/optimizer-0-of-1.safetensors",
+                  fs::file_size(bad + "/optimizer-0-of-1.safetensors") - 8);
+  const std::string target = *replicas->CreateModel(Lora(LossReduction::kSeqMeanTokenMean));
+  const auto before = Flat(Snap(*replicas, target, StateKind::kParams));
+  absl::Status st = replicas->LoadState(target, bad, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st.message();
+  EXPECT_NE(st.message().find("optimizer-0-of-1.safetensors is corrupt"), absl::string_view::npos)
+      << st.message();
+  EXPECT_EQ(Flat(Snap(*replicas, target, StateKind::kParams)), before);
+}
+
 TEST(Checkpoint, OverwriteListAndDelete) {
   TempDir dir;
   auto r = MakeRunner(WriteModel(dir, TinyConfig("llama")));

@@ -173,6 +173,15 @@ TEST_P(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare)
     grpc::Status st = conn->stub().SaveState(&ctx, save, &saved);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
+  // The same name again, without overwrite: refused on every rank alike (under sharding before
+  // any rank writes), and the job goes on serving: the calls below run on it.
+  {
+    grpc::ClientContext ctx;
+    v1::SaveStateResponse again;
+    save.set_seq_id(3);
+    grpc::Status st = conn->stub().SaveState(&ctx, save, &again);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS) << st.error_message();
+  }
   v1::CreateModelFromStateRequest from;
   from.set_path(saved.path());
   from.set_with_optimizer(true);
@@ -186,7 +195,7 @@ TEST_P(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare)
 
   v1::AdamParams adam;
   adam.set_learning_rate(1e-2);
-  auto original = conn->Attach(info->model_id(), 3)->OptimStep(adam).get();
+  auto original = conn->Attach(info->model_id(), 4)->OptimStep(adam).get();
   auto again = conn->Attach(restored.model_id())->OptimStep(adam).get();
   ASSERT_TRUE(original.ok()) << original.status().message();
   ASSERT_TRUE(again.ok()) << again.status().message();
@@ -195,7 +204,7 @@ TEST_P(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare)
   EXPECT_GT(original->grad_norm(), 0.0);
   // And the stepped parameters agree: the same logprobs on fresh data.
   auto probe = Wire(RandomData(g, {21}, "cross_entropy", 128));
-  auto p1 = conn->Attach(info->model_id(), 4)->Forward(probe, ce).get();
+  auto p1 = conn->Attach(info->model_id(), 5)->Forward(probe, ce).get();
   auto p2 = conn->Attach(restored.model_id(), 2)->Forward(probe, ce).get();
   ASSERT_TRUE(p1.ok() && p2.ok());
   EXPECT_EQ(client::ToFloats(p1->outputs(0).logprobs()),

@@ -21,6 +21,7 @@ TrainingManifest Sample() {
   m.base_model = "embedded:default";
   m.base_fingerprint = 0x8000000000000001ull;
   m.accumulated = Accumulated{120, 4};
+  m.shards = 3;
   m.files = {{"params.safetensors", {1000, 0xffffffffffffffffull}}};
   return m;
 }
@@ -42,15 +43,19 @@ TEST(Manifest, RoundTripsEveryField) {
   EXPECT_EQ(back->training_dtype, "float64");
   EXPECT_EQ(back->base_fingerprint, m.base_fingerprint);
   EXPECT_EQ(back->accumulated, m.accumulated);
+  EXPECT_EQ(back->shards, 3);
   EXPECT_EQ(back->files, m.files);
 
   TrainingManifest full = Sample();
   full.options.lora.reset();
   full.accumulated.reset();
+  full.shards = 0;
   auto f = ParseTrainingManifest(TrainingManifestToJson(full));
   ASSERT_TRUE(f.ok()) << f.status().message();
   EXPECT_FALSE(f->options.lora.has_value());
   EXPECT_FALSE(f->accumulated.has_value());
+  EXPECT_EQ(f->shards, 0);  // whole files: the field is left out
+  EXPECT_EQ(TrainingManifestToJson(full).find("shards"), std::string::npos);
 }
 
 // Replaces one fragment of a valid manifest and returns the parser's code.
@@ -72,6 +77,9 @@ TEST(Manifest, MalformedFieldsAreDataLoss) {
   EXPECT_EQ(CodeWith("\"rank\": 8", "\"rank\": 0"), C::kDataLoss);
   EXPECT_EQ(CodeWith("\"alpha\": 16.5", "\"alpha\": -1"), C::kDataLoss);
   EXPECT_EQ(CodeWith("\"float64\"", "\"int8\""), C::kDataLoss);
+  EXPECT_EQ(CodeWith("\"shards\": 3", "\"shards\": 0"), C::kDataLoss);
+  EXPECT_EQ(CodeWith("\"shards\": 3", "\"shards\": 65537"), C::kDataLoss);  // one file each
+  EXPECT_EQ(CodeWith("\"shards\": 3", "\"shards\": \"3\""), C::kDataLoss);
   EXPECT_EQ(CodeWith("\"seq_mean_token_mean\"", "\"mean\""), C::kDataLoss);
   EXPECT_EQ(CodeWith("\"params.safetensors\"", "\"../params.safetensors\""), C::kDataLoss);
   EXPECT_EQ(CodeWith("\"tinkerd-checkpoint\"", "\"something-else\""), C::kDataLoss);
