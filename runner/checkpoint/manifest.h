@@ -47,7 +47,7 @@ struct TrainingManifest {
   std::string training_dtype;  // "float32" or "float64"
   std::string base_model;
   uint64_t base_fingerprint = 0;
-  std::optional<Accumulated> accumulated;   // set iff the checkpoint holds unapplied gradients
+  std::optional<Accumulated> accumulated;  // set iff the checkpoint holds unapplied gradients
   // 0: optimizer.safetensors (and accumulators.safetensors) hold whole tensors; W: W files each
   // of flat slices, one per rank that saved them (runner/checkpoint/state_io.h).
   int shards = 0;

@@ -109,8 +109,8 @@ absl::StatusOr<std::map<std::string, FileDigest>> WriteStateShard(const Optimize
   const std::string optimizer = ShardFileName("optimizer", r, w);
   ASSIGN_OR_RETURN(
       files[optimizer],
-      SaveTensors(dir, optimizer, {{"exp_avg", shard.exp_avg_C}, {"exp_avg_sq", shard.exp_avg_sq_C}},
-                  dtype));
+      SaveTensors(dir, optimizer,
+                  {{"exp_avg", shard.exp_avg_C}, {"exp_avg_sq", shard.exp_avg_sq_C}}, dtype));
   if (accumulated) {
     const std::string sums = ShardFileName("accumulators", r, w);
     ASSIGN_OR_RETURN(files[sums], SaveTensors(dir, sums, {{"grad_sum", shard.grad_sum_C}}, dtype));

@@ -177,10 +177,9 @@ TEST(Checkpoint, ShardedSavesLoadIntoReplicasAndBadShardsAreRefused) {
   const std::string a = *sharded->CreateModel(Lora(LossReduction::kSeqMeanTokenMean));
   Step(*sharded, a, 0);
   SplitMix64 g(21);
-  ASSERT_TRUE(sharded
-                  ->ForwardBackward(a, RandomData(g, {5, 17}, "cross_entropy", 128),
-                                    "cross_entropy", {})
-                  .ok());
+  ASSERT_TRUE(
+      sharded->ForwardBackward(a, RandomData(g, {5, 17}, "cross_entropy", 128), "cross_entropy", {})
+          .ok());
   SaveStateOptions with;
   with.include_accumulated = true;
   ASSERT_TRUE(sharded->SaveState(a, dir.Sub("c/sharded"), with).ok());
