@@ -17,9 +17,23 @@
 namespace tinkerd::testing {
 namespace {
 
+// A tinkerd job: rank 0 and, with --nproc, the ranks it spawns, in a process group of their own.
+// A test that ends without reaping it (a failed assertion) kills the whole group, so that no rank
+// outlives the test and holds its output open.
 struct Job {
   pid_t pid = -1;
   int port = 0;
+  bool reaped = false;
+
+  Job() = default;
+  Job(Job&& o) noexcept : pid(o.pid), port(o.port), reaped(o.reaped) { o.pid = -1; }
+  Job& operator=(Job&&) = delete;
+  ~Job() {
+    if (pid > 0 && !reaped) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
 };
 
 // A tinkerd process with `flags`; `env` set in it (without, --nproc makes the job). Waits for
@@ -34,6 +48,7 @@ Job StartJob(const std::vector<std::string>& flags,
   Job j;
   j.pid = fork();
   if (j.pid == 0) {
+    setpgid(0, 0);
     // Other ranks log to a sink: a closed pipe would end them with SIGPIPE.
     dup2(rank0 ? out[1] : open("/dev/null", O_WRONLY), STDOUT_FILENO);
     close(out[0]);
@@ -60,9 +75,10 @@ Job StartJob(const std::vector<std::string>& flags,
   return j;
 }
 
-int ExitCode(pid_t pid) {
+int ExitCode(Job& job) {
   int status = 0;
-  waitpid(pid, &status, 0);
+  waitpid(job.pid, &status, 0);
+  job.reaped = true;
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
@@ -133,7 +149,7 @@ TEST_P(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
                 2 * 6e-8 * std::abs(want->outputs[0].logprobs[t]));
   }
   kill(job.pid, SIGTERM);
-  EXPECT_EQ(ExitCode(job.pid), 0);  // rank 0 exits 0 after rank 1 did
+  EXPECT_EQ(ExitCode(job), 0);  // rank 0 exits 0 after rank 1 did
 }
 
 // A checkpoint saved with accumulated gradients holds the sum of every rank's share, so restoring
@@ -210,7 +226,7 @@ TEST_P(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare)
   EXPECT_EQ(client::ToFloats(p1->outputs(0).logprobs()),
             client::ToFloats(p2->outputs(0).logprobs()));
   kill(job.pid, SIGTERM);
-  EXPECT_EQ(ExitCode(job.pid), 0);
+  EXPECT_EQ(ExitCode(job), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shard, DataParallelServer, ::testing::Values("none", "optimizer"));
@@ -262,9 +278,9 @@ TEST(DataParallelJob, RanksThatDisagreeOnAnOutcomeStopTheJob) {
   EXPECT_NE(big.status().message().find("memory budget"), std::string::npos) << big.status();
   auto health = conn->Health();
   EXPECT_TRUE(health.ok() && !*health) << "still serving after the ranks diverged";
-  EXPECT_NE(ExitCode(rank1.pid), 0);  // the diverged follower ends
+  EXPECT_NE(ExitCode(rank1), 0);  // the diverged follower ends
   kill(rank0.pid, SIGTERM);
-  ExitCode(rank0.pid);
+  ExitCode(rank0);
 }
 
 TEST(DataParallelJob, KilledRankMakesServerUnhealthyWithinBound) {
@@ -302,7 +318,7 @@ TEST(DataParallelJob, KilledRankMakesServerUnhealthyWithinBound) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status().message();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
   kill(job.pid, SIGTERM);
-  ExitCode(job.pid);
+  ExitCode(job);
 }
 
 }  // namespace

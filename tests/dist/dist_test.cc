@@ -1,7 +1,7 @@
 // Data parallelism on real processes over Gloo (loopback): 2 and 3 ranks, replicas or with the
-// optimizer state sharded over 1 to 4, must end where one process ends, for every reduction mode,
-// LoRA and full fine-tuning, with calls, streams, packing, unequal lengths and a rank that gets no
-// datum. Deliberately broken reductions must be caught.
+// optimizer state sharded over 1 to 4, must end where one process ends, for every loss and
+// reduction mode, LoRA and full fine-tuning, with calls, streams, packing, top-K targets, unequal
+// lengths and a rank that gets no datum. Deliberately broken reductions must be caught.
 //
 // Tolerance: the runs differ only in how float64 sums are grouped (per rank, then all-reduced).
 // As in accumulation_test.cc, that moves gradients by ~1e-11 relative; through two AdamW steps of

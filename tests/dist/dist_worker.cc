@@ -75,18 +75,26 @@ int Run() {
   };
   AdamParams adam;
   adam.learning_rate = 1e-2;
-  // One step's calls: strongly unequal lengths, a call with fewer datums than ranks, and a stream
-  // fed in three chunks, packed under the budget as it fills.
+  // One step's calls: every loss, strongly unequal lengths, calls with fewer datums than ranks,
+  // top-K cross-entropy targets, and a stream fed in three chunks, packed under the budget as it
+  // fills.
+  auto record = [&](const absl::StatusOr<ForwardBackwardResult>& fb) {
+    check(fb.status());
+    out.push_back(fb->metrics.at("loss:sum"));
+    out.push_back(fb->outputs.back().logprobs.back());  // outputs gathered in datum order
+  };
   auto calls = [&](const std::string& id, SplitMix64& g) {
-    for (const auto& [lengths, loss] : std::vector<std::pair<std::vector<int>, std::string>>{
-             {{2, 31, 5, 17, 3}, "cross_entropy"}, {{9}, "ppo"}, {{4, 22}, "dro"}}) {
+    for (const auto& [lengths, loss] :
+         std::vector<std::pair<std::vector<int>, std::string>>{{{2, 31, 5, 17, 3}, "cross_entropy"},
+                                                               {{9}, "ppo"},
+                                                               {{4, 22}, "dro"},
+                                                               {{7, 3}, "cispo"},
+                                                               {{11, 5, 2}, "gspo"}}) {
       std::map<std::string, double> cfg;
       if (loss == "dro") cfg["beta"] = 0.2;
-      auto fb = r.ForwardBackward(id, RandomData(g, lengths, loss, 128), loss, cfg);
-      check(fb.status());
-      out.push_back(fb->metrics.at("loss:sum"));
-      out.push_back(fb->outputs.back().logprobs.back());  // outputs gathered in datum order
+      record(r.ForwardBackward(id, RandomData(g, lengths, loss, 128), loss, cfg));
     }
+    record(r.ForwardBackward(id, RandomTopKData(g, {6, 14}, 3, 128), "cross_entropy", {}));
     auto sid = r.BeginStream(id, "importance_sampling", {});
     check(sid.status());
     for (const auto& chunk :
