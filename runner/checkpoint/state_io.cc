@@ -163,37 +163,40 @@ absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t b
     // (runner/dist/shard.h) under the world size it was saved at; concatenated, the files are the
     // whole flat vectors, cut back at the tensors here. So any world size loads it.
     std::vector<int64_t> numels;
-    std::vector<at::Tensor> like;
-    for (const auto& [name, p] : s.params) {
-      numels.push_back(p.numel());
-      like.push_back(p);
-    }
-    auto whole = [&](const std::string& kind,
-                     const std::string& key) -> absl::StatusOr<std::map<std::string, at::Tensor>> {
-      std::vector<at::Tensor> slices;
+    for (const auto& [name, p] : s.params) numels.push_back(p.numel());
+    // One kind's files, each read once: per key, the whole tensors by name.
+    auto join = [&](const std::string& kind, const std::vector<std::string>& keys)
+        -> absl::StatusOr<std::vector<std::map<std::string, at::Tensor>>> {
+      std::vector<std::vector<at::Tensor>> slices(keys.size());
       for (int r = 0; r < m->shards; ++r) {
         const std::string name = ShardFileName(kind, r, m->shards);
         ASSIGN_OR_RETURN(auto file, load(name));
         const int64_t owned = ShardLayout(numels, m->shards, r).owned();
-        auto it = file.find(key);
-        if (it == file.end() || it->second.dim() != 1 || it->second.numel() != owned) {
-          return DataLoss(dir, absl::StrCat(name, " lacks ", key, " of ", owned, " values"));
+        for (size_t k = 0; k < keys.size(); ++k) {
+          auto it = file.find(keys[k]);
+          if (it == file.end() || it->second.dim() != 1 || it->second.numel() != owned) {
+            return DataLoss(dir, absl::StrCat(name, " lacks ", keys[k], " of ", owned, " values"));
+          }
+          slices[k].push_back(it->second);
         }
-        slices.push_back(it->second);
       }
-      const at::Tensor flat_N = at::cat(slices);
-      std::map<std::string, at::Tensor> out;
-      int64_t offset = 0;
-      for (const auto& [name, p] : s.params) {
-        out[name] = flat_N.narrow(0, offset, p.numel()).view(p.sizes());
-        offset += p.numel();
+      std::vector<std::map<std::string, at::Tensor>> out(keys.size());
+      for (size_t k = 0; k < keys.size(); ++k) {
+        const at::Tensor flat_N = at::cat(slices[k]);
+        int64_t offset = 0;
+        for (const auto& [name, p] : s.params) {
+          out[k][name] = flat_N.narrow(0, offset, p.numel()).view(p.sizes());
+          offset += p.numel();
+        }
       }
       return out;
     };
-    ASSIGN_OR_RETURN(s.exp_avg, whole("optimizer", "exp_avg"));
-    ASSIGN_OR_RETURN(s.exp_avg_sq, whole("optimizer", "exp_avg_sq"));
+    ASSIGN_OR_RETURN(auto moments, join("optimizer", {"exp_avg", "exp_avg_sq"}));
+    s.exp_avg = std::move(moments[0]);
+    s.exp_avg_sq = std::move(moments[1]);
     if (m->accumulated) {
-      ASSIGN_OR_RETURN(s.grad_sum, whole("accumulators", "grad_sum"));
+      ASSIGN_OR_RETURN(auto sums, join("accumulators", {"grad_sum"}));
+      s.grad_sum = std::move(sums[0]);
     }
   } else {
     ASSIGN_OR_RETURN(auto moments, load("optimizer.safetensors"));
