@@ -42,6 +42,8 @@
 #include "absl/status/status.h"
 #include "bench/rss.h"
 #include "bench/trace.h"
+#include "runner/dist/c10d_collectives.h"
+#include "runner/dist/dist_config.h"
 #include "runner/model/config.h"
 #include "runner/model/tiny_model.h"
 #include "runner/model_runner.h"
@@ -95,6 +97,10 @@ struct Flags {
   std::string compute_dtype = "float32";
   std::string stored_dtype = "float32";  // of the written model's weights
   int64_t activation_checkpointing = 0;
+  std::string shard = "none";  // none or optimizer (RunnerConfig::shard)
+  // 1: the runner's collectives are c10d's in a world of one (NCCL on CUDA), so that the
+  // data-parallel and sharded paths run on a single device; 0: no collectives at all.
+  int64_t c10d = 0;
   int64_t warmup_steps = 1;
   int64_t steps = 3;
   std::string trace;  // set: one more step, untimed, under the profiler (bench/trace.h)
@@ -167,6 +173,8 @@ std::vector<FlagDef> FlagTable(Flags* f) {
                  "dtype of the written model's weights: float32, bfloat16, float16 or float64"),
       IntFlag("activation_checkpointing", &f->activation_checkpointing,
               "1: recompute each decoder layer in backward"),
+      StringFlag("shard", &f->shard, "none or optimizer (sharded gradient sums and moments)"),
+      IntFlag("c10d", &f->c10d, "1: c10d collectives in a world of one (NCCL on CUDA)"),
       IntFlag("warmup_steps", &f->warmup_steps, "untimed steps first"),
       IntFlag("steps", &f->steps, "timed steps (median reported)"),
       StringFlag("trace", &f->trace,
@@ -470,6 +478,18 @@ int Run(const Flags& f) {
   rc.activation_checkpointing = f.activation_checkpointing != 0;
   rc.micro_batch_tokens = f.micro_batch_tokens;
   rc.num_threads = static_cast<int>(f.num_threads);
+  auto shard = tinkerd::ParseShardMode(f.shard);
+  if (!shard.ok()) return Fail("shard", shard.status());
+  rc.shard = *shard;
+  if (f.c10d != 0) {
+    tinkerd::DistConfig world_of_one;
+    world_of_one.master_port = tinkerd::FreeLoopbackPort();
+    tinkerd::C10dOptions c10d_options;
+    c10d_options.cuda_gradients = at::Device(f.device).is_cuda();
+    auto collectives = tinkerd::MakeC10dCollectives(world_of_one, c10d_options);
+    if (!collectives.ok()) return Fail("c10d", collectives.status());
+    rc.collectives = *std::move(collectives);
+  }
   auto runner_or = tinkerd::ModelRunner::Create(rc);
   if (!runner_or.ok()) return Fail("ModelRunner::Create", runner_or.status());
   std::unique_ptr<tinkerd::ModelRunner> runner = std::move(runner_or).value();
@@ -517,7 +537,7 @@ int Run(const Flags& f) {
   // itself) and one OptimStep, exactly what a client's training step costs.
   const tinkerd::AdamParams adam;  // lr 1e-4, betas (0.9, 0.95), eps 1e-12, wd 0, no clipping
   std::vector<double> step_s, fb_s, optim_s;
-  double first_loss = 0;
+  double first_loss = 0, last_loss = 0;
   for (int64_t step = 0; step < f.warmup_steps + f.steps; ++step) {
     auto t0 = Clock::now();
     auto fb = runner->ForwardBackward(model_id, data, "cross_entropy", {});
@@ -537,6 +557,7 @@ int Run(const Flags& f) {
     // Step 0 runs with the adapters' B = 0, i.e. the plain base model: torch_eager.py must print
     // the same first_loss, a cheap check that both sides train the same model on the same data.
     if (step == 0) first_loss = loss;
+    last_loss = loss;
     const bool timed = step >= f.warmup_steps;
     std::printf(
         "step %lld%s: %.3f s (forward_backward %.3f s, optim_step %.3f s) loss %.6f "
@@ -597,20 +618,21 @@ int Run(const Flags& f) {
       "\"forward_backward_s\":%.6f,\"optim_step_s\":%.6f,\"mfu\":%.6f,\"matmul_gflops\":%.3f,"
       "\"model_gflops_per_s\":%.3f,\"params\":%lld,\"matmul_params\":%lld,\"lora_params\":%lld,"
       "\"tokens_per_step\":%lld,\"sequences\":%lld,\"flops_per_step\":%.6e,"
-      "\"attn_flops_per_step\":%.6e,\"first_loss\":%.8f,\"threads\":%d,"
+      "\"attn_flops_per_step\":%.6e,\"first_loss\":%.8f,\"last_loss\":%.8f,\"threads\":%d,"
       "\"micro_batch_tokens\":%lld,\"steps\":%lld,\"warmup_steps\":%lld,"
       "\"peak_rss_mb\":%.1f,\"process_peak_rss_mb\":%.1f,\"peak_device_mb\":%.1f,\"device\":\"%s\","
       "\"compute_dtype\":\"%s\",\"blas_core\":\"%s\","
-      "\"activation_checkpointing\":%lld,\"full_finetune\":%lld}\n",
+      "\"activation_checkpointing\":%lld,\"full_finetune\":%lld,\"shard\":\"%s\","
+      "\"c10d\":%lld}\n",
       tokens_per_s, step_med, Median(fb_s), Median(optim_s), mfu, matmul_gflops, achieved_gflops,
       static_cast<long long>(flops.total_params), static_cast<long long>(flops.matmul_params),
       static_cast<long long>(flops.lora_params), static_cast<long long>(tokens_per_step),
-      static_cast<long long>(batch.size()), flops.Total(), flops.attn_flops, first_loss,
+      static_cast<long long>(batch.size()), flops.Total(), flops.attn_flops, first_loss, last_loss,
       at::get_num_threads(), static_cast<long long>(f.micro_batch_tokens),
       static_cast<long long>(f.steps), static_cast<long long>(f.warmup_steps), peak_rss_mb,
       process_peak_rss_mb, peak_device_mb, f.device.c_str(), f.compute_dtype.c_str(),
       tinkerd::BlasCore().c_str(), static_cast<long long>(f.activation_checkpointing),
-      static_cast<long long>(f.full_finetune));
+      static_cast<long long>(f.full_finetune), f.shard.c_str(), static_cast<long long>(f.c10d));
   std::fflush(stdout);
   return 0;
 }

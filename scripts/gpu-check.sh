@@ -70,16 +70,22 @@ bench mem_fp32_8192 --vocab=131072 --num_seqs=1 --min_len=8192 --max_len=8192 --
   --warmup_steps=1 --matmul_n=8192
 # MFU of full fine-tuning of a dense ~1.1B model (TinyLlama's shape) in bf16, then one more step
 # traced (bench/trace.h): where the step's time goes, GPU busy against idle and the kernels by time.
+FULL_1B=(--vocab=32000 --hidden=2048 --intermediate=5632 --layers=22 --heads=32 --kv_heads=4
+  --head_dim=64 --max_pos=4096 --num_seqs=16 --min_len=1024 --max_len=4096 --compute_dtype=bfloat16
+  --full_finetune=1 --micro_batch_tokens=16384 --steps=3 --warmup_steps=1 --matmul_n=8192)
 rm -f /tmp/trace_full_1b.json
-bench full_1b --vocab=32000 --hidden=2048 --intermediate=5632 --layers=22 --heads=32 \
-  --kv_heads=4 --head_dim=64 --max_pos=4096 --num_seqs=16 --min_len=1024 --max_len=4096 \
-  --compute_dtype=bfloat16 --full_finetune=1 --micro_batch_tokens=16384 --steps=3 \
-  --warmup_steps=1 --matmul_n=8192 --trace=/tmp/trace_full_1b.json
+bench full_1b "${FULL_1B[@]}" --trace=/tmp/trace_full_1b.json
 if [[ -f /tmp/trace_full_1b.json ]]; then
   python3 "$(dirname "$0")/../bench/trace_summary.py" /tmp/trace_full_1b.json --top 30 \
     | tee "$OUT/trace_full_1b.txt"
   rm -f /tmp/trace_full_1b.json
 fi
+# The same row over c10d in a world of one (NCCL for the gradients), with replicas and then with
+# sharded optimizer state: NCCL's reduce-scatter and all-gather run, and the two rows' last_loss
+# must agree (at W = 1 the shard is the whole model).
+for S in none optimizer; do
+  bench "full_1b_c10d_$S" "${FULL_1B[@]}" --c10d=1 --shard=$S
+done
 # LoRA on the whole 8B shape (Llama 3 8B's: 32 layers, hidden 4096, 32/8 heads, vocabulary
 # 128,256), random weights written in bf16 (16 GB), one sequence of 8k, then 32k tokens. Each row
 # writes and loads its model, so they run only when named, one to a device call:
