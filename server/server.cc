@@ -174,6 +174,7 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     hc.port = port;
     hc.threads = config.tinker_http.threads;
     hc.max_body_bytes = config.tinker_http.max_body_bytes;
+    hc.quota = config.tinker_http.quota;
     hc.tls_cert_file = config.tls_cert_file;  // the same certificate and clients as gRPC
     hc.tls_key_file = config.tls_key_file;
     hc.tls_client_ca_file = config.tls_client_ca_file;

@@ -84,6 +84,15 @@ ABSL_FLAG(int, http_archive_url_ttl_s, 900,
 ABSL_FLAG(int, http_archive_downloads, 8,
           "checkpoint downloads streaming at once; past them a download answers 503 with "
           "Retry-After");
+ABSL_FLAG(int64_t, http_body_mb_in_flight, 0,
+          "HTTP request bodies being read or handled at once, every API key's together, MiB "
+          "(0: four times --max_message_mb); past it a request is answered 429 before its body "
+          "is read");
+ABSL_FLAG(int64_t, http_body_mb_in_flight_per_key, 0,
+          "the same for one API key, MiB (0: twice --max_message_mb)");
+ABSL_FLAG(int, http_connections_per_key, 2048,
+          "HTTP connections one API key may hold (each parks at most one long poll); past it "
+          "429");
 ABSL_FLAG(std::string, http_public_url, "",
           "this server's URL as clients reach it (say https://tinkerd.example.org behind a proxy "
           "that ends TLS), the start of checkpoint download URLs; empty: the request's Host");
@@ -236,6 +245,13 @@ int main(int argc, char** argv) {
                                          ? rc.base_model_path
                                          : absl::GetFlag(FLAGS_served_model_name);
   sc.tinker_http.max_body_bytes = sc.max_message_bytes;
+  const int64_t in_flight_mb = absl::GetFlag(FLAGS_http_body_mb_in_flight);
+  const int64_t per_key_mb = absl::GetFlag(FLAGS_http_body_mb_in_flight_per_key);
+  sc.tinker_http.quota.body_bytes =
+      in_flight_mb > 0 ? in_flight_mb << 20 : int64_t{4} * sc.max_message_bytes;
+  sc.tinker_http.quota.body_bytes_per_key =
+      per_key_mb > 0 ? per_key_mb << 20 : int64_t{2} * sc.max_message_bytes;
+  sc.tinker_http.quota.connections_per_key = absl::GetFlag(FLAGS_http_connections_per_key);
   sc.tinker_http.futures.long_poll = absl::Seconds(absl::GetFlag(FLAGS_http_long_poll_s));
   sc.tinker_http.futures.keep = absl::Seconds(absl::GetFlag(FLAGS_http_future_keep_s));
   sc.tinker_http.peek_bytes = absl::GetFlag(FLAGS_http_peek_bytes);

@@ -51,6 +51,7 @@ struct HttpServer::Impl {
   HttpServerConfig config;
   Handler handler;
   Admit admit;
+  std::optional<EdgeQuota> quota;
   // Before io: connections still queued in io when it is destroyed count themselves out here.
   std::atomic<int> connections{0};
   std::atomic<bool> stopped{false};
@@ -144,8 +145,43 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
       discard_body_ = true;
       return Write(TooLarge());
     }
+    if (absl::Status held = Hold(head.api_key); !held.ok()) {
+      keep_alive_ = false;
+      discard_body_ = !parser_->is_done();
+      return Write({429,
+                    "application/json",
+                    ErrorBody(std::string(held.message())),
+                    {{"Retry-After", "1"}}});
+    }
     bhttp::async_read(stream_, buffer_, *parser_,
                       beast::bind_front_handler(&Connection::OnRead, this->shared_from_this()));
+  }
+
+  // Counts this connection for `key` (its latest request's) and takes the body's bytes from the
+  // edge's quota: Content-Length, or for a chunked body the limit it may grow to.
+  absl::Status Hold(const std::string& key) {
+    EdgeQuota& quota = *server_->quota;
+    if (!keyed_ || key != key_) {
+      if (keyed_) quota.ReturnConnection(key_);
+      keyed_ = false;
+      if (absl::Status st = quota.TakeConnection(key); !st.ok()) return st;
+      key_ = key;
+      keyed_ = true;
+    }
+    const auto length = parser_->content_length();
+    const int64_t bytes = parser_->is_done() ? 0
+                          : length           ? static_cast<int64_t>(*length)
+                                             : body_limit_;
+    if (bytes == 0) return absl::OkStatus();
+    if (absl::Status st = quota.TakeBody(key_, bytes); !st.ok()) return st;
+    body_held_ = bytes;
+    return absl::OkStatus();
+  }
+
+  // The request is answered (or the connection gone): its body no longer counts.
+  void ReturnBody() {
+    if (body_held_ > 0) server_->quota->ReturnBody(key_, body_held_);
+    body_held_ = 0;
   }
 
   Response TooLarge() const {
@@ -263,6 +299,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   }
 
   void Write(Response r) {
+    ReturnBody();
     if (!Lowest().socket().is_open()) return;  // the client hung up while its answer was pending
     if (watching_) {
       watching_ = false;
@@ -351,6 +388,9 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   }
 
   void Uncount() {
+    ReturnBody();
+    if (keyed_) server_->quota->ReturnConnection(key_);
+    keyed_ = false;
     if (counted_) server_->connections.fetch_sub(1);
     counted_ = false;
   }
@@ -367,6 +407,9 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   int64_t body_limit_ = 0;  // the request's: the JSON one or the general one
   bool keep_alive_ = true;
   bool counted_ = true;        // holds one of the server's connection slots
+  bool keyed_ = false;         // counted in the quota for key_
+  std::string key_;            // X-API-Key of the latest request
+  int64_t body_held_ = 0;      // of the quota, for the request being read or handled
   bool watching_ = false;      // WatchForHangUp's wait is pending
   bool head_ = false;          // the request being answered is a HEAD
   bool discard_body_ = false;  // answered before its body was read: drop the body, then close
@@ -405,7 +448,9 @@ HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerConfig config,
                                                               Handler handler, Admit admit) {
   if (config.threads < 1) return absl::InvalidArgumentError("http: threads must be >= 1");
+  if (absl::Status st = config.quota.Validate(config.max_body_bytes); !st.ok()) return st;
   auto impl = std::make_unique<Impl>();
+  impl->quota.emplace(config.quota);
   impl->config = std::move(config);
   impl->handler = std::move(handler);
   impl->admit = std::move(admit);

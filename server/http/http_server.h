@@ -3,9 +3,10 @@
 // timer each, never a thread. Requests are handed whole (body read, size-capped) to one handler,
 // which answers exactly once, from any thread, whenever it is ready.
 //
-// Before a body is read: its headers pass Admit (the API key); a transfer coding other than a
-// lone `chunked` is 501. A HEAD request is handled as its GET and answered with the GET's status
-// and headers (Content-Length included) and no body.
+// Before a body is read: its headers pass Admit (the API key), then the edge's quota of
+// connections and body bytes in flight per key (edge_quota.h; 429 past it); a transfer coding
+// other than a lone `chunked` is 501. A HEAD request is handled as its GET and answered with the
+// GET's status and headers (Content-Length included) and no body.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/http/edge_quota.h"
 
 namespace tinkerd::http {
 
@@ -65,6 +67,8 @@ struct HttpServerConfig {
   // bodies (forward_backward's) are protobuf. 16 MiB holds any asample or create call.
   int64_t max_json_body_bytes = 16 << 20;
   int max_connections = 8192;
+  // Body bytes in flight and connections, per API key and for the whole server (edge_quota.h).
+  EdgeQuotaConfig quota;
   // How long a connection may sit between requests, or take to send one.
   absl::Duration idle_timeout = absl::Seconds(120);
   // PEM files: TLS when the certificate and key are set; clients must present a certificate

@@ -15,6 +15,7 @@ absl::Status TinkerApiConfig::Validate() const {
     return absl::InvalidArgumentError("http: long poll must be in (0, 45) s");
   }
   if (max_body_bytes < 1024) return absl::InvalidArgumentError("http: max body < 1 KiB");
+  if (absl::Status st = quota.Validate(max_body_bytes); !st.ok()) return st;
   if (peek_bytes < 0) return absl::InvalidArgumentError("http: peek bytes must be >= 0");
   if (archive.url_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("http: archive URL lifetime must be > 0");
@@ -34,12 +35,14 @@ std::string TinkerApiConfig::DebugString() const {
   if (listen.empty()) return "http=off";
   return absl::StrFormat(
       "http=%s http_threads=%d served_model_name=%s long_poll=%s keep=%s peek_bytes=%d "
-      "session_idle=%s archive_url_ttl=%s archive_downloads=%d public_url=%s",
+      "session_idle=%s archive_url_ttl=%s archive_downloads=%d public_url=%s "
+      "body_bytes_in_flight=%d body_bytes_in_flight_per_key=%d connections_per_key=%d",
       listen, threads, served_model_name, absl::FormatDuration(futures.long_poll),
       absl::FormatDuration(futures.keep), peek_bytes,
       session_idle > absl::ZeroDuration() ? absl::FormatDuration(session_idle) : "off",
       absl::FormatDuration(archive.url_ttl), archive.max_downloads,
-      archive.public_url.empty() ? "(from Host)" : archive.public_url);
+      archive.public_url.empty() ? "(from Host)" : archive.public_url, quota.body_bytes,
+      quota.body_bytes_per_key, quota.connections_per_key);
 }
 
 }  // namespace tinkerd::http

@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "server/http/edge_quota.h"
 
 namespace tinkerd::http {
 
@@ -36,6 +37,7 @@ struct TinkerApiConfig {
   // tokenizer: its directory, when it has one (set by the server from the runner); empty: none.
   std::string tokenizer_id;
   int64_t max_body_bytes = 256 << 20;
+  EdgeQuotaConfig quota;  // per API key and server-wide: bodies in flight, connections
   FuturesConfig futures;
   // A result of at least this many bytes is first answered {"status": "complete_metadata",
   // "response_payload_size"} to a retrieve_future that allows it: the SDK then waits until the

@@ -2,7 +2,7 @@
 // handler is answered 500 and the server serves on (once, an unchecked JSON type in asample took
 // the whole process down); a handler that answered before throwing keeps its answer; limits,
 // refusals from the headers alone, transfer codings, HEAD and hang-ups while an answer is pending
-// (issue 36, items 1, 5, 6, 7).
+// (issue 36, items 1, 5, 6, 7), and the edge's quota per API key and server-wide.
 #include "server/http/http_server.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -191,39 +192,45 @@ TEST(HttpServer, HeadIsAnsweredWithoutABodyAndTheConnectionServesOn) {
 // Issue 36, item 5: a client that hangs up while its answer is pending (a parked long poll) frees
 // its connection slot at once, not when the answer comes: with two slots, two parked clients that
 // hung up leave room for a third, which is served; the parked answers, given later, go nowhere.
+// Requests the handler keeps unanswered (parked) until the test answers them.
+struct Parked {
+  absl::Mutex mu;
+  std::vector<Respond> responds ABSL_GUARDED_BY(mu);
+  size_t want ABSL_GUARDED_BY(mu) = 0;
+  bool Enough() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return responds.size() >= want; }
+
+  void Add(Respond respond) {
+    absl::MutexLock lock(&mu);
+    responds.push_back(std::move(respond));
+  }
+  void AwaitCount(size_t n) {
+    absl::MutexLock lock(&mu);
+    want = n;
+    mu.Await(absl::Condition(this, &Parked::Enough));
+  }
+  // Answers every parked request with `r` and forgets them. A Respond must not outlive its server
+  // (http_server.h): each test clears its parked requests before its server goes, however it ends.
+  void AnswerAll(const Response& r) {
+    absl::MutexLock lock(&mu);
+    for (Respond& respond : responds) respond(r);
+    responds.clear();
+  }
+};
+
 TEST(HttpServer, AClientThatHangsUpWhileItsAnswerIsPendingFreesItsSlot) {
-  struct Parked {
-    absl::Mutex mu;
-    std::vector<Respond> responds ABSL_GUARDED_BY(mu);
-    size_t want ABSL_GUARDED_BY(mu) = 0;
-    bool Enough() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return responds.size() >= want; }
-  } parked;
+  Parked parked;
   http::HttpServerConfig config;
   config.max_connections = 2;
   auto server = HttpServer::Start(config, [&](Request req, Respond respond) {
-    if (req.path == "/park") {
-      absl::MutexLock lock(&parked.mu);
-      parked.responds.push_back(std::move(respond));
-      return;
-    }
+    if (req.path == "/park") return parked.Add(std::move(respond));
     respond({200, "text/plain", "now", {}});
   });
   ASSERT_TRUE(server.ok()) << server.status();
-  // A Respond must not outlive its server (http_server.h): the parked ones go first, however the
-  // test ends.
-  struct Release {
-    Parked* parked;
-    ~Release() {
-      absl::MutexLock lock(&parked->mu);
-      parked->responds.clear();
-    }
-  } release{&parked};
+  absl::Cleanup release = [&] { parked.AnswerAll({200, "text/plain", "late", {}}); };
   for (size_t i = 1; i <= 2; ++i) {
     RawClient c((*server)->port());
     ASSERT_TRUE(c.Send("GET /park HTTP/1.1\r\nHost: t\r\n\r\n"));
-    absl::MutexLock lock(&parked.mu);
-    parked.want = i;
-    parked.mu.Await(absl::Condition(&parked, &Parked::Enough));
+    parked.AwaitCount(i);
   }  // each client hangs up here, its answer still pending
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while ((*server)->connections() > 0 && absl::Now() < deadline) std::this_thread::yield();
@@ -233,8 +240,118 @@ TEST(HttpServer, AClientThatHangsUpWhileItsAnswerIsPendingFreesItsSlot) {
   const std::optional<RawClient::Answer> a = third.Read();
   ASSERT_TRUE(a.has_value()) << "the third client was turned away";
   EXPECT_EQ(a->body, "now");
-  absl::MutexLock lock(&parked.mu);
-  for (Respond& r : parked.responds) r({200, "text/plain", "late", {}});  // dropped, harmlessly
+}
+
+std::string Post(const std::string& path, const std::string& key, size_t announced, size_t sent) {
+  return absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: t\r\nX-API-Key: ", key,
+                      "\r\nContent-Type: application/octet-stream\r\nContent-Length: ", announced,
+                      "\r\n\r\n", std::string(sent, 'x'));
+}
+
+// Issue 36: bodies in flight (parked here, unanswered) cannot pass one key's bound, nor every
+// key's the server's. The request past a bound is answered 429 with Retry-After from its headers
+// alone (its body is announced and never sent), naming the flag, and never reaches the handler;
+// once the parked requests are answered, their bytes count no more.
+TEST(HttpServer, BodiesInFlightAreBoundedPerKeyAndServerWideUntilAnswered) {
+  Parked parked;
+  std::atomic<int> handled{0};
+  http::HttpServerConfig config;
+  config.max_body_bytes = 1000;
+  config.quota.body_bytes = 2500;
+  config.quota.body_bytes_per_key = 2000;
+  auto server = HttpServer::Start(config, [&](Request req, Respond respond) {
+    ++handled;
+    if (req.path == "/park") return parked.Add(std::move(respond));
+    respond({200, "text/plain", absl::StrCat("got ", req.body.size()), {}});
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::Cleanup release = [&] { parked.AnswerAll({200, "text/plain", "late", {}}); };
+  const int port = (*server)->port();
+  RawClient a1(port), a2(port), b1(port);
+  ASSERT_TRUE(a1.Send(Post("/park", "a", 1000, 1000)));
+  ASSERT_TRUE(a2.Send(Post("/park", "a", 1000, 1000)));
+  parked.AwaitCount(2);
+
+  RawClient a3(port);
+  ASSERT_TRUE(a3.Send(Post("/park", "a", 1, 0)));
+  std::optional<RawClient::Answer> over_key = a3.Read();
+  ASSERT_TRUE(over_key.has_value()) << "no answer before the body: the server waits for it";
+  EXPECT_EQ(over_key->status, 429);
+  EXPECT_EQ(over_key->headers["retry-after"], "1");
+  EXPECT_NE(over_key->body.find("--http_body_mb_in_flight_per_key"), std::string::npos)
+      << over_key->body;
+
+  ASSERT_TRUE(b1.Send(Post("/park", "b", 500, 500)));
+  parked.AwaitCount(3);
+  RawClient c1(port);
+  ASSERT_TRUE(c1.Send(Post("/now", "c", 1, 0)));
+  std::optional<RawClient::Answer> over_server = c1.Read();
+  ASSERT_TRUE(over_server.has_value());
+  EXPECT_EQ(over_server->status, 429);
+  EXPECT_NE(over_server->body.find("(--http_body_mb_in_flight)"), std::string::npos)
+      << over_server->body;
+  EXPECT_EQ(handled.load(), 3) << "a refused request reached the handler";
+
+  parked.AnswerAll({200, "text/plain", "done", {}});
+  for (RawClient* c : {&a1, &a2, &b1}) {
+    std::optional<RawClient::Answer> done = c->Read();
+    ASSERT_TRUE(done.has_value());
+    EXPECT_EQ(done->body, "done");
+  }
+  // Control: the same key and size as the refused one, now that nothing is in flight.
+  RawClient c2(port);
+  ASSERT_TRUE(c2.Send(Post("/now", "a", 1000, 1000)));
+  std::optional<RawClient::Answer> fits = c2.Read();
+  ASSERT_TRUE(fits.has_value());
+  EXPECT_EQ(fits->status, 200);
+  EXPECT_EQ(fits->body, "got 1000");
+}
+
+// Issue 36: one key cannot hold more connections than its bound (each could park a long poll and
+// hold a slot of the server's): the next is answered 429 and closed, while another key is served;
+// a connection closed gives its place back.
+TEST(HttpServer, OneKeyCannotHoldMoreConnectionsThanItsBound) {
+  Parked parked;
+  http::HttpServerConfig config;
+  config.quota.connections_per_key = 2;
+  auto server = HttpServer::Start(config, [&](Request req, Respond respond) {
+    if (req.path == "/park") return parked.Add(std::move(respond));
+    respond({200, "text/plain", "now", {}});
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::Cleanup release = [&] { parked.AnswerAll({200, "text/plain", "late", {}}); };
+  const int port = (*server)->port();
+  auto get = [](const std::string& path, const std::string& key) {
+    return absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: t\r\nX-API-Key: ", key, "\r\n\r\n");
+  };
+  {
+    RawClient a1(port), a2(port);
+    ASSERT_TRUE(a1.Send(get("/park", "a")));
+    ASSERT_TRUE(a2.Send(get("/park", "a")));
+    parked.AwaitCount(2);
+    RawClient a3(port);
+    ASSERT_TRUE(a3.Send(get("/now", "a")));
+    std::optional<RawClient::Answer> over = a3.Read();
+    ASSERT_TRUE(over.has_value());
+    EXPECT_EQ(over->status, 429);
+    EXPECT_EQ(over->headers["connection"], "close");
+    EXPECT_NE(over->body.find("--http_connections_per_key"), std::string::npos) << over->body;
+    EXPECT_TRUE(a3.ClosedByServer());
+
+    RawClient b(port);
+    ASSERT_TRUE(b.Send(get("/now", "b")));
+    std::optional<RawClient::Answer> other = b.Read();
+    ASSERT_TRUE(other.has_value());
+    EXPECT_EQ(other->status, 200) << "another key was refused";
+  }  // every client hangs up
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while ((*server)->connections() > 0 && absl::Now() < deadline) std::this_thread::yield();
+  ASSERT_EQ((*server)->connections(), 0);
+  RawClient again(port);
+  ASSERT_TRUE(again.Send(get("/now", "a")));
+  std::optional<RawClient::Answer> a = again.Read();
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->status, 200) << "a closed connection did not give its place back";
 }
 
 }  // namespace
