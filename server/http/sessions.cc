@@ -63,7 +63,13 @@ std::optional<std::string> Sessions::Create(SessionSummary session) {
 
 bool Sessions::Heartbeat(const std::string& tenant, const std::string& id, Response* missing) {
   absl::MutexLock lock(&mu_);
-  if (FindLocked(tenant, id, missing) == nullptr) return false;
+  const Session* session = FindLocked(tenant, id, missing);
+  if (session == nullptr) return false;
+  // 410 is what stops the SDK's heartbeat loop: the session is over for its client.
+  if (absl::Status finished = Unfinished(session->summary); !finished.ok()) {
+    *missing = Error(410, std::string(finished.message()));
+    return false;
+  }
   sessions_.at(id).last_heartbeat = absl::Now();
   return true;
 }
@@ -87,7 +93,14 @@ absl::Status Sessions::Check(const std::string& tenant, const std::string& id) c
   if (it == sessions_.end() || it->second.summary.tenant != tenant) {
     return absl::NotFoundError(absl::StrCat("session_id: no session '", Echo(id), "'"));
   }
-  return absl::OkStatus();
+  return Unfinished(it->second.summary);
+}
+
+absl::Status Sessions::Unfinished(const SessionSummary& s) {
+  if (s.status.type != "client_finished") return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("session_id: session '", Echo(s.id), "' was finished by its client (",
+                   s.status.reason, "); it takes no further operations: create a new session"));
 }
 
 bool Sessions::IsOpen(const std::string& id) const {
@@ -103,7 +116,19 @@ void Sessions::AddModel(const std::string& id, const std::string& model_id) {
     if (std::find(models.begin(), models.end(), model_id) == models.end()) {
       models.push_back(model_id);
     }
+    model_session_[model_id] = id;
   }
+}
+
+absl::Status Sessions::CheckModel(const std::string& model_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = model_session_.find(model_id);
+  if (it == model_session_.end()) return absl::OkStatus();
+  if (auto open = sessions_.find(it->second); open != sessions_.end()) {
+    return Unfinished(open->second.summary);
+  }
+  if (auto ended = ended_.find(it->second); ended != ended_.end()) return Unfinished(ended->second);
+  return absl::OkStatus();
 }
 
 std::vector<std::string> Sessions::Ids(const std::string& tenant) const {
@@ -168,7 +193,9 @@ std::vector<Sessions::Ended> Sessions::EndIdle(absl::Time cutoff) {
     ended_order_.push_back(it->first);
     ended_[it->first] = std::move(s);
     if (ended_order_.size() > std::min(max_sessions_, kMaxEnded)) {
-      ended_.erase(ended_order_.front());
+      auto forgotten = ended_.find(ended_order_.front());
+      for (const std::string& model : forgotten->second.models) model_session_.erase(model);
+      ended_.erase(forgotten);
       ended_order_.pop_front();
     }
     it = sessions_.erase(it);

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -67,18 +68,23 @@ class Sessions {
   // when max_sessions are open.
   std::optional<std::string> Create(SessionSummary session);
   // Notes a heartbeat of the tenant's session `id`; false, with `missing` set to the answer, when
-  // there is no such open session: 410 for one that ended for want of heartbeats, 404 otherwise.
+  // there is no such open session: 410 for one that ended for want of heartbeats or that its
+  // client finished, 404 otherwise.
   bool Heartbeat(const std::string& tenant, const std::string& id, Response* missing);
   // Records the client's finish of its session `id`, open or remembered, unless one was recorded
   // already; false when the tenant has no such session.
   bool Finish(const std::string& tenant, const std::string& id, const std::string& reason,
               const std::string& detail);
-  // NOT_FOUND unless `id` is an open session of `tenant`.
+  // NOT_FOUND unless `id` is an open session of `tenant`; FAILED_PRECONDITION once its client
+  // finished it (the SDK's close(): further operations against it are refused).
   absl::Status Check(const std::string& tenant, const std::string& id) const;
   // Whether session `id` is open, whoever's it is.
   bool IsOpen(const std::string& id) const;
   // Notes that `model_id` was made in session `id` (nothing once it ended).
   void AddModel(const std::string& id, const std::string& model_id);
+  // FAILED_PRECONDITION when `model_id` was made in a session its client finished (the SDK's
+  // close() rejects further operations against the session, its models' included).
+  absl::Status CheckModel(const std::string& model_id) const;
   // The ids of the tenant's open sessions, newest first.
   std::vector<std::string> Ids(const std::string& tenant) const;
   // The tenant's open session `id`; nullopt and `missing` as for Heartbeat.
@@ -102,10 +108,14 @@ class Sessions {
     SessionSummary summary;
     absl::Time last_heartbeat;
   };
+  // FAILED_PRECONDITION naming the session once its client finished it.
+  static absl::Status Unfinished(const SessionSummary& s);
   // The tenant's open session `id`, or null with `missing` set (see Heartbeat).
   const Session* FindLocked(const std::string& tenant, const std::string& id,
                             Response* missing) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
+  // The session each model was made in, while the session is open or remembered.
+  absl::flat_hash_map<std::string, std::string> model_session_ ABSL_GUARDED_BY(mu_);
   const size_t max_sessions_;
   const absl::Duration idle_;
   mutable absl::Mutex mu_;

@@ -212,8 +212,9 @@ void TinkerApi::SessionHeartbeat(const std::string& tenant, const Json& body, Re
   respond(JsonResponse(Json{{"type", "session_heartbeat"}}));
 }
 
-// The client's account of how its session ended, first-wins. The session's models stay until
-// unloaded: their checkpoints and gradients are the user's.
+// The client's account of how its session ended, first-wins. From then on the session and its
+// models take no further operations (Sessions::Check, CheckModel), but the models stay until
+// unloaded or reaped: their checkpoints are the user's.
 void TinkerApi::FinishSession(const std::string& tenant, const std::string& endpoint,
                               const Json& body, Respond respond) {
   const std::string id(absl::StripSuffix(absl::StripPrefix(endpoint, "sessions/"), "/finish"));

@@ -122,6 +122,7 @@ void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, R
     return respond(Error(400, "body: not a tinker_public.ForwardBackwardRequest"));
   }
   const std::string model_id = aliases_.Resolve(tenant, in.model_id());
+  if (auto st = sessions_.CheckModel(model_id); !st.ok()) return respond(Error(st));
   const int64_t seq_id = in.seq_id();
   const std::string request_id = absl::StrCat(in.model_id(), ":", seq_id);
   const bool forward_only = in.forward_only();
@@ -178,6 +179,7 @@ void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond r
   if (!f.status().ok()) return respond(Error(f.status()));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
+  if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
   Ops* ops = ops_;
   CallIntoFuture<v1::OptimStepResponse>(
       &futures_, tenant, CallKey{request_id, JsonDigest("optim_step", body), "seq_id"},
@@ -206,6 +208,7 @@ void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond
   if (!f.status().ok()) return respond(Error(f.status()));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
+  if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
   Ops* ops = ops_;
   CallIntoFuture<v1::SaveStateResponse>(
       &futures_, tenant, CallKey{request_id, JsonDigest("save_weights", body), "seq_id"},
@@ -251,6 +254,7 @@ void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond
   }
   v1::LoadStateRequest req;
   req.set_model_id(aliases_.Resolve(tenant, *model_id));
+  if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
   req.set_seq_id(f.Int("seq_id"));
   req.set_path(path);
   req.set_with_optimizer(optimizer);
@@ -281,6 +285,7 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   if (auto st = RefuseUnservedSaveFields(body); !st.ok()) return respond(Error(st));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
+  if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
   Ops* ops = ops_;
   if (!name) {
     return SaveWeightsForSession(

@@ -1034,6 +1034,16 @@ def check_n() -> None:
        and first.sessions[0].created_at >= second.sessions[0].created_at,
        "the cursor's page holds the other, older session, and no further cursor")
     _res(clients[1][0].close("errored", detail="flow test"))
+    # close(): "further operations against it will be rejected", its models' included; the other
+    # session's model still trains (the control).
+    adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12}
+    body = expect_error(http("POST", "/api/v1/optim_step",
+                             json_body={"model_id": clients[1][1].model_id, "seq_id": 1000,
+                                        "adam_params": adam}),
+                        400, "optim_step on a finished session's model", need_detail=True)
+    ok("finished by its client" in str(body.get("detail")),
+       f"the refusal says the session was finished ({body})")
+    _res(clients[0][1].optim_step(types.AdamParams(learning_rate=1e-4)))
     finished = search(user_metadata={"flow": tag},
                       statuses=[types.ClientFinishedSessionStatusQuery(reasons=["errored"])])
     st = finished.sessions[0].status if len(finished.sessions) == 1 else None

@@ -113,6 +113,34 @@ TEST(Sessions, AnEndedSessionIs410AnUnknownOne404AndAnotherTenantsUnknown) {
   EXPECT_TRUE(Open(sessions, "bob")) << "an ended session no longer counts";
 }
 
+// The SDK's close(): "further operations against it will be rejected", and its heartbeat loop
+// stops on a 410. Before, a finished session went on taking models until it was reaped.
+TEST(Sessions, AFinishedSessionTakesNoFurtherOperationsAndItsHeartbeatIs410) {
+  Sessions sessions(/*max_sessions=*/4, absl::Seconds(5));
+  const auto done = Open(sessions, "alice");
+  const auto other = Open(sessions, "alice");
+  ASSERT_TRUE(done && other);
+  sessions.AddModel(*done, "model-done");
+  sessions.AddModel(*other, "model-other");
+  ASSERT_TRUE(sessions.Finish("alice", *done, "success", ""));
+  EXPECT_TRUE(absl::IsFailedPrecondition(sessions.CheckModel("model-done")));
+  EXPECT_TRUE(sessions.CheckModel("model-other").ok());
+  EXPECT_TRUE(sessions.CheckModel("model-of-no-session").ok());
+  const absl::Status refused = sessions.Check("alice", *done);
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+  EXPECT_NE(refused.message().find("finished by its client (success)"), std::string::npos)
+      << refused;
+  Response missing;
+  EXPECT_FALSE(sessions.Heartbeat("alice", *done, &missing));
+  EXPECT_EQ(missing.status, 410);
+  // Controls: the tenant's other session goes on, and the finished one is still shown.
+  EXPECT_TRUE(sessions.Check("alice", *other).ok());
+  EXPECT_TRUE(sessions.Heartbeat("alice", *other, &missing));
+  const std::optional<SessionSummary> shown = sessions.Get("alice", *done, &missing);
+  ASSERT_TRUE(shown.has_value());
+  EXPECT_EQ(shown->status.type, "client_finished");
+}
+
 std::vector<std::string> Names(const std::vector<SessionSummary>& found) {
   std::vector<std::string> out;
   for (const SessionSummary& s : found) out.push_back(s.display_name.value_or("-"));
