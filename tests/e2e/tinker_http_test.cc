@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <set>
@@ -1202,6 +1203,104 @@ TEST_F(TinkerHttp, AKeyDescribesItselfAndIsNotDeletedOverHttp) {
   EXPECT_EQ(del.status, 501) << del.body;
   EXPECT_NE(del.body.find("--api_keys_file"), std::string::npos) << del.body;
   EXPECT_EQ(Send("GET", "/api/v1/auth/apikey/me", "", "", kAlice).status, 200) << "still a key";
+}
+
+// Issue 36: sequences of HTTP calls, valid and refused, interleaved at random on one model while a
+// twin made with the same seed gets only the valid ones, over the same edge. Checked after every
+// call: the two models' whole training state (parameters, gradient sums, moments, counters, step)
+// is equal to the bit, so a refused call changed nothing and a valid one exactly what the twin's
+// did; every refusal is a 4xx with a detail or a future failed with category "user", never a 5xx;
+// and another tenant's call at the model's next seq_id neither reaches the model nor takes that
+// seq_id from its owner. Seeded; TINKERD_HTTP_SEQUENCES sets the number of calls (default 300).
+TEST_F(TinkerHttp, RefusedCallsInAnySequenceChangeNothing) {
+  const std::string model = CreateModel(5), twin = CreateModel(5);
+  ASSERT_EQ(live_->StateChecksum(model), live_->StateChecksum(twin)) << "twins from the start";
+  const char* env = std::getenv("TINKERD_HTTP_SEQUENCES");
+  const int calls = env != nullptr ? std::atoi(env) : 300;
+  SplitMix64 g(2026);
+  int64_t seq = 1, twin_seq = 1;
+  auto with_loss = [](std::string bytes, const std::string& loss) {
+    tinker_public::ForwardBackwardRequest req;
+    EXPECT_TRUE(req.ParseFromString(bytes));
+    req.set_loss_fn(loss);
+    return req.SerializeAsString();
+  };
+  auto optim = [&](const std::string& m, int64_t s, const Json& adam) {
+    return Post("optim_step", {{"model_id", m}, {"seq_id", s}, {"adam_params", adam}});
+  };
+  // A call that must apply: its future's answer is a result, not an error.
+  auto applied = [&](const Reply& r, const std::string& what) {
+    ASSERT_EQ(r.status, 200) << what << ": " << r.body;
+    const Reply done = Await(r.json().value("request_id", ""));
+    EXPECT_EQ(done.status, 200) << what;
+    if (done.content_type == "application/json") {
+      EXPECT_FALSE(done.json().contains("error")) << what << ": " << done.body;
+    }
+  };
+  // A refusal: a 4xx with a detail at once, or a future that fails for the user.
+  auto refused = [&](const Reply& r, const std::string& what, const std::string& key = kAlice) {
+    if (r.status != 200) {
+      EXPECT_TRUE(r.status >= 400 && r.status < 500) << what << ": " << r.status << " " << r.body;
+      EXPECT_TRUE(r.json().contains("detail")) << what << ": " << r.body;
+      return;
+    }
+    const Json error = Await(r.json().value("request_id", ""), key).json();
+    EXPECT_EQ(error.value("category", ""), "user") << what << ": " << error;
+  };
+  const char* names[] = {
+      "step",          "forward",       "optim_step",   "token outside the vocabulary",
+      "no such loss",  "beta1 1.5",     "garbage body", "learning_rate a string",
+      "a used seq_id", "another tenant"};
+  for (int i = 0; i < calls; ++i) {
+    const uint64_t draw = g.Next() % 20;
+    const int kind = draw < 6 ? 0 : draw < 8 ? 1 : draw < 10 ? 2 : static_cast<int>(draw - 7);
+    const std::string what = absl::StrCat("call ", i, " (", names[kind], ")");
+    const std::vector<Datum> data =
+        Batch(g.Next(), {1 + static_cast<int>(g.Next() % 6), 1 + static_cast<int>(g.Next() % 6)});
+    switch (kind) {
+      case 0:  // the same batch on both
+        applied(SubmitBatch(TinkerBatch(model, seq++, data)), what);
+        applied(SubmitBatch(TinkerBatch(twin, twin_seq++, data)), what + " on the twin");
+        break;
+      case 1:  // changes nothing, on the model alone
+        applied(SubmitBatch(TinkerBatch(model, seq++, data, /*forward_only=*/true)), what);
+        break;
+      case 2: {
+        const Json adam = {{"learning_rate", g.Next() % 2 == 0 ? 1e-3 : 1e-2}};
+        applied(optim(model, seq++, adam), what);
+        applied(optim(twin, twin_seq++, adam), what + " on the twin");
+        break;
+      }
+      case 3: {  // decodes, then fails in its place in the model's order: the seq_id is used
+        std::vector<Datum> bad = data;
+        bad[0].tokens[0] = int64_t{1} << 30;
+        refused(SubmitBatch(TinkerBatch(model, seq++, bad)), what);
+        break;
+      }
+      case 4:
+        refused(SubmitBatch(with_loss(TinkerBatch(model, seq++, data), "no_such_loss")), what);
+        break;
+      case 5:
+        refused(optim(model, seq++, {{"learning_rate", 1e-3}, {"beta1", 1.5}}), what);
+        break;
+      case 6:  // unreadable: no seq_id to take
+        refused(SubmitBatch(std::string("\xff\xff\xff\x07", 4)), what);
+        break;
+      case 7:
+        refused(optim(model, seq, {{"learning_rate", "fast"}}), what);
+        break;
+      case 8:
+        if (seq > 1) refused(SubmitBatch(TinkerBatch(model, seq - 1, data)), what);
+        break;
+      case 9:  // bob, at the seq_id alice sends next
+        refused(SubmitBatch(TinkerBatch(model, seq, data), kBob), what, kBob);
+        break;
+    }
+    ASSERT_EQ(live_->StateChecksum(model), live_->StateChecksum(twin)) << "after " << what;
+  }
+  // The broken control: one more step on the model alone must show.
+  applied(SubmitBatch(TinkerBatch(model, seq++, Batch(99))), "control");
+  EXPECT_NE(live_->StateChecksum(model), live_->StateChecksum(twin));
 }
 
 }  // namespace
