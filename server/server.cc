@@ -77,12 +77,16 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
       std::make_unique<ReplicatedRunner>(s->runner_.get(), s->runner_->config().collectives);
   // Saves killed mid-way (SIGKILL, a crash) left temporaries and unreferenced versions behind.
   SweepCheckpointLeftovers(config.checkpoint_root);
-  s->scheduler_ = std::make_unique<Scheduler>(config.scheduler);
+  SchedulerConfig scheduler_config = config.scheduler;
+  scheduler_config.tenant_limits = config.api_keys.limits();
+  s->scheduler_ = std::make_unique<Scheduler>(scheduler_config);
   s->metrics_ = std::make_unique<Metrics>();
   s->ops_ = std::make_unique<Ops>(s->replicated_.get(), s->scheduler_.get(), s->runner_->limits(),
                                   config.checkpoint_root, s->metrics_.get());
+  SamplingConfig sampling_config = config.sampling;
+  sampling_config.tenant_limits = config.api_keys.limits();
   s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), s->runner_.get(), s->scheduler_.get(),
-                                            config.sampling);
+                                            sampling_config);
   s->service_ =
       std::make_unique<TinkerdService>(s->ops_.get(), s->sampling_.get(), config.api_keys);
 

@@ -3,6 +3,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace tinkerd {
@@ -19,6 +20,33 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+namespace {
+
+// One `name=value` of a keys file line into `limits`.
+absl::Status ParseLimit(const std::string& field, TenantLimits* limits) {
+  const size_t eq = field.find('=');
+  const std::string name = field.substr(0, eq);
+  std::optional<int>* slot = name == "max_models"    ? &limits->max_models
+                             : name == "max_pending" ? &limits->max_pending
+                             : name == "max_samples" ? &limits->max_samples
+                                                     : nullptr;
+  if (eq == std::string::npos || slot == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", field, "': expected max_models=N, max_pending=N or max_samples=N after the key"));
+  }
+  int value = 0;
+  const int least = name == "max_pending" ? 1 : 0;
+  if (!absl::SimpleAtoi(field.substr(eq + 1), &value) || value < least) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": must be an integer >= ", least, " (0: no bound)"));
+  }
+  if (slot->has_value()) return absl::InvalidArgumentError(absl::StrCat(name, ": given twice"));
+  *slot = value;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ApiKeys> ApiKeys::LoadFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("api keys: cannot open ", path));
@@ -30,13 +58,27 @@ absl::StatusOr<ApiKeys> ApiKeys::LoadFile(const std::string& path) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream fields(line);
     Entry e;
-    std::string extra;
-    if (!(fields >> e.tenant >> e.key) || (fields >> extra)) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": expected 'tenant key'"));
+    if (!(fields >> e.tenant >> e.key)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ":", n, ": expected 'tenant key [max_models=N] [max_pending=N] [max_samples=N]'"));
     }
     if (e.key.size() < 16) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ":", n, ": keys must be at least 16 characters"));
+    }
+    TenantLimits limits;
+    for (std::string field; fields >> field;) {
+      if (auto st = ParseLimit(field, &limits); !st.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": ", st.message()));
+      }
+    }
+    // A tenant's limits hold for all its keys: a second line may repeat them or say nothing.
+    if (limits != TenantLimits{}) {
+      auto [it, added] = keys.limits_.emplace(e.tenant, limits);
+      if (!added && it->second != limits) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": tenant ", e.tenant,
+                                                       "'s limits differ from an earlier line's"));
+      }
     }
     keys.entries_.push_back(std::move(e));
   }

@@ -52,15 +52,17 @@ bool Scheduler::RunBetweenJobs(std::function<void()> op) {
 void Scheduler::CreateModel(std::string owner, std::function<absl::StatusOr<std::string>()> create,
                             std::function<void(const absl::StatusOr<std::string>&)> done) {
   auto op = [this, owner = std::move(owner), create = std::move(create), done] {
-    if (const size_t held = Models(owner).size();
-        config_.max_models_per_tenant > 0 &&
-        held >= static_cast<size_t>(config_.max_models_per_tenant)) {
+    std::string source;
+    const int limit =
+        LimitOf(config_.tenant_limits, owner, &TenantLimits::max_models,
+                config_.max_models_per_tenant, "--max_models_per_tenant", "max_models", &source);
+    if (const size_t held = Models(owner).size(); limit > 0 && held >= static_cast<size_t>(limit)) {
       {
         absl::MutexLock lock(&mu_);
         ++usage_[owner].rejected;
       }
-      return done(absl::ResourceExhaustedError(absl::StrCat(
-          "this tenant has ", held, " models (the limit, --max_models_per_tenant); delete one")));
+      return done(absl::ResourceExhaustedError(
+          absl::StrCat("this tenant has ", held, " models (the limit, ", source, "); delete one")));
     }
     absl::StatusOr<std::string> id = create();
     if (id.ok()) {
@@ -209,11 +211,15 @@ void Scheduler::Submit(const std::string& model_id, int64_t seq_id, JobSpec job,
             absl::StrCat("model ", Echo(model_id), " has ", q.pending.size(),
                          " queued requests (the limit); retry later"));
         ++usage_[q.owner].rejected;
-      } else if (seq_id != q.next_seq &&
-                 PendingOfLocked(q.owner) >= config_.max_pending_per_tenant) {
-        immediate = absl::ResourceExhaustedError(
-            absl::StrCat("this tenant has ", config_.max_pending_per_tenant,
-                         " queued requests over its models (the limit); retry later"));
+      } else if (std::string source;
+                 seq_id != q.next_seq &&
+                 PendingOfLocked(q.owner) >=
+                     LimitOf(config_.tenant_limits, q.owner, &TenantLimits::max_pending,
+                             config_.max_pending_per_tenant, "--max_pending_per_tenant",
+                             "max_pending", &source)) {
+        immediate = absl::ResourceExhaustedError(absl::StrCat(
+            "this tenant has ", PendingOfLocked(q.owner),
+            " queued requests over its models (the limit, ", source, "); retry later"));
         ++usage_[q.owner].rejected;
       } else {
         Pending p;

@@ -40,6 +40,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/common/metrics.h"  // TenantUsage
+#include "server/common/tenant_limits.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {
@@ -74,6 +75,8 @@ struct SchedulerConfig {
   int max_pending_per_model = 64;
   int max_pending_per_tenant = 1024;
   int max_models_per_tenant = 0;  // 0: only the runner's --max_models bounds a tenant's models
+  // Tenants whose own bounds (API keys file) replace the two above.
+  TenantLimitTable tenant_limits;
   int result_cache_per_model = 256;
   absl::Duration order_timeout = absl::Seconds(60);
   // Background steps (decode steps) between two jobs while both have work: a queued job waits

@@ -371,22 +371,29 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
 }
 
 absl::Status Sampling::Reserve(const std::string& tenant, int64_t samples) {
-  if (config_.max_samples_per_tenant <= 0) return absl::OkStatus();
+  std::string source;
+  const int limit =
+      LimitOf(config_.tenant_limits, tenant, &TenantLimits::max_samples,
+              config_.max_samples_per_tenant, "--max_samples_per_tenant", "max_samples", &source);
+  if (limit <= 0) return absl::OkStatus();
   absl::MutexLock lock(&running_mu_);
   int64_t& running = running_[tenant];
-  if (running + samples > config_.max_samples_per_tenant) {
+  if (running + samples > limit) {
     const int64_t held = running;
     if (running == 0) running_.erase(tenant);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this tenant has ", held, " samples running; ", samples, " more would pass the limit of ",
-        config_.max_samples_per_tenant, " (--max_samples_per_tenant); retry later"));
+    return absl::ResourceExhaustedError(absl::StrCat("this tenant has ", held, " samples running; ",
+                                                     samples, " more would pass the limit of ",
+                                                     limit, " (", source, "); retry later"));
   }
   running += samples;
   return absl::OkStatus();
 }
 
 void Sampling::Release(const std::string& tenant, int64_t samples) {
-  if (config_.max_samples_per_tenant <= 0) return;
+  if (LimitOf(config_.tenant_limits, tenant, &TenantLimits::max_samples,
+              config_.max_samples_per_tenant, "", "") <= 0) {
+    return;  // as Reserve: nothing was counted
+  }
   absl::MutexLock lock(&running_mu_);
   auto it = running_.find(tenant);
   if (it == running_.end()) return;

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "runner/sample/sample_types.h"
+#include "server/common/tenant_limits.h"
 #include "server/common/worker.h"
 #include "server/ops/ops.h"
 #include "tinkerd/v1/tinkerd.pb.h"
@@ -34,6 +35,8 @@ struct SamplingConfig {
   // Samples a tenant may have in the engine at once (0: only the engine's own bound); past it a
   // request is RESOURCE_EXHAUSTED, for the client to retry.
   int max_samples_per_tenant = 0;
+  // Tenants whose own bound (API keys file) replaces max_samples_per_tenant.
+  TenantLimitTable tenant_limits;
   // Memory a tenant's samplers may hold beyond the base model's weights (a LoRA sampler holds its
   // adapter, a full fine-tune's or a merged export's its whole weights). A new sampler evicts the
   // tenant's least recently used ones until it fits; one larger than this alone is refused.

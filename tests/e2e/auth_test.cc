@@ -2,6 +2,7 @@
 // each refused with its code, nothing changed.
 #include <cstdio>
 #include <fstream>
+#include <optional>
 
 #include "server/common/auth.h"
 #include "tests/e2e/e2e_util.h"
@@ -42,6 +43,77 @@ TEST(ApiKeysFile, MalformedFilesAreRefused) {
   EXPECT_EQ(ApiKeys::LoadFile(dir.Sub("three")).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ApiKeys::LoadFile(dir.Sub("absent")).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A keys file line may carry its tenant's own limits after the key; each field is checked, and
+// two lines of one tenant may repeat them but not contradict them.
+TEST(ApiKeysFile, TenantLimitsAreReadAndMalformedOnesRefused) {
+  TempDir dir;
+  std::ofstream(dir.Sub("keys")) << "alice " << kKeyA << " max_models=2 max_samples=0\n"
+                                 << "alice tml-cccccccccccccccccccc\n"
+                                 << "bob " << kKeyB << "\ncarol tml-dddddddddddddddddddd"
+                                 << " max_pending=5\n";
+  auto keys = ApiKeys::LoadFile(dir.Sub("keys"));
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  const TenantLimitTable& limits = keys->limits();
+  EXPECT_EQ(limits.size(), 2u) << "bob sets none";
+  EXPECT_EQ(limits.at("alice"), (TenantLimits{2, std::nullopt, 0}));
+  EXPECT_EQ(limits.at("carol"), (TenantLimits{std::nullopt, 5, std::nullopt}));
+  for (const char* fields : {"max_models=-1", "max_pending=0", "max_models=two", "max_modles=2",
+                             "max_models", "max_models=2 max_models=3"}) {
+    std::ofstream(dir.Sub("bad")) << "alice " << kKeyA << " " << fields << "\n";
+    const absl::Status st = ApiKeys::LoadFile(dir.Sub("bad")).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << fields;
+    EXPECT_NE(st.message().find(":1: "), std::string::npos) << "names the line: " << st;
+  }
+  std::ofstream(dir.Sub("contradicts"))
+      << "alice " << kKeyA << " max_models=2\nalice " << kKeyB << " max_models=3\n";
+  EXPECT_EQ(ApiKeys::LoadFile(dir.Sub("contradicts")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// The file's limits reach the server: alice may hold one model and two running samples, whatever
+// the flags say, while bob has the flags' bounds (none here).
+TEST(Auth, ATenantsOwnLimitsFromTheKeysFileAreEnforced) {
+  TempDir dir;
+  std::ofstream(dir.Sub("keys")) << "alice " << kKeyA << " max_models=1 max_samples=2\nbob "
+                                 << kKeyB << "\n";
+  ServerConfig sc;
+  sc.api_keys = *ApiKeys::LoadFile(dir.Sub("keys"));
+  LiveServer live(sc);
+  auto create = [&](const char* key) {
+    grpc::ClientContext ctx;
+    Key(ctx, key);
+    v1::ModelInfo info;
+    return live.stub->CreateModel(&ctx, v1::CreateModelRequest(), &info);
+  };
+  ASSERT_TRUE(create(kKeyA).ok());
+  const grpc::Status second = create(kKeyA);
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(second.error_message().find("max_models in the API keys file"), std::string::npos)
+      << second.error_message();
+  EXPECT_TRUE(create(kKeyB).ok());
+  EXPECT_TRUE(create(kKeyB).ok()) << "bob has no bound of his own";
+
+  auto sample = [&](const char* key, int n) {
+    grpc::ClientContext ctx;
+    Key(ctx, key);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::SampleRequest req;
+    for (int64_t t : {4, 40, 9}) {
+      req.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(t);
+    }
+    req.set_num_samples(n);
+    req.mutable_sampling_params()->set_max_tokens(2);
+    v1::SampleResponse out;
+    return live.stub->Sample(&ctx, req, &out);
+  };
+  const grpc::Status over = sample(kKeyA, 3);
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(over.error_message().find("max_samples in the API keys file"), std::string::npos)
+      << over.error_message();
+  EXPECT_TRUE(sample(kKeyA, 2).ok());
+  EXPECT_TRUE(sample(kKeyB, 3).ok());
 }
 
 TEST(Auth, KeysAndTenantsAreEnforcedAndNothingChanges) {

@@ -245,6 +245,35 @@ TEST(Scheduler, ATenantsQueuedCallsAreBoundedOverItsModels) {
   EXPECT_GT(usage.at("b").queue_wait_seconds, 0.0) << "b's calls waited for the gate";
 }
 
+// A tenant's own bound on queued calls (the API keys file's max_pending) replaces the flag's for
+// that tenant alone.
+TEST(Scheduler, ATenantsOwnPendingBoundReplacesTheFlags) {
+  SchedulerConfig config;
+  config.max_pending_per_tenant = 100;
+  config.tenant_limits["a"].max_pending = 2;
+  Tenants t(config);
+  t.Create("a", "a1");
+  t.Create("b", "b1");
+  t.Submit("a1", 1, /*gate=*/true);
+  t.WaitRunning();
+  t.Submit("a1", 2);  // a's two: the one running and one queued
+  t.Submit("a1", 3);  // refused: a's own bound
+  t.Submit("b1", 2);
+  t.Submit("b1", 3);  // b has the flag's bound
+  t.Submit("b1", 1);
+  t.WaitAnswers(1);
+  const std::vector<absl::Status> refused = t.Answers();
+  ASSERT_EQ(refused.size(), 1u);
+  EXPECT_EQ(refused[0].code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused[0].message().find("max_pending in the API keys file"), std::string::npos)
+      << refused[0].message();
+  t.Release();
+  t.WaitAnswers(6);
+  int ok = 0;
+  for (const absl::Status& st : t.Answers()) ok += st.ok();
+  EXPECT_EQ(ok, 5);
+}
+
 // --max_models_per_tenant: a tenant's models past the limit are refused before the runner is
 // asked (RESOURCE_EXHAUSTED naming the flag); another tenant is not counted against it, and a
 // deleted model makes room again.
