@@ -80,11 +80,14 @@ std::string Bytes(int64_t n) {
   return absl::StrFormat("%.2f GiB", n / 1073741824.0);
 }
 
-// Half the memory the process may use (runner/util/memory_limit.h: physical memory, its cgroup's
-// limit, RLIMIT_AS): the models' share when no budget is configured, leaving the rest for
-// activations, the base model and the process.
-int64_t DefaultMemoryBudget(const MemoryLimit& limit) {
-  return limit.bytes / 2;
+// The memory account's capacity when no budget is configured: on the CPU, three quarters of what
+// the process may still use once the base model is loaded (runner/util/memory_limit.h: physical
+// memory, its cgroup's limit, RLIMIT_AS; less what it uses now), the last quarter left to the
+// allocator's slack, request bodies, threads and LibTorch's caches; on a GPU, whose memory that
+// limit does not describe, half the host's as before.
+int64_t DefaultMemoryBudget(const MemoryLimit& limit, bool cuda) {
+  if (cuda) return limit.bytes / 2;
+  return std::max<int64_t>(0, limit.bytes - UsedBytes(limit)) / 4 * 3;
 }
 
 }  // namespace
@@ -112,6 +115,17 @@ struct ModelRunner::Impl {
   std::map<int64_t, Stream> streams ABSL_GUARDED_BY(mu);
   int64_t next_stream = 1;
 
+  // Runs what `s` has buffered, its memory reserved for the run.
+  absl::Status RunStream(Stream& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto model = models.find(s.stage->model_id());
+    if (model == models.end()) return absl::NotFoundError("stream: its model was deleted");
+    ASSIGN_OR_RETURN(Reservation memory,
+                     ReserveCall(Context(), model->second, s.buffered, /*backward=*/true));
+    return Guarded("stream", [&]() -> absl::Status {
+      s.stage->Run(s.buffered);
+      return absl::OkStatus();
+    });
+  }
   bool HasOpenStream(const std::string& model_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (const auto& [sid, st] : streams) {
       if (st.stage->model_id() == model_id) return true;
@@ -133,7 +147,8 @@ struct ModelRunner::Impl {
             config.micro_batch_tokens,
             ForwardOptions{.recompute_layers = config.activation_checkpointing,
                            .compute_dtype = dtype,
-                           .rope = rope.get()}};
+                           .rope = rope.get()},
+            account.get()};
   }
   absl::StatusOr<ModelState*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = models.find(id);
@@ -163,8 +178,8 @@ struct ModelRunner::Impl {
   }
   // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
   at::ScalarType TrainDType() const { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
-  // Admits a model of `bytes` within the per-model limit and what the budget has left.
-  absl::Status Admit(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  // Admits a model of `bytes` within the per-model limit, and reserves them in the account.
+  absl::StatusOr<Reservation> Admit(int64_t bytes) const {
     if (config.max_model_bytes > 0 && bytes > config.max_model_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "create_model: the model's trainable state (parameters, gradients, AdamW moments) "
@@ -172,18 +187,14 @@ struct ModelRunner::Impl {
           Bytes(bytes), ", over the per-model limit of ", Bytes(config.max_model_bytes),
           " (a smaller lora.rank, or fewer adapted modules, fits)"));
     }
-    int64_t used = 0;
-    for (const auto& [id, t] : models) used += t.state_bytes;
-    if (used + bytes > memory_budget) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "create_model: the server's memory budget for models (", Bytes(memory_budget), ") has ",
-          Bytes(std::max<int64_t>(0, memory_budget - used)), " left; this model needs ",
-          Bytes(bytes), ". Delete a model, or retry later"));
-    }
-    return absl::OkStatus();
+    return account->Reserve(bytes,
+                            "create_model: the model's trainable state (parameters, gradients, "
+                            "AdamW moments)");
   }
-  MemoryLimit memory_limit;   // what the process may use, and which bound says so
-  int64_t memory_budget = 0;  // config.memory_budget_bytes, or DefaultMemoryBudget()
+  MemoryLimit memory_limit;  // what the process may use, and which bound says so
+  // Models' state, training calls and (through the server's engine) samples reserve here; its
+  // capacity is config.memory_budget_bytes, or DefaultMemoryBudget().
+  std::shared_ptr<MemoryAccount> account;
 
   // Resolves, reads and verifies a training checkpoint in the training dtype.
   absl::StatusOr<LoadedState> ReadState(const std::string& path) const;
@@ -196,6 +207,9 @@ ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelRunner::~ModelRunner() = default;
 const RunnerConfig& ModelRunner::config() const {
   return impl_->config;
+}
+std::shared_ptr<MemoryAccount> ModelRunner::memory_account() const {
+  return impl_->account;
 }
 ModelLimits ModelRunner::limits() const {
   return impl_->Limits();
@@ -247,8 +261,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     ASSIGN_OR_RETURN(impl->device, ResolveDevice(config.device));
     impl->collectives = config.collectives ? config.collectives : MakeLocalCollectives();
     impl->memory_limit = ProcessMemoryLimit();
-    impl->memory_budget = config.memory_budget_bytes > 0 ? config.memory_budget_bytes
-                                                         : DefaultMemoryBudget(impl->memory_limit);
+
     if (config.num_threads > 0) at::set_num_threads(config.num_threads);
     TensorMap tensors;
     if (config.base_model_path == kEmbeddedDefaultModel) {
@@ -292,6 +305,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
+    // Sized once the base model is resident, so that the default leaves it out.
+    impl->account =
+        MemoryAccount::Create(config.memory_budget_bytes > 0
+                                  ? config.memory_budget_bytes
+                                  : DefaultMemoryBudget(impl->memory_limit, impl->device.is_cuda()),
+                              "--memory_budget_mb");
     impl->rope = std::make_shared<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
     // See util/cpu_environment.h.
@@ -299,10 +318,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     const char* spin_count = std::getenv("GOMP_SPINCOUNT");
     const std::string blas_core = BlasCore();
     TLOG_INFO(
-        "runner: {} | {} | memory limit {} ({}), budget for models {} | intra-op threads {}, "
+        "runner: {} | {} | memory limit {} ({}), budget for models, calls and samples {} | "
+        "intra-op threads {}, "
         "OMP_WAIT_POLICY={}, GOMP_SPINCOUNT={}, OpenBLAS kernels {}",
         config.DebugString(), impl->model_config.DebugString(), Bytes(impl->memory_limit.bytes),
-        impl->memory_limit.source, Bytes(impl->memory_budget), at::get_num_threads(),
+        impl->memory_limit.source, Bytes(impl->account->capacity()), at::get_num_threads(),
         wait_policy != nullptr ? wait_policy : "(unset)",
         spin_count != nullptr ? spin_count : "(unset)",
         blas_core.empty() ? "(not OpenBLAS)" : blas_core);
@@ -338,7 +358,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
         "create_model: the server holds its maximum of ", impl_->config.max_models, " models"));
   }
   ASSIGN_OR_RETURN(const int64_t state_bytes, impl_->StateBytes(options));
-  RETURN_IF_ERROR(impl_->Admit(state_bytes));
+  ASSIGN_OR_RETURN(Reservation memory, impl_->Admit(state_bytes));
   return Guarded("create_model", [&]() -> absl::StatusOr<std::string> {
     ModelState t;
     t.options = options;
@@ -379,7 +399,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
       }
     }
     t.id = id;
-    t.state_bytes = state_bytes;
+    t.memory = std::move(memory);
     impl_->models.emplace(id, std::move(t));
     TLOG_INFO("create_model {}: {} reduction={}", id,
               options.lora ? absl::StrCat("lora rank=", options.lora->rank) : "full",
@@ -512,10 +532,7 @@ absl::Status ModelRunner::StreamAppend(int64_t stream_id, Batch batch) {
   }
   if (s.buffered_tokens < impl_->config.micro_batch_tokens) return absl::OkStatus();
   // A full budget is buffered: run it now (lazy intake) instead of holding it until the end.
-  absl::Status st = Guarded("stream", [&]() -> absl::Status {
-    s.stage->Run(s.buffered);
-    return absl::OkStatus();
-  });
+  absl::Status st = impl_->RunStream(s);
   s.buffered.clear();
   s.buffered_tokens = 0;
   if (!st.ok()) s.failed = st;
@@ -529,12 +546,7 @@ absl::StatusOr<ForwardBackwardResult> ModelRunner::FinishStream(int64_t stream_i
   Impl::Stream s = std::move(it->second);
   impl_->streams.erase(it);
   absl::Status local = s.failed;
-  if (local.ok() && !s.buffered.empty()) {
-    local = Guarded("stream", [&]() -> absl::Status {
-      s.stage->Run(s.buffered);
-      return absl::OkStatus();
-    });
-  }
+  if (local.ok() && !s.buffered.empty()) local = impl_->RunStream(s);
   // Every rank commits (or refuses) together, whatever happened locally.
   return Guarded("stream", [&] { return s.stage->Commit(local); });
 }

@@ -21,6 +21,7 @@
 #include "runner/batch.h"
 #include "runner/runner_config.h"
 #include "runner/types.h"
+#include "runner/util/memory_account.h"
 #include "runner/validate.h"
 
 namespace tinkerd {
@@ -116,6 +117,9 @@ class ModelRunner {
                                                     StateKind kind) const;
 
   const RunnerConfig& config() const;
+  // The process's one memory account (runner/util/memory_account.h): models and training calls
+  // reserve in it here; the server's sampling engine reserves its KV caches in it too.
+  std::shared_ptr<MemoryAccount> memory_account() const;
   // The base model's vocabulary and context length, for validating requests up front.
   ModelLimits limits() const;
 

@@ -13,6 +13,7 @@
 #include "runner/model/lora.h"
 #include "runner/model/transformer.h"
 #include "runner/types.h"
+#include "runner/util/memory_account.h"
 
 namespace tinkerd {
 
@@ -30,7 +31,9 @@ struct ModelState {
   // Under ShardMode::kOptimizer: this rank's slice of the sums and moments, reduced per call;
   // grad_sum, exp_avg and exp_avg_sq are then empty.
   std::optional<OptimizerShard> shard;
-  int64_t state_bytes = 0;  // of params and accumulators, as admitted (ModelRunner::CreateModel)
+  // Of params and accumulators, as admitted (ModelRunner::CreateModel), held in the process's
+  // memory account while the model lives.
+  Reservation memory;
   int64_t accumulated_tokens = 0;     // global valid tokens since the last step
   int64_t accumulated_sequences = 0;  // global valid sequences since the last step
   int64_t step = 0;

@@ -39,9 +39,10 @@ struct RunnerConfig {
   // Admission of a model by the trainable state it would hold (parameters, gradient sums and
   // AdamW moments, estimated from the model and its LoRA layout before anything is allocated):
   // at most max_model_bytes for one model (0: no limit but the budget; a multi-tenant server sets
-  // one so that no client takes the whole budget), and memory_budget_bytes for all of them
-  // together (0: half the machine's physical memory). Past either, CreateModel is
-  // RESOURCE_EXHAUSTED.
+  // one so that no client takes the whole budget). memory_budget_bytes is the capacity of the
+  // memory account that models, training calls and samples reserve in (ModelRunner::
+  // memory_account; 0: three quarters of what the process may still use once the base model is
+  // loaded). Past either, the request is RESOURCE_EXHAUSTED.
   int64_t max_model_bytes = 0;
   int64_t memory_budget_bytes = 0;
   // Where weights live and compute runs: "cpu", "cuda" (device 0) or "cuda:N". A CUDA device

@@ -6,6 +6,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/adamw.h"
 #include "kernels/logprob_head.h"
+#include "runner/call_memory.h"
 #include "runner/loss/losses.h"
 #include "runner/packing/karmarkar_karp.h"
 #include "runner/packing/micro_batch.h"
@@ -248,17 +250,46 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
   return result;
 }
 
+absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState& model,
+                                        const std::vector<Datum>& data, bool backward) {
+  if (ctx.account == nullptr) return Reservation();
+  int64_t total = 0, longest = 0;
+  for (const Datum& d : data) {
+    total += static_cast<int64_t>(d.tokens.size());
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(d.tokens.size()));
+  }
+  CallShape call;
+  // A sequence longer than the budget runs alone; otherwise micro-batches stay within it.
+  call.tokens = std::max(longest, std::min(total, ctx.micro_batch_tokens));
+  call.backward = backward;
+  call.checkpointing = ctx.forward.recompute_layers;
+  call.compute_bytes = static_cast<int64_t>(at::elementSize(ctx.compute_dtype));
+  for (const auto& [name, p] : model.params) {
+    call.trainable_values += p.numel();
+    call.train_bytes = static_cast<int64_t>(p.element_size());
+  }
+  return ctx.account->Reserve(
+      CallBytes(*ctx.config, call),
+      absl::StrCat(backward ? "forward_backward" : "forward", ": a call of ", total,
+                   " tokens (micro-batches of up to ", call.tokens, ")"));
+}
+
 absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelState& model,
                                                  const std::vector<Datum>& data,
                                                  const ResolvedLoss& loss, bool backward) {
   CallStage stage(ctx, model, loss, backward);
-  absl::Status local = absl::OkStatus();
-  try {
-    stage.Run(data);
-  } catch (const c10::Error& e) {
-    local = absl::InternalError(absl::StrCat("forward_backward: ", e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    local = absl::InternalError(absl::StrCat("forward_backward: ", e.what()));
+  // Refused memory is this rank's outcome: it still commits, so that every rank's collectives
+  // line up and all of them refuse the call.
+  absl::StatusOr<Reservation> memory = ReserveCall(ctx, model, data, backward);
+  absl::Status local = memory.status();
+  if (local.ok()) {
+    try {
+      stage.Run(data);
+    } catch (const c10::Error& e) {
+      local = absl::InternalError(absl::StrCat("forward_backward: ", e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      local = absl::InternalError(absl::StrCat("forward_backward: ", e.what()));
+    }
   }
   return stage.Commit(local);
 }

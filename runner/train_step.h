@@ -16,6 +16,7 @@
 #include "runner/model_state.h"
 #include "runner/runner_config.h"
 #include "runner/types.h"
+#include "runner/util/memory_account.h"
 
 namespace tinkerd {
 
@@ -27,7 +28,8 @@ struct StepContext {
   at::ScalarType compute_dtype;
   at::Device device;  // of the weights; each micro-batch's inputs are moved there
   int64_t micro_batch_tokens;
-  ForwardOptions forward;  // activation checkpointing
+  ForwardOptions forward;            // activation checkpointing
+  MemoryAccount* account = nullptr;  // where a call reserves its memory; null: nowhere
 };
 
 // One logical forward(_backward) call in progress. Run() may be called many times (a stream);
@@ -59,6 +61,11 @@ class CallStage {
   int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;
   std::vector<size_t> owned_;  // indices into result_.outputs computed on this rank
 };
+
+// Reserves in ctx.account (when set) what a call over `data` may take beyond the model's state
+// (runner/call_memory.h); RESOURCE_EXHAUSTED, with nothing reserved, when it does not fit.
+absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState& model,
+                                        const std::vector<Datum>& data, bool backward);
 
 // Runs `data` as one call: a CallStage run once and committed.
 absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelState& model,

@@ -85,6 +85,12 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
                                   config.checkpoint_root, s->metrics_.get());
   SamplingConfig sampling_config = config.sampling;
   sampling_config.tenant_limits = config.api_keys.limits();
+  // Samples' KV caches and training share one account: neither can take what the other holds.
+  // Under data parallelism rank 0 samples alone, and its samples keep to --sample_kv_cache_mb
+  // outside the account: every rank must admit the same models.
+  if (s->replicated_->world_size() == 1) {
+    sampling_config.engine.account = s->runner_->memory_account();
+  }
   s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), s->runner_.get(), s->scheduler_.get(),
                                             sampling_config);
   s->service_ =

@@ -37,7 +37,8 @@ ABSL_FLAG(int64_t, max_model_mb, 0,
           "largest trainable state (parameters, gradients, AdamW moments) one model may hold, "
           "MiB (0: only the memory budget limits it)");
 ABSL_FLAG(int64_t, memory_budget_mb, 0,
-          "trainable state all models together may hold, MiB (0: half the physical memory)");
+          "memory models' state, training calls and samples' KV caches may hold together, MiB "
+          "(0: three quarters of what the process may still use once the base model is loaded)");
 ABSL_FLAG(int, max_message_mb, 256, "largest request or response, MiB");
 ABSL_FLAG(int, max_pending_per_model, 64, "queued requests per model before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_pending_per_tenant, 1024,

@@ -41,6 +41,7 @@ struct SampleEngine::Job {
   Done done;
   Progress progress;
   int64_t bytes = 0;
+  Reservation memory;  // `bytes` in the process's account, when the engine has one
   std::vector<at::Tensor> k_LPKd, v_LPKd;  // per layer: the prompt's, shared by the samples
   std::vector<Sample> samples;
   SplitMix64 alt_rng{0};  // prompt_alt_tokens_k's draws: a stream of their own
@@ -224,6 +225,9 @@ absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleReq
                                                      " sequences running, ", bytes_,
                                                      " bytes of KV cache reserved; retry later"));
   }
+  if (limits_.account != nullptr) {
+    ASSIGN_OR_RETURN(job->memory, limits_.account->Reserve(job->bytes, "sample: its KV cache"));
+  }
   const uint64_t seed = request.params.seed ? *request.params.seed : unseeded_++;
   job->alt_rng = SplitMix64(SplitMix64(seed).Next());  // stream 0; the samples' are 1, 2, ...
   for (int64_t i = 0; i < request.num_samples; ++i) {
@@ -248,7 +252,8 @@ absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleReq
   return absl::OkStatus();
 }
 
-void SampleEngine::Release(const Job& job) {
+void SampleEngine::Release(Job& job) {
+  job.memory = Reservation();
   absl::MutexLock lock(&mu_);
   sequences_ -= job.request.num_samples;
   bytes_ -= job.bytes;

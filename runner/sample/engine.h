@@ -76,7 +76,7 @@ class SampleEngine {
              absl::FunctionRef<void(Choice&)> score);
   // One token for each of `batch`: samples of policies sharing one base, each policy's together.
   void Decode(const std::vector<std::pair<Job*, Sample*>>& batch);
-  void Release(const Job& job);
+  void Release(Job& job);
   // Hands the job's new tokens to its Progress; false when the listener has gone.
   static bool Report(Job& job);
 

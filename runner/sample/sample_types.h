@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "runner/util/memory_account.h"
 #include "runner/validate.h"
 
 namespace tinkerd {
@@ -114,6 +115,9 @@ struct EngineLimits {
   // is what a queued training call may wait for, so its prefill is bounded.
   int64_t prefill_tokens_per_step = 8192;
   int64_t kv_cache_bytes = int64_t{2} << 30;  // reserved for their keys and values
+  // Set: each request's KV-cache bytes are also reserved here (the process's one account,
+  // runner/util/memory_account.h, shared with training) until it finishes.
+  std::shared_ptr<MemoryAccount> account = nullptr;
 };
 
 // INVALID_ARGUMENT naming `prompt` when its `tokens` alone exceed the model's context.

@@ -86,4 +86,12 @@ MemoryLimit ProcessMemoryLimit(const MemorySources& sources) {
   return best;
 }
 
+int64_t UsedBytes(const MemoryLimit& limit) {
+  std::ifstream in("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  if (!(in >> size >> resident)) return 0;
+  return (limit.source == "RLIMIT_AS" ? size : resident) *
+         static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
 }  // namespace tinkerd

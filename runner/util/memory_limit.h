@@ -24,4 +24,9 @@ struct MemorySources {
 
 MemoryLimit ProcessMemoryLimit(const MemorySources& sources = {});
 
+// What the process uses now of what `limit` bounds (/proc/self/statm): its address space when
+// RLIMIT_AS is the bound (the kernel counts mappings there, resident or not), else its resident
+// memory; 0 where it cannot be read.
+int64_t UsedBytes(const MemoryLimit& limit);
+
 }  // namespace tinkerd

@@ -14,6 +14,7 @@
 
 #include "kernels/gemv.h"
 #include "kernels/logprob_head.h"
+#include "runner/call_memory.h"
 #include "runner/sample/engine.h"
 #include "runner/sample/policy.h"
 #include "tests/test_util.h"
@@ -861,6 +862,84 @@ TEST_F(SamplingTest, AFullEngineRefusesAndTheRetryRunsOnceRoomIsFreed) {
     EXPECT_EQ(results[2].sequences[0].tokens, alone.sequences[0].tokens);
     EXPECT_EQ(results[2].sequences[1].tokens, alone.sequences[1].tokens);
   }
+}
+
+// Issue 36: samples' KV caches and training calls reserve in one memory account. The account here
+// holds the model and either a call or a sample, not both: while a sample is admitted a training
+// call is RESOURCE_EXHAUSTED with nothing changed, and the same call runs once the sample is done.
+// Before, each took memory the other did not see, and together they could pass the process's
+// limit and wedge the server.
+TEST_F(SamplingTest, SamplesAndTrainingCallsShareOneMemoryAccount) {
+  const std::string path = dir_->Sub("model");
+  CreateModelOptions options;
+  options.lora = LoraConfig{4, 8.0, true, true, true};
+  SplitMix64 g(17);
+  const std::vector<Datum> data = RandomData(g, {40, 30}, "cross_entropy", 128);
+  SampleRequest r;
+  r.prompt = {4, 40, 9};
+  r.num_samples = 8;
+  r.params.max_tokens = 60;
+  // What each needs, from a runner whose account is large.
+  int64_t model_bytes = 0, call_bytes = 0;
+  {
+    auto probe = MakeRunner(path);
+    ASSERT_NE(probe, nullptr);
+    auto id = probe->CreateModel(options);
+    ASSERT_TRUE(id.ok()) << id.status();
+    model_bytes = probe->memory_account()->reserved();
+    CallShape shape;
+    shape.tokens = 70;
+    shape.compute_bytes = 8;
+    shape.trainable_values = probe->GetInfo(*id)->trainable_parameters;
+    shape.train_bytes = 8;
+    call_bytes = CallBytes(TinyConfig("llama"), shape);
+  }
+  const int64_t kv_bytes = SampleEngine::KvBytes(*policy_, r);
+  ASSERT_GT(model_bytes, 0);
+  RunnerConfig rc;
+  rc.base_model_path = path;
+  rc.compute_dtype = ComputeDType::kFloat64;
+  rc.device = TestDevice();
+  rc.memory_budget_bytes =
+      model_bytes + std::max(call_bytes, kv_bytes) + std::min(call_bytes, kv_bytes) / 2;
+  auto small = ModelRunner::Create(rc);
+  ASSERT_TRUE(small.ok()) << small.status();
+  auto id = (*small)->CreateModel(options);
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto policy = (*small)->FreezePolicy(*id);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  EngineLimits limits;
+  limits.account = (*small)->memory_account();
+  SampleEngine engine(limits);
+  int answered = 0;
+  ASSERT_TRUE(engine
+                  .Admit(*policy, r,
+                         [&](const absl::StatusOr<SampleResult>& res) {
+                           EXPECT_TRUE(res.ok()) << res.status();
+                           ++answered;
+                         })
+                  .ok());
+  EXPECT_EQ((*small)->memory_account()->reserved(), model_bytes + kv_bytes);
+  const absl::StatusOr<ForwardBackwardResult> refused =
+      (*small)->ForwardBackward(*id, data, "cross_entropy", {});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("forward_backward: a call of 70 tokens"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ((*small)->GetInfo(*id)->accumulated_tokens, 0) << "a refused call changed the model";
+  while (engine.Step()) {
+  }
+  EXPECT_EQ(answered, 1);
+  EXPECT_EQ((*small)->memory_account()->reserved(), model_bytes)
+      << "the sample gave its share back";
+  const absl::StatusOr<ForwardBackwardResult> ran =
+      (*small)->ForwardBackward(*id, data, "cross_entropy", {});
+  ASSERT_TRUE(ran.ok()) << ran.status();
+  EXPECT_GT((*small)->GetInfo(*id)->accumulated_tokens, 0);
+  EXPECT_EQ((*small)->memory_account()->reserved(), model_bytes)
+      << "a call holds memory only while it runs";
+  ASSERT_TRUE((*small)->DeleteModel(*id).ok());
+  EXPECT_EQ((*small)->memory_account()->reserved(), 0) << "a deleted model gave its share back";
 }
 
 TEST_F(SamplingTest, TopKAndTopPKeepOnlyTheMostLikely) {

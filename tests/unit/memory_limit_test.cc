@@ -4,6 +4,7 @@
 #include "runner/util/memory_limit.h"
 
 #include <gtest/gtest.h>
+
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "tests/test_util.h"
 
@@ -76,6 +78,20 @@ TEST(MemoryLimit, AnAddressSpaceRlimitBelowTheRestWins) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the child did not see its RLIMIT_AS as the limit";
   // The control: this process, without one, is bound by something else.
   EXPECT_NE(ProcessMemoryLimit(s).source, "RLIMIT_AS");
+}
+
+// What the budget's default subtracts: resident memory grows by what is touched, and under
+// RLIMIT_AS the address space, which holds at least the resident pages, is what counts.
+TEST(MemoryLimit, UsedBytesIsResidentMemoryOrTheAddressSpaceUnderRlimitAs) {
+  const MemoryLimit physical{int64_t{1} << 40, "physical memory"};
+  const MemoryLimit rlimit{int64_t{1} << 40, "RLIMIT_AS"};
+  const int64_t before = UsedBytes(physical);
+  ASSERT_GT(before, 0);
+  std::vector<char> touched(size_t{64} << 20, 1);
+  const int64_t after = UsedBytes(physical);
+  EXPECT_GE(after - before, int64_t{60} << 20) << "64 MiB touched";
+  EXPECT_GE(UsedBytes(rlimit), after);
+  EXPECT_EQ(touched[touched.size() / 2], 1);
 }
 
 }  // namespace

@@ -1,0 +1,20 @@
+#include "runner/call_memory.h"
+
+#include <algorithm>
+
+namespace tinkerd {
+
+int64_t CallBytes(const ModelConfig& c, const CallShape& call) {
+  const int64_t D = c.hidden_size, I = c.intermediate_size, L = c.num_hidden_layers;
+  const int64_t Hd = c.num_attention_heads * c.head_dim, Kd = c.num_key_value_heads * c.head_dim;
+  const int64_t layer = 2 * (6 * D + 3 * Hd + 3 * Kd + 3 * I);
+  const int64_t kept = !call.backward ? layer : call.checkpointing ? L * D + layer : L * layer;
+  const int64_t activations = call.tokens * (kept + 3 * D) * call.compute_bytes;
+  const int64_t head = 3 * std::min<int64_t>(call.tokens, 1024) *
+                       std::min<int64_t>(c.vocab_size, 8192) *
+                       std::max<int64_t>(call.compute_bytes, 4);
+  const int64_t gradients = call.backward ? 2 * call.trainable_values * call.train_bytes : 0;
+  return (activations + head) / 4 * 5 + gradients;
+}
+
+}  // namespace tinkerd
