@@ -110,7 +110,8 @@ struct ModelRunner::Impl {
     ResolvedLoss loss;
     std::vector<Datum> buffered;
     int64_t buffered_tokens = 0;
-    absl::Status failed;  // first error; the stream can then only be finished (with it) or aborted
+    absl::Status failed;   // first error; the stream can then only be finished (with it) or aborted
+    Reservation gradient;  // its staged gradient's memory, from BeginStream to the end
   };
   std::map<int64_t, Stream> streams ABSL_GUARDED_BY(mu);
   int64_t next_stream = 1;
@@ -119,8 +120,8 @@ struct ModelRunner::Impl {
   absl::Status RunStream(Stream& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto model = models.find(s.stage->model_id());
     if (model == models.end()) return absl::NotFoundError("stream: its model was deleted");
-    ASSIGN_OR_RETURN(Reservation memory,
-                     ReserveCall(Context(), model->second, s.buffered, /*backward=*/true));
+    ASSIGN_OR_RETURN(Reservation memory, ReserveCall(Context(), model->second, s.buffered,
+                                                     /*backward=*/true, /*staged_gradient=*/false));
     return Guarded("stream", [&]() -> absl::Status {
       s.stage->Run(s.buffered);
       return absl::OkStatus();
@@ -187,9 +188,13 @@ struct ModelRunner::Impl {
           Bytes(bytes), ", over the per-model limit of ", Bytes(config.max_model_bytes),
           " (a smaller lora.rank, or fewer adapted modules, fits)"));
     }
-    return account->Reserve(bytes,
-                            "create_model: the model's trainable state (parameters, gradients, "
-                            "AdamW moments)");
+    absl::StatusOr<Reservation> held =
+        account->Reserve(bytes,
+                         "create_model: the model's trainable state (parameters, gradients, "
+                         "AdamW moments)");
+    if (held.ok()) return held;
+    return absl::Status(held.status().code(),
+                        absl::StrCat(held.status().message(), ". Delete a model, or retry later"));
   }
   MemoryLimit memory_limit;  // what the process may use, and which bound says so
   // Models' state, training calls and (through the server's engine) samples reserve here; its
@@ -305,12 +310,19 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
-    // Sized once the base model is resident, so that the default leaves it out.
-    impl->account =
-        MemoryAccount::Create(config.memory_budget_bytes > 0
-                                  ? config.memory_budget_bytes
-                                  : DefaultMemoryBudget(impl->memory_limit, impl->device.is_cuda()),
-                              "--memory_budget_mb");
+    // Sized once the base model is resident, so that the default leaves it out. The default is
+    // the smallest rank's: each rank's own differs with what it happens to hold, and ranks that
+    // admitted a model differently would stop the job as diverged. (A --memory_budget_mb set
+    // differently per rank is the operator's to keep consistent.)
+    const int64_t W = impl->collectives->world_size();
+    std::vector<int64_t> defaults(W, 0);
+    defaults[impl->collectives->rank()] =
+        DefaultMemoryBudget(impl->memory_limit, impl->device.is_cuda());
+    if (W > 1) RETURN_IF_ERROR(impl->collectives->AllReduceSumCounts(defaults));
+    impl->account = MemoryAccount::Create(config.memory_budget_bytes > 0
+                                              ? config.memory_budget_bytes
+                                              : *std::min_element(defaults.begin(), defaults.end()),
+                                          "--memory_budget_mb");
     impl->rope = std::make_shared<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
     // See util/cpu_environment.h.
@@ -494,8 +506,17 @@ absl::StatusOr<int64_t> ModelRunner::BeginStream(
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
   ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
+  int64_t gradient_bytes = 0;
+  for (const auto& [name, p] : t->params) gradient_bytes += 2 * p.numel() * p.element_size();
+  absl::StatusOr<Reservation> gradient = impl_->account->Reserve(
+      gradient_bytes, "forward_backward stream: its staged gradient and autograd's");
+  if (!gradient.ok()) {
+    return absl::Status(gradient.status().code(),
+                        absl::StrCat(gradient.status().message(), ". Retry the stream later"));
+  }
   return Guarded("stream", [&]() -> absl::StatusOr<int64_t> {
     Impl::Stream s;
+    s.gradient = *std::move(gradient);
     s.stage = std::make_unique<CallStage>(impl_->Context(), *t, loss, /*backward=*/true);
     s.loss = loss;
     const int64_t id = impl_->next_stream++;

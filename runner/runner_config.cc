@@ -17,7 +17,8 @@ absl::Status RunnerConfig::Validate() const {
   if (max_model_bytes < 0)
     return absl::InvalidArgumentError("runner: max_model_bytes must be >= 0 (0: the budget)");
   if (memory_budget_bytes < 0)
-    return absl::InvalidArgumentError("runner: memory_budget_bytes must be >= 0 (0: from the memory the process may use)");
+    return absl::InvalidArgumentError(
+        "runner: memory_budget_bytes must be >= 0 (0: from the memory the process may use)");
   if (auto d = ParseDevice(device); !d.ok()) return d.status();
   return absl::OkStatus();
 }

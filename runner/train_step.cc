@@ -251,7 +251,8 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
 }
 
 absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState& model,
-                                        const std::vector<Datum>& data, bool backward) {
+                                        const std::vector<Datum>& data, bool backward,
+                                        bool staged_gradient) {
   if (ctx.account == nullptr) return Reservation();
   int64_t total = 0, longest = 0;
   for (const Datum& d : data) {
@@ -265,13 +266,20 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
   call.checkpointing = ctx.forward.recompute_layers;
   call.compute_bytes = static_cast<int64_t>(at::elementSize(ctx.compute_dtype));
   for (const auto& [name, p] : model.params) {
-    call.trainable_values += p.numel();
+    if (staged_gradient) call.trainable_values += p.numel();
     call.train_bytes = static_cast<int64_t>(p.element_size());
   }
-  return ctx.account->Reserve(
+  absl::StatusOr<Reservation> held = ctx.account->Reserve(
       CallBytes(*ctx.config, call),
       absl::StrCat(backward ? "forward_backward" : "forward", ": a call of ", total,
                    " tokens (micro-batches of up to ", call.tokens, ")"));
+  if (held.ok()) return held;
+  // The refusal is the call's result in its model's order, as any failure is.
+  return absl::Status(held.status().code(),
+                      absl::StrCat(held.status().message(),
+                                   ". The call is refused and its seq_id used: send it again "
+                                   "under a new seq_id once memory is free (a sample or another "
+                                   "call ends), or send fewer tokens at once"));
 }
 
 absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelState& model,

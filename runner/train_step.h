@@ -64,8 +64,10 @@ class CallStage {
 
 // Reserves in ctx.account (when set) what a call over `data` may take beyond the model's state
 // (runner/call_memory.h); RESOURCE_EXHAUSTED, with nothing reserved, when it does not fit.
+// `staged_gradient`: count the call's gradient too (a stream holds its own for its lifetime).
 absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState& model,
-                                        const std::vector<Datum>& data, bool backward);
+                                        const std::vector<Datum>& data, bool backward,
+                                        bool staged_gradient = true);
 
 // Runs `data` as one call: a CallStage run once and committed.
 absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelState& model,

@@ -226,7 +226,12 @@ absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleReq
                                                      " bytes of KV cache reserved; retry later"));
   }
   if (limits_.account != nullptr) {
-    ASSIGN_OR_RETURN(job->memory, limits_.account->Reserve(job->bytes, "sample: its KV cache"));
+    absl::StatusOr<Reservation> held = limits_.account->Reserve(job->bytes, "sample: its KV cache");
+    if (!held.ok()) {
+      return absl::Status(held.status().code(),
+                          absl::StrCat(held.status().message(), "; retry later"));
+    }
+    job->memory = *std::move(held);
   }
   const uint64_t seed = request.params.seed ? *request.params.seed : unseeded_++;
   job->alt_rng = SplitMix64(SplitMix64(seed).Next());  // stream 0; the samples' are 1, 2, ...
@@ -589,11 +594,13 @@ bool SampleEngine::Step() {
       still.push_back(std::move(job));
       continue;
     }
+    // Its memory is given back before its caller hears: a client that trains as soon as its
+    // samples return finds the account as free as it will be.
+    Release(*job);
     if (!job->failed) {
       for (Sample& s : job->samples) job->result.sequences.push_back(std::move(s.out));
       job->done(std::move(job->result));
     }
-    Release(*job);
   }
   running_ = std::move(still);
   absl::MutexLock lock(&mu_);

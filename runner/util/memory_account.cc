@@ -34,12 +34,16 @@ std::shared_ptr<MemoryAccount> MemoryAccount::Create(int64_t capacity, std::stri
 absl::StatusOr<Reservation> MemoryAccount::Reserve(int64_t bytes, const std::string& what) {
   {
     absl::MutexLock lock(&mu_);
+    if (bytes > capacity_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, " needs ", MiB(bytes), " of memory, more than the server's whole ",
+          "memory budget (", MiB(capacity_), ", ", flags_, "): it cannot run here as it is"));
+    }
     if (bytes > capacity_ - reserved_) {
       return absl::ResourceExhaustedError(
           absl::StrCat(what, " needs ", MiB(bytes), " of memory; the server's memory budget (",
                        MiB(capacity_), ", shared by models, training calls and samples; ", flags_,
-                       ") has ", MiB(std::max<int64_t>(0, capacity_ - reserved_)),
-                       " left. Retry later, delete a model, or send less at once"));
+                       ") has ", MiB(capacity_ - reserved_), " left"));
     }
     reserved_ += bytes;
   }

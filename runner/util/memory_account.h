@@ -45,7 +45,8 @@ class MemoryAccount : public std::enable_shared_from_this<MemoryAccount> {
   static std::shared_ptr<MemoryAccount> Create(int64_t capacity, std::string flags);
 
   // `bytes` for `what` ("create_model: the model's trainable state"), or RESOURCE_EXHAUSTED
-  // saying what is held and left, with nothing reserved.
+  // saying what is left (or that it exceeds the whole capacity), with nothing reserved; the
+  // caller adds what its client can do about it.
   absl::StatusOr<Reservation> Reserve(int64_t bytes, const std::string& what);
 
   int64_t capacity() const { return capacity_; }

@@ -25,7 +25,7 @@ absl::Status EdgeQuotaConfig::Validate(int64_t max_body_bytes) const {
 absl::Status EdgeQuota::TakeBody(const std::string& key, int64_t bytes) {
   absl::MutexLock lock(&mu_);
   Held& mine = held_[key];
-  if (mine.body_bytes + bytes > config_.body_bytes_per_key) {
+  if (!key.empty() && mine.body_bytes + bytes > config_.body_bytes_per_key) {
     const int64_t held = mine.body_bytes;
     ForgetIfIdle(key);
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -57,7 +57,7 @@ void EdgeQuota::ReturnBody(const std::string& key, int64_t bytes) {
 absl::Status EdgeQuota::TakeConnection(const std::string& key) {
   absl::MutexLock lock(&mu_);
   Held& mine = held_[key];
-  if (mine.connections >= config_.connections_per_key) {
+  if (!key.empty() && mine.connections >= config_.connections_per_key) {
     return absl::ResourceExhaustedError(
         absl::StrCat("connections: this API key holds ", mine.connections,
                      " connections, its bound (--http_connections_per_key). Close idle "

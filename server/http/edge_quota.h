@@ -5,8 +5,9 @@
 // in flight, or its 8,192 connection slots with parked long polls, and turn every other tenant
 // away. A request past a bound is answered 429 with Retry-After, before its body is read.
 //
-// Parked polls need no bound of their own: HTTP/1.1 serves one request per connection at a time,
-// so a key parks at most as many polls as it holds connections.
+// Requests without a key (authentication off: every client is one tenant) have the server-wide
+// bound alone. Parked polls need no bound of their own: HTTP/1.1 serves one request per connection
+// at a time, so a key parks at most as many polls as it holds connections.
 #pragma once
 
 #include <cstdint>

@@ -120,6 +120,11 @@ void Sessions::AddModel(const std::string& id, const std::string& model_id) {
   }
 }
 
+void Sessions::ForgetModel(const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  model_session_.erase(model_id);
+}
+
 absl::Status Sessions::CheckModel(const std::string& model_id) const {
   absl::MutexLock lock(&mu_);
   auto it = model_session_.find(model_id);
@@ -194,7 +199,13 @@ std::vector<Sessions::Ended> Sessions::EndIdle(absl::Time cutoff) {
     ended_[it->first] = std::move(s);
     if (ended_order_.size() > std::min(max_sessions_, kMaxEnded)) {
       auto forgotten = ended_.find(ended_order_.front());
-      for (const std::string& model : forgotten->second.models) model_session_.erase(model);
+      for (const std::string& model : forgotten->second.models) {
+        // Only where the model still counts as this session's (a copy may have moved it since).
+        auto entry = model_session_.find(model);
+        if (entry != model_session_.end() && entry->second == forgotten->first) {
+          model_session_.erase(entry);
+        }
+      }
       ended_.erase(forgotten);
       ended_order_.pop_front();
     }

@@ -85,6 +85,8 @@ class Sessions {
   // FAILED_PRECONDITION when `model_id` was made in a session its client finished (the SDK's
   // close() rejects further operations against the session, its models' included).
   absl::Status CheckModel(const std::string& model_id) const;
+  // The model was unloaded: CheckModel need not remember it.
+  void ForgetModel(const std::string& model_id);
   // The ids of the tenant's open sessions, newest first.
   std::vector<std::string> Ids(const std::string& tenant) const;
   // The tenant's open session `id`; nullopt and `missing` as for Heartbeat.

@@ -110,7 +110,8 @@ void TinkerApi::UnloadModel(const std::string& tenant, const Json& body, Respond
       [ops, tenant, id = aliases_.Resolve(tenant, model_id)](Done<v1::DeleteModelResponse> done) {
         ops->DeleteModel(tenant, id, std::move(done));
       },
-      [model_id](const v1::DeleteModelResponse&) {
+      [this, model_id, id = aliases_.Resolve(tenant, model_id)](const v1::DeleteModelResponse&) {
+        sessions_.ForgetModel(id);
         return JsonResponse(Json{{"type", "unload_model"}, {"model_id", model_id}});
       },
       std::move(respond));

@@ -23,6 +23,11 @@ TEST(MemoryAccount, ReservesWithinItsCapacityAndGivesBackWhatEnds) {
   EXPECT_NE(b.status().message().find("a call needs"), std::string::npos) << b.status();
   EXPECT_NE(b.status().message().find("--memory_budget_mb"), std::string::npos) << b.status();
   EXPECT_EQ(account->reserved(), 600) << "a refusal reserves nothing";
+  const absl::StatusOr<Reservation> never = account->Reserve(1001, "a big call");
+  EXPECT_EQ(never.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(never.status().message().find("more than the server's whole memory budget"),
+            std::string::npos)
+      << never.status();
   {
     absl::StatusOr<Reservation> c = account->Reserve(400, "a sample");
     ASSERT_TRUE(c.ok()) << "exactly the rest fits";
