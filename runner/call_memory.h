@@ -2,7 +2,10 @@
 // is reserved in the process's account (runner/util/memory_account.h): the activations of its
 // largest micro-batch, the logprob head's chunk, and under backward the staged gradient beside
 // autograd's result. An upper bound for tinkerd's own kernels, derived below and checked against
-// bench/RESULTS.md's measured peaks; not a promise about other code in the process.
+// bench/RESULTS.md's measured peaks on the CPU; not a promise about other code in the process.
+// CUDA's kernels keep far less: the ~1.1B bench row peaks at 25 GB on an H100, its 17.6 GB of
+// state and 4.4 GB staged gradient included, where this estimates 73 GB for its call alone; so
+// calls on a GPU are not reserved (ModelRunner).
 #pragma once
 
 #include <cstdint>
