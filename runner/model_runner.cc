@@ -186,13 +186,10 @@ struct ModelRunner::Impl {
           Bytes(bytes), ", over the per-model limit of ", Bytes(config.max_model_bytes),
           " (a smaller lora.rank, or fewer adapted modules, fits)"));
     }
-    absl::StatusOr<Reservation> held =
-        account->Reserve(bytes,
-                         "create_model: the model's trainable state (parameters, gradients, "
-                         "AdamW moments)");
-    if (held.ok()) return held;
-    return absl::Status(held.status().code(),
-                        absl::StrCat(held.status().message(), ". Delete a model, or retry later"));
+    return account->Reserve(bytes,
+                            "create_model: the model's trainable state (parameters, gradients, "
+                            "AdamW moments)",
+                            ". Delete a model, or retry later");
   }
   MemoryLimit memory_limit;  // what the process may use, and which bound says so
   // Models' state, training calls and (through the server's engine) samples reserve here; its
@@ -509,12 +506,10 @@ absl::StatusOr<int64_t> ModelRunner::BeginStream(
   if (MemoryAccount* account = impl_->Context().account) {
     int64_t bytes = 0;
     for (const auto& [name, p] : t->params) bytes += 2 * p.numel() * p.element_size();
-    gradient = account->Reserve(bytes, "forward_backward stream: its staged gradient");
+    gradient = account->Reserve(bytes, "forward_backward stream: its staged gradient",
+                                ". Retry the stream later");
   }
-  if (!gradient.ok()) {
-    return absl::Status(gradient.status().code(),
-                        absl::StrCat(gradient.status().message(), ". Retry the stream later"));
-  }
+  if (!gradient.ok()) return gradient.status();
   return Guarded("stream", [&]() -> absl::StatusOr<int64_t> {
     Impl::Stream s;
     s.gradient = *std::move(gradient);

@@ -269,17 +269,13 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
     if (staged_gradient) call.trainable_values += p.numel();
     call.train_bytes = static_cast<int64_t>(p.element_size());
   }
-  absl::StatusOr<Reservation> held = ctx.account->Reserve(
+  // A refusal is the call's result in its model's order, as any failure is.
+  return ctx.account->Reserve(
       CallBytes(*ctx.config, call),
       absl::StrCat(backward ? "forward_backward" : "forward", ": a call of ", total,
-                   " tokens (micro-batches of up to ", call.tokens, ")"));
-  if (held.ok()) return held;
-  // The refusal is the call's result in its model's order, as any failure is.
-  return absl::Status(held.status().code(),
-                      absl::StrCat(held.status().message(),
-                                   ". The call is refused and its seq_id used: send it again "
-                                   "under a new seq_id once memory is free (a sample or another "
-                                   "call ends), or send fewer tokens at once"));
+                   " tokens (micro-batches of up to ", call.tokens, ")"),
+      ". The call is refused and its seq_id used: send it again under a new seq_id once memory "
+      "is free (a sample or another call ends), or send fewer tokens at once");
 }
 
 absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelState& model,

@@ -226,12 +226,8 @@ absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleReq
                                                      " bytes of KV cache reserved; retry later"));
   }
   if (limits_.account != nullptr) {
-    absl::StatusOr<Reservation> held = limits_.account->Reserve(job->bytes, "sample: its KV cache");
-    if (!held.ok()) {
-      return absl::Status(held.status().code(),
-                          absl::StrCat(held.status().message(), "; retry later"));
-    }
-    job->memory = *std::move(held);
+    ASSIGN_OR_RETURN(job->memory,
+                     limits_.account->Reserve(job->bytes, "sample: its KV cache", "; retry later"));
   }
   const uint64_t seed = request.params.seed ? *request.params.seed : unseeded_++;
   job->alt_rng = SplitMix64(SplitMix64(seed).Next());  // stream 0; the samples' are 1, 2, ...

@@ -31,19 +31,21 @@ std::shared_ptr<MemoryAccount> MemoryAccount::Create(int64_t capacity, std::stri
   return std::shared_ptr<MemoryAccount>(new MemoryAccount(capacity, std::move(flags)));
 }
 
-absl::StatusOr<Reservation> MemoryAccount::Reserve(int64_t bytes, const std::string& what) {
+absl::StatusOr<Reservation> MemoryAccount::Reserve(int64_t bytes, const std::string& what,
+                                                   const std::string& advice) {
   {
     absl::MutexLock lock(&mu_);
     if (bytes > capacity_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          what, " needs ", MiB(bytes), " of memory, more than the server's whole ",
-          "memory budget (", MiB(capacity_), ", ", flags_, "): it cannot run here as it is"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(what, " needs ", MiB(bytes), " of memory, more than the server's whole ",
+                       "memory budget (", MiB(capacity_), ", ", flags_,
+                       "): it cannot run here as it is", advice));
     }
     if (bytes > capacity_ - reserved_) {
       return absl::ResourceExhaustedError(
           absl::StrCat(what, " needs ", MiB(bytes), " of memory; the server's memory budget (",
                        MiB(capacity_), ", shared by models, training calls and samples; ", flags_,
-                       ") has ", MiB(capacity_ - reserved_), " left"));
+                       ") has ", MiB(capacity_ - reserved_), " left", advice));
     }
     reserved_ += bytes;
   }

@@ -45,9 +45,10 @@ class MemoryAccount : public std::enable_shared_from_this<MemoryAccount> {
   static std::shared_ptr<MemoryAccount> Create(int64_t capacity, std::string flags);
 
   // `bytes` for `what` ("create_model: the model's trainable state"), or RESOURCE_EXHAUSTED
-  // saying what is left (or that it exceeds the whole capacity), with nothing reserved; the
-  // caller adds what its client can do about it.
-  absl::StatusOr<Reservation> Reserve(int64_t bytes, const std::string& what);
+  // saying what is left (or that it exceeds the whole capacity), then `advice` (what the client
+  // can do about it, appended as given), with nothing reserved.
+  absl::StatusOr<Reservation> Reserve(int64_t bytes, const std::string& what,
+                                      const std::string& advice);
 
   int64_t capacity() const { return capacity_; }
   int64_t reserved() const;

@@ -16,20 +16,20 @@ namespace {
 
 TEST(MemoryAccount, ReservesWithinItsCapacityAndGivesBackWhatEnds) {
   auto account = MemoryAccount::Create(1000, "--memory_budget_mb");
-  absl::StatusOr<Reservation> a = account->Reserve(600, "a model");
+  absl::StatusOr<Reservation> a = account->Reserve(600, "a model", "");
   ASSERT_TRUE(a.ok());
-  const absl::StatusOr<Reservation> b = account->Reserve(401, "a call");
+  const absl::StatusOr<Reservation> b = account->Reserve(401, "a call", "");
   EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(b.status().message().find("a call needs"), std::string::npos) << b.status();
   EXPECT_NE(b.status().message().find("--memory_budget_mb"), std::string::npos) << b.status();
   EXPECT_EQ(account->reserved(), 600) << "a refusal reserves nothing";
-  const absl::StatusOr<Reservation> never = account->Reserve(1001, "a big call");
+  const absl::StatusOr<Reservation> never = account->Reserve(1001, "a big call", "");
   EXPECT_EQ(never.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(never.status().message().find("more than the server's whole memory budget"),
             std::string::npos)
       << never.status();
   {
-    absl::StatusOr<Reservation> c = account->Reserve(400, "a sample");
+    absl::StatusOr<Reservation> c = account->Reserve(400, "a sample", "");
     ASSERT_TRUE(c.ok()) << "exactly the rest fits";
     EXPECT_EQ(account->reserved(), 1000);
     Reservation moved = *std::move(c);
