@@ -167,6 +167,12 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
     if (host == "localhost") host = "127.0.0.1";
     http::TinkerApiConfig api = config.tinker_http;
+    // JSON bodies are host memory: they take the CPU's account, where every rank is not held to
+    // admit alike (a single process).
+    const absl::StatusOr<DeviceSpec> device = ParseDevice(s->runner_->config().device);
+    if (s->replicated_->world_size() == 1 && device.ok() && !device->cuda) {
+      api.account = s->runner_->memory_account();
+    }
     // The client's get_tokenizer() loads what the server matches stop strings with.
     const std::string& base = s->runner_->config().base_model_path;
     if (s->runner_->limits().tokenizer && api.tokenizer_id.empty()) {

@@ -7,6 +7,7 @@ namespace tinkerd {
 namespace {
 
 std::string MiB(int64_t bytes) {
+  if (bytes < (1 << 20)) return absl::StrFormat("%.1f KiB", static_cast<double>(bytes) / 1024);
   return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
 }
 

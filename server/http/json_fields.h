@@ -2,7 +2,6 @@
 // gRPC-free, so the request fuzzer can drive what uses it.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -13,7 +12,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 
 namespace tinkerd::http {
 
@@ -23,32 +21,6 @@ inline bool IsInt64(const nlohmann::json& v) {
   return v.is_number_integer() &&
          !(v.is_number_unsigned() &&
            v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
-}
-
-// How deeply a JSON text's arrays and objects nest (0 for a scalar), by one pass over its bytes
-// with no allocation: brackets inside strings do not count. Malformed text gets some number; the
-// parser refuses it afterwards.
-inline int JsonNesting(absl::string_view text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
 }
 
 // Reads a JSON object's fields, keeping the first error (which names the field). Absent and null

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "runner/util/echo.h"
+#include "server/http/json_body.h"
 #include "server/http/tinker_json.h"
 
 namespace tinkerd::http {
@@ -23,10 +25,6 @@ TinkerApi::TinkerApi(Ops* ops, Sampling* sampling, ApiKeys keys, TinkerApiConfig
       sessions_(config_.max_sessions, config_.session_idle) {}
 
 namespace {
-
-// The deepest any request body of the Tinker API nests is 5 levels (asample's
-// {prompt: {chunks: [{tokens: [...]}]}}); 16 leaves room for fields to come.
-constexpr int kMaxJsonDepth = 16;
 
 Response Unauthorized(const std::string& api_key) {
   return Error(401, api_key.empty() ? "X-API-Key: missing" : "X-API-Key: not a key of this server");
@@ -171,16 +169,21 @@ void TinkerApi::Handle(Request req, Respond respond) {
         Error(415, absl::StrCat("Content-Type: ", endpoint, " takes application/json, not '",
                                 Echo(req.content_type), "'")));
   }
-  // Nesting is measured before anything is built: a body of brackets would otherwise grow a
-  // parser's stack and DOM dozens of times its size.
-  if (JsonNesting(req.body) > kMaxJsonDepth) {
-    return respond(Error(400, absl::StrCat("body: nested deeper than ", kMaxJsonDepth,
-                                           " levels, which no request of this API is")));
-  }
-  Json body = req.body.empty() ? Json::object() : Json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) {
-    return respond(Error(400, "body: not a JSON object"));
-  }
+  // The DOM is held in the memory account until the handler has read it (handlers read their
+  // body before they return).
+  std::vector<Reservation> held;
+  const auto charge = [&](int64_t bytes) -> absl::Status {
+    if (config_.account == nullptr) return absl::OkStatus();
+    absl::StatusOr<Reservation> r = config_.account->Reserve(
+        bytes, absl::StrCat(route.label, ": the request's JSON body"), "; retry shortly");
+    if (!r.ok()) return r.status();
+    held.push_back(*std::move(r));
+    return absl::OkStatus();
+  };
+  absl::StatusOr<Json> parsed =
+      req.body.empty() ? absl::StatusOr<Json>(Json::object()) : ParseJsonBody(req.body, charge);
+  if (!parsed.ok()) return respond(Error(parsed.status()));
+  const Json& body = *parsed;
   if (route.kind == Kind::kFinishSession) {
     return FinishSession(*tenant, endpoint, body, std::move(respond));
   }

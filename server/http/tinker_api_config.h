@@ -2,10 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "runner/util/memory_account.h"
 #include "server/http/edge_quota.h"
 
 namespace tinkerd::http {
@@ -37,6 +39,10 @@ struct TinkerApiConfig {
   // tokenizer: its directory, when it has one (set by the server from the runner); empty: none.
   std::string tokenizer_id;
   int64_t max_body_bytes = 256 << 20;
+  // The process's memory account (runner/util/memory_account.h), where a JSON body's DOM is held
+  // while its request is read; null where it does not account host memory (a GPU's account, or
+  // ranks that must admit alike): the DOM is then bounded by its text alone (json_body.h).
+  std::shared_ptr<MemoryAccount> account;
   EdgeQuotaConfig quota;  // per API key and server-wide: bodies in flight, connections
   FuturesConfig futures;
   // A result of at least this many bytes is first answered {"status": "complete_metadata",

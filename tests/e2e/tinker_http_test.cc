@@ -316,6 +316,18 @@ TEST_F(TinkerHttp, BadRequestsGetAStatusAndABodyNamingTheReasonAndChangeNothing)
                 std::string(13, ']') + "}]}}",
             "application/json"),
        400, "body: nested deeper than 16 levels"},
+      // Issue 36, item 2: a shape denser than any request is refused at its start, before its
+      // DOM (here ~300 MB) is built.
+      {"8 MiB of nested arrays",
+       Send("POST", "/api/v1/asample",
+            [] {
+              std::string s = R"({"prompt": {"chunks": [{"tokens": [)";
+              while (s.size() < (size_t{8} << 20)) s += "[1],";
+              s.back() = ']';
+              return s + "}]}}";
+            }(),
+            "application/json"),
+       400, "body: its JSON would take more than 24 bytes of memory per byte of text"},
       {"too many samples",
        Post("asample", {{"num_samples", 1 << 30},
                         {"prompt", {{"chunks", Json::array()}}},
@@ -1187,6 +1199,34 @@ TEST_F(TinkerHttp, AKeyReusedByADifferentRequestIsRefusedNamingItsField) {
 
 // `tinker auth login` checks a key with GET auth/apikey/me: each key answers with its own number
 // and tenant; an unknown key is 401; DELETE (logout's revocation) is 501 naming where keys live.
+// A JSON body's DOM is held in the server's one memory account while its request is read: where
+// the account has no room (other tenants' models, say) the request is 429 naming its body, and
+// nothing of it runs; with room again, the same request is served.
+TEST_F(TinkerHttp, AJsonBodyIsHeldInTheMemoryAccountWhileItIsRead) {
+  if (TestDevice() != "cpu") GTEST_SKIP() << "JSON bodies take the CPU's account only";
+  std::shared_ptr<MemoryAccount> account = live_->server->runner()->memory_account();
+  const Json body = {{"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
+                     {"sampling_params", {{"max_tokens", 1}}}};
+  const int64_t used = account->reserved();
+  // All but 8 KiB of the account taken, as other tenants' models would; a body's first charge
+  // is 16 KiB.
+  absl::StatusOr<Reservation> others =
+      account->Reserve(account->capacity() - account->reserved() - (8 << 10), "others", "");
+  ASSERT_TRUE(others.ok()) << others.status();
+  Reply refused = Post("asample", body);
+  EXPECT_EQ(refused.status, 429) << refused.body;
+  EXPECT_NE(refused.body.find("asample: the request's JSON body needs 16.0 KiB of memory"),
+            std::string::npos)
+      << refused.body;
+  EXPECT_EQ(account->reserved(), used + others->bytes()) << "the refused body's charge was kept";
+  *others = Reservation();
+  Reply served = Post("asample", body);
+  ASSERT_EQ(served.status, 200) << served.body;
+  EXPECT_FALSE(served.json().value("request_id", "").empty()) << served.body;
+  EXPECT_EQ(Await(served.json().value("request_id", "")).status, 200);
+  EXPECT_EQ(account->reserved(), used) << "a served body's charge outlived its request";
+}
+
 TEST_F(TinkerHttp, AKeyDescribesItselfAndIsNotDeletedOverHttp) {
   for (const auto& [key, number, tenant] :
        {std::tuple<std::string, int, std::string>{kAlice, 1, "alice"}, {kBob, 2, "bob"}}) {

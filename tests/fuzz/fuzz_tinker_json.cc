@@ -1,7 +1,7 @@
 // Fuzzes the Tinker HTTP API's asample body as its handler reads it (and the same bytes as a
-// listing's query string, PageFromQuery): arbitrary bytes parsed as JSON
-// (without exceptions, as the server parses), the request's own fields read (Fields), then its
-// prompt and sampling_params decoded (PromptFromTinker, SamplingParamsFromTinker). Properties,
+// listing's query string, PageFromQuery): arbitrary bytes parsed as JSON as the server parses
+// them (ParseJsonBody, checked against json::parse), the request's own fields read (Fields), then
+// its prompt and sampling_params decoded (PromptFromTinker, SamplingParamsFromTinker). Properties,
 // besides no crash, no exception (one, from an unchecked field type, once ended the server) and no
 // sanitizer report:
 //   - every refusal is INVALID_ARGUMENT whose message begins with the field it names;
@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
+#include "server/http/json_body.h"
 #include "server/http/json_fields.h"
 #include "server/http/tinker_convert.h"
 #include "tests/fuzz/fuzz_check.h"
@@ -52,8 +53,35 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
                "a page refusal that does not name its parameter");
   }
 
-  const Json body = Json::parse(bytes, bytes + size, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object()) return 0;
+  // The server's streaming parse (json_body.h) against nlohmann's own: what it accepts is the
+  // same DOM, charged at least a JSON value per value; what it refuses names the body, and only
+  // for depth or density does it refuse an object that parses.
+  const absl::string_view text(reinterpret_cast<const char*>(bytes), size);
+  int64_t charged = 0;
+  const absl::StatusOr<Json> streamed = tinkerd::http::ParseJsonBody(text, [&](int64_t n) {
+    FUZZ_CHECK(n > 0, "a charge of nothing");
+    charged += n;
+    return absl::OkStatus();
+  });
+  const Json reference = Json::parse(bytes, bytes + size, nullptr, /*allow_exceptions=*/false);
+  const bool object = !reference.is_discarded() && reference.is_object();
+  if (streamed.ok()) {
+    FUZZ_CHECK(object && *streamed == reference, "the streamed DOM differs from json::parse's");
+    FUZZ_CHECK(charged >= static_cast<int64_t>(sizeof(Json)), "a DOM built without a charge");
+    // The DOM's bound, charged ahead by at most half again (and a first step of 16 KiB).
+    const int64_t bound = tinkerd::http::kJsonBytesPerTextByte * static_cast<int64_t>(size) +
+                          tinkerd::http::kJsonFixedBytes;
+    FUZZ_CHECK(charged <= bound * 3 / 2 + (16 << 10), "a DOM charged past its text's bound");
+  } else {
+    FUZZ_CHECK(streamed.status().code() == absl::StatusCode::kInvalidArgument &&
+                   absl::StartsWith(streamed.status().message(), "body: "),
+               "a body refusal that does not name the body");
+    FUZZ_CHECK(!object || absl::StartsWith(streamed.status().message(), "body: nested deeper") ||
+                   absl::StartsWith(streamed.status().message(), "body: its JSON would take"),
+               "an object refused for no stated reason");
+  }
+  if (!streamed.ok()) return 0;
+  const Json& body = *streamed;
   tinkerd::http::Fields f(body);
   f.OptStr("sampling_session_id");
   f.OptInt("seq_id");

@@ -675,16 +675,5 @@ TEST(TinkerConvert, TopkSampledLogprobs) {
   EXPECT_FALSE(plain.sequences(0).has_topk_sampled_logprobs());
 }
 
-// How deeply a body nests, measured before it is parsed: brackets in strings (escaped quotes
-// included) do not count.
-TEST(JsonNesting, CountsBracketsOutsideStrings) {
-  EXPECT_EQ(JsonNesting("5"), 0);
-  EXPECT_EQ(JsonNesting("{}"), 1);
-  EXPECT_EQ(JsonNesting(R"({"prompt": {"chunks": [{"tokens": [1, 2]}]}})"), 5);
-  EXPECT_EQ(JsonNesting(R"({"a": "[[[{{{", "b": [1]})"), 2);
-  EXPECT_EQ(JsonNesting(R"({"a": "\"[[[\\", "b": [[1]]})"), 3);
-  EXPECT_EQ(JsonNesting(std::string(100000, '[')), 100000);
-}
-
 }  // namespace
 }  // namespace tinkerd::http
