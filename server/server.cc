@@ -90,6 +90,16 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   // outside the account: every rank must admit the same models.
   if (s->replicated_->world_size() == 1) {
     sampling_config.engine.account = s->runner_->memory_account();
+    // Samples hold at most half the account, however many a tenant sends: the other half stays
+    // for models and training calls, so a flood of samples delays training, never starves it.
+    const int64_t half = sampling_config.engine.account->capacity() / 2;
+    if (sampling_config.engine.kv_cache_bytes > half) {
+      TLOG_INFO(
+          "samples' KV caches: at most {} MiB, half the memory budget (below "
+          "--sample_kv_cache_mb={})",
+          half >> 20, sampling_config.engine.kv_cache_bytes >> 20);
+      sampling_config.engine.kv_cache_bytes = half;
+    }
   }
   s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), s->runner_.get(), s->scheduler_.get(),
                                             sampling_config);
@@ -191,6 +201,7 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     hc.threads = config.tinker_http.threads;
     hc.max_body_bytes = config.tinker_http.max_body_bytes;
     hc.quota = config.tinker_http.quota;
+    hc.account = api.account;                 // bodies in flight, beside their DOMs
     hc.tls_cert_file = config.tls_cert_file;  // the same certificate and clients as gRPC
     hc.tls_key_file = config.tls_key_file;
     hc.tls_client_ca_file = config.tls_client_ca_file;

@@ -16,6 +16,7 @@
 #include "runner/dist/dist_config.h"
 #include "runner/util/cpu_environment.h"
 #include "runner/util/log.h"
+#include "runner/util/memory_limit.h"
 #include "server/core/replicated_runner.h"
 #include "server/server.h"
 
@@ -148,6 +149,7 @@ std::vector<pid_t> SpawnLocalRanks(int nproc, char** argv) {
 
 int main(int argc, char** argv) {
   tinkerd::PrepareCpuEnvironment(argv);  // first: it may re-execute the program
+  const int arenas = tinkerd::CapMallocArenasUnderAddressSpaceLimit();
   absl::SetProgramUsageMessage("tinkerd: a Tinker-style training server over gRPC");
   absl::ParseCommandLine(argc, argv);
   std::vector<pid_t> children;
@@ -161,6 +163,9 @@ int main(int argc, char** argv) {
   }
   dist->timeout = std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s));
   tinkerd::InitLogging(dist->rank);
+  if (arenas > 0) {
+    TLOG_INFO("RLIMIT_AS is set: malloc arenas capped at {} (MALLOC_ARENA_MAX overrides)", arenas);
+  }
   // Signals are taken synchronously by sigwait below; block them before any thread starts so
   // that no gRPC or LibTorch thread receives them.
   sigset_t signals;

@@ -1,8 +1,10 @@
 #include "runner/util/memory_limit.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -92,6 +94,13 @@ int64_t UsedBytes(const MemoryLimit& limit) {
   if (!(in >> size >> resident)) return 0;
   return (limit.source == "RLIMIT_AS" ? size : resident) *
          static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+int CapMallocArenasUnderAddressSpaceLimit(int arenas) {
+  rlimit as{};
+  if (::getrlimit(RLIMIT_AS, &as) != 0 || as.rlim_cur == RLIM_INFINITY) return 0;
+  if (std::getenv("MALLOC_ARENA_MAX") != nullptr) return 0;
+  return ::mallopt(M_ARENA_MAX, arenas) == 1 ? arenas : 0;
 }
 
 }  // namespace tinkerd

@@ -29,4 +29,13 @@ MemoryLimit ProcessMemoryLimit(const MemorySources& sources = {});
 // memory; 0 where it cannot be read.
 int64_t UsedBytes(const MemoryLimit& limit);
 
+// Under RLIMIT_AS every mapping counts, used or only reserved, and glibc's malloc reserves 64 MiB
+// of address space for each arena it adds as threads contend (up to 8 per core): under a cap of
+// its idle size + 1 GiB, tinkerd's arenas took ~600 MiB of it after the memory budget was sized,
+// and a request's allocation then failed outside any account. So where RLIMIT_AS is finite and the
+// operator left MALLOC_ARENA_MAX unset, this caps the arenas at `arenas` (a few threads then share
+// one, at some cost in lock contention). Call first in main, before threads start. Returns the cap
+// set, or 0 when it set none.
+int CapMallocArenasUnderAddressSpaceLimit(int arenas = 2);
+
 }  // namespace tinkerd

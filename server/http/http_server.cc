@@ -14,11 +14,13 @@
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
 #include <cerrno>
+#include <new>
 #include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "runner/util/log.h"
+#include "server/common/status_map.h"
 #include "server/http/tar_body.h"
 
 namespace tinkerd::http {
@@ -175,6 +177,15 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     if (bytes == 0) return absl::OkStatus();
     if (absl::Status st = quota.TakeBody(key_, bytes); !st.ok()) return st;
     body_held_ = bytes;
+    if (server_->config.account != nullptr) {
+      absl::StatusOr<Reservation> memory = server_->config.account->Reserve(
+          bytes, "body: the request's bytes in flight", "; retry shortly");
+      if (!memory.ok()) {
+        ReturnBody();
+        return memory.status();
+      }
+      body_memory_ = *std::move(memory);
+    }
     return absl::OkStatus();
   }
 
@@ -182,6 +193,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   void ReturnBody() {
     if (body_held_ > 0) server_->quota->ReturnBody(key_, body_held_);
     body_held_ = 0;
+    body_memory_ = Reservation();
   }
 
   Response TooLarge() const {
@@ -251,6 +263,14 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     // tenant's connections with it.
     try {
       server_->handler(std::move(req), respond);
+    } catch (const std::bad_alloc&) {
+      // Memory ran out outside every account (the request's own decoding, say): this request
+      // fails, retryably, and the server serves on.
+      TLOG_WARN("http: memory ran out while handling a request");
+      respond({HttpStatus(absl::StatusCode::kResourceExhausted),
+               "application/json",
+               ErrorBody("the server ran out of memory while handling this request; retry shortly"),
+               {{"Retry-After", "1"}}});
     } catch (const std::exception& e) {
       TLOG_ERROR("http: a handler threw: {}", e.what());
       respond(
@@ -410,6 +430,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   bool keyed_ = false;         // counted in the quota for key_
   std::string key_;            // X-API-Key of the latest request
   int64_t body_held_ = 0;      // of the quota, for the request being read or handled
+  Reservation body_memory_;    // the same bytes in the memory account, when there is one
   bool watching_ = false;      // WatchForHangUp's wait is pending
   bool head_ = false;          // the request being answered is a HEAD
   bool discard_body_ = false;  // answered before its body was read: drop the body, then close
@@ -490,7 +511,21 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerConfig c
   impl->work.emplace(impl->io.get_executor());
   impl->Accept();
   for (int i = 0; i < impl->config.threads; ++i) {
-    impl->threads.emplace_back([io = &impl->io] { io->run(); });
+    impl->threads.emplace_back([io = &impl->io] {
+      // An exception out of a completion handler (an allocation failing while a body is read,
+      // say) unwinds out of run(): the connection it belonged to is dropped with its handler, and
+      // the thread serves on. Left alone, it would end the process and every tenant's work.
+      for (;;) {
+        try {
+          io->run();
+          return;
+        } catch (const std::exception& e) {
+          TLOG_ERROR("http: a connection failed and was dropped: {}", e.what());
+        } catch (...) {
+          TLOG_ERROR("http: a connection failed and was dropped");
+        }
+      }
+    });
   }
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }

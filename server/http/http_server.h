@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "runner/util/memory_account.h"
 #include "server/http/edge_quota.h"
 
 namespace tinkerd::http {
@@ -69,6 +70,9 @@ struct HttpServerConfig {
   int max_connections = 8192;
   // Body bytes in flight and connections, per API key and for the whole server (edge_quota.h).
   EdgeQuotaConfig quota;
+  // Where a body's bytes are also held while in flight (runner/util/memory_account.h): past its
+  // room the request is 429 before its body is read. Null: the quota alone bounds them.
+  std::shared_ptr<MemoryAccount> account;
   // How long a connection may sit between requests, or take to send one.
   absl::Duration idle_timeout = absl::Seconds(120);
   // PEM files: TLS when the certificate and key are set; clients must present a certificate

@@ -97,11 +97,13 @@ class Builder {
         absl::StrCat("body: not a JSON object (malformed at byte ", at, ")")));
   }
 
-  absl::StatusOr<Json> Finish(bool parsed) && {
+  ~Builder() { FreeJson(root_); }
+
+  absl::StatusOr<JsonDom> Finish(bool parsed) && {
     if (!status_.ok()) return std::move(status_);
     if (!parsed) return absl::InvalidArgumentError("body: not a JSON object");
     if (!root_.is_object()) return absl::InvalidArgumentError("body: not a JSON object");
-    return std::move(root_);
+    return JsonDom(new Json(std::move(root_)));
   }
 
  private:
@@ -177,7 +179,21 @@ class Builder {
 
 }  // namespace
 
-absl::StatusOr<Json> ParseJsonBody(absl::string_view text, const JsonCharge& charge) {
+void FreeJson(Json& dom) {
+  // Depth is at most kMaxJsonDepth here, so the recursion is too.
+  if (dom.is_array()) {
+    Json::array_t& elements = dom.get_ref<Json::array_t&>();
+    for (Json& e : elements) FreeJson(e);
+    elements.clear();
+  } else if (dom.is_object()) {
+    Json::object_t& members = dom.get_ref<Json::object_t&>();
+    for (auto& [key, value] : members) FreeJson(value);
+    members.clear();
+  }
+  dom = nullptr;
+}
+
+absl::StatusOr<JsonDom> ParseJsonBody(absl::string_view text, const JsonCharge& charge) {
   int64_t read = 0;
   Builder builder(&read, charge);
   bool parsed = false;

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include <nlohmann/json.hpp>
 
@@ -32,10 +33,23 @@ inline constexpr int64_t kJsonFixedBytes = int64_t{64} << 10;
 // refusal ends the parse with its status, and the DOM built so far is freed.
 using JsonCharge = std::function<absl::Status(int64_t bytes)>;
 
+// Frees a DOM leaves first. nlohmann's own teardown first moves every element of an array into a
+// vector of its own, an allocation as large as the array (120 MB for a prompt of 7.5M tokens)
+// made in a destructor: where memory has run out, that allocation throws and ends the process.
+// Emptying each container before its parent takes none.
+void FreeJson(nlohmann::json& dom);
+struct JsonDeleter {
+  void operator()(nlohmann::json* dom) const {
+    FreeJson(*dom);
+    delete dom;
+  }
+};
+using JsonDom = std::unique_ptr<nlohmann::json, JsonDeleter>;
+
 // `text` as a JSON object. INVALID_ARGUMENT whose message starts with "body" when it is not JSON,
 // not an object, nests deeper than kMaxJsonDepth or would take more than its text allows;
 // otherwise what `charge` refused with. Exactly the DOM nlohmann::json::parse builds, duplicate
 // keys included (the last one wins).
-absl::StatusOr<nlohmann::json> ParseJsonBody(absl::string_view text, const JsonCharge& charge);
+absl::StatusOr<JsonDom> ParseJsonBody(absl::string_view text, const JsonCharge& charge);
 
 }  // namespace tinkerd::http

@@ -180,10 +180,11 @@ void TinkerApi::Handle(Request req, Respond respond) {
     held.push_back(*std::move(r));
     return absl::OkStatus();
   };
-  absl::StatusOr<Json> parsed =
-      req.body.empty() ? absl::StatusOr<Json>(Json::object()) : ParseJsonBody(req.body, charge);
+  absl::StatusOr<JsonDom> parsed = req.body.empty()
+                                       ? absl::StatusOr<JsonDom>(JsonDom(new Json(Json::object())))
+                                       : ParseJsonBody(req.body, charge);
   if (!parsed.ok()) return respond(Error(parsed.status()));
-  const Json& body = *parsed;
+  const Json& body = **parsed;
   if (route.kind == Kind::kFinishSession) {
     return FinishSession(*tenant, endpoint, body, std::move(respond));
   }

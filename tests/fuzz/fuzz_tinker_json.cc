@@ -58,15 +58,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   // for depth or density does it refuse an object that parses.
   const absl::string_view text(reinterpret_cast<const char*>(bytes), size);
   int64_t charged = 0;
-  const absl::StatusOr<Json> streamed = tinkerd::http::ParseJsonBody(text, [&](int64_t n) {
-    FUZZ_CHECK(n > 0, "a charge of nothing");
-    charged += n;
-    return absl::OkStatus();
-  });
+  const absl::StatusOr<tinkerd::http::JsonDom> streamed =
+      tinkerd::http::ParseJsonBody(text, [&](int64_t n) {
+        FUZZ_CHECK(n > 0, "a charge of nothing");
+        charged += n;
+        return absl::OkStatus();
+      });
   const Json reference = Json::parse(bytes, bytes + size, nullptr, /*allow_exceptions=*/false);
   const bool object = !reference.is_discarded() && reference.is_object();
   if (streamed.ok()) {
-    FUZZ_CHECK(object && *streamed == reference, "the streamed DOM differs from json::parse's");
+    FUZZ_CHECK(object && **streamed == reference, "the streamed DOM differs from json::parse's");
     FUZZ_CHECK(charged >= static_cast<int64_t>(sizeof(Json)), "a DOM built without a charge");
     // The DOM's bound, charged ahead by at most half again (and a first step of 16 KiB).
     const int64_t bound = tinkerd::http::kJsonBytesPerTextByte * static_cast<int64_t>(size) +
@@ -81,7 +82,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
                "an object refused for no stated reason");
   }
   if (!streamed.ok()) return 0;
-  const Json& body = *streamed;
+  const Json& body = **streamed;
   tinkerd::http::Fields f(body);
   f.OptStr("sampling_session_id");
   f.OptInt("seq_id");

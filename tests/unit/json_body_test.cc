@@ -5,8 +5,11 @@
 #include "server/http/json_body.h"
 
 #include <malloc.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -22,7 +25,7 @@ using Json = nlohmann::json;
 
 // Parses with a charge that accepts everything and counts what it was offered.
 struct Counted {
-  absl::StatusOr<Json> json;
+  absl::StatusOr<JsonDom> json;
   int64_t charged = 0;
   int calls = 0;
 };
@@ -79,8 +82,8 @@ TEST(JsonBody, BuildsTheDomJsonParseBuilds) {
   for (const std::string& text : bodies) {
     Counted c = Parse(text);
     ASSERT_TRUE(c.json.ok()) << text << ": " << c.json.status();
-    EXPECT_EQ(*c.json, Json::parse(text)) << text;
-    EXPECT_EQ(c.json->dump(), Json::parse(text).dump()) << text;
+    EXPECT_EQ(**c.json, Json::parse(text)) << text;
+    EXPECT_EQ((*c.json)->dump(), Json::parse(text).dump()) << text;
   }
 }
 
@@ -192,7 +195,7 @@ TEST(JsonBody, TheDensestRequestFitsAndIsChargedInFewSteps) {
   const std::string text = Asample(Tokens(1000000, "1"));
   const Counted c = Parse(text);
   ASSERT_TRUE(c.json.ok()) << c.json.status();
-  EXPECT_EQ(c.json->at("prompt").at("chunks").at(0).at("tokens").size(), 1000000u);
+  EXPECT_EQ((*c.json)->at("prompt").at("chunks").at(0).at("tokens").size(), 1000000u);
   EXPECT_GE(c.charged, 1000000 * static_cast<int64_t>(sizeof(Json)));
   EXPECT_LE(c.calls, 32);
 }
@@ -202,7 +205,7 @@ TEST(JsonBody, ARefusedChargeEndsTheParseWithItsStatus) {
   const std::string text = Asample(Tokens(200000, "151643"));
   int64_t granted = 0;
   int refusals = 0, asked_after_refusal = 0;
-  const absl::StatusOr<Json> r = ParseJsonBody(text, [&](int64_t bytes) {
+  const absl::StatusOr<JsonDom> r = ParseJsonBody(text, [&](int64_t bytes) {
     if (refusals > 0) ++asked_after_refusal;
     if (granted + bytes > (int64_t{1} << 20)) {
       ++refusals;
@@ -218,6 +221,34 @@ TEST(JsonBody, ARefusedChargeEndsTheParseWithItsStatus) {
   EXPECT_EQ(asked_after_refusal, 0);
   EXPECT_GT(granted, 0);
   EXPECT_LE(granted, int64_t{1} << 20);
+}
+
+// Freeing a DOM takes no memory: where none is left (here an address-space limit at what the
+// process holds), FreeJson frees a 2M-element array, where nlohmann's own teardown first asks for
+// a copy of the array's elements, and that failing in a destructor ends the process.
+void FreeUnderALimit(bool ours) {
+  Json dom = Json::object();
+  Json& tokens = dom["tokens"] = Json::array();
+  for (int i = 0; i < 2000000; ++i) tokens.push_back(i);
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0;
+  statm >> pages;
+  const rlim_t now = static_cast<rlim_t>(pages * sysconf(_SC_PAGESIZE)) + (1 << 20);
+  const rlimit as{now, now};
+  if (setrlimit(RLIMIT_AS, &as) != 0) _exit(2);
+  if (ours) FreeJson(dom);
+  dom = nullptr;  // nlohmann's teardown, of whatever is left
+  _exit(0);
+}
+
+TEST(JsonBodyDeathTest, FreeingADomTakesNoMemory) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "a sanitizer's allocator maps memory of its own, which the limit refuses";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(FreeUnderALimit(/*ours=*/true), ::testing::ExitedWithCode(0), "");
+  // The broken control: nlohmann's teardown of the same DOM.
+  EXPECT_DEATH(FreeUnderALimit(/*ours=*/false), "");
 }
 
 }  // namespace
