@@ -29,6 +29,7 @@
 #include "runner/model/weights.h"
 #include "runner/sample/policy.h"
 #include "runner/train_step.h"
+#include "runner/util/blas_buffers.h"
 #include "runner/util/cpu_environment.h"
 #include "runner/util/echo.h"
 #include "runner/util/exception_status.h"
@@ -263,6 +264,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     impl->memory_limit = ProcessMemoryLimit();
 
     if (config.num_threads > 0) at::set_num_threads(config.num_threads);
+    // util/blas_buffers.h: OpenBLAS's buffers mapped now, while memory is plentiful, and before
+    // the budget is sized from what the process holds.
+    const int blas_calls = PreallocateBlasBuffers();
     TensorMap tensors;
     if (config.base_model_path == kEmbeddedDefaultModel) {
       TinyModelSpec spec{DefaultDemoConfig()};
@@ -327,11 +331,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     TLOG_INFO(
         "runner: {} | {} | memory limit {} ({}), budget for models, calls and samples {} | "
         "intra-op threads {}, "
-        "OMP_WAIT_POLICY={}, GOMP_SPINCOUNT={}, OpenBLAS kernels {}",
+        "OMP_WAIT_POLICY={}, GOMP_SPINCOUNT={}, BLAS buffers mapped by {} calls, OpenBLAS kernels "
+        "{}",
         config.DebugString(), impl->model_config.DebugString(), Bytes(impl->memory_limit.bytes),
         impl->memory_limit.source, Bytes(impl->account->capacity()), at::get_num_threads(),
         wait_policy != nullptr ? wait_policy : "(unset)",
-        spin_count != nullptr ? spin_count : "(unset)",
+        spin_count != nullptr ? spin_count : "(unset)", blas_calls,
         blas_core.empty() ? "(not OpenBLAS)" : blas_core);
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
   });

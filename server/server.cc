@@ -81,8 +81,17 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   scheduler_config.tenant_limits = config.api_keys.limits();
   s->scheduler_ = std::make_unique<Scheduler>(scheduler_config);
   s->metrics_ = std::make_unique<Metrics>();
+  // The account where what a front end holds in host memory is reserved: queued training calls'
+  // requests, HTTP bodies and their DOMs. The runner's on the CPU in a single process; none on a
+  // GPU (the account is the device's) or under data parallelism (rank 0 alone holds these, and
+  // every rank must admit the same models).
+  const absl::StatusOr<DeviceSpec> device = ParseDevice(s->runner_->config().device);
+  const std::shared_ptr<MemoryAccount> host_account =
+      s->replicated_->world_size() == 1 && device.ok() && !device->cuda
+          ? s->runner_->memory_account()
+          : nullptr;
   s->ops_ = std::make_unique<Ops>(s->replicated_.get(), s->scheduler_.get(), s->runner_->limits(),
-                                  config.checkpoint_root, s->metrics_.get());
+                                  config.checkpoint_root, s->metrics_.get(), host_account);
   SamplingConfig sampling_config = config.sampling;
   sampling_config.tenant_limits = config.api_keys.limits();
   // Samples' KV caches and training share one account: neither can take what the other holds.
@@ -177,12 +186,7 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
     if (host == "localhost") host = "127.0.0.1";
     http::TinkerApiConfig api = config.tinker_http;
-    // JSON bodies are host memory: they take the CPU's account, where every rank is not held to
-    // admit alike (a single process).
-    const absl::StatusOr<DeviceSpec> device = ParseDevice(s->runner_->config().device);
-    if (s->replicated_->world_size() == 1 && device.ok() && !device->cuda) {
-      api.account = s->runner_->memory_account();
-    }
+    api.account = host_account;
     // The client's get_tokenizer() loads what the server matches stop strings with.
     const std::string& base = s->runner_->config().base_model_path;
     if (s->runner_->limits().tokenizer && api.tokenizer_id.empty()) {

@@ -35,6 +35,20 @@ uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h) {
 
 namespace {
 
+// What decoded datums hold: their tokens and loss inputs (the vectors' own headers left out).
+int64_t DatumBytes(const std::vector<Datum>& data) {
+  int64_t bytes = 0;
+  for (const Datum& d : data) {
+    bytes += static_cast<int64_t>(d.tokens.capacity() * sizeof(int64_t));
+    for (const auto& [name, t] : d.loss_fn_inputs) {
+      bytes += static_cast<int64_t>(name.capacity() + t.shape.capacity() * sizeof(int64_t) +
+                                    t.int64_data.capacity() * sizeof(int64_t) +
+                                    t.float32_data.capacity() * sizeof(float));
+    }
+  }
+  return bytes;
+}
+
 // Errors of checkpoint storage name files under the server's root, and clients know checkpoints
 // by their tinker:// paths only: <tenant_root>/<model>/<kind>/<name>... becomes
 // tinker://<model>/<kind>/<name>..., and any other mention of the root is masked.
@@ -58,12 +72,13 @@ absl::StatusOr<CheckpointPath> TrainingCheckpoint(const std::string& uri) {
 }  // namespace
 
 Ops::Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-         std::string checkpoint_root, Metrics* metrics)
+         std::string checkpoint_root, Metrics* metrics, std::shared_ptr<MemoryAccount> account)
     : runner_(runner),
       scheduler_(scheduler),
       limits_(limits),
       checkpoint_root_(std::move(checkpoint_root)),
-      metrics_(metrics) {}
+      metrics_(metrics),
+      account_(std::move(account)) {}
 
 absl::Status Ops::CheckOwner(const std::string& model_id, const std::string& tenant) const {
   const std::optional<std::string> owner = scheduler_->Owner(model_id);
@@ -336,8 +351,18 @@ void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest*
   struct Pending {
     v1::ForwardBackwardRequest request;
     absl::StatusOr<Batch> batch;
+    Reservation memory;  // both of the above, from the queue until the call has run
   };
   auto pending = std::make_shared<Pending>();
+  if (account_ != nullptr && batch.ok()) {
+    // Refused before the scheduler sees it, as a full queue is: its seq_id stays free to resend.
+    const int64_t bytes = static_cast<int64_t>(req->SpaceUsedLong()) + DatumBytes(batch->data());
+    absl::StatusOr<Reservation> memory =
+        account_->Reserve(bytes, absl::StrCat(job.kind, ": the request while it is queued"),
+                          "; retry when earlier calls have run");
+    if (!memory.ok()) return done(memory.status());
+    pending->memory = *std::move(memory);
+  }
   pending->request.Swap(req);
   pending->batch = std::move(batch);
   ReplicatedRunner* runner = runner_;
@@ -346,6 +371,7 @@ void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest*
     if (!pending->batch.ok()) return {true, pending->batch.status()};
     auto r =
         runner->ForwardBackward(std::move(pending->request), *std::move(pending->batch), backward);
+    pending->memory = Reservation();
     if (!r.ok()) return {true, r.status()};
     if (backward) {
       metrics->AddTokens(tenant, static_cast<int64_t>(r->metrics.at("num_tokens:sum")));

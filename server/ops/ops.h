@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "runner/util/hash.h"
+#include "runner/util/memory_account.h"
 #include "runner/validate.h"
 #include "server/common/metrics.h"
 #include "server/core/checkpoint_paths.h"
@@ -50,8 +51,12 @@ struct CheckpointFile {
 
 class Ops {
  public:
+  // `account`: where a queued training call's request and decoded batch are held until it has
+  // run (runner/util/memory_account.h); null where queued requests are not accounted (ranks that
+  // must admit alike).
   Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-      std::string checkpoint_root, Metrics* metrics);
+      std::string checkpoint_root, Metrics* metrics,
+      std::shared_ptr<MemoryAccount> account = nullptr);
 
   // Registry changes, on the scheduler thread between jobs.
   void CreateModel(const std::string& tenant, v1::CreateModelRequest req, Done<v1::ModelInfo> done);
@@ -154,6 +159,7 @@ class Ops {
   ModelLimits limits_;
   std::string checkpoint_root_;
   Metrics* metrics_;
+  std::shared_ptr<MemoryAccount> account_;
 };
 
 // FNV-1a over the deterministic serialization: the idempotency check of (model_id, seq_id).

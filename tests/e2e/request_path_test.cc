@@ -576,6 +576,34 @@ TEST(RequestPath, ModelsAreAdmittedWithinSizeLimitAndMemoryBudget) {
   EXPECT_TRUE(st.ok()) << st.error_message();
 }
 
+// A training call holds its request and decoded batch in the memory account from its queueing to
+// its end: where there is no room it is RESOURCE_EXHAUSTED before the scheduler sees it (its
+// seq_id stays free, and resending it once there is room runs it), and its share returns after.
+TEST(RequestPath, AQueuedCallHoldsItsRequestInTheMemoryAccount) {
+  if (TestDevice() != "cpu") GTEST_SKIP() << "queued requests take the CPU's account only";
+  LiveServer live;
+  const std::string model = live.CreateModel();
+  std::shared_ptr<MemoryAccount> account = live.server->runner()->memory_account();
+  SplitMix64 g(36);
+  const auto data = RandomData(g, {120, 90, 100}, "cross_entropy", 128);
+  const int64_t used = account->reserved();
+  absl::StatusOr<Reservation> others =
+      account->Reserve(account->capacity() - used - 1024, "others", "");
+  ASSERT_TRUE(others.ok()) << others.status();
+  v1::ForwardBackwardOutput out;
+  grpc::Status st = live.FwdBwd(MakeRequest(model, 1, data), &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_NE(st.error_message().find("ForwardBackward: the request while it is queued needs"),
+            std::string::npos)
+      << st.error_message();
+  EXPECT_EQ(account->reserved(), used + others->bytes());
+  *others = Reservation();
+  st = live.FwdBwd(MakeRequest(model, 1, data), &out);  // the same seq_id: it was never queued
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(out.outputs_size(), 3);
+  EXPECT_EQ(account->reserved(), used) << "the call's share outlived it";
+}
+
 // The registry: models are created and deleted on the scheduler thread, between jobs. A model
 // deleted while its stream waits for datums takes the stream with it (NOT_FOUND), and under
 // concurrent creations, deletions and training the registry and the runner hold the same models.
