@@ -343,6 +343,23 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
       break;
   }
   at::NoGradGuard no_grad;
+  // The step's transient, reserved before anything changes: a copy of the gradients (or of this
+  // rank's shard of them) and, one tensor at a time, its float64 square for the norm. Only in a
+  // world of one: a rank refusing alone would leave the others waiting in the collectives below.
+  Reservation memory;
+  if (ctx.account != nullptr && ctx.collectives->world_size() == 1) {
+    int64_t copy = 0, largest = 0;
+    for (const auto& [name, g] : t.grad_sum) {
+      copy += g.numel() * static_cast<int64_t>(g.element_size());
+      largest = std::max<int64_t>(largest, g.numel());
+    }
+    if (t.shard) copy = t.shard->grad_sum_C.numel() * t.shard->grad_sum_C.element_size();
+    ASSIGN_OR_RETURN(memory,
+                     ctx.account->Reserve(copy + 2 * largest * int64_t{sizeof(double)},
+                                          "optim_step: its copy of the gradients",
+                                          ". Nothing changed: send optim_step again (under a new "
+                                          "seq_id) once memory is free (a sample or a call ends)"));
+  }
   // The whole gradients, or under --shard=optimizer this rank's slices of them (views of one
   // copy of its shard, cut at the tensors' boundaries).
   std::vector<at::Tensor> grads;

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -208,6 +210,18 @@ inline double MaxAbsDiff(const std::vector<double>& a, const std::vector<double>
 inline std::vector<double> Scaled(std::vector<double> v, double s) {
   for (double& x : v) x *= s;
   return v;
+}
+
+// Limits this process's address space (RLIMIT_AS) to what it maps now and `extra` bytes more:
+// an allocation past that fails, as under a container's limit. For a test's own process (a death
+// test's child): there is no raising it again. False when the limit cannot be set.
+inline bool LimitAddressSpace(int64_t extra) {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0;
+  if (!(statm >> pages)) return false;
+  const rlim_t bytes = static_cast<rlim_t>(pages * sysconf(_SC_PAGESIZE) + extra);
+  const rlimit as{bytes, bytes};
+  return setrlimit(RLIMIT_AS, &as) == 0;
 }
 
 inline std::vector<Datum> Slice(const std::vector<Datum>& d, size_t begin, size_t end) {

@@ -275,6 +275,41 @@ TEST(OptimStep, BadAdamParamsAreInvalidArgumentAndChangeNothing) {
   EXPECT_GT(f.runner->GetInfo(f.id)->accumulated_tokens, 0);
 }
 
+// optim_step reserves its transient (a copy of the gradients) before it changes anything: with no
+// room it is RESOURCE_EXHAUSTED and the model is as it was, and once there is room the same step
+// is taken over the same accumulated gradients.
+TEST(OptimStep, WithoutMemoryForItsTransientItChangesNothing) {
+  if (TestDevice() != "cpu") GTEST_SKIP() << "the account reserves steps on the CPU only";
+  Fixture f(LossReduction::kTokenMean);
+  Fixture reference(LossReduction::kTokenMean);
+  SplitMix64 g(5);
+  const auto data = RandomData(g, {7, 12}, "cross_entropy", 128);
+  ASSERT_TRUE(f.runner->ForwardBackward(f.id, data, "cross_entropy", {}).ok());
+  ASSERT_TRUE(reference.runner->ForwardBackward(reference.id, data, "cross_entropy", {}).ok());
+  const auto grads = Flat(Snap(*f.runner, f.id, StateKind::kGrads));
+  const auto params = Flat(Snap(*f.runner, f.id, StateKind::kParams));
+  std::shared_ptr<MemoryAccount> account = f.runner->memory_account();
+  absl::StatusOr<Reservation> others =
+      account->Reserve(account->capacity() - account->reserved() - 64, "others", "");
+  ASSERT_TRUE(others.ok()) << others.status();
+  auto refused = f.runner->OptimStep(f.id, AdamParams());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("optim_step: its copy of the gradients"),
+            absl::string_view::npos)
+      << refused.status();
+  EXPECT_EQ(Flat(Snap(*f.runner, f.id, StateKind::kGrads)), grads);
+  EXPECT_EQ(Flat(Snap(*f.runner, f.id, StateKind::kParams)), params);
+  EXPECT_EQ(f.runner->GetInfo(f.id)->step, 0);
+  *others = Reservation();
+  auto taken = f.runner->OptimStep(f.id, AdamParams());
+  auto want = reference.runner->OptimStep(reference.id, AdamParams());
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(taken->grad_norm, want->grad_norm);
+  EXPECT_EQ(Flat(Snap(*f.runner, f.id, StateKind::kParams)),
+            Flat(Snap(*reference.runner, reference.id, StateKind::kParams)));
+}
+
 TEST(OptimStep, NonFiniteNormSkipsClearsAndCounts) {
   // float32 compute: weights near FLT_MAX overflow the float32 gradient to inf.
   Fixture f(LossReduction::kSum, ComputeDType::kFloat32);

@@ -5,17 +5,15 @@
 #include "runner/util/blas_buffers.h"
 
 #include <signal.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
-#include <fstream>
-
 #include "kernels/parallel.h"
 #include "runner/util/cpu_environment.h"
+#include "tests/test_util.h"
 
 namespace tinkerd {
 namespace {
@@ -34,12 +32,7 @@ void MatmulsUnderALimit(bool preallocate) {
   }
   // LibTorch's team started before the limit (its threads' stacks are mappings too).
   kernels::ParallelFor(0, threads, 1, [](int64_t, int64_t) {});
-  std::ifstream statm("/proc/self/statm");
-  int64_t pages = 0;
-  statm >> pages;
-  const rlim_t now = static_cast<rlim_t>(pages * sysconf(_SC_PAGESIZE)) + (1 << 20);
-  const rlimit as{now, now};
-  if (setrlimit(RLIMIT_AS, &as) != 0) _exit(2);
+  if (!testing::LimitAddressSpace(1 << 20)) _exit(2);
   alarm(5);
   for (size_t d = 0; d < a.size(); ++d) {
     at::mm_out(outs[d * (threads + 1)], a[d], a[d]);

@@ -5,11 +5,9 @@
 #include "server/http/json_body.h"
 
 #include <malloc.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdint>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -17,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "tests/test_util.h"
 
 namespace tinkerd::http {
 namespace {
@@ -230,12 +229,7 @@ void FreeUnderALimit(bool ours) {
   Json dom = Json::object();
   Json& tokens = dom["tokens"] = Json::array();
   for (int i = 0; i < 2000000; ++i) tokens.push_back(i);
-  std::ifstream statm("/proc/self/statm");
-  int64_t pages = 0;
-  statm >> pages;
-  const rlim_t now = static_cast<rlim_t>(pages * sysconf(_SC_PAGESIZE)) + (1 << 20);
-  const rlimit as{now, now};
-  if (setrlimit(RLIMIT_AS, &as) != 0) _exit(2);
+  if (!testing::LimitAddressSpace(1 << 20)) _exit(2);
   if (ours) FreeJson(dom);
   dom = nullptr;  // nlohmann's teardown, of whatever is left
   _exit(0);
