@@ -344,8 +344,10 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   }
   at::NoGradGuard no_grad;
   // The step's transient, reserved before anything changes: a copy of the gradients (or of this
-  // rank's shard of them) and, one tensor at a time, its float64 square for the norm. Only in a
-  // world of one: a rank refusing alone would leave the others waiting in the collectives below.
+  // rank's shard of them), AdamW's denominator (kernels/adamw.cc: as large again, allocated after
+  // the moments have moved, so it must not fail then) and, one tensor at a time, a float64 square
+  // for the norm. Only in a world of one: a rank refusing alone would leave the others waiting in
+  // the collectives below.
   Reservation memory;
   if (ctx.account != nullptr && ctx.collectives->world_size() == 1) {
     int64_t copy = 0, largest = 0;
@@ -355,7 +357,7 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
     }
     if (t.shard) copy = t.shard->grad_sum_C.numel() * t.shard->grad_sum_C.element_size();
     ASSIGN_OR_RETURN(memory,
-                     ctx.account->Reserve(copy + 2 * largest * int64_t{sizeof(double)},
+                     ctx.account->Reserve(2 * copy + 2 * largest * int64_t{sizeof(double)},
                                           "optim_step: its copy of the gradients",
                                           ". Nothing changed: send optim_step again (under a new "
                                           "seq_id) once memory is free (a sample or a call ends)"));

@@ -186,7 +186,13 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
     if (host == "localhost") host = "127.0.0.1";
     http::TinkerApiConfig api = config.tinker_http;
-    api.account = host_account;
+    // HTTP bodies and their parsed JSON hold at most a quarter of the account: with samples held
+    // to half, a flood of either leaves training a quarter at least.
+    if (host_account != nullptr) {
+      api.account = MemoryAccount::CreateShare(
+          host_account, host_account->capacity() / 4,
+          "the quarter of the memory budget for HTTP bodies and their parsed JSON");
+    }
     // The client's get_tokenizer() loads what the server matches stop strings with.
     const std::string& base = s->runner_->config().base_model_path;
     if (s->runner_->limits().tokenizer && api.tokenizer_id.empty()) {

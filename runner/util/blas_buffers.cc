@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -14,6 +15,13 @@ namespace tinkerd {
 
 int PreallocateBlasBuffers() {
   if (BlasCore().empty()) return 0;
+  // The buffers last as long as the process: once for each larger thread count is enough (a test
+  // process makes hundreds of runners).
+  static std::mutex mu;
+  static int64_t mapped_for_threads = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (at::get_num_threads() <= mapped_for_threads) return 0;
+  mapped_for_threads = at::get_num_threads();
   // 512 x 512 x 512 is past OpenBLAS's small-matrix path, which maps no buffer, and past the size
   // it splits over its threads.
   constexpr int64_t kSide = 512;

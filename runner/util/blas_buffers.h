@@ -11,7 +11,8 @@ namespace tinkerd {
 
 // Runs the BLAS calls that map OpenBLAS's buffers: a threaded sgemm and dgemm on this thread (its
 // buffer and each worker's), then one of each per intra-op thread at once (a buffer each). Returns
-// the calls made; 0 where the BLAS is not OpenBLAS. Call after the intra-op thread count is set.
+// the calls made: 0 where the BLAS is not OpenBLAS, or where this process already mapped them for
+// as many threads. Call after the intra-op thread count is set.
 int PreallocateBlasBuffers();
 
 }  // namespace tinkerd

@@ -43,6 +43,11 @@ class MemoryAccount : public std::enable_shared_from_this<MemoryAccount> {
  public:
   // `capacity` bytes; `flags` name how an operator changes it (for the refusal's message).
   static std::shared_ptr<MemoryAccount> Create(int64_t capacity, std::string flags);
+  // A share of `parent` holding at most `capacity` of it: what is reserved here is reserved there
+  // too, so one kind of use (HTTP bodies, say) cannot take the whole parent. `name` describes the
+  // share in its refusals ("the quarter of the memory budget for HTTP bodies").
+  static std::shared_ptr<MemoryAccount> CreateShare(std::shared_ptr<MemoryAccount> parent,
+                                                    int64_t capacity, std::string name);
 
   // `bytes` for `what` ("create_model: the model's trainable state"), or RESOURCE_EXHAUSTED
   // saying what is left (or that it exceeds the whole capacity), then `advice` (what the client
@@ -54,13 +59,16 @@ class MemoryAccount : public std::enable_shared_from_this<MemoryAccount> {
   int64_t reserved() const;
 
  private:
-  MemoryAccount(int64_t capacity, std::string flags)
-      : capacity_(capacity), flags_(std::move(flags)) {}
+  MemoryAccount(int64_t capacity, std::string flags, std::shared_ptr<MemoryAccount> parent)
+      : capacity_(capacity), flags_(std::move(flags)), parent_(std::move(parent)) {}
   friend class Reservation;
+  // Reserve without the Reservation: here, and in the parent first when a share.
+  absl::Status Take(int64_t bytes, const std::string& what, const std::string& advice);
   void Release(int64_t bytes);
 
   const int64_t capacity_;
-  const std::string flags_;
+  const std::string flags_;  // a share's: its name
+  const std::shared_ptr<MemoryAccount> parent_;
   mutable absl::Mutex mu_;
   int64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
 };

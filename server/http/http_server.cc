@@ -267,10 +267,15 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
       // Memory ran out outside every account (the request's own decoding, say): this request
       // fails, retryably, and the server serves on.
       TLOG_WARN("http: memory ran out while handling a request");
-      respond({HttpStatus(absl::StatusCode::kResourceExhausted),
-               "application/json",
-               ErrorBody("the server ran out of memory while handling this request; retry shortly"),
-               {{"Retry-After", "1"}}});
+      try {
+        respond({HttpStatus(absl::StatusCode::kResourceExhausted),
+                 "application/json",
+                 ErrorBody("the server ran out of memory while handling this request; retry "
+                           "shortly"),
+                 {{"Retry-After", "1"}}});
+      } catch (...) {
+        Close();  // no answer could be made either: the client sees the connection end
+      }
     } catch (const std::exception& e) {
       TLOG_ERROR("http: a handler threw: {}", e.what());
       respond(
@@ -453,11 +458,16 @@ void HttpServer::Impl::Accept() {
       }
       // Small answers (a future's id, try_again) must not wait out Nagle's delay.
       socket.set_option(tcp::no_delay(true), ignored);
-      if (tls) {
-        using TlsStream = beast::ssl_stream<beast::tcp_stream>;
-        std::make_shared<Connection<TlsStream>>(this, std::move(socket), *tls)->Start();
-      } else {
-        std::make_shared<Connection<beast::tcp_stream>>(this, std::move(socket))->Start();
+      // A connection that cannot be set up (memory ran out) is dropped; accepting goes on.
+      try {
+        if (tls) {
+          using TlsStream = beast::ssl_stream<beast::tcp_stream>;
+          std::make_shared<Connection<TlsStream>>(this, std::move(socket), *tls)->Start();
+        } else {
+          std::make_shared<Connection<beast::tcp_stream>>(this, std::move(socket))->Start();
+        }
+      } catch (const std::exception& e) {
+        TLOG_ERROR("http: a connection could not be set up and was dropped: {}", e.what());
       }
     }
     Accept();

@@ -36,7 +36,8 @@ using JsonCharge = std::function<absl::Status(int64_t bytes)>;
 // Frees a DOM leaves first. nlohmann's own teardown first moves every element of an array into a
 // vector of its own, an allocation as large as the array (120 MB for a prompt of 7.5M tokens)
 // made in a destructor: where memory has run out, that allocation throws and ends the process.
-// Emptying each container before its parent takes none.
+// Emptying each container before its parent takes none. Recursive: for DOMs of bounded depth,
+// as ParseJsonBody's are (kMaxJsonDepth).
 void FreeJson(nlohmann::json& dom);
 struct JsonDeleter {
   void operator()(nlohmann::json* dom) const {

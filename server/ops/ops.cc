@@ -356,12 +356,18 @@ void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest*
   auto pending = std::make_shared<Pending>();
   if (account_ != nullptr && batch.ok()) {
     // Refused before the scheduler sees it, as a full queue is: its seq_id stays free to resend.
+    // The model's next seq_id is never refused, as the scheduler always admits it: later ones,
+    // queued and holding their share, wait for it (it runs unreserved, its call's own
+    // activations reserved as it runs).
     const int64_t bytes = static_cast<int64_t>(req->SpaceUsedLong()) + DatumBytes(batch->data());
     absl::StatusOr<Reservation> memory =
         account_->Reserve(bytes, absl::StrCat(job.kind, ": the request while it is queued"),
-                          "; retry when earlier calls have run");
-    if (!memory.ok()) return done(memory.status());
-    pending->memory = *std::move(memory);
+                          "; send the same seq_id again when earlier calls have run");
+    if (memory.ok()) {
+      pending->memory = *std::move(memory);
+    } else if (scheduler_->NextSeqId(model_id).value_or(-1) != seq_id) {
+      return done(memory.status());
+    }
   }
   pending->request.Swap(req);
   pending->batch = std::move(batch);

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <set>
 #include <thread>
 
@@ -578,7 +579,8 @@ TEST(RequestPath, ModelsAreAdmittedWithinSizeLimitAndMemoryBudget) {
 
 // A training call holds its request and decoded batch in the memory account from its queueing to
 // its end: where there is no room it is RESOURCE_EXHAUSTED before the scheduler sees it (its
-// seq_id stays free, and resending it once there is room runs it), and its share returns after.
+// seq_id stays free), except the model's next seq_id, which the scheduler always admits (later
+// ones may be queued, holding their share, waiting for it); and its share returns after.
 TEST(RequestPath, AQueuedCallHoldsItsRequestInTheMemoryAccount) {
   if (TestDevice() != "cpu") GTEST_SKIP() << "queued requests take the CPU's account only";
   LiveServer live;
@@ -591,17 +593,30 @@ TEST(RequestPath, AQueuedCallHoldsItsRequestInTheMemoryAccount) {
       account->Reserve(account->capacity() - used - 1024, "others", "");
   ASSERT_TRUE(others.ok()) << others.status();
   v1::ForwardBackwardOutput out;
-  grpc::Status st = live.FwdBwd(MakeRequest(model, 1, data), &out);
+  // seq_id 2, ahead of 1: refused at the queue, its seq_id left free.
+  grpc::Status st = live.FwdBwd(MakeRequest(model, 2, data), &out);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
   EXPECT_NE(st.error_message().find("ForwardBackward: the request while it is queued needs"),
             std::string::npos)
       << st.error_message();
   EXPECT_EQ(account->reserved(), used + others->bytes());
+  // seq_id 1, the next: queued all the same; it is its run that finds no room.
+  st = live.FwdBwd(MakeRequest(model, 1, data), &out);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_EQ(st.error_message().find("while it is queued"), std::string::npos) << st.error_message();
+  EXPECT_EQ(account->reserved(), used + others->bytes());
   *others = Reservation();
-  st = live.FwdBwd(MakeRequest(model, 1, data), &out);  // the same seq_id: it was never queued
-  ASSERT_TRUE(st.ok()) << st.error_message();
+  // seq_id 3 waits for 2 in the queue, holding its share; then both run, and the shares return.
+  auto later = std::async(std::launch::async, [&] {
+    v1::ForwardBackwardOutput o;
+    return live.FwdBwd(MakeRequest(model, 3, data), &o);
+  });
+  WaitFor([&] { return account->reserved() > used; }, "seq_id 3's share");
+  ASSERT_TRUE(live.FwdBwd(MakeRequest(model, 2, data), &out).ok());
   EXPECT_EQ(out.outputs_size(), 3);
-  EXPECT_EQ(account->reserved(), used) << "the call's share outlived it";
+  const grpc::Status third = later.get();
+  EXPECT_TRUE(third.ok()) << third.error_message();
+  EXPECT_EQ(account->reserved(), used) << "a call's share outlived it";
 }
 
 // The registry: models are created and deleted on the scheduler thread, between jobs. A model

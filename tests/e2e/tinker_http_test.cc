@@ -309,7 +309,7 @@ TEST_F(TinkerHttp, BadRequestsGetAStatusAndABodyNamingTheReasonAndChangeNothing)
               {{"chunks", {{{"type", "encoded_text"}, {"tokens", {Json(uint64_t{1} << 63)}}}}}}},
              {"sampling_params", {{"max_tokens", 2}}}}),
        400, "prompt.chunks[0].tokens: must be int64 integers"},
-      // Issue 36, item 2: nesting is measured before a DOM is built.
+      // Issue 36, item 2: nesting is refused at the 17th level, as containers open.
       {"a body nested 17 levels deep",
        Send("POST", "/api/v1/asample",
             R"({"prompt": {"chunks": [{"tokens": )" + std::string(13, '[') + "1" +

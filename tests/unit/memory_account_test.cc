@@ -41,6 +41,35 @@ TEST(MemoryAccount, ReservesWithinItsCapacityAndGivesBackWhatEnds) {
   EXPECT_EQ(account->reserved(), 0);
 }
 
+// A share holds at most its capacity of its parent, and what it holds the parent holds too: a
+// flood of one kind of use (HTTP bodies) leaves the rest of the parent to the others.
+TEST(MemoryAccount, AShareIsBoundedByItsCapacityAndByItsParent) {
+  auto parent = MemoryAccount::Create(1000, "--memory_budget_mb");
+  auto share = MemoryAccount::CreateShare(parent, 250, "the quarter for HTTP bodies");
+  absl::StatusOr<Reservation> a = share->Reserve(200, "a body", "");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(share->reserved(), 200);
+  EXPECT_EQ(parent->reserved(), 200);
+  const absl::StatusOr<Reservation> over = share->Reserve(51, "another body", "; retry");
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(
+      over.status().message().find("the quarter for HTTP bodies (0.2 KiB) has 0.0 KiB left; retry"),
+      std::string::npos)
+      << over.status();
+  EXPECT_EQ(parent->reserved(), 200) << "the share's refusal took nothing from the parent";
+  // The parent full: the share, within its own capacity, is refused by the parent.
+  absl::StatusOr<Reservation> models = parent->Reserve(790, "models", "");
+  ASSERT_TRUE(models.ok());
+  const absl::StatusOr<Reservation> parent_full = share->Reserve(20, "a third body", "");
+  EXPECT_EQ(parent_full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(parent_full.status().message().find("--memory_budget_mb"), std::string::npos)
+      << parent_full.status();
+  EXPECT_EQ(share->reserved(), 200);
+  *a = Reservation();
+  EXPECT_EQ(share->reserved(), 0);
+  EXPECT_EQ(parent->reserved(), 790) << "a share's release returns the parent's part";
+}
+
 // The bench model of RESULTS.md's "Memory against tokens" (hidden 512, 6 layers, vocabulary
 // 131,072, float32, LoRA rank 32): one 4,096-token call peaked 2.0 GB above the weights without
 // checkpointing and 0.5 GB with it (2,880 and 1,395 MB less about 0.9 GB of weights and pools).
