@@ -19,6 +19,8 @@ namespace tinkerd {
 
 absl::Status ServerConfig::Validate() const {
   if (listen_address.empty()) return absl::InvalidArgumentError("server: listen address is empty");
+  if (stall_timeout < absl::ZeroDuration())
+    return absl::InvalidArgumentError("server: stall_timeout < 0");
   if (max_message_bytes < 1024)
     return absl::InvalidArgumentError("server: max_message_bytes < 1 KiB");
   if (scheduler.max_pending_per_model < 1)
@@ -49,7 +51,8 @@ absl::Status ServerConfig::Validate() const {
 
 std::string ServerConfig::DebugString() const {
   return absl::StrFormat(
-      "listen=%s max_message_bytes=%d shutdown_grace=%s max_pending_per_model=%d "
+      "listen=%s max_message_bytes=%d shutdown_grace=%s stall_timeout=%s "
+      "max_pending_per_model=%d "
       "max_pending_per_tenant=%d max_models_per_tenant=%d max_samples_per_tenant=%d "
       "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s "
       "auth=%s tls=%s %s "
@@ -57,6 +60,7 @@ std::string ServerConfig::DebugString() const {
       "sampler_bytes_per_tenant=%d sample_steps_between_jobs=%d "
       "sample_prefill_tokens_per_step=%d",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
+      stall_timeout == absl::ZeroDuration() ? "off" : absl::FormatDuration(stall_timeout),
       scheduler.max_pending_per_model, scheduler.max_pending_per_tenant,
       scheduler.max_models_per_tenant, sampling.max_samples_per_tenant,
       scheduler.result_cache_per_model, absl::FormatDuration(scheduler.order_timeout),
@@ -159,14 +163,19 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
   }
   s->scheduler_->Start();
   TinkerdServer* raw = s.get();
-  s->replicated_->set_on_broken([raw](const absl::Status&) {
-    raw->serving_ = false;
-    raw->server_->GetHealthCheckService()->SetServingStatus(false);
+  s->replicated_->set_on_broken([raw](const absl::Status&) {  // under the replicas' lock
+    raw->broken_ = true;
+    raw->UpdateHealth();
   });
   if (config.metrics_port >= 0) {
     s->http_ = std::make_unique<MetricsHttpServer>(
         s->metrics_.get(), [raw] { return raw->scheduler_->QueueDepth(); },
-        [raw] { return raw->serving_.load(); }, [raw] { return raw->scheduler_->Usage(); });
+        [raw] { return raw->serving_.load(); },
+        [raw] {
+          absl::MutexLock lock(&raw->health_mu_);
+          return raw->stalled_what_;
+        },
+        [raw] { return raw->scheduler_->Usage(); });
     if (!s->http_->Start(config.metrics_host, config.metrics_port)) {
       return absl::UnavailableError(
           absl::StrCat("cannot serve metrics on port ", config.metrics_port));
@@ -242,8 +251,20 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
       }
     });
   }
-  s->serving_ = true;
-  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (config.stall_timeout > absl::ZeroDuration()) {
+    s->stall_watch_ = std::make_unique<StallWatch>([raw] { return raw->scheduler_->Current(); },
+                                                   config.stall_timeout,
+                                                   [raw](bool stalled, const std::string& what) {
+                                                     {
+                                                       absl::MutexLock lock(&raw->health_mu_);
+                                                       raw->stalled_what_ = stalled ? what : "";
+                                                     }
+                                                     raw->stalled_ = stalled;
+                                                     raw->UpdateHealth();
+                                                   });
+  }
+  s->started_ = true;
+  s->UpdateHealth();
   TLOG_INFO("tinkerd serving on port {} | {}", s->port_, config.DebugString());
   return s;
 }
@@ -253,8 +274,8 @@ void TinkerdServer::Shutdown() {
   shut_down_ = true;
   TLOG_INFO("shutting down: not serving; finishing accepted work (grace {})",
             absl::FormatDuration(config_.shutdown_grace));
-  serving_ = false;
-  server_->GetHealthCheckService()->SetServingStatus(false);
+  stopping_ = true;
+  UpdateHealth();
   // Order matters: the RPCs in flight wait on the scheduler, so it keeps running while gRPC
   // stops accepting and waits for them; then the scheduler is stopped.
   // Samples still running then fail UNAVAILABLE (the scheduler no longer steps them).
@@ -266,6 +287,7 @@ void TinkerdServer::Shutdown() {
                     absl::ToChronoSeconds(config_.shutdown_grace));
   drain.join();
   server_->Wait();
+  stall_watch_.reset();
   if (heartbeat_.joinable()) {
     {
       absl::MutexLock lock(&heartbeat_mu_);
@@ -279,6 +301,14 @@ void TinkerdServer::Shutdown() {
   replicated_->Shutdown();  // the other ranks exit after the last request
   if (http_) http_->Stop();
   TLOG_INFO("shut down");
+}
+
+void TinkerdServer::UpdateHealth() {
+  absl::MutexLock lock(&health_mu_);
+  const bool serving = started_ && !stopping_ && !stalled_ && !broken_;
+  if (serving == serving_) return;
+  serving_ = serving;
+  server_->GetHealthCheckService()->SetServingStatus(serving);
 }
 
 TinkerdServer::~TinkerdServer() {

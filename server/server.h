@@ -13,6 +13,7 @@
 #include "server/common/metrics.h"
 #include "server/core/replicated_runner.h"
 #include "server/core/scheduler.h"
+#include "server/core/stall_watch.h"
 #include "server/grpc/service.h"
 #include "server/http/http_server.h"
 #include "server/http/tinker_api.h"
@@ -34,6 +35,8 @@ class TinkerdServer {
   Scheduler* scheduler() const { return scheduler_.get(); }
   // False once a rank of a data-parallel job failed (health is NOT_SERVING then).
   bool healthy() const { return replicated_->healthy(); }
+  // What health says: started, not stopping, not stalled (StallWatch) and no rank failed.
+  bool serving() const { return serving_; }
   // The port of the Tinker HTTP API (0 when off).
   int tinker_http_port() const { return tinker_http_ ? tinker_http_->port() : 0; }
   // The HTTP port of /metrics, /healthz, /readyz (0 when off).
@@ -41,13 +44,19 @@ class TinkerdServer {
 
  private:
   TinkerdServer() = default;
+  // Sets gRPC health and /readyz from the conditions below (on any thread).
+  void UpdateHealth();
   ServerConfig config_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<ReplicatedRunner> replicated_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsHttpServer> http_;
-  std::atomic<bool> serving_{false};
+  absl::Mutex health_mu_;
+  std::atomic<bool> started_{false}, stopping_{false}, stalled_{false}, broken_{false};
+  std::string stalled_what_ ABSL_GUARDED_BY(health_mu_);  // what runs too long; empty: nothing
+  std::atomic<bool> serving_{false};                      // set by UpdateHealth alone
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<StallWatch> stall_watch_;
   std::thread heartbeat_;
   absl::Mutex heartbeat_mu_;
   bool heartbeat_stop_ ABSL_GUARDED_BY(heartbeat_mu_) = false;

@@ -16,6 +16,9 @@ struct ServerConfig {
   std::string listen_address = "127.0.0.1:50051";  // port 0 picks a free port
   int max_message_bytes = 256 << 20;  // larger requests get RESOURCE_EXHAUSTED from gRPC
   absl::Duration shutdown_grace = absl::Seconds(30);
+  // Health is NOT_SERVING while the scheduler's thread has run one item longer than this (zero:
+  // never); see server/core/stall_watch.h.
+  absl::Duration stall_timeout = absl::Seconds(600);
   // Data parallel only: how often rank 0 pings the other ranks when idle. Must stay well below
   // the collective timeout, or idle ranks would time out waiting for the next command.
   absl::Duration heartbeat_interval = absl::Seconds(2);

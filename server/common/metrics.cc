@@ -255,6 +255,7 @@ struct MetricsHttpServer::Impl {
 
 MetricsHttpServer::MetricsHttpServer(Metrics* metrics, std::function<int64_t()> queue_depth,
                                      std::function<bool()> serving,
+                                     std::function<std::string()> stalled,
                                      std::function<TenantUsages()> usage)
     : impl_(std::make_unique<Impl>()) {
   impl_->http.Get("/metrics", [metrics, queue_depth, serving, usage](const httplib::Request&,
@@ -262,8 +263,11 @@ MetricsHttpServer::MetricsHttpServer(Metrics* metrics, std::function<int64_t()> 
     res.set_content(metrics->Render(queue_depth(), serving(), usage()),
                     "text/plain; version=0.0.4");
   });
-  impl_->http.Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content("ok\n", "text/plain");
+  // A stalled server answers but cannot get work done: only a restart may help.
+  impl_->http.Get("/healthz", [stalled](const httplib::Request&, httplib::Response& res) {
+    const std::string what = stalled();
+    res.status = what.empty() ? 200 : 503;
+    res.set_content(what.empty() ? "ok\n" : "stalled: " + what + "\n", "text/plain");
   });
   impl_->http.Get("/readyz", [serving](const httplib::Request&, httplib::Response& res) {
     const bool ok = serving();

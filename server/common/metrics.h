@@ -78,12 +78,14 @@ class Metrics {
   std::map<std::string, int64_t> tenant_sampled_ ABSL_GUARDED_BY(mu_);
 };
 
-// GET /metrics, /healthz (the process answers), /readyz (200 only while serving) on `port`
-// (cpp-httplib, its own thread). Port 0 picks a free one; port() tells which.
+// GET /metrics, /healthz (200 while the process makes progress), /readyz (200 only while
+// serving) on `port` (cpp-httplib, its own thread). Port 0 picks a free one; port() tells which.
 class MetricsHttpServer {
  public:
+  // `stalled`: what has run too long (StallWatch), or empty.
   MetricsHttpServer(Metrics* metrics, std::function<int64_t()> queue_depth,
-                    std::function<bool()> serving, std::function<TenantUsages()> usage);
+                    std::function<bool()> serving, std::function<std::string()> stalled,
+                    std::function<TenantUsages()> usage);
   ~MetricsHttpServer();
   bool Start(const std::string& host, int port);
   int port() const { return port_; }

@@ -248,6 +248,11 @@ int64_t Scheduler::QueueDepth() const {
   return n;
 }
 
+Scheduler::Running Scheduler::Current() const {
+  absl::MutexLock lock(&mu_);
+  return running_;
+}
+
 void Scheduler::Wake() {
   absl::MutexLock lock(&mu_);
   wake_ = true;
@@ -338,11 +343,13 @@ void Scheduler::Loop() {
     if (!between_jobs_.empty()) {  // registry changes first, in the order they were asked
       std::function<void()> op = std::move(between_jobs_.front());
       between_jobs_.pop_front();
+      running_ = {absl::Now(), "a change of the model registry (create or delete a model)"};
       mu_.Unlock();
       for (auto& [cb, r] : calls) cb(r);
       calls.clear();
       op();
       mu_.Lock();
+      running_ = {};
       continue;
     }
     ExpireLocked(&calls);
@@ -352,11 +359,13 @@ void Scheduler::Loop() {
     if (background_ready_ && !stopping_ && (job == nullptr || background_turns_ > 0)) {
       background_ready_ = false;
       background_turns_ = std::max(0, background_turns_ - 1);
+      running_ = {absl::Now(), "a sampling step"};
       mu_.Unlock();
       for (auto& [cb, r] : calls) cb(r);
       calls.clear();
       const bool more = background_();
       mu_.Lock();
+      running_ = {};
       background_ready_ = background_ready_ || more;
       continue;
     }
@@ -385,6 +394,8 @@ void Scheduler::Loop() {
     const int64_t seq = q->next_seq;
     const std::string owner = q->owner;
     std::function<JobStep()> run = job->spec.run;
+    running_ = {absl::Now(), absl::StrCat(job->spec.kind, " seq_id ", seq, " of model ", model,
+                                          " (tenant ", owner, ")")};
     mu_.Unlock();
     for (auto& [cb, r] : calls) cb(r);
     calls.clear();
@@ -392,6 +403,7 @@ void Scheduler::Loop() {
     JobStep step = run();
     const absl::Duration took = absl::Now() - began;
     mu_.Lock();
+    running_ = {};
     if (auto t = tenants_.find(owner); t != tenants_.end()) t->second.served += took;
     TenantUsage& usage = usage_[owner];
     usage.scheduler_seconds += absl::ToDoubleSeconds(took);

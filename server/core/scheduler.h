@@ -143,6 +143,15 @@ class Scheduler {
   // A finished result again, from the cache.
   JobResult Retrieve(const std::string& model_id, int64_t seq_id) const;
 
+  // What the thread runs now, and since when: a job's step, a sampling step or a registry change.
+  // `since` is InfiniteFuture while it waits for work. One item running long means no other can
+  // start (StallWatch turns health NOT_SERVING on it).
+  struct Running {
+    absl::Time since = absl::InfiniteFuture();
+    std::string what;
+  };
+  Running Current() const;
+
  private:
   struct Waiter {
     JobCallback done;
@@ -205,6 +214,7 @@ class Scheduler {
   std::function<bool()> background_;
   bool background_ready_ ABSL_GUARDED_BY(mu_) = false;
   int background_turns_ ABSL_GUARDED_BY(mu_) = 0;  // steps before the next job may wait
+  Running running_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

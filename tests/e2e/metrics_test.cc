@@ -2,6 +2,8 @@
 // traffic the test sent.
 #include <httplib.h>
 
+#include "absl/synchronization/notification.h"
+#include "client/client.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {
@@ -66,6 +68,93 @@ TEST(Metrics, CountsRequestsTokensStepsAndServesProbes) {
   stop.join();
   Get(port, "/readyz", &status);
   EXPECT_NE(status, 200);
+}
+
+// A job that does not return (as when a kernel spins or an allocator retries forever) on the
+// scheduler's one thread: past --stall_timeout_s gRPC health, /readyz and /healthz say so, naming
+// the job; once it returns they serve again. Its control: with the watch off, the same job running
+// for twice as long leaves health SERVING.
+struct StalledJob {
+  absl::Notification release, running;
+  std::atomic<bool> answered{false};
+
+  void Submit(Scheduler& scheduler) {
+    absl::Notification created;
+    scheduler.CreateModel(
+        "tenant-a", [] { return absl::StatusOr<std::string>("probe"); },
+        [&](const absl::StatusOr<std::string>& id) {
+          EXPECT_TRUE(id.ok());
+          created.Notify();
+        });
+    created.WaitForNotification();
+    JobSpec spec;
+    spec.kind = "forward_backward";
+    spec.run = [this] {
+      running.Notify();
+      release.WaitForNotification();
+      return JobStep{true, v1::RetrieveResultResponse()};
+    };
+    scheduler.Submit("probe", 1, std::move(spec), [this](const JobResult&) { answered = true; });
+    running.WaitForNotification();
+  }
+};
+
+bool GrpcServing(const LiveServer& live) {
+  client::ClientOptions o;
+  o.target = "127.0.0.1:" + std::to_string(live.server->port());
+  auto serving = client::Connection::Create(o)->Health();
+  EXPECT_TRUE(serving.ok()) << serving.status().message();
+  return serving.ok() && *serving;
+}
+
+TEST(Health, AStalledCallTurnsHealthNotServingUntilItReturns) {
+  const absl::Duration timeout = absl::Milliseconds(300);
+  ServerConfig sc;
+  sc.metrics_port = 0;
+  sc.stall_timeout = timeout;
+  LiveServer live(sc);
+  const int port = live.server->metrics_port();
+  ASSERT_TRUE(GrpcServing(live));
+  StalledJob job;
+  job.Submit(*live.server->scheduler());
+  WaitFor([&] { return !GrpcServing(live); }, "NOT_SERVING while the job runs past the timeout");
+  EXPECT_GT(absl::Now() - live.server->scheduler()->Current().since, timeout);
+  int status = 0;
+  const std::string body = Get(port, "/healthz", &status);
+  EXPECT_EQ(status, 503);
+  EXPECT_NE(body.find("stalled: forward_backward seq_id 1 of model probe (tenant tenant-a)"),
+            std::string::npos)
+      << body;
+  Get(port, "/readyz", &status);
+  EXPECT_EQ(status, 503);
+  EXPECT_FALSE(job.answered);
+
+  job.release.Notify();
+  WaitFor([&] { return job.answered.load(); }, "the job's answer");
+  WaitFor([&] { return GrpcServing(live); }, "SERVING once the job returned");
+  EXPECT_EQ(Get(port, "/healthz", &status), "ok\n");
+  EXPECT_EQ(status, 200);
+  Get(port, "/readyz", &status);
+  EXPECT_EQ(status, 200);
+}
+
+TEST(Health, WithoutAStallTimeoutALongCallLeavesHealthServing) {
+  ServerConfig sc;
+  sc.metrics_port = 0;
+  sc.stall_timeout = absl::ZeroDuration();
+  LiveServer live(sc);
+  StalledJob job;
+  job.Submit(*live.server->scheduler());
+  WaitFor(
+      [&] {
+        return absl::Now() - live.server->scheduler()->Current().since > absl::Milliseconds(600);
+      },
+      "the job running twice the other test's timeout");
+  EXPECT_TRUE(GrpcServing(live));
+  int status = 0;
+  EXPECT_EQ(Get(live.server->metrics_port(), "/healthz", &status), "ok\n");
+  job.release.Notify();
+  WaitFor([&] { return job.answered.load(); }, "the job's answer");
 }
 
 }  // namespace
