@@ -192,13 +192,22 @@ struct ModelRunner::Impl {
                             "AdamW moments)",
                             ". Delete a model, or retry later");
   }
+  // A sampler's policy's `bytes`, at world size 1 (Policy::memory says why not else).
+  absl::StatusOr<std::shared_ptr<const Reservation>> ReservePolicy(int64_t bytes) const {
+    if (collectives->world_size() > 1) return nullptr;
+    ASSIGN_OR_RETURN(Reservation held,
+                     account->Reserve(bytes, "create_sampler: the sampler's copy of the weights",
+                                      ". Delete samplers or models, or retry later"));
+    return std::make_shared<const Reservation>(std::move(held));
+  }
   MemoryLimit memory_limit;  // what the process may use, and which bound says so
   // Models' state, training calls and (through the server's engine) samples reserve here; its
   // capacity is config.memory_budget_bytes, or DefaultMemoryBudget().
   std::shared_ptr<MemoryAccount> account;
 
   // Resolves, reads and verifies a training checkpoint in the training dtype.
-  absl::StatusOr<LoadedState> ReadState(const std::string& path) const;
+  // `held` gets the reservation of what the read and its application hold (ReadTrainingState).
+  absl::StatusOr<LoadedState> ReadState(const std::string& path, Reservation* held) const;
   ModelLimits Limits() const {
     return {model_config.vocab_size, model_config.max_position_embeddings, texts != nullptr};
   }
@@ -666,6 +675,16 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   }
   CheckpointMeta meta{options.last_seq_id, impl_->base_fingerprint, impl_->config.base_model_path,
                       impl_->dtype == at::kDouble ? "float64" : "float32"};
+  // Files are written a tensor at a time (SaveSafetensorsFile); what a save holds beside the model
+  // is the copy of its gradient sum it reduces over the ranks and saves.
+  Reservation held;
+  if (options.include_accumulated && !t->shard) {
+    int64_t bytes = 0;
+    for (const auto& [name, g] : t->grad_sum) bytes += static_cast<int64_t>(g.nbytes());
+    ASSIGN_OR_RETURN(held, impl_->account->Reserve(
+                               bytes, "save_state: a copy of the gradient sum while it is saved",
+                               ". Retry later, or save after optim_step"));
+  }
   return Guarded("save_state", [&]() -> absl::Status {
     if (t->shard) return SaveSharded(*impl_->collectives, *t, meta, path, options);
     // Each rank holds its share of the gradient until optim_step reduces them (Note [Reduce once]
@@ -727,11 +746,17 @@ void ApplyLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer, 
 
 }  // namespace
 
-absl::StatusOr<LoadedState> ModelRunner::Impl::ReadState(const std::string& path) const {
+absl::StatusOr<LoadedState> ModelRunner::Impl::ReadState(const std::string& path,
+                                                         Reservation* held) const {
   ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
   const at::ScalarType train = dtype == at::kDouble ? at::kDouble : at::kFloat;
   return Guarded("load_state", [&]() -> absl::StatusOr<LoadedState> {
-    return ReadTrainingState(dir, base_fingerprint, train);
+    return ReadTrainingState(dir, base_fingerprint, train, [&](int64_t bytes) -> absl::Status {
+      ASSIGN_OR_RETURN(*held,
+                       account->Reserve(bytes, "load_state: the checkpoint's tensors while read",
+                                        ". Delete a model, or retry later"));
+      return absl::OkStatus();
+    });
   });
 }
 
@@ -745,7 +770,8 @@ absl::Status ModelRunner::LoadState(const std::string& model_id, const std::stri
         "load_state: model ", model_id, " has accumulated gradients; load into a fresh model"));
   }
   // Read and check everything before touching the model: a refused load changes nothing.
-  ASSIGN_OR_RETURN(LoadedState s, impl_->ReadState(path));
+  Reservation held;
+  ASSIGN_OR_RETURN(LoadedState s, impl_->ReadState(path, &held));
   RETURN_IF_ERROR(CheckCompatible(*t, s));
   return Guarded("load_state", [&]() -> absl::Status {
     ApplyLoadedState(*t, s, with_optimizer, impl_->collectives->rank());
@@ -757,9 +783,10 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
                                                               bool with_optimizer,
                                                               const std::string& model_id) {
   absl::StatusOr<LoadedState> s;
+  Reservation held;
   {
     absl::MutexLock lock(&impl_->mu);
-    s = impl_->ReadState(path);  // read and verified once, then applied to the new model
+    s = impl_->ReadState(path, &held);  // read and verified once, then applied to the new model
   }
   if (!s.ok()) return s.status();
   ASSIGN_OR_RETURN(std::string id, CreateModel(s->options, model_id));
@@ -784,6 +811,19 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
                                                 bool overwrite) {
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  // A merged export makes each adapted weight as the file reaches it: the largest weight, the
+  // adapter's product of its size, and their sum in float32, held at once.
+  Reservation held;
+  if (merged && t->lora) {
+    int64_t largest = 0;
+    for (const auto& [name, w] : impl_->base.Named(impl_->model_config.tie_word_embeddings)) {
+      largest =
+          std::max(largest, w.numel() * static_cast<int64_t>(at::elementSize(impl_->TrainDType())));
+    }
+    ASSIGN_OR_RETURN(
+        held, impl_->account->Reserve(3 * largest, "save_weights_for_sampler: merging one weight",
+                                      ". Retry later"));
+  }
   return Guarded("save_weights_for_sampler", [&] {
     return CommitCheckpoint(path, overwrite, [&](const std::string& dir) {
       return merged ? WriteMergedModel(*t, impl_->model_config, impl_->base, dir)
@@ -836,6 +876,18 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
     return std::shared_ptr<const Policy>(std::move(policy));
   }
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  // The copy is admitted before it is made.
+  int64_t copy_bytes = 0;
+  const int64_t element = static_cast<int64_t>(at::elementSize(impl_->dtype));
+  if (t->full) {
+    for (const auto& [name, w] : t->full->Named(impl_->model_config.tie_word_embeddings)) {
+      copy_bytes += w.numel() * element;
+    }
+  }
+  if (t->lora) {
+    for (const auto& [name, p] : t->lora->Parameters()) copy_bytes += p.numel() * element;
+  }
+  ASSIGN_OR_RETURN(policy->memory, impl_->ReservePolicy(copy_bytes));
   return Guarded("freezing a policy", [&]() -> absl::StatusOr<std::shared_ptr<const Policy>> {
     policy->step = t->step;
     if (t->full) {
@@ -857,6 +909,19 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
 absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
     const std::string& path) const {
   ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
+  // The files' tensors are admitted before they are read (a tensor at a time, in the compute
+  // dtype: at most the files' size times the dtypes' ratio); the policy's exact bytes once read.
+  int64_t file_bytes = 0;
+  for (const char* name : {"model.safetensors", "adapter_model.safetensors"}) {
+    std::error_code ec;
+    const uintmax_t size = std::filesystem::file_size(std::filesystem::path(dir) / name, ec);
+    if (!ec) file_bytes += static_cast<int64_t>(size);
+  }
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<const Reservation> reading,
+      impl_->ReservePolicy(
+          file_bytes *
+          std::max<int64_t>(1, static_cast<int64_t>(at::elementSize(impl_->dtype)) / 4)));
   // No lock: this reads only the fields fixed at creation (above Impl::mu), so a load of many
   // GB holds up no training call.
   return Guarded("loading a policy", [&]() -> absl::StatusOr<std::shared_ptr<const Policy>> {
@@ -882,6 +947,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
       count(w.lora->Parameters());
       policy->lora = std::move(w.lora);
     }
+    ASSIGN_OR_RETURN(policy->memory, impl_->ReservePolicy(policy->bytes));
     return std::shared_ptr<const Policy>(std::move(policy));
   });
 }

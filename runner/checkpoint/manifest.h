@@ -18,6 +18,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "runner/model/safetensors.h"  // FileDigest
 #include "runner/types.h"
 
 namespace tinkerd {
@@ -25,12 +26,6 @@ namespace tinkerd {
 inline constexpr int kCheckpointFormatVersion = 1;
 // A loader opens one file per shard: a forged manifest must not make it open millions.
 inline constexpr int kMaxCheckpointShards = 65536;
-
-struct FileDigest {
-  uint64_t bytes = 0;
-  uint64_t fnv64 = 0;
-  bool operator==(const FileDigest&) const = default;
-};
 
 struct Accumulated {
   int64_t tokens = 0;

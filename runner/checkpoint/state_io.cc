@@ -50,14 +50,12 @@ uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base) {
 
 namespace {
 
-// Serializes `tensors` to dir/name and records the file's digest.
+// Writes `tensors` to dir/name and records the file's digest (of the bytes as they were written:
+// reading the file back would only re-read them).
 absl::StatusOr<FileDigest> SaveTensors(const std::string& dir, const std::string& name,
                                        const std::map<std::string, at::Tensor>& tensors,
                                        const std::string& dtype) {
-  // The checksum comes from the bytes in hand; reading the file back would only re-read them.
-  ASSIGN_OR_RETURN(std::string bytes, SerializeTensors(tensors, dtype));
-  RETURN_IF_ERROR(WriteFileAtomically(Join(dir, name), bytes));
-  return FileDigest{bytes.size(), Fnv64(bytes)};
+  return SaveSafetensorsFile(Join(dir, name), tensors, dtype);
 }
 
 // params.safetensors, then (last: its presence marks the checkpoint complete) the manifest, which
@@ -128,8 +126,9 @@ absl::Status WriteShardedTrainingState(const ModelState& t, const CheckpointMeta
   return WriteParamsAndManifest(t, meta, accumulated, std::move(m), dir);
 }
 
-absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t base_fingerprint,
-                                              at::ScalarType dtype) {
+absl::StatusOr<LoadedState> ReadTrainingState(
+    const std::string& dir, uint64_t base_fingerprint, at::ScalarType dtype,
+    const std::function<absl::Status(int64_t bytes)>& admit) {
   auto text = ReadFileToString(Join(dir, "manifest.json"));
   if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
   auto m = ParseTrainingManifest(*text);
@@ -140,6 +139,17 @@ absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t b
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", dir, " was trained on another base model (", m->base_model, ")"));
   }
+  // The tensors, in `dtype`, are as large as the files that hold them times the ratio of the two
+  // dtypes; held twice at most: the slices of a sharded checkpoint beside the whole tensors they
+  // are joined into, or (ApplyLoadedState) whole tensors beside the zeros a load without the
+  // optimizer or the gradient sum puts in their place.
+  ASSIGN_OR_RETURN(auto stored, StoredType(m->training_dtype));
+  const double ratio = std::max(1.0, static_cast<double>(at::elementSize(dtype)) /
+                                         static_cast<double>(at::elementSize(stored.first)));
+  double held = 0;  // a forged manifest's sizes may overflow any integer
+  for (const auto& [name, digest] : m->files)
+    held += 2.0 * ratio * static_cast<double>(digest.bytes);
+  RETURN_IF_ERROR(admit(static_cast<int64_t>(std::min(held, 0x1p62))));
   LoadedState s;
   s.options = m->options;
   s.step = m->step;
@@ -149,13 +159,28 @@ absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t b
     auto digest = m->files.find(name);
     if (digest == m->files.end())
       return DataLoss(dir, absl::StrCat(name, " is not in the manifest"));
-    auto bytes = ReadFileToString(Join(dir, name));
-    if (!bytes.ok()) return DataLoss(dir, absl::StrCat(name, " is missing"));
-    if (bytes->size() != digest->second.bytes || Fnv64(*bytes) != digest->second.fnv64) {
+    // Read once, a tensor at a time, and hashed on the way: the tensors are dropped unless the
+    // whole file matches its digest.
+    // A file of another size is refused before it is read: its tensors were not admitted.
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(Join(dir, name), ec);
+    if (ec) return DataLoss(dir, absl::StrCat(name, " is missing"));
+    if (size != digest->second.bytes) {
       return DataLoss(dir,
-                      absl::StrCat(name, " is corrupt or truncated (size or checksum mismatch)"));
+                      absl::StrCat(name, " is corrupt or truncated (", size,
+                                   " bytes where the manifest says ", digest->second.bytes, ")"));
     }
-    return LoadSafetensorsFile(Join(dir, name), dtype);
+    FileDigest read;
+    auto tensors = LoadSafetensorsFile(Join(dir, name), dtype, &read);
+    if (!tensors.ok() && tensors.status().code() == absl::StatusCode::kNotFound) {
+      return DataLoss(dir, absl::StrCat(name, " is missing"));
+    }
+    if (!tensors.ok() || read != digest->second) {
+      return DataLoss(dir, absl::StrCat(name, " is corrupt or truncated (size or checksum mismatch",
+                                        tensors.ok() ? "" : ": ",
+                                        tensors.ok() ? "" : tensors.status().message(), ")"));
+    }
+    return tensors;
   };
   ASSIGN_OR_RETURN(s.params, load("params.safetensors"));
   if (m->shards > 0) {
@@ -263,7 +288,8 @@ absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model
     tensors[absl::StrCat("base_model.model.", module, ".", name.substr(dot + 1), ".weight")] = p;
     targets.insert(module.substr(module.rfind('.') + 1));
   }
-  RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, "adapter_model.safetensors"), tensors, "float32"));
+  RETURN_IF_ERROR(
+      SaveSafetensorsFile(Join(dir, "adapter_model.safetensors"), tensors, "float32").status());
   const LoraConfig& l = *t.options.lora;
   json cfg = {{"peft_type", "LORA"},
               {"task_type", "CAUSAL_LM"},
@@ -291,6 +317,7 @@ absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
   at::NoGradGuard no_grad;
   ModelConfig out = config;
   std::map<std::string, at::Tensor> w;
+  TensorTransform merge;
   if (t.full) {
     w = t.full->Named(config.tie_word_embeddings);
   } else {
@@ -300,19 +327,20 @@ absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
       out.tie_word_embeddings = false;
       w["lm_head.weight"] = base.lm_head_VD;
     }
+    // Each adapted weight merged as the file reaches it: one merged tensor is held at a time.
     const double scale = t.lora->scale();
-    for (auto& [name, tensor] : w) {
-      if (name.size() < 7 || name.substr(name.size() - 7) != ".weight") continue;
+    merge = [&t, scale](const std::string& name, const at::Tensor& tensor) {
+      if (name.size() < 7 || name.substr(name.size() - 7) != ".weight") return tensor;
       const LoraPair* p = t.lora->Find(name.substr(0, name.size() - 7));
-      if (p == nullptr) continue;
-      tensor = tensor + at::mm(p->B_Or, p->A_rI).to(tensor.scalar_type()) * scale;
-    }
+      if (p == nullptr) return tensor;
+      return tensor + at::mm(p->B_Or, p->A_rI).to(tensor.scalar_type()) * scale;
+    };
   }
   out.torch_dtype = "float32";
   RETURN_IF_ERROR(WriteFileAtomically(Join(dir, "config.json"), ModelConfigToJson(out)));
   const std::string dtype =
       t.params.begin()->second.scalar_type() == at::kDouble ? "float64" : "float32";
-  RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, "model.safetensors"), w, dtype));
+  RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, "model.safetensors"), w, dtype, merge).status());
   json m = {{"format", "tinkerd-checkpoint"},
             {"format_version", kCheckpointFormatVersion},
             {"kind", "sampler"},

@@ -9,6 +9,7 @@
 // so the seed is the whole RNG state.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -56,8 +57,12 @@ struct LoadedState {
 
 // Reads and verifies a checkpoint (format, checksums, base fingerprint). Tensors come back in
 // `dtype`. Corrupt or truncated files are DATA_LOSS; another base model is FAILED_PRECONDITION.
-absl::StatusOr<LoadedState> ReadTrainingState(const std::string& dir, uint64_t base_fingerprint,
-                                              at::ScalarType dtype);
+// Once the manifest is read and before any tensor file is, `admit` gets the bytes the read and
+// its caller's use of the result may hold at most (ReadBytes below); its error is returned, with
+// nothing read.
+absl::StatusOr<LoadedState> ReadTrainingState(
+    const std::string& dir, uint64_t base_fingerprint, at::ScalarType dtype,
+    const std::function<absl::Status(int64_t bytes)>& admit);
 
 // Checks that `s` fits `t` (same adapter layout and shapes): FAILED_PRECONDITION otherwise.
 absl::Status CheckCompatible(const ModelState& t, const LoadedState& s);

@@ -142,8 +142,8 @@ absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec) {
   RETURN_IF_ERROR(
       WriteFileAtomically((fs::path(dir) / "config.json").string(), ModelConfigToJson(out_cfg)));
   if (spec.num_shards <= 1) {
-    return SaveSafetensorsFile((fs::path(dir) / "model.safetensors").string(), w,
-                               spec.stored_dtype);
+    return SaveSafetensorsFile((fs::path(dir) / "model.safetensors").string(), w, spec.stored_dtype)
+        .status();
   }
   // Shards: names distributed round-robin so every shard is non-empty for any model.
   const int n = spec.num_shards;
@@ -156,9 +156,11 @@ absl::Status WriteTinyModel(const std::string& dir, const TinyModelSpec& spec) {
     ++k;
   }
   for (int i = 0; i < n; ++i) {
-    RETURN_IF_ERROR(SaveSafetensorsFile(
-        (fs::path(dir) / absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, n)).string(),
-        shards[i], spec.stored_dtype));
+    RETURN_IF_ERROR(
+        SaveSafetensorsFile(
+            (fs::path(dir) / absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, n)).string(),
+            shards[i], spec.stored_dtype)
+            .status());
   }
   nlohmann::json index = {{"metadata", nlohmann::json::object()}, {"weight_map", weight_map}};
   return WriteFileAtomically((fs::path(dir) / "model.safetensors.index.json").string(),

@@ -32,24 +32,20 @@ absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::str
   return absl::InvalidArgumentError(absl::StrCat("unsupported stored dtype ", name));
 }
 
-absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype) {
-  ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-  auto header = ParseSafetensors(bytes);
-  if (!header.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", header.status().message()));
-  }
+absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype,
+                                              FileDigest* digest) {
+  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file, SafetensorsReader::Open(path));
   TensorMap out;
-  for (const SafetensorsEntry& e : header->entries) {
+  for (const SafetensorsEntry& e : file->header().entries) {
     ASSIGN_OR_RETURN(at::ScalarType st, ScalarTypeOf(e.dtype));
-    // Copy out of the file buffer (which dies with this function) before converting.
+    // Straight from the file into the tensor: only one tensor is ever held in a second dtype.
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(st));
-    // An empty tensor's data_ptr may be null, and memcpy with null is undefined even for 0 bytes.
-    if (e.end > e.begin) {
-      std::memcpy(t.data_ptr(), bytes.data() + header->data_start + e.begin, e.end - e.begin);
-    }
+    RETURN_IF_ERROR(file->Read(e, static_cast<char*>(t.data_ptr())));
     if (at::isFloatingType(st)) t = t.to(float_dtype);
     out[e.name] = t;
   }
+  ASSIGN_OR_RETURN(FileDigest whole, file->Finish());
+  if (digest != nullptr) *digest = whole;
   return out;
 }
 
@@ -100,36 +96,40 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
       absl::StrCat(dir, ": neither model.safetensors nor model.safetensors.index.json"));
 }
 
-absl::StatusOr<std::string> SerializeTensors(const TensorMap& tensors,
-                                             const std::string& stored_dtype) {
+absl::StatusOr<FileDigest> SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,
+                                               const std::string& stored_dtype,
+                                               const TensorTransform& transform) {
   ASSIGN_OR_RETURN(auto stored, StoredType(stored_dtype));
-  std::vector<at::Tensor> keep;  // owns the converted buffers while serializing
-  std::vector<SafetensorsOutput> outs;
+  std::vector<SafetensorsSpec> specs;
   for (const auto& [name, t] : tensors) {
-    at::Tensor c = t.detach();
     std::string dtype;
-    if (at::isFloatingType(c.scalar_type())) {
-      c = c.to(stored.first);
+    if (at::isFloatingType(t.scalar_type())) {
       dtype = stored.second;
-    } else if (c.scalar_type() == at::kLong) {
+    } else if (t.scalar_type() == at::kLong) {
       dtype = "I64";
-    } else if (c.scalar_type() == at::kInt) {
+    } else if (t.scalar_type() == at::kInt) {
       dtype = "I32";
     } else {
       return absl::InvalidArgumentError(absl::StrCat("cannot save tensor ", name));
     }
-    c = c.cpu().contiguous();
-    keep.push_back(c);
-    outs.push_back({name, dtype, c.sizes().vec(),
-                    absl::string_view(static_cast<const char*>(c.data_ptr()), c.nbytes())});
+    specs.push_back({name, dtype, t.sizes().vec()});
   }
-  return SerializeSafetensors(outs, {{"format", "pt"}});
-}
-
-absl::Status SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,
-                                 const std::string& stored_dtype) {
-  ASSIGN_OR_RETURN(std::string bytes, SerializeTensors(tensors, stored_dtype));
-  return WriteFileAtomically(path, bytes);
+  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> file,
+                   SafetensorsWriter::Open(path, std::move(specs), {{"format", "pt"}}));
+  for (const SafetensorsSpec& spec : file->order()) {
+    // One tensor at a time in the stored dtype on the CPU: the file is never held whole.
+    const at::Tensor& t = tensors.at(spec.name);
+    at::Tensor c = (transform ? transform(spec.name, t) : t).detach();
+    if (c.sizes() != t.sizes()) {
+      return absl::InternalError(
+          absl::StrCat("saving ", spec.name, ": its transform changed its shape"));
+    }
+    if (at::isFloatingType(c.scalar_type())) c = c.to(stored.first);
+    c = c.cpu().contiguous();
+    RETURN_IF_ERROR(
+        file->Append(absl::string_view(static_cast<const char*>(c.data_ptr()), c.nbytes())));
+  }
+  return file->Commit();
 }
 
 }  // namespace tinkerd

@@ -3,11 +3,13 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "runner/model/safetensors.h"  // FileDigest
 
 namespace tinkerd {
 
@@ -17,20 +19,22 @@ using TensorMap = std::map<std::string, at::Tensor>;
 // model.safetensors.index.json. Float tensors are converted to `float_dtype`.
 absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype);
 
-// Loads one safetensors file.
-absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype);
+// Loads one safetensors file, a tensor at a time (the file is never held whole), and its digest
+// when `digest` is set.
+absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype,
+                                              FileDigest* digest = nullptr);
 
 // The dtype and the safetensors dtype of a stored dtype name: "float32", "bfloat16", "float16" or
 // "float64".
 absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::string& name);
 
-// The safetensors bytes of `tensors`, float tensors converted to `stored_dtype` ("float32",
-// "bfloat16", "float16" or "float64").
-absl::StatusOr<std::string> SerializeTensors(const TensorMap& tensors,
-                                             const std::string& stored_dtype);
-
-// SerializeTensors, written to `path` atomically.
-absl::Status SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,
-                                 const std::string& stored_dtype);
+// Writes `tensors` to `path` atomically, float tensors converted to `stored_dtype` ("float32",
+// "bfloat16", "float16" or "float64") one at a time; the digest of the file written. With
+// `transform`, each tensor is written as transform(name, tensor) (same shape), made when its turn
+// comes: one transformed tensor is held at a time.
+using TensorTransform = std::function<at::Tensor(const std::string& name, const at::Tensor& t)>;
+absl::StatusOr<FileDigest> SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,
+                                               const std::string& stored_dtype,
+                                               const TensorTransform& transform = nullptr);
 
 }  // namespace tinkerd

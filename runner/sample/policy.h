@@ -15,6 +15,7 @@
 #include "runner/model/rope.h"
 #include "runner/model/transformer.h"
 #include "runner/tokenizer/token_texts.h"
+#include "runner/util/memory_account.h"
 
 namespace tinkerd {
 
@@ -28,6 +29,10 @@ struct Policy {
   std::string model_id;  // empty: the base model
   int64_t step = 0;      // the model's optimizer steps when it was frozen
   int64_t bytes = 0;     // memory the policy holds beyond the base's
+  // Those bytes, held in the runner's memory account for the policy's life (none under data
+  // parallelism: rank 0 alone samples, and every rank's account must admit the same models).
+  // Shared by copies of the policy, which share its tensors.
+  std::shared_ptr<const Reservation> memory;
   // The base model's tokenizer, to match stop strings; null when its directory has none.
   std::shared_ptr<const TokenTexts> texts;
 };

@@ -10,6 +10,8 @@
 
 #include "runner/checkpoint/store.h"
 #include "runner/model/safetensors.h"
+#include "runner/model/weights.h"
+#include "runner/sample/policy.h"
 #include "tests/test_util.h"
 
 namespace tinkerd::testing {
@@ -330,6 +332,97 @@ TEST(SamplerExport, PeftAdapterHasPeftNamesAndConfig) {
   full.lora.reset();
   EXPECT_EQ(r->SaveWeightsForSampler(*r->CreateModel(full), dir.Sub("s/x"), false, false).code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// Loads and sampler copies hold memory a client asked for: they reserve it in the runner's account
+// first, and past it they are RESOURCE_EXHAUSTED, naming the call, with nothing changed; with room
+// again the same calls succeed.
+TEST(Checkpoint, LoadsAndSamplerCopiesReserveTheirMemoryFirst) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("llama"));
+  auto r = MakeRunner(model);
+  const std::string src = *r->CreateModel(Lora());
+  Step(*r, src, 0);
+  ASSERT_TRUE(r->SaveState(src, dir.Sub("c/one"), {}).ok());
+  const std::string target = *r->CreateModel(Lora());
+  const auto before = Flat(Snap(*r, target, StateKind::kParams));
+  const std::shared_ptr<MemoryAccount> account = r->memory_account();
+  const int64_t held = account->reserved();
+  {
+    auto full = account->Reserve(account->capacity() - held, "the test", "");
+    ASSERT_TRUE(full.ok()) << full.status();
+    const absl::Status load = r->LoadState(target, dir.Sub("c/one"), true);
+    EXPECT_EQ(load.code(), absl::StatusCode::kResourceExhausted) << load;
+    EXPECT_NE(load.message().find("load_state: the checkpoint's tensors"), std::string::npos)
+        << load;
+    EXPECT_EQ(Flat(Snap(*r, target, StateKind::kParams)), before) << "a refused load changed it";
+    const auto copy = r->FreezePolicy(src);
+    EXPECT_EQ(copy.status().code(), absl::StatusCode::kResourceExhausted) << copy.status();
+    EXPECT_NE(copy.status().message().find("create_sampler: the sampler's copy"), std::string::npos)
+        << copy.status();
+    EXPECT_EQ(r->CreateModelFromState(dir.Sub("c/one"), true, "").status().code(),
+              absl::StatusCode::kResourceExhausted);
+  }
+  EXPECT_EQ(account->reserved(), held) << "refusals hold nothing";
+  ASSERT_TRUE(r->LoadState(target, dir.Sub("c/one"), true).ok());
+  EXPECT_EQ(Flat(Snap(*r, target, StateKind::kParams)), Flat(Snap(*r, src, StateKind::kParams)));
+  EXPECT_EQ(account->reserved(), held) << "a load holds its tensors only while it runs";
+  auto copy = r->FreezePolicy(src);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(account->reserved(), held + (*copy)->bytes) << "a sampler's copy is held";
+  copy = absl::StatusOr<std::shared_ptr<const Policy>>(nullptr);
+  EXPECT_EQ(account->reserved(), held);
+}
+
+// Safetensors files are written and read a tensor at a time. Under an address-space limit that
+// leaves 48 MiB beside 64 MiB of tensors, a save of them finishes, and once they are freed so
+// does a load back (64 MiB of tensors in 112 MiB of room). Broken control: the whole-file way
+// saves used (the file serialized into memory, 64 MiB) dies under the same limit, as does the
+// whole-file way loads used (the file read into memory beside its tensors, 128 MiB).
+void SaveAndLoad(bool whole_file) {
+  TempDir dir;
+  const std::string path = dir.Sub("big.safetensors");
+  TensorMap tensors;
+  for (int i = 0; i < 4; ++i) tensors[absl::StrCat("w", i)] = at::rand({4 << 20}, at::kFloat);
+  if (!LimitAddressSpace(48 << 20)) _exit(2);
+  if (whole_file) {
+    std::vector<SafetensorsOutput> outs;
+    for (const auto& [name, t] : tensors) {
+      outs.push_back({name, "F32", t.sizes().vec(),
+                      absl::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes())});
+    }
+    const auto bytes = SerializeSafetensors(outs, {});
+    if (!bytes.ok() || !WriteFileAtomically(path, *bytes).ok()) _exit(3);
+  } else if (!SaveSafetensorsFile(path, tensors, "float32").ok()) {
+    _exit(3);
+  }
+  tensors.clear();
+  if (whole_file) {
+    const auto bytes = ReadFileToString(path);
+    if (!bytes.ok()) _exit(4);
+  }
+  const auto back = LoadSafetensorsFile(path, at::kFloat);
+  if (!back.ok() || back->size() != 4) _exit(5);
+}
+
+void SaveAndLoadUnderALimit(bool whole_file) {
+  try {
+    SaveAndLoad(whole_file);
+  } catch (const std::exception&) {  // std::bad_alloc
+    _exit(6);
+  }
+  _exit(0);
+}
+
+TEST(CheckpointFilesDeathTest, ASaveAndALoadHoldNoCopyOfTheWholeFile) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "a sanitizer's allocator maps memory of its own, which the limit refuses";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(SaveAndLoadUnderALimit(/*whole_file=*/false), ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      SaveAndLoadUnderALimit(/*whole_file=*/true),
+      [](int status) { return !WIFEXITED(status) || WEXITSTATUS(status) != 0; }, "");
 }
 
 }  // namespace

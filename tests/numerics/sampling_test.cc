@@ -881,13 +881,17 @@ TEST_F(SamplingTest, SamplesAndTrainingCallsShareOneMemoryAccount) {
   r.num_samples = 8;
   r.params.max_tokens = 60;
   // What each needs, from a runner whose account is large.
-  int64_t model_bytes = 0, call_bytes = 0;
+  int64_t model_bytes = 0, call_bytes = 0, policy_bytes = 0;
   {
     auto probe = MakeRunner(path);
     ASSERT_NE(probe, nullptr);
     auto id = probe->CreateModel(options);
     ASSERT_TRUE(id.ok()) << id.status();
     model_bytes = probe->memory_account()->reserved();
+    auto frozen = probe->FreezePolicy(*id);
+    ASSERT_TRUE(frozen.ok()) << frozen.status();
+    policy_bytes = probe->memory_account()->reserved() - model_bytes;
+    EXPECT_EQ(policy_bytes, (*frozen)->bytes) << "a sampler's copy is held in the account";
     CallShape shape;
     shape.tokens = 70;
     shape.compute_bytes = 8;
@@ -901,8 +905,8 @@ TEST_F(SamplingTest, SamplesAndTrainingCallsShareOneMemoryAccount) {
   rc.base_model_path = path;
   rc.compute_dtype = ComputeDType::kFloat64;
   rc.device = TestDevice();
-  rc.memory_budget_bytes =
-      model_bytes + std::max(call_bytes, kv_bytes) + std::min(call_bytes, kv_bytes) / 2;
+  rc.memory_budget_bytes = model_bytes + policy_bytes + std::max(call_bytes, kv_bytes) +
+                           std::min(call_bytes, kv_bytes) / 2;
   auto small = ModelRunner::Create(rc);
   ASSERT_TRUE(small.ok()) << small.status();
   auto id = (*small)->CreateModel(options);
@@ -920,7 +924,7 @@ TEST_F(SamplingTest, SamplesAndTrainingCallsShareOneMemoryAccount) {
                            ++answered;
                          })
                   .ok());
-  EXPECT_EQ((*small)->memory_account()->reserved(), model_bytes + kv_bytes);
+  EXPECT_EQ((*small)->memory_account()->reserved(), model_bytes + policy_bytes + kv_bytes);
   const absl::StatusOr<ForwardBackwardResult> refused =
       (*small)->ForwardBackward(*id, data, "cross_entropy", {});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
@@ -931,8 +935,11 @@ TEST_F(SamplingTest, SamplesAndTrainingCallsShareOneMemoryAccount) {
   while (engine.Step()) {
   }
   EXPECT_EQ(answered, 1);
-  EXPECT_EQ((*small)->memory_account()->reserved(), model_bytes)
+  EXPECT_EQ((*small)->memory_account()->reserved(), model_bytes + policy_bytes)
       << "the sample gave its share back";
+  *policy = nullptr;
+  EXPECT_EQ((*small)->memory_account()->reserved(), model_bytes)
+      << "the sampler's copy went with its last holder";
   const absl::StatusOr<ForwardBackwardResult> ran =
       (*small)->ForwardBackward(*id, data, "cross_entropy", {});
   ASSERT_TRUE(ran.ok()) << ran.status();
