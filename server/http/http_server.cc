@@ -95,7 +95,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
 
   void Read() {
     parser_.emplace();
-    body_limit_ = server_->config.max_body_bytes;
+    SetBodyLimit(/*json=*/false);
     parser_->body_limit(static_cast<uint64_t>(body_limit_));
     parser_->header_limit(kMaxHeaderBytes);
     Lowest().expires_after(absl::ToChronoSeconds(server_->config.idle_timeout));
@@ -127,10 +127,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     }
     Request head = RequestOf(msg);
     // A JSON body becomes a DOM several times its size: it gets the smaller limit.
-    body_limit_ =
-        head.content_type == "application/json"
-            ? std::min(server_->config.max_body_bytes, server_->config.max_json_body_bytes)
-            : server_->config.max_body_bytes;
+    SetBodyLimit(head.content_type == "application/json");
     parser_->body_limit(static_cast<uint64_t>(body_limit_));
     if (server_->admit) {
       std::optional<Response> refused = server_->admit(head);
@@ -196,12 +193,27 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     body_memory_ = Reservation();
   }
 
+  // A JSON body becomes a DOM several times its size: it gets the smaller limit. And none may be
+  // larger than the memory account holds for bodies: such a body would be refused 429 for ever.
+  void SetBodyLimit(bool json) {
+    const HttpServerConfig& c = server_->config;
+    body_limit_ = c.max_body_bytes;
+    body_limit_why_ = "";
+    if (json && c.max_json_body_bytes < body_limit_) {
+      body_limit_ = c.max_json_body_bytes;
+      body_limit_why_ = " for a JSON body";
+    }
+    if (c.account != nullptr && c.account->capacity() < body_limit_) {
+      body_limit_ = c.account->capacity();
+      body_limit_why_ = " (what its memory budget holds for request bodies)";
+    }
+  }
+
   Response TooLarge() const {
     return {413,
             "application/json",
-            ErrorBody(absl::StrCat(
-                "body: larger than the server's limit of ", body_limit_, " bytes",
-                body_limit_ < server_->config.max_body_bytes ? " for a JSON body" : "")),
+            ErrorBody(absl::StrCat("body: larger than the server's limit of ", body_limit_,
+                                   " bytes", body_limit_why_)),
             {}};
   }
 
@@ -429,7 +441,8 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
   bhttp::response<bhttp::string_body> response_;
   std::optional<bhttp::response<TarBody>> tar_response_;
   std::optional<bhttp::response<bhttp::empty_body>> head_response_;
-  int64_t body_limit_ = 0;  // the request's: the JSON one or the general one
+  int64_t body_limit_ = 0;  // the request's: the JSON one or the general one, or the account's
+  const char* body_limit_why_ = "";
   bool keep_alive_ = true;
   bool counted_ = true;        // holds one of the server's connection slots
   bool keyed_ = false;         // counted in the quota for key_

@@ -172,17 +172,30 @@ void TinkerApi::Handle(Request req, Respond respond) {
   // The DOM is held in the memory account until the handler has read it (handlers read their
   // body before they return).
   std::vector<Reservation> held;
+  int64_t charged = 0;
+  bool never_fits = false;  // the DOM needs more than the account's whole capacity
   const auto charge = [&](int64_t bytes) -> absl::Status {
     if (config_.account == nullptr) return absl::OkStatus();
+    if (charged + bytes + static_cast<int64_t>(req.body.size()) > config_.account->capacity()) {
+      never_fits = true;
+    }
     absl::StatusOr<Reservation> r = config_.account->Reserve(
         bytes, absl::StrCat(route.label, ": the request's JSON body"), "; retry shortly");
     if (!r.ok()) return r.status();
+    charged += bytes;
     held.push_back(*std::move(r));
     return absl::OkStatus();
   };
   absl::StatusOr<JsonDom> parsed = req.body.empty()
                                        ? absl::StatusOr<JsonDom>(JsonDom(new Json(Json::object())))
                                        : ParseJsonBody(req.body, charge);
+  if (!parsed.ok() && never_fits) {
+    // Retried, it would be refused again: 413, not 429.
+    return respond(Error(
+        413, absl::StrCat("body: its JSON needs more than the ", config_.account->capacity() >> 20,
+                          " MiB the server's memory budget holds for request "
+                          "bodies; send it in smaller requests")));
+  }
   if (!parsed.ok()) return respond(Error(parsed.status()));
   const Json& body = **parsed;
   if (route.kind == Kind::kFinishSession) {

@@ -36,13 +36,16 @@ struct LiveServer {
   std::unique_ptr<v1::Tinkerd::Stub> stub;
 
   // `tokenizer`: the model directory gets tests/test_util.h's tokenizer.json (for stop strings).
+  // `memory_budget_bytes`: the runner's memory account (0: the default).
   explicit LiveServer(ServerConfig sc = {}, int64_t micro_batch_tokens = 4096,
-                      ComputeDType dt = ComputeDType::kFloat64, bool tokenizer = false) {
+                      ComputeDType dt = ComputeDType::kFloat64, bool tokenizer = false,
+                      int64_t memory_budget_bytes = 0) {
     model_dir = WriteModel(dir, TinyConfig("llama"));
     if (tokenizer) WriteTokenizerJson(model_dir, TinyConfig("llama").vocab_size);
     sc.listen_address = "127.0.0.1:0";
     sc.checkpoint_root = dir.Sub("checkpoints");
-    auto runner = MakeRunner(model_dir, dt, micro_batch_tokens);
+    auto runner =
+        MakeRunner(model_dir, dt, micro_batch_tokens, ShardMode::kNone, memory_budget_bytes);
     auto s = TinkerdServer::Start(sc, std::move(runner));
     EXPECT_TRUE(s.ok()) << s.status().message();
     server = std::move(*s);

@@ -54,7 +54,7 @@ class TinkerHttp : public ::testing::Test {
     sc.tinker_http.archive = archive_;
     sc.tinker_http.peek_bytes = peek_bytes_;
     sc.sampling.max_samplers_per_tenant = max_samplers_;
-    live_ = std::make_unique<LiveServer>(sc);
+    live_ = std::make_unique<LiveServer>(sc, 4096, ComputeDType::kFloat64, false, memory_budget_);
     port_ = live_->server->tinker_http_port();
     ASSERT_GT(port_, 0);
   }
@@ -69,7 +69,7 @@ class TinkerHttp : public ::testing::Test {
     httplib::Result r = method == "GET"      ? cli.Get(path, h)
                         : method == "DELETE" ? cli.Delete(path, h)
                                              : cli.Post(path, h, body, type);
-    EXPECT_TRUE(r) << method << " " << path << ": no answer";
+    EXPECT_TRUE(r) << method << " " << path << ": no answer: " << httplib::to_string(r.error());
     if (!r) return {};
     return {r->status, r->get_header_value("Content-Type"), r->body};
   }
@@ -179,6 +179,7 @@ class TinkerHttp : public ::testing::Test {
   int max_samplers_ = 32;
   http::ArchiveConfig archive_;
   int64_t peek_bytes_ = 1 << 20;
+  int64_t memory_budget_ = 0;  // the runner's (0: the default)
   TempDir keys_dir_;
   std::unique_ptr<LiveServer> live_;
   int port_ = 0;
@@ -1225,6 +1226,45 @@ TEST_F(TinkerHttp, AJsonBodyIsHeldInTheMemoryAccountWhileItIsRead) {
   EXPECT_FALSE(served.json().value("request_id", "").empty()) << served.body;
   EXPECT_EQ(Await(served.json().value("request_id", "")).status, 200);
   EXPECT_EQ(account->reserved(), used) << "a served body's charge outlived its request";
+}
+
+// Issue 36: a body that can never fit what the memory budget holds for request bodies (a quarter)
+// is 413, which a client does not retry, where it was 429 for ever: one larger than the quarter,
+// refused from its headers, and a JSON body whose DOM would need more than the quarter, refused
+// as it is read. Control: a body that fits is served.
+TEST_F(TinkerHttp, BodiesThatCanNeverFitTheMemoryBudgetAre413) {
+  if (TestDevice() != "cpu") GTEST_SKIP() << "JSON bodies take the CPU's account only";
+  memory_budget_ = 16 << 20;  // the HTTP bodies' quarter: 4 MiB
+  Start(absl::Seconds(30));
+  // Announced and not sent: the answer comes from the headers.
+  RawClient raw(port_);
+  ASSERT_TRUE(raw.Send(
+      absl::StrCat("POST /api/v1/asample HTTP/1.1\r\nHost: t\r\nX-API-Key: ", kAlice,
+                   "\r\nContent-Type: application/json\r\nContent-Length: ", 5 << 20, "\r\n\r\n")));
+  const std::optional<RawClient::Answer> larger = raw.Read();
+  ASSERT_TRUE(larger.has_value());
+  EXPECT_EQ(larger->status, 413) << larger->body;
+  EXPECT_NE(larger->body.find("body: larger than the server's limit of 4194304 bytes (what its "
+                              "memory budget holds for request bodies)"),
+            std::string::npos)
+      << larger->body;
+  // 1 MiB of one-digit tokens: a DOM of ~24 MiB.
+  std::string tokens;
+  while (tokens.size() < (1 << 20)) tokens += "1,";
+  tokens += "1";
+  const std::string dense = R"({"prompt":{"chunks":[{"type":"encoded_text","tokens":[)" + tokens +
+                            R"(]}]},"sampling_params":{"max_tokens":1},"num_samples":1})";
+  const Reply dom = Send("POST", "/api/v1/asample", dense);
+  EXPECT_EQ(dom.status, 413) << dom.body;
+  EXPECT_NE(dom.body.find("body: its JSON needs more than the 4 MiB the server's memory budget "
+                          "holds for request bodies"),
+            std::string::npos)
+      << dom.body;
+  const Reply fits =
+      Post("asample", {{"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
+                       {"sampling_params", {{"max_tokens", 1}}}});
+  ASSERT_EQ(fits.status, 200) << fits.body;
+  EXPECT_EQ(Await(fits.json().value("request_id", "")).status, 200);
 }
 
 TEST_F(TinkerHttp, AKeyDescribesItselfAndIsNotDeletedOverHttp) {
