@@ -396,9 +396,10 @@ TEST(MemoryCap, AFloodOfSamplesAndBodiesLeavesAnotherTenantTrainingAndTheServerA
   EXPECT_GT(flood.Count("sample 429") + flood.Count("sample failed"), 0) << report;
   EXPECT_GT(flood.Count("keyless 401"), 0) << report;
   EXPECT_EQ(flood.Count("keyless") - flood.Count("keyless 401"), 0) << report;
-  // A dense body is parsed (its prompt then fails, being longer than the context) or, when the
-  // account has no room for it then, refused 429 before or while it is parsed (how often depends
-  // on what the samples hold at that moment); a nested one is 400. Never a 5xx or no answer.
+  // A dense body is parsed (its prompt then fails, being longer than the context), refused 413
+  // where its DOM would need more than HTTP's quarter of the account, or, when the account has no
+  // room for it then, refused 429 before or while it is parsed (how often depends on what the
+  // samples hold at that moment); a nested one is 400. Never a 5xx or no answer.
   EXPECT_GT(flood.Count("body 400 body: its JSON would take"), 0) << report;
   EXPECT_EQ(flood.Count("body 5") + flood.Count("body: no answer"), 0) << report;
   EXPECT_EQ(flood.Count("sample: no answer") + flood.Count("sample 5"), 0) << report;
