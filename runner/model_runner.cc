@@ -947,6 +947,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
       count(w.lora->Parameters());
       policy->lora = std::move(w.lora);
     }
+    reading.reset();  // the read's bound, now that its exact bytes are known
     ASSIGN_OR_RETURN(policy->memory, impl_->ReservePolicy(policy->bytes));
     return std::shared_ptr<const Policy>(std::move(policy));
   });

@@ -344,6 +344,7 @@ TEST(Checkpoint, LoadsAndSamplerCopiesReserveTheirMemoryFirst) {
   const std::string src = *r->CreateModel(Lora());
   Step(*r, src, 0);
   ASSERT_TRUE(r->SaveState(src, dir.Sub("c/one"), {}).ok());
+  ASSERT_TRUE(r->SaveWeightsForSampler(src, dir.Sub("c/export"), /*merged=*/false, false).ok());
   const std::string target = *r->CreateModel(Lora());
   const auto before = Flat(Snap(*r, target, StateKind::kParams));
   const std::shared_ptr<MemoryAccount> account = r->memory_account();
@@ -362,6 +363,8 @@ TEST(Checkpoint, LoadsAndSamplerCopiesReserveTheirMemoryFirst) {
         << copy.status();
     EXPECT_EQ(r->CreateModelFromState(dir.Sub("c/one"), true, "").status().code(),
               absl::StatusCode::kResourceExhausted);
+    const auto loaded = r->LoadPolicy(dir.Sub("c/export"));
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kResourceExhausted) << loaded.status();
   }
   EXPECT_EQ(account->reserved(), held) << "refusals hold nothing";
   ASSERT_TRUE(r->LoadState(target, dir.Sub("c/one"), true).ok());
@@ -372,6 +375,10 @@ TEST(Checkpoint, LoadsAndSamplerCopiesReserveTheirMemoryFirst) {
   EXPECT_EQ(account->reserved(), held + (*copy)->bytes) << "a sampler's copy is held";
   copy = absl::StatusOr<std::shared_ptr<const Policy>>(nullptr);
   EXPECT_EQ(account->reserved(), held);
+  auto loaded = r->LoadPolicy(dir.Sub("c/export"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_GT((*loaded)->bytes, 0);
+  EXPECT_EQ(account->reserved(), held + (*loaded)->bytes) << "an export's copy is held, exactly";
 }
 
 // Safetensors files are written and read a tensor at a time. Under an address-space limit that
