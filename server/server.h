@@ -33,6 +33,7 @@ class TinkerdServer {
   void Shutdown();
   ModelRunner* runner() const { return runner_.get(); }
   Scheduler* scheduler() const { return scheduler_.get(); }
+  Ops* ops() const { return ops_.get(); }
   // False once a rank of a data-parallel job failed (health is NOT_SERVING then).
   bool healthy() const { return replicated_->healthy(); }
   // What health says: started, not stopping, not stalled (StallWatch) and no rank failed.

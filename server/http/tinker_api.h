@@ -59,7 +59,8 @@ class TinkerApi {
   // HttpServer's Admit: a request whose key is missing or unknown is answered 401 from its
   // headers, before its body is read (Handle answers the same for a request that got past).
   std::optional<Response> Admit(const Request& head) const;
-  // Starts ending idle sessions (when config.session_idle is set); once the server serves.
+  // Starts ending idle sessions (when config.session_idle is set) and deleting expired checkpoints
+  // (once a minute); once the server serves.
   void StartReaper();
   // Answers parked polls (503) and forgets every future; for shutdown, after the scheduler
   // stopped (so no result lands any more) and before the HTTP server goes.
@@ -86,6 +87,8 @@ class TinkerApi {
   // Ends the sessions idle past config.session_idle and deletes their models and samplers; then
   // again later.
   void Reap();
+  // Deletes the checkpoints whose ttl ran out (Ops::ExpireCheckpoints); then again in a minute.
+  void ExpireCheckpoints();
   // Training (tinker_training.cc).
   void CreateModel(const std::string& tenant, const Json& body, Respond respond);
   void GetInfo(const std::string& tenant, const Json& body, Respond respond);

@@ -694,10 +694,25 @@ absl::Status RefuseUnservedSaveFields(const nlohmann::json& body) {
       !(kind->is_string() && kind->get<std::string>() == "snapshot")) {
     return Invalid("kind", "only 'snapshot' samplers are served (inflight ones are not yet)");
   }
-  if (IsOn(body, "ttl_seconds")) {
-    return Invalid("ttl_seconds", "checkpoint lifetimes are not served yet; leave it unset");
-  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<absl::Duration>> TtlFromTinker(const nlohmann::json& body) {
+  constexpr int64_t kMin = 3600, kMax = int64_t{10} * 365 * 86400;
+  if (!body.is_object()) return std::nullopt;
+  auto it = body.find("ttl_seconds");
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  // Read as the type it was parsed as: values past int64 are out of range, never wrapped.
+  const bool in_range =
+      it->is_number_unsigned()  ? it->get<uint64_t>() >= kMin && it->get<uint64_t>() <= kMax
+      : it->is_number_integer() ? it->get<int64_t>() >= kMin && it->get<int64_t>() <= kMax
+                                : false;
+  if (!in_range) {
+    return Invalid("ttl_seconds",
+                   absl::StrCat("must be an integer from ", kMin, " (one hour) to ", kMax,
+                                " (ten years), or null for a checkpoint that never expires"));
+  }
+  return absl::Seconds(it->get<int64_t>());
 }
 
 absl::StatusOr<Page> PageFromQuery(absl::string_view query) {

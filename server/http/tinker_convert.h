@@ -18,6 +18,7 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "tinker_public/tinker_public.pb.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
@@ -98,8 +99,13 @@ absl::Status TargetPromptFromTinker(const nlohmann::json& t, int64_t max_rows, i
 absl::Status PromptFromTinker(const nlohmann::json* prompt, v1::ModelInput* out);
 absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::SamplingParams* out);
 
+// A checkpoint's lifetime, `ttl_seconds` of save_weights, save_weights_for_sampler, copy_weights
+// and the checkpoint's ttl endpoint: null or absent is forever; else an integer from 3600 (one
+// hour) to 315,360,000 (ten years), as Tinker bounds it; else INVALID_ARGUMENT naming the field.
+absl::StatusOr<std::optional<absl::Duration>> TtlFromTinker(const nlohmann::json& body);
+
 // Fields of SDK 0.38's asample (record_stability_info) and
-// save_weights_for_sampler (kind inflight, ttl_seconds) bodies that tinkerd does not serve yet:
+// save_weights_for_sampler (kind inflight) bodies that tinkerd does not serve yet:
 // a value other than the field's "off" value (absent, null, 0, false, "snapshot") is refused,
 // INVALID_ARGUMENT naming the field, rather than silently ignored (docs/http.md lists them).
 absl::Status RefuseUnservedSampleFields(const nlohmann::json& body);

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "runner/util/echo.h"
+#include "server/http/json_body.h"
 #include "server/http/tinker_api.h"
 #include "server/http/tinker_convert.h"
 #include "server/http/tinker_json.h"
@@ -18,8 +19,13 @@ namespace {
 Json CheckpointJson(const CheckpointEntry& c) {
   // checkpoint_id is what follows the model id in the path: "weights/<name>".
   const std::string id = c.path.substr(c.path.find('/', sizeof("tinker://") - 1) + 1);
-  return Json{{"checkpoint_id", id},   {"checkpoint_type", c.kind},  {"time", IsoTime(c.time)},
-              {"tinker_path", c.path}, {"size_bytes", c.size_bytes}, {"public", false}};
+  return Json{{"checkpoint_id", id},
+              {"checkpoint_type", c.kind},
+              {"time", IsoTime(c.time)},
+              {"tinker_path", c.path},
+              {"size_bytes", c.size_bytes},
+              {"public", false},
+              {"expires_at", c.expires_at ? Json(IsoTime(*c.expires_at)) : Json(nullptr)}};
 }
 
 // The page of `items` that `page` asks for, as {key: [...], "cursor"}.
@@ -73,6 +79,23 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
         tenant, req,
         absl::StrCat("tinker://", aliases_.Resolve(tenant, parts[1]), "/", parts[3], "/", parts[4]),
         std::move(respond));
+  }
+  // RestClient.set_checkpoint_ttl_from_tinker_path: PUT .../checkpoints/<kind>/<name>/ttl
+  // {"ttl_seconds": seconds from now, or null for never}.
+  if (parts.size() == 6 && parts[2] == "checkpoints" && parts[5] == "ttl") {
+    if (method != "PUT") return respond(Error(405, absl::StrCat(endpoint, ": use PUT")));
+    // {"ttl_seconds": n} is a few bytes: a larger body is refused before its parse.
+    if (req.body.size() > 1024) return respond(Error(413, "body: a ttl takes at most 1 KiB"));
+    absl::StatusOr<JsonDom> body =
+        ParseJsonBody(req.body.empty() ? "{}" : req.body, [](int64_t) { return absl::OkStatus(); });
+    if (!body.ok()) return respond(Error(body.status()));
+    const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(**body);
+    if (!ttl.ok()) return respond(Error(ttl.status()));
+    const absl::Status st = ops_->SetCheckpointExpiry(
+        tenant,
+        absl::StrCat("tinker://", aliases_.Resolve(tenant, parts[1]), "/", parts[3], "/", parts[4]),
+        *ttl ? std::optional<absl::Time>(absl::Now() + **ttl) : std::nullopt);
+    return respond(st.ok() ? JsonResponse(Json::object()) : Error(st));
   }
   const bool del = parts.size() == 5 && parts[2] == "checkpoints";
   const bool get = parts.size() <= 3 && (parts.size() < 3 || parts[2] == "checkpoints");

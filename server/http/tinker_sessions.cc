@@ -280,8 +280,14 @@ void TinkerApi::SearchSessions(const std::string& tenant, const Json& body, Resp
 }
 
 void TinkerApi::StartReaper() {
+  ExpireCheckpoints();
   if (config_.session_idle <= absl::ZeroDuration()) return;
   after_(std::max(config_.session_idle / 4, absl::Milliseconds(50)), [this] { Reap(); });
+}
+
+void TinkerApi::ExpireCheckpoints() {
+  ops_->ExpireCheckpoints(absl::Now());
+  after_(absl::Minutes(1), [this] { ExpireCheckpoints(); });
 }
 
 void TinkerApi::Reap() {

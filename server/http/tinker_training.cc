@@ -18,6 +18,27 @@ namespace tinkerd::http {
 
 using Json = TinkerApi::Json;
 
+namespace {
+
+// `done`, once the checkpoint its response names has its lifetime (`ttl` from now; none: as it
+// is). A checkpoint whose lifetime could not be set is the call's error, though it was saved.
+template <typename Resp>
+Done<Resp> AfterExpirySet(Ops* ops, const std::string& tenant, std::optional<absl::Duration> ttl,
+                          Done<Resp> done) {
+  if (!ttl) return done;
+  return [ops, tenant, ttl, done = std::move(done)](absl::StatusOr<Resp> r) {
+    if (r.ok()) {
+      if (absl::Status st = ops->SetCheckpointExpiry(tenant, r->path(), absl::Now() + *ttl);
+          !st.ok()) {
+        r = st;
+      }
+    }
+    done(std::move(r));
+  };
+}
+
+}  // namespace
+
 void TinkerApi::AddSessionModel(const std::string& tenant, const std::string& session_id,
                                 int64_t model_seq_id, const std::string& model_id) {
   aliases_.Add(tenant, session_id, model_seq_id, model_id);
@@ -203,10 +224,11 @@ void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond
   req.set_seq_id(f.Int("seq_id"));
   req.set_name(f.Str("path"));
   req.set_overwrite(f.OptBool("overwrite").value_or(false));
-  f.OptInt("ttl_seconds");  // checkpoints live until deleted
   // Tinker's save_state never refuses for pending gradients: they are saved with the weights.
   req.set_include_accumulated(true);
   if (!f.status().ok()) return respond(Error(f.status()));
+  const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
+  if (!ttl.ok()) return respond(Error(ttl.status()));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
@@ -214,8 +236,8 @@ void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond
   CallIntoFuture<v1::SaveStateResponse>(
       &futures_, tenant, CallKey{request_id, JsonDigest("save_weights", body), "seq_id"},
       Resend::kOperation,
-      [ops, tenant, req](Done<v1::SaveStateResponse> done) {
-        ops->SaveState(tenant, req, std::move(done));
+      [ops, tenant, req, ttl = *ttl](Done<v1::SaveStateResponse> done) {
+        ops->SaveState(tenant, req, AfterExpirySet(ops, tenant, ttl, std::move(done)));
       },
       [](const v1::SaveStateResponse& r) {
         return JsonResponse(Json{{"type", "save_weights"}, {"path", r.path()}});
@@ -284,6 +306,14 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   const std::optional<std::string> name = f.OptId("path");
   if (!f.status().ok()) return respond(Error(f.status()));
   if (auto st = RefuseUnservedSaveFields(body); !st.ok()) return respond(Error(st));
+  const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
+  if (!ttl.ok()) return respond(Error(ttl.status()));
+  if (*ttl && !name) {
+    return respond(Error(400,
+                         "ttl_seconds: a save without a path makes a sampler, not a stored "
+                         "checkpoint; it lives until --sampler_idle_s or eviction (give a path "
+                         "to store one with a lifetime)"));
+  }
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
@@ -298,8 +328,8 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
       &futures_, tenant,
       CallKey{request_id, JsonDigest("save_weights_for_sampler", body), "seq_id"},
       Resend::kOperation,
-      [ops, tenant, req](Done<v1::SaveWeightsForSamplerResponse> done) {
-        ops->SaveWeightsForSampler(tenant, req, std::move(done));
+      [ops, tenant, req, ttl = *ttl](Done<v1::SaveWeightsForSamplerResponse> done) {
+        ops->SaveWeightsForSampler(tenant, req, AfterExpirySet(ops, tenant, ttl, std::move(done)));
       },
       [](const v1::SaveWeightsForSamplerResponse& r) {
         return JsonResponse(Json{{"type", "save_weights_for_sampler"}, {"path", r.path()}});
@@ -335,13 +365,10 @@ void TinkerApi::CopyWeights(const std::string& tenant, const std::string& idempo
   const std::optional<std::string> session_id = f.OptId("session_id");
   const std::optional<int64_t> model_seq_id = f.OptInt("model_seq_id");
   const std::optional<std::string> project = f.OptId("destination_project_id");
-  const std::optional<int64_t> ttl = f.OptInt("ttl_seconds");
   const std::optional<std::string> token = f.OptStr("weights_access_token");
   if (!f.status().ok()) return respond(Error(f.status()));
-  if (ttl) {
-    return respond(
-        Error(400, "ttl_seconds: checkpoints on this server never expire; leave it out"));
-  }
+  const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
+  if (!ttl.ok()) return respond(Error(ttl.status()));
   if (token) {
     return respond(Error(400,
                          "weights_access_token: a copy is of the caller's own checkpoints only; "
@@ -356,9 +383,19 @@ void TinkerApi::CopyWeights(const std::string& tenant, const std::string& idempo
   if (session_id) {
     if (auto st = sessions_.Check(tenant, *session_id); !st.ok()) return respond(Error(st));
   }
-  absl::StatusOr<std::string> path =
-      copies_.Once(tenant, idempotency_key, JsonDigest("copy_weights", body),
-                   [&] { return ops_->CopyCheckpoint(tenant, source); });
+  absl::StatusOr<std::string> path = copies_.Once(
+      tenant, idempotency_key, JsonDigest("copy_weights", body),
+      [&]() -> absl::StatusOr<std::string> {
+        // The copy's own lifetime: never the source's.
+        absl::StatusOr<std::string> copy = ops_->CopyCheckpoint(tenant, source);
+        if (!copy.ok() || !*ttl) return copy;
+        if (absl::Status st = ops_->SetCheckpointExpiry(tenant, *copy, absl::Now() + **ttl);
+            !st.ok()) {
+          ops_->DeleteCheckpoint(tenant, *copy).IgnoreError();
+          return st;
+        }
+        return copy;
+      });
   if (!path.ok()) return respond(Error(path.status()));
   if (session_id) {
     auto copy = ParseCheckpointPath(*path);

@@ -7,6 +7,7 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "runner/checkpoint/manifest.h"
@@ -15,6 +16,7 @@
 #include "runner/model_runner.h"
 #include "runner/util/echo.h"
 #include "runner/util/hash.h"
+#include "runner/util/log.h"
 #include "server/core/checkpoint_paths.h"
 #include "server/core/convert.h"
 #include "server/core/replicated_runner.h"
@@ -34,6 +36,14 @@ uint64_t PayloadHash(const google::protobuf::Message& m, uint64_t h) {
 }
 
 namespace {
+
+// When the checkpoint in `dir` expires, if it does (kExpiryFile; unreadable reads as never).
+std::optional<absl::Time> ReadExpiry(const std::string& dir) {
+  auto text = ReadFileToString(dir + "/" + kExpiryFile);
+  int64_t seconds = 0;
+  if (!text.ok() || !absl::SimpleAtoi(*text, &seconds)) return std::nullopt;
+  return absl::FromUnixSeconds(seconds);
+}
 
 // What decoded datums hold: their tokens and loss inputs (the vectors' own headers left out).
 int64_t DatumBytes(const std::vector<Datum>& data) {
@@ -196,10 +206,12 @@ absl::StatusOr<std::vector<CheckpointEntry>> Ops::Checkpoints(const std::string&
             std::chrono::file_clock::to_sys(written)));
       }
       for (const auto& f : fs::directory_iterator(*dir, ec)) {
+        if (f.path().filename() == kExpiryFile) continue;
         std::error_code size_ec;
         const auto size = f.file_size(size_ec);
         if (!size_ec) e.size_bytes += static_cast<int64_t>(size);
       }
+      e.expires_at = ReadExpiry(*dir);
       out.push_back(std::move(e));
     }
   }
@@ -238,6 +250,57 @@ absl::Status Ops::DeleteCheckpoint(const std::string& tenant, const std::string&
   if (!path.ok()) return path.status();
   return HidePaths(tinkerd::DeleteCheckpoint(path->Fs(TenantRoot(tenant))), TenantRoot(tenant),
                    checkpoint_root_);
+}
+
+absl::Status Ops::SetCheckpointExpiry(const std::string& tenant, const std::string& uri,
+                                      std::optional<absl::Time> at) {
+  auto path = ParseCheckpointPath(uri);
+  if (!path.ok()) return path.status();
+  if (auto st = CheckOwner(path->model_id, tenant); !st.ok()) return st;
+  const std::string tenant_root = TenantRoot(tenant);
+  auto dir = ResolveCheckpoint(path->Fs(tenant_root));
+  if (!dir.ok()) return HidePaths(dir.status(), tenant_root, checkpoint_root_);
+  const std::string file = *dir + "/" + kExpiryFile;
+  if (!at) {
+    std::error_code ec;
+    std::filesystem::remove(file, ec);
+    if (ec) {
+      return HidePaths(absl::UnavailableError(absl::StrCat("ttl of ", uri, ": ", ec.message())),
+                       tenant_root, checkpoint_root_);
+    }
+    return absl::OkStatus();
+  }
+  return HidePaths(WriteFileAtomically(file, absl::StrCat(absl::ToUnixSeconds(*at))), tenant_root,
+                   checkpoint_root_);
+}
+
+int Ops::ExpireCheckpoints(absl::Time now) {
+  namespace fs = std::filesystem;
+  int expired = 0;
+  std::error_code ec;
+  for (const auto& tenant : fs::directory_iterator(checkpoint_root_, ec)) {
+    if (!tenant.is_directory(ec) || tenant.is_symlink(ec)) continue;
+    for (const auto& model : fs::directory_iterator(tenant.path(), ec)) {
+      if (!model.is_directory(ec) || model.is_symlink(ec)) continue;
+      for (const char* kind : {"weights", "sampler_weights"}) {
+        const std::string folder = (model.path() / kind).string();
+        for (const std::string& name : tinkerd::ListCheckpoints(folder)) {
+          auto dir = ResolveCheckpoint(folder + "/" + name);
+          if (!dir.ok()) continue;
+          const std::optional<absl::Time> at = ReadExpiry(*dir);
+          if (!at || *at > now) continue;
+          const absl::Status st = tinkerd::DeleteCheckpoint(folder + "/" + name);
+          if (st.ok()) {
+            ++expired;
+            TLOG_INFO("checkpoint {}/{}/{} of tenant {} expired: deleted",
+                      model.path().filename().string(), kind, name,
+                      tenant.path().filename().string());
+          }
+        }
+      }
+    }
+  }
+  return expired;
 }
 
 absl::StatusOr<std::string> Ops::CopyCheckpoint(const std::string& tenant, const std::string& uri) {
@@ -288,6 +351,7 @@ absl::StatusOr<std::vector<CheckpointFile>> Ops::CheckpointFiles(const std::stri
     std::error_code stat_ec;
     const fs::file_status st = it->symlink_status(stat_ec);
     if (stat_ec || !fs::is_regular_file(st)) continue;
+    if (it->path().filename() == kExpiryFile && it.depth() == 0) continue;  // store metadata
     out.push_back({it->path().lexically_relative(*dir).string(), it->path().string()});
   }
   if (ec) {

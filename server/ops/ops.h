@@ -14,6 +14,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,7 +42,11 @@ struct CheckpointEntry {
   std::string kind;  // "training" or "sampler"
   absl::Time time;   // when it was committed
   int64_t size_bytes = 0;
+  std::optional<absl::Time> expires_at;  // unset: never (SetCheckpointExpiry)
 };
+
+// In a checkpoint's directory, when it expires: seconds since the epoch, in decimal.
+inline constexpr char kExpiryFile[] = ".expires_at";
 
 // A file of a checkpoint, for its archive.
 struct CheckpointFile {
@@ -76,6 +81,12 @@ class Ops {
   // The models `tenant` has checkpoints of, existing or deleted since, by id.
   std::vector<std::string> CheckpointedModels(const std::string& tenant) const;
   absl::Status DeleteCheckpoint(const std::string& tenant, const std::string& path);
+  // When checkpoint `path` of `tenant` expires (nullopt: never). Kept beside its files as store
+  // metadata (kExpiryFile): an overwrite, a copy and an archive leave it behind.
+  absl::Status SetCheckpointExpiry(const std::string& tenant, const std::string& path,
+                                   std::optional<absl::Time> at);
+  // Deletes every checkpoint of every tenant that expired by `now`; how many.
+  int ExpireCheckpoints(absl::Time now);
   // Checkpoint `path` of `tenant` again, under a new run id with the same kind and name:
   // tinker://<new id>/<kind>/<name>. Its files are hard links to the source's (copies where the
   // file system cannot link), so no bytes are duplicated and deleting either leaves the other

@@ -68,6 +68,7 @@ class TinkerHttp : public ::testing::Test {
     if (!key.empty()) h.emplace("X-API-Key", key);
     httplib::Result r = method == "GET"      ? cli.Get(path, h)
                         : method == "DELETE" ? cli.Delete(path, h)
+                        : method == "PUT"    ? cli.Put(path, h, body, type)
                                              : cli.Post(path, h, body, type);
     EXPECT_TRUE(r) << method << " " << path << ": no answer: " << httplib::to_string(r.error());
     if (!r) return {};
@@ -270,9 +271,9 @@ TEST_F(TinkerHttp, BadRequestsGetAStatusAndABodyNamingTheReasonAndChangeNothing)
       {"an inflight sampler",
        Post("save_weights_for_sampler", {{"model_id", model}, {"seq_id", 1}, {"kind", "inflight"}}),
        400, "kind"},
-      {"a checkpoint lifetime",
+      {"a checkpoint lifetime under an hour",
        Post("save_weights_for_sampler",
-            {{"model_id", model}, {"seq_id", 1}, {"path", "x"}, {"ttl_seconds", 3600}}),
+            {{"model_id", model}, {"seq_id", 1}, {"path", "x"}, {"ttl_seconds", 60}}),
        400, "ttl_seconds"},
       {"stop strings mixed with token ids",
        Post("asample", {{"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {1, 2}}}}}}},
@@ -1265,6 +1266,134 @@ TEST_F(TinkerHttp, BodiesThatCanNeverFitTheMemoryBudgetAre413) {
                        {"sampling_params", {{"max_tokens", 1}}}});
   ASSERT_EQ(fits.status, 200) << fits.body;
   EXPECT_EQ(Await(fits.json().value("request_id", "")).status, 200);
+}
+
+// Checkpoint lifetimes (the cookbook saves with ttl_seconds 7 days, rolling ones 2 hours):
+// save_weights, save_weights_for_sampler and copy_weights set one, the ttl endpoint changes or
+// removes it, listings show it as expires_at, and once it has passed the checkpoint is deleted
+// (here the sweep is run at a time 3 hours on). Out of range is 400 naming ttl_seconds, as is a
+// ttl on a save that stores nothing. A copy does not take its source's lifetime, nor an archive
+// the file that holds it.
+TEST_F(TinkerHttp, CheckpointsExpireAfterTheirTtl) {
+  const std::string model = CreateModel();
+  const absl::Time before = absl::Now();
+  auto save = [&](const char* endpoint, int64_t seq, const std::string& name, const Json& ttl) {
+    Json body{{"model_id", model}, {"seq_id", seq}, {"path", name}};
+    if (!ttl.is_discarded()) body["ttl_seconds"] = ttl;
+    return Call(endpoint, body);
+  };
+  const Reply hour = save("save_weights", 1, "hour", 3600);
+  ASSERT_EQ(hour.status, 200) << hour.body;
+  const Reply forever = save("save_weights", 2, "forever", nullptr);
+  ASSERT_EQ(forever.status, 200) << forever.body;
+  const Reply sampler = save("save_weights_for_sampler", 3, "s", 7200);
+  ASSERT_EQ(sampler.status, 200) << sampler.body;
+  for (const Json& bad : {Json(3599), Json(int64_t{10} * 365 * 86400 + 1), Json(-1),
+                          Json(std::numeric_limits<uint64_t>::max()), Json("3600"), Json(3600.5)}) {
+    const Reply refused =
+        Post("save_weights",
+             {{"model_id", model}, {"seq_id", 4}, {"path", "bad"}, {"ttl_seconds", bad}});
+    EXPECT_EQ(refused.status, 400) << bad << ": " << refused.body;
+    EXPECT_NE(refused.body.find("ttl_seconds: must be an integer from 3600"), std::string::npos)
+        << refused.body;
+  }
+  const Reply pathless = Post(
+      "save_weights_for_sampler",
+      {{"model_id", model}, {"seq_id", 4}, {"sampling_session_seq_id", 0}, {"ttl_seconds", 3600}});
+  EXPECT_EQ(pathless.status, 400) << pathless.body;
+  EXPECT_NE(pathless.body.find("ttl_seconds: a save without a path"), std::string::npos);
+
+  auto expiries = [&] {
+    std::map<std::string, Json> out;
+    const Reply list = Send("GET", "/api/v1/training_runs/" + model + "/checkpoints", "");
+    EXPECT_EQ(list.status, 200) << list.body;
+    const Json listed = list.json();
+    for (const Json& c : listed["checkpoints"]) {
+      out[c.value("checkpoint_id", "")] = c["expires_at"];
+    }
+    return out;
+  };
+  auto parse = [](const Json& iso) {
+    absl::Time t;
+    std::string err;
+    EXPECT_TRUE(iso.is_string() &&
+                absl::ParseTime(absl::RFC3339_full, iso.get<std::string>(), &t, &err))
+        << iso << " " << err;
+    return t;
+  };
+  std::map<std::string, Json> at = expiries();
+  ASSERT_EQ(at.size(), 3u);
+  EXPECT_TRUE(at["weights/forever"].is_null());
+  const absl::Time hour_at = parse(at["weights/hour"]);
+  EXPECT_GE(hour_at, before + absl::Seconds(3599));
+  EXPECT_LE(hour_at, absl::Now() + absl::Seconds(3601));
+  EXPECT_GE(parse(at["sampler_weights/s"]), hour_at + absl::Seconds(3599));
+
+  // The ttl endpoint: the sampler checkpoint never expires now; "forever" gets an hour.
+  const std::string base = "/api/v1/training_runs/" + model + "/checkpoints/";
+  EXPECT_EQ(Send("PUT", base + "sampler_weights/s/ttl", R"({"ttl_seconds": null})").status, 200);
+  EXPECT_EQ(Send("PUT", base + "weights/forever/ttl", R"({"ttl_seconds": 3600})").status, 200);
+  const Reply bad_put = Send("PUT", base + "weights/forever/ttl", R"({"ttl_seconds": 5})");
+  EXPECT_EQ(bad_put.status, 400) << bad_put.body;
+  EXPECT_EQ(Send("PUT", base + "weights/forever/ttl", R"({"ttl_seconds": 7200})",
+                 "application/json", kBob)
+                .status,
+            404)
+      << "another tenant's checkpoint";
+  EXPECT_EQ(Send("PUT", base + "weights/none/ttl", R"({"ttl_seconds": 3600})").status, 404);
+  at = expiries();
+  EXPECT_TRUE(at["sampler_weights/s"].is_null());
+  EXPECT_FALSE(at["weights/forever"].is_null());
+
+  // A copy with a ttl of its own, and one without: neither takes the source's.
+  const Reply copy = Send("POST", "/api/v1/copy_weights",
+                          Json{{"source_path", hour.json().value("path", "")},
+                               {"destination_project_id", "p"},
+                               {"ttl_seconds", 86400}}
+                              .dump(),
+                          "application/json", kAlice, {{"X-Idempotency-Key", "copy-1"}});
+  ASSERT_EQ(copy.status, 200) << copy.body;
+  const Reply plain = Send(
+      "POST", "/api/v1/copy_weights",
+      Json{{"source_path", hour.json().value("path", "")}, {"destination_project_id", "p"}}.dump(),
+      "application/json", kAlice, {{"X-Idempotency-Key", "copy-2"}});
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  auto copy_run = [](const Reply& r) {
+    const std::string path = r.json().value("tinker_path", "");
+    return path.substr(9, path.find('/', 9) - 9);
+  };
+  auto expiry_of = [&](const std::string& run) {
+    const Reply list = Send("GET", "/api/v1/training_runs/" + run + "/checkpoints", "");
+    EXPECT_EQ(list.status, 200) << list.body;
+    const Json listed = list.json();
+    return listed["checkpoints"].at(0)["expires_at"];
+  };
+  EXPECT_GE(parse(expiry_of(copy_run(copy))), hour_at + absl::Hours(22));
+  EXPECT_TRUE(expiry_of(copy_run(plain)).is_null());
+  // The archive's files are the checkpoint's own: the lifetime is the store's.
+  const absl::StatusOr<std::vector<CheckpointFile>> files =
+      live_->server->ops()->CheckpointFiles("alice", hour.json().value("path", ""));
+  ASSERT_TRUE(files.ok()) << files.status();
+  ASSERT_FALSE(files->empty());
+  for (const CheckpointFile& f : *files) {
+    EXPECT_EQ(f.name.find(kExpiryFile), std::string::npos) << f.name;
+  }
+
+  // An hour on, nothing has expired yet; three hours on, the two one-hour checkpoints have.
+  Ops* ops = live_->server->ops();
+  EXPECT_EQ(ops->ExpireCheckpoints(absl::Now() + absl::Minutes(50)), 0);
+  EXPECT_EQ(ops->ExpireCheckpoints(absl::Now() + absl::Hours(3)), 2);
+  at = expiries();
+  EXPECT_EQ(at.size(), 1u);
+  EXPECT_EQ(at.count("sampler_weights/s"), 1u) << "no longer expiring";
+  const Reply gone = Call("load_weights", {{"model_id", model},
+                                           {"seq_id", 4},
+                                           {"path", hour.json().value("path", "")},
+                                           {"optimizer", true}});
+  EXPECT_EQ(gone.json().value("category", ""), "user") << gone.body;
+  EXPECT_NE(gone.json().value("error", "").find("no checkpoint at"), std::string::npos)
+      << gone.body;
+  EXPECT_FALSE(expiry_of(copy_run(copy)).is_null()) << "the day-long copy is still there";
 }
 
 TEST_F(TinkerHttp, AKeyDescribesItselfAndIsNotDeletedOverHttp) {

@@ -1099,7 +1099,7 @@ def check_w() -> None:
     expect_error(http("POST", "/api/v1/copy_weights", headers=key,
                       json_body={**body, "destination_project_id": "elsewhere"}), 400,
                  "the same X-Idempotency-Key with another request", need_detail=True)
-    for bad, what in [({**body, "ttl_seconds": 3600}, "ttl_seconds"),
+    for bad, what in [({**body, "ttl_seconds": 60}, "a ttl under an hour"),
                       ({"source_path": src2}, "no destination"),
                       ({**body, "source_path": "tinker://nope/weights/x"}, "a bad path")]:
         expect_error(http("POST", "/api/v1/copy_weights", json_body=bad),
@@ -1107,6 +1107,28 @@ def check_w() -> None:
     if OTHER_API_KEY:
         expect_error(http("POST", "/api/v1/copy_weights", key=OTHER_API_KEY, json_body=body), 404,
                      "another tenant's copy of this checkpoint", need_detail=True)
+    # Checkpoint lifetimes as the cookbook sets them: save_state and save_weights_for_sampler with
+    # ttl_seconds, then the RestClient's set_checkpoint_ttl_from_tinker_path; listings say when.
+    run = str(S.tc.model_id)
+
+    def expiry(path: str) -> Any:
+        listed = _res(rest.list_checkpoints(run)).checkpoints
+        return next((c.expires_at for c in listed if c.tinker_path == path), "missing")
+
+    week = _res(S.tc.save_state(f"ttl-{tag}", ttl_seconds=604800)).path
+    hours = _res(S.tc.save_weights_for_sampler(f"ttl-smp-{tag}", ttl_seconds=7200)).path
+    now = time.time()
+    ok(expiry(week) is not None and expiry(week) != "missing"
+       and abs(expiry(week).timestamp() - (now + 604800)) < 120,
+       f"save_state(ttl_seconds=604800) expires in a week ({expiry(week)})")
+    ok(expiry(hours) is not None and expiry(hours) != "missing"
+       and abs(expiry(hours).timestamp() - (now + 7200)) < 120,
+       f"save_weights_for_sampler(ttl_seconds=7200) expires in two hours ({expiry(hours)})")
+    _res(rest.set_checkpoint_ttl_from_tinker_path(week, None))
+    ok(expiry(week) is None, "set_checkpoint_ttl_from_tinker_path(path, None): it never expires")
+    _res(rest.set_checkpoint_ttl_from_tinker_path(week, 3600))
+    ok(expiry(week) is not None and abs(expiry(week).timestamp() - (time.time() + 3600)) < 120,
+       f"set_checkpoint_ttl_from_tinker_path(path, 3600): an hour from now ({expiry(week)})")
 
 
 CHILD_ARG = "--child-killed-client"
