@@ -909,19 +909,23 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
 absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
     const std::string& path) const {
   ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
-  // The files' tensors are admitted before they are read (a tensor at a time, in the compute
-  // dtype: at most the files' size times the dtypes' ratio); the policy's exact bytes once read.
+  // The files' tensors are admitted before they are read: in the compute dtype, the files' size
+  // times the dtypes' ratio (they are stored in float32 or float64), three times over (an
+  // adapter's tensors as read, as made into an adapter, and frozen); the policy's exact bytes
+  // once it is made.
   int64_t file_bytes = 0;
-  for (const char* name : {"model.safetensors", "adapter_model.safetensors"}) {
-    std::error_code ec;
-    const uintmax_t size = std::filesystem::file_size(std::filesystem::path(dir) / name, ec);
-    if (!ec) file_bytes += static_cast<int64_t>(size);
+  std::error_code ec;
+  for (const auto& f : std::filesystem::directory_iterator(dir, ec)) {
+    std::error_code size_ec;
+    const uintmax_t size = f.file_size(size_ec);
+    if (!size_ec && f.path().extension() == ".safetensors") {
+      file_bytes += static_cast<int64_t>(size);
+    }
   }
-  ASSIGN_OR_RETURN(
-      std::shared_ptr<const Reservation> reading,
-      impl_->ReservePolicy(
-          file_bytes *
-          std::max<int64_t>(1, static_cast<int64_t>(at::elementSize(impl_->dtype)) / 4)));
+  const int64_t ratio =
+      std::max<int64_t>(1, static_cast<int64_t>(at::elementSize(impl_->dtype)) / 4);
+  ASSIGN_OR_RETURN(std::shared_ptr<const Reservation> reading,
+                   impl_->ReservePolicy(3 * ratio * file_bytes));
   // No lock: this reads only the fields fixed at creation (above Impl::mu), so a load of many
   // GB holds up no training call.
   return Guarded("loading a policy", [&]() -> absl::StatusOr<std::shared_ptr<const Policy>> {

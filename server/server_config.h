@@ -18,7 +18,7 @@ struct ServerConfig {
   absl::Duration shutdown_grace = absl::Seconds(30);
   // Health is NOT_SERVING while the scheduler's thread has run one item longer than this (zero:
   // never); see server/core/stall_watch.h.
-  absl::Duration stall_timeout = absl::Seconds(600);
+  absl::Duration stall_timeout = absl::Seconds(1800);
   // Data parallel only: how often rank 0 pings the other ranks when idle. Must stay well below
   // the collective timeout, or idle ranks would time out waiting for the next command.
   absl::Duration heartbeat_interval = absl::Seconds(2);

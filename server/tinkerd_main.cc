@@ -52,9 +52,10 @@ ABSL_FLAG(int, max_samples_per_tenant, 0,
 ABSL_FLAG(int, result_cache_per_model, 256, "finished results kept per model for retries");
 ABSL_FLAG(int, order_timeout_s, 60, "how long a request waits for an earlier seq_id");
 ABSL_FLAG(int, shutdown_grace_s, 30, "on SIGTERM, time allowed for accepted work to finish");
-ABSL_FLAG(int, stall_timeout_s, 600,
+ABSL_FLAG(int, stall_timeout_s, 1800,
           "health turns NOT_SERVING (gRPC health, /readyz, /healthz) while one call or sampling "
-          "step has run longer than this; set it above the longest call you run (0: never)");
+          "step has run longer than this; set it above the longest call you run, saves and loads "
+          "of the largest checkpoint included (0: never)");
 ABSL_FLAG(std::string, checkpoint_root, "/tmp/tinkerd-checkpoints",
           "directory holding tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints "
           "(shared storage when ranks run on several machines)");

@@ -255,11 +255,11 @@ absl::StatusOr<FileDigest> SafetensorsWriter::Commit() {
   return digest_;
 }
 
-absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(
-    const std::string& path) {
+absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(const std::string& path,
+                                                                           bool digest) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::unique_ptr<SafetensorsReader> r(new SafetensorsReader(path, fd));
+  std::unique_ptr<SafetensorsReader> r(new SafetensorsReader(path, fd, digest));
   struct stat st;
   if (::fstat(fd, &st) != 0) return Errno("stat", path);
   r->size_ = static_cast<uint64_t>(st.st_size);
@@ -292,7 +292,8 @@ absl::Status SafetensorsReader::Next(uint64_t n, char* out) {
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) return absl::DataLossError(absl::StrCat("error reading ", path_));
     if (got == 0) return absl::DataLossError(absl::StrCat(path_, " ends early (truncated?)"));
-    digest_.fnv64 = Fnv64(absl::string_view(dst, static_cast<size_t>(got)), digest_.fnv64);
+    if (hash_)
+      digest_.fnv64 = Fnv64(absl::string_view(dst, static_cast<size_t>(got)), digest_.fnv64);
     digest_.bytes += static_cast<uint64_t>(got);
     if (out != nullptr) out += got;
     n -= static_cast<uint64_t>(got);
@@ -310,6 +311,7 @@ absl::Status SafetensorsReader::Read(const SafetensorsEntry& e, char* out) {
 }
 
 absl::StatusOr<FileDigest> SafetensorsReader::Finish() {
+  if (!hash_) return FileDigest{size_, 0};  // nothing to hash: the rest need not be read
   RETURN_IF_ERROR(Next(size_ - digest_.bytes, nullptr));
   return digest_;
 }

@@ -102,24 +102,28 @@ class SafetensorsWriter {
 // the whole file in memory.
 class SafetensorsReader {
  public:
-  // Reads and checks the header (ParseSafetensors' checks, against the file's size).
-  static absl::StatusOr<std::unique_ptr<SafetensorsReader>> Open(const std::string& path);
+  // Reads and checks the header (ParseSafetensors' checks, against the file's size). `digest`:
+  // whether to hash what is read (a base model's files, with no digest to meet, are not).
+  static absl::StatusOr<std::unique_ptr<SafetensorsReader>> Open(const std::string& path,
+                                                                 bool digest = true);
   ~SafetensorsReader();
 
   const SafetensorsHeader& header() const { return header_; }
   // The bytes of `e`, one of header().entries taken in their order, into `out` (e.end - e.begin
   // bytes). Bytes between tensors are read and hashed on the way.
   absl::Status Read(const SafetensorsEntry& e, char* out);
-  // Reads (and hashes) what is left; the digest of the whole file.
+  // Reads (and hashes) what is left; the digest of the whole file (its fnv64 0 without `digest`).
   absl::StatusOr<FileDigest> Finish();
 
  private:
-  SafetensorsReader(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  SafetensorsReader(std::string path, int fd, bool hash)
+      : path_(std::move(path)), fd_(fd), hash_(hash) {}
   // The next `n` bytes of the file into `out` (null: read and hashed only).
   absl::Status Next(uint64_t n, char* out);
 
   const std::string path_;
   int fd_;
+  const bool hash_;
   uint64_t size_ = 0;
   SafetensorsHeader header_;
   FileDigest digest_{0, kFnv64Basis};  // of every byte read so far

@@ -34,7 +34,8 @@ absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::str
 
 absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype,
                                               FileDigest* digest) {
-  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file, SafetensorsReader::Open(path));
+  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file,
+                   SafetensorsReader::Open(path, /*digest=*/digest != nullptr));
   TensorMap out;
   for (const SafetensorsEntry& e : file->header().entries) {
     ASSIGN_OR_RETURN(at::ScalarType st, ScalarTypeOf(e.dtype));

@@ -343,7 +343,7 @@ void Scheduler::Loop() {
     if (!between_jobs_.empty()) {  // registry changes first, in the order they were asked
       std::function<void()> op = std::move(between_jobs_.front());
       between_jobs_.pop_front();
-      running_ = {absl::Now(), "a change of the model registry (create or delete a model)"};
+      running_ = {absl::Now(), "an operation between jobs (a model created or deleted, a sampler made)"};
       mu_.Unlock();
       for (auto& [cb, r] : calls) cb(r);
       calls.clear();

@@ -183,9 +183,38 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
                                                const v1::CreateSamplerRequest& req,
                                                const std::string& checkpoint_dir) {
   ModelRunner* runner = runner_;
-  absl::StatusOr<std::shared_ptr<const Policy>> policy = checkpoint_dir.empty()
-                                                             ? runner->FreezePolicy(req.model_id())
-                                                             : runner->LoadPolicy(checkpoint_dir);
+  auto make = [&] {
+    return checkpoint_dir.empty() ? runner->FreezePolicy(req.model_id())
+                                  : runner->LoadPolicy(checkpoint_dir);
+  };
+  absl::StatusOr<std::shared_ptr<const Policy>> policy = make();
+  // The copy is reserved in the memory account before it is made: where there is no room, the
+  // tenant's least recently used samplers go first, one at a time, as EvictFor would have made
+  // them go for the new one (an RL loop makes a sampler every step). A policy that running
+  // samples still hold frees its memory only once they finish.
+  while (!policy.ok() && policy.status().code() == absl::StatusCode::kResourceExhausted) {
+    std::shared_ptr<const Policy> evicted;
+    {
+      absl::MutexLock lock(&mu_);
+      auto lru = samplers_.end();
+      for (auto it = samplers_.begin(); it != samplers_.end(); ++it) {
+        if (it->second.owner == tenant &&
+            (lru == samplers_.end() || it->second.used < lru->second.used)) {
+          lru = it;
+        }
+      }
+      if (lru == samplers_.end()) break;
+      TLOG_INFO(
+          "sampling: {} is the least recently used sampler of its tenant: deleted to make room "
+          "for a new one in the memory budget",
+          lru->first);
+      evicted = std::move(lru->second.policy);
+      samplers_.erase(lru);
+      PublishLocked();
+    }
+    evicted.reset();  // outside the lock: its tensors may be large
+    policy = make();
+  }
   if (!policy.ok()) {
     absl::Status st = ops_->HideCheckpointPaths(tenant, policy.status());
     if (checkpoint_dir.empty()) return st;

@@ -365,6 +365,22 @@ TEST(Checkpoint, LoadsAndSamplerCopiesReserveTheirMemoryFirst) {
               absl::StatusCode::kResourceExhausted);
     const auto loaded = r->LoadPolicy(dir.Sub("c/export"));
     EXPECT_EQ(loaded.status().code(), absl::StatusCode::kResourceExhausted) << loaded.status();
+    // Saves hold little beside the model, files being written a tensor at a time: a copy of the
+    // gradient sum they include, one merged weight of a merged export.
+    SaveStateOptions with_sums;
+    with_sums.include_accumulated = true;
+    const absl::Status sums = r->SaveState(src, dir.Sub("c/sums"), with_sums);
+    EXPECT_EQ(sums.code(), absl::StatusCode::kResourceExhausted) << sums;
+    EXPECT_NE(sums.message().find("save_state: a copy of the gradient sum"), std::string::npos)
+        << sums;
+    const absl::Status merged = r->SaveWeightsForSampler(src, dir.Sub("c/merged"), true, false);
+    EXPECT_EQ(merged.code(), absl::StatusCode::kResourceExhausted) << merged;
+    EXPECT_NE(merged.message().find("save_weights_for_sampler: merging one weight"),
+              std::string::npos)
+        << merged;
+    EXPECT_FALSE(fs::exists(dir.Sub("c/sums")) || fs::exists(dir.Sub("c/merged")));
+    // Without one of them, a save goes through: its files take no memory of the account.
+    EXPECT_TRUE(r->SaveState(src, dir.Sub("c/plain"), {}).ok());
   }
   EXPECT_EQ(account->reserved(), held) << "refusals hold nothing";
   ASSERT_TRUE(r->LoadState(target, dir.Sub("c/one"), true).ok());

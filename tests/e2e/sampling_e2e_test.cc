@@ -534,5 +534,44 @@ TEST(SamplingE2e, BadRequestsAreNamedAndChangeNothing) {
   EXPECT_TRUE(Sample(live, SampleReq(model, 1), &out).ok());
 }
 
+// A sampler's copy of the weights is held in the memory account. Where a new one finds no room,
+// the tenant's least recently used sampler goes to make it (as the per-tenant limits already
+// made them go), rather than the new one being refused: an RL loop makes one every step. The
+// budget here holds the model and one and a half copies.
+TEST(SamplingE2e, ANewSamplerWithoutRoomEvictsTheTenantsLeastRecentlyUsedOne) {
+  int64_t model_bytes = 0, copy_bytes = 0;
+  {
+    LiveServer probe;
+    const std::string model = probe.CreateModel();
+    model_bytes = probe.server->runner()->memory_account()->reserved();
+    v1::CreateSamplerRequest req;
+    req.set_model_id(model);
+    v1::SamplerInfo info;
+    ASSERT_TRUE(CreateSampler(probe, req, &info).ok());
+    copy_bytes = probe.server->runner()->memory_account()->reserved() - model_bytes;
+  }
+  ASSERT_GT(copy_bytes, 0);
+  LiveServer live({}, 4096, ComputeDType::kFloat64, false, model_bytes + copy_bytes * 3 / 2);
+  const std::string model = live.CreateModel();
+  v1::CreateSamplerRequest req;
+  req.set_model_id(model);
+  v1::SamplerInfo first, second;
+  ASSERT_TRUE(CreateSampler(live, req, &first).ok());
+  const grpc::Status made = CreateSampler(live, req, &second);
+  ASSERT_TRUE(made.ok()) << made.error_message();
+  EXPECT_EQ(live.server->runner()->memory_account()->reserved(), model_bytes + copy_bytes);
+  auto remove = [&](const v1::SamplerInfo& sampler) {
+    grpc::ClientContext ctx;
+    v1::SamplerRef ref;
+    ref.set_sampler_id(sampler.sampler_id());
+    v1::DeleteSamplerResponse deleted;
+    return live.stub->DeleteSampler(&ctx, ref, &deleted).error_code();
+  };
+  EXPECT_EQ(remove(first), grpc::StatusCode::NOT_FOUND) << "the first sampler was evicted";
+  EXPECT_EQ(remove(second), grpc::StatusCode::OK);
+  EXPECT_EQ(live.server->runner()->memory_account()->reserved(), model_bytes)
+      << "a deleted sampler gave its copy back";
+}
+
 }  // namespace
 }  // namespace tinkerd::testing
