@@ -186,6 +186,24 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     return absl::OkStatus();
   }
 
+  // A chunked body held the limit it could grow to while it was read; once read, it holds its size,
+  // so that its JSON's DOM and other requests' bodies get the rest. The quota's part is given back
+  // at once; the account's is taken again at the smaller size, which a concurrent request may
+  // have taken meanwhile: then this one holds nothing there (it is being answered anyway).
+  void FitHeldBodyTo(int64_t bytes) {
+    if (body_held_ <= bytes) return;
+    server_->quota->ReturnBody(key_, body_held_ - bytes);
+    body_held_ = bytes;
+    if (body_memory_.bytes() > bytes) {
+      body_memory_ = Reservation();
+      if (server_->config.account != nullptr && bytes > 0) {
+        absl::StatusOr<Reservation> memory = server_->config.account->Reserve(
+            bytes, "body: the request's bytes in flight", "; retry shortly");
+        if (memory.ok()) body_memory_ = *std::move(memory);
+      }
+    }
+  }
+
   // The request is answered (or the connection gone): its body no longer counts.
   void ReturnBody() {
     if (body_held_ > 0) server_->quota->ReturnBody(key_, body_held_);
@@ -263,6 +281,7 @@ class Connection : public std::enable_shared_from_this<Connection<Stream>> {
     keep_alive_ = msg.keep_alive();
     Request req = RequestOf(msg);
     req.body = std::move(msg.body());
+    FitHeldBodyTo(static_cast<int64_t>(req.body.size()));
     auto once = std::make_shared<std::atomic<bool>>(false);
     Respond respond = [self = this->shared_from_this(), once](Response r) {
       if (once->exchange(true)) return;

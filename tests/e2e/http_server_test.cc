@@ -19,6 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "runner/util/memory_account.h"
+#include "tests/e2e/e2e_util.h"
 #include "tests/e2e/raw_http_client.h"
 
 namespace tinkerd::testing {
@@ -305,6 +307,40 @@ TEST(HttpServer, BodiesInFlightAreBoundedPerKeyAndServerWideUntilAnswered) {
   ASSERT_TRUE(fits.has_value());
   EXPECT_EQ(fits->status, 200);
   EXPECT_EQ(fits->body, "got 1000");
+}
+
+// A chunked body holds the limit it may grow to while it is read (its length is unknown), and
+// only its own size once read: here, parked with a 1,000-byte chunked body, the server holds
+// 1,000 bytes of the memory account where it held the 512 KiB limit, and the account's rest is
+// there for the next request's body. The control: a body announced by its length holds the same.
+TEST(HttpServer, AChunkedBodyHoldsItsOwnSizeOnceRead) {
+  Parked parked;
+  http::HttpServerConfig config;
+  config.max_body_bytes = 512 << 10;
+  config.account = MemoryAccount::Create(1 << 20, "the test's account");
+  auto server = HttpServer::Start(config, [&](Request req, Respond respond) {
+    if (req.body.size() != 1000) return respond({400, "text/plain", "wrong body", {}});
+    parked.Add(std::move(respond));
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::Cleanup release = [&] { parked.AnswerAll({200, "text/plain", "done", {}}); };
+  const int port = (*server)->port();
+  RawClient chunked(port), sized(port);
+  ASSERT_TRUE(chunked.Send(
+      absl::StrCat("POST /park HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3e8\r\n",
+                   std::string(1000, 'x'), "\r\n0\r\n\r\n")));
+  parked.AwaitCount(1);
+  EXPECT_EQ(config.account->reserved(), 1000);
+  ASSERT_TRUE(sized.Send(Post("/park", "k", 1000, 1000)));
+  parked.AwaitCount(2);
+  EXPECT_EQ(config.account->reserved(), 2000);
+  parked.AnswerAll({200, "text/plain", "done", {}});
+  for (RawClient* c : {&chunked, &sized}) {
+    std::optional<RawClient::Answer> done = c->Read();
+    ASSERT_TRUE(done.has_value());
+    EXPECT_EQ(done->body, "done");
+  }
+  WaitFor([&] { return config.account->reserved() == 0; }, "the bodies' memory given back");
 }
 
 // Issue 36: one key cannot hold more connections than its bound (each could park a long poll and
