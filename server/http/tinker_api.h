@@ -124,7 +124,8 @@ class TinkerApi {
   void GetSampler(const std::string& tenant, const std::string& sampler_id, Respond respond);
   // save_weights_for_sampler without a name: the model frozen at seq_id into a new sampler.
   void SaveWeightsForSession(const std::string& tenant, const CallKey& key,
-                             const std::string& model_id, int64_t seq_id, Respond respond);
+                             const std::string& model_id, int64_t seq_id, bool inflight,
+                             Respond respond);
   // The RestClient's views (tinker_listings.cc) of models ("training runs") and their
   // checkpoints: GET training_runs, GET training_runs/{id}, GET training_runs/{id}/checkpoints,
   // DELETE training_runs/{id}/checkpoints/{weights|sampler_weights}/{name}.

@@ -687,14 +687,13 @@ absl::Status RefuseUnservedSampleFields(const nlohmann::json& body) {
   return absl::OkStatus();
 }
 
-absl::Status RefuseUnservedSaveFields(const nlohmann::json& body) {
-  if (!body.is_object()) return absl::OkStatus();
-  if (auto kind = body.find("kind");
-      kind != body.end() && !kind->is_null() &&
-      !(kind->is_string() && kind->get<std::string>() == "snapshot")) {
-    return Invalid("kind", "only 'snapshot' samplers are served (inflight ones are not yet)");
-  }
-  return absl::OkStatus();
+absl::StatusOr<bool> InflightFromTinker(const nlohmann::json& body) {
+  if (!body.is_object()) return false;
+  auto kind = body.find("kind");
+  if (kind == body.end() || kind->is_null()) return false;
+  if (kind->is_string() && kind->get<std::string>() == "snapshot") return false;
+  if (kind->is_string() && kind->get<std::string>() == "inflight") return true;
+  return Invalid("kind", "must be 'snapshot' or 'inflight'");
 }
 
 absl::StatusOr<std::optional<absl::Duration>> TtlFromTinker(const nlohmann::json& body) {

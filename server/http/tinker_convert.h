@@ -104,12 +104,14 @@ absl::Status SamplingParamsFromTinker(const nlohmann::json* params, v1::Sampling
 // hour) to 315,360,000 (ten years), as Tinker bounds it; else INVALID_ARGUMENT naming the field.
 absl::StatusOr<std::optional<absl::Duration>> TtlFromTinker(const nlohmann::json& body);
 
-// Fields of SDK 0.38's asample (record_stability_info) and
-// save_weights_for_sampler (kind inflight) bodies that tinkerd does not serve yet:
-// a value other than the field's "off" value (absent, null, 0, false, "snapshot") is refused,
-// INVALID_ARGUMENT naming the field, rather than silently ignored (docs/http.md lists them).
+// Fields of SDK 0.38's asample that tinkerd does not serve (record_stability_info): a value
+// other than the field's "off" value (absent, null, 0, false) is refused, INVALID_ARGUMENT naming
+// the field, rather than silently ignored (docs/http.md lists them).
 absl::Status RefuseUnservedSampleFields(const nlohmann::json& body);
-absl::Status RefuseUnservedSaveFields(const nlohmann::json& body);
+
+// save_weights_for_sampler's `kind`: whether "inflight" (absent, null and "snapshot" are not);
+// anything else is INVALID_ARGUMENT naming `kind`.
+absl::StatusOr<bool> InflightFromTinker(const nlohmann::json& body);
 
 // A listing's page from its query string (`limit=20&offset=40&access_scope=owned`, as the
 // RestClient sends it). Other parameters are ignored; each of these at most once: limit a decimal

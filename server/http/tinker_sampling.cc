@@ -91,7 +91,7 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
 }
 
 void TinkerApi::SaveWeightsForSession(const std::string& tenant, const CallKey& key,
-                                      const std::string& model_id, int64_t seq_id,
+                                      const std::string& model_id, int64_t seq_id, bool inflight,
                                       Respond respond) {
   v1::CreateSamplerRequest req;
   req.set_model_id(model_id);
@@ -100,8 +100,8 @@ void TinkerApi::SaveWeightsForSession(const std::string& tenant, const CallKey& 
   tinkerd::Sampling* sampling = sampling_;
   CallIntoFuture<v1::SamplerInfo>(
       &futures_, tenant, key, Resend::kOperation,
-      [sampling, tenant, req](Done<v1::SamplerInfo> done) {
-        sampling->CreateSampler(tenant, req, std::move(done));
+      [sampling, tenant, req, inflight](Done<v1::SamplerInfo> done) {
+        sampling->CreateSampler(tenant, req, std::move(done), inflight);
       },
       [](const v1::SamplerInfo& info) {
         return JsonResponse(

@@ -305,7 +305,13 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   req.set_seq_id(f.Int("seq_id"));
   const std::optional<std::string> name = f.OptId("path");
   if (!f.status().ok()) return respond(Error(f.status()));
-  if (auto st = RefuseUnservedSaveFields(body); !st.ok()) return respond(Error(st));
+  const absl::StatusOr<bool> inflight = InflightFromTinker(body);
+  if (!inflight.ok()) return respond(Error(inflight.status()));
+  if (*inflight && name) {
+    return respond(Error(400,
+                         "kind: an inflight save makes a sampling session that follows the "
+                         "model's weights; it takes no path (a named save stores a snapshot)"));
+  }
   const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
   if (!ttl.ok()) return respond(Error(ttl.status()));
   if (*ttl && !name) {
@@ -321,7 +327,7 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   if (!name) {
     return SaveWeightsForSession(
         tenant, CallKey{request_id, JsonDigest("save_weights_for_sampler", body), "seq_id"},
-        req.model_id(), req.seq_id(), std::move(respond));
+        req.model_id(), req.seq_id(), *inflight, std::move(respond));
   }
   req.set_name(*name);
   CallIntoFuture<v1::SaveWeightsForSamplerResponse>(

@@ -181,7 +181,7 @@ void Sampling::PublishLocked() {
 
 absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
                                                const v1::CreateSamplerRequest& req,
-                                               const std::string& checkpoint_dir) {
+                                               const std::string& checkpoint_dir, bool inflight) {
   ModelRunner* runner = runner_;
   auto make = [&] {
     return checkpoint_dir.empty() ? runner->FreezePolicy(req.model_id())
@@ -230,7 +230,22 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
   absl::MutexLock lock(&mu_);
   expired = ExpireLocked();
   RETURN_IF_ERROR(EvictFor(tenant, (*policy)->bytes, &expired));
-  samplers_[info.sampler_id()] = {tenant, *std::move(policy), info, absl::Now()};
+  if (inflight) {
+    // The model's inflight samplers all move to this freeze; their earlier policy is freed once
+    // the samples running on it finish.
+    for (auto& [id, sampler] : samplers_) {
+      if (sampler.owner != tenant || sampler.inflight_model != req.model_id()) continue;
+      expired.push_back(std::move(sampler.policy));
+      sampler.policy = *policy;
+      sampler.info.set_step((*policy)->step);
+    }
+  }
+  Sampler& made = samplers_[info.sampler_id()];
+  made.owner = tenant;
+  made.policy = *std::move(policy);
+  made.info = info;
+  made.used = absl::Now();
+  if (inflight) made.inflight_model = req.model_id();
   PublishLocked();
   return info;
 }
@@ -269,9 +284,13 @@ absl::Status Sampling::EvictFor(const std::string& tenant, int64_t bytes,
 }
 
 void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerRequest& req,
-                             Done<v1::SamplerInfo> done) {
+                             Done<v1::SamplerInfo> done, bool inflight) {
   if (!req.path().empty() && !req.model_id().empty()) {
     return done(absl::InvalidArgumentError("path: give model_id or path, not both"));
+  }
+  if (inflight && req.model_id().empty()) {
+    return done(absl::InvalidArgumentError(
+        "kind: an inflight sampler follows a model's weights; it needs model_id, not a path"));
   }
   if (req.seq_id() < 0 || (req.seq_id() > 0 && req.model_id().empty())) {
     return done(absl::InvalidArgumentError(
@@ -292,10 +311,10 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
   }
   if (req.seq_id() > 0) {
     JobSpec job;
-    job.kind = "CreateSampler";
+    job.kind = inflight ? "CreateSampler inflight" : "CreateSampler";  // in the retry key
     job.payload_hash = PayloadHash(req);
-    job.run = [this, tenant, req]() -> JobStep {
-      absl::StatusOr<v1::SamplerInfo> info = Make(tenant, req, "");
+    job.run = [this, tenant, req, inflight]() -> JobStep {
+      absl::StatusOr<v1::SamplerInfo> info = Make(tenant, req, "", inflight);
       if (!info.ok()) return {true, info.status()};
       v1::RetrieveResultResponse out;
       *out.mutable_create_sampler() = *std::move(info);
@@ -320,7 +339,8 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
     }
     return;
   }
-  if (!scheduler_->RunBetweenJobs([this, tenant, req, done] { done(Make(tenant, req, "")); })) {
+  if (!scheduler_->RunBetweenJobs(
+          [this, tenant, req, done, inflight] { done(Make(tenant, req, "", inflight)); })) {
     done(absl::UnavailableError("server is shutting down"));
   }
 }

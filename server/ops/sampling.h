@@ -58,8 +58,13 @@ class Sampling {
   // order at req.seq_id (a retry gets the same sampler); or loads req.path's sampler export on
   // a thread of its own, so that neither training nor sampling waits for the disk. Errors of a
   // load name `path`.
+  //
+  // `inflight` (a model's freeze only): the sampler follows the model's later inflight freezes,
+  // as Tinker's inflight sampling clients do. Every inflight sampler of the model samples the
+  // policy of its latest inflight freeze, so a new one updates the earlier ones too (their
+  // running samples finish on the policy they started with); snapshot samplers never change.
   void CreateSampler(const std::string& tenant, const v1::CreateSamplerRequest& req,
-                     Done<v1::SamplerInfo> done);
+                     Done<v1::SamplerInfo> done, bool inflight = false);
   absl::StatusOr<v1::SamplerInfo> GetSampler(const std::string& tenant,
                                              const std::string& sampler_id);
   absl::Status DeleteSampler(const std::string& tenant, const std::string& sampler_id);
@@ -85,12 +90,13 @@ class Sampling {
     std::shared_ptr<const Policy> policy;
     v1::SamplerInfo info;
     absl::Time used;
-    int64_t clients = 1;  // the original client's 0, then each JoinSampler's
+    int64_t clients = 1;         // the original client's 0, then each JoinSampler's
+    std::string inflight_model;  // set: follows this model's inflight freezes (CreateSampler)
   };
   // Makes the policy (on the scheduler thread, or the loader's for an export) and registers it.
   absl::StatusOr<v1::SamplerInfo> Make(const std::string& tenant,
                                        const v1::CreateSamplerRequest& req,
-                                       const std::string& checkpoint_dir);
+                                       const std::string& checkpoint_dir, bool inflight = false);
   // Makes room for `bytes` more of `tenant`'s samplers: evicts its least recently used ones,
   // whose policies go to `freed` (for the caller to free once it releases mu_).
   absl::Status EvictFor(const std::string& tenant, int64_t bytes,

@@ -694,6 +694,33 @@ def check_s() -> None:
         expect_error(r, 404, "tenant B's GET samplers/<A's>", need_detail=True)
 
 
+def check_y() -> None:
+    """SDK 0.38's inflight sampling clients (kind="inflight"): every inflight client of a model
+    samples the weights of the model's latest inflight save, so an earlier client moves to a later
+    save's weights; a snapshot client keeps its own."""
+    import inspect
+    if "kind" not in inspect.signature(S.tc.save_weights_and_get_sampling_client).parameters:
+        ok(True, f"SDK {SDK_VERSION} has no inflight sampling clients (0.38 added them)")
+        return
+    tc = S.tc
+    inp = types.ModelInput.from_ints(sft_batch()[0].model_input.to_ints())
+    first = _client(tc.save_weights_and_get_sampling_client(kind="inflight"))
+    snap = _client(tc.save_weights_and_get_sampling_client())
+    before = _res(first.compute_logprobs(inp))
+    ok(before == _res(snap.compute_logprobs(inp)),
+       "an inflight client and a snapshot made at the same point agree bit for bit")
+    train_step(tc, sft_batch(), LR)
+    ok(_res(first.compute_logprobs(inp)) == before,
+       "after a step, an inflight client keeps its weights until the next inflight save")
+    second = _client(tc.save_weights_and_get_sampling_client(kind="inflight"))
+    moved, new = _res(first.compute_logprobs(inp)), _res(second.compute_logprobs(inp))
+    d = max(abs(moved[i] - before[i]) for i in range(1, len(before)))
+    ok(moved == new and d > 100 * LP_TOL,
+       f"the next inflight save moves the earlier inflight client to its weights, bit for bit as "
+       f"the new client (max |diff| from before {d:.3g})")
+    ok(_res(snap.compute_logprobs(inp)) == before, "a snapshot client keeps its weights")
+
+
 def check_v() -> None:
     """SDK 0.38's scoring fields of a sample: prompt_logprobs_last_n, topk_sample_logprobs and
     target_prompt_logprobs (dense and sparse), each checked against the trainer's forward, and
@@ -1416,6 +1443,8 @@ def main() -> None:
     run_check("n", "sessions/search: filters, paging, finish status, isolation", check_n,
               needs=("a",))
     run_check("w", "copy_weights: a copy loads as its source, outlives it, once per key", check_w,
+              needs=("a",))
+    run_check("y", "0.38's inflight sampling clients follow the model's inflight saves", check_y,
               needs=("a",))
     finish()
 
