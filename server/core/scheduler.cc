@@ -343,7 +343,8 @@ void Scheduler::Loop() {
     if (!between_jobs_.empty()) {  // registry changes first, in the order they were asked
       std::function<void()> op = std::move(between_jobs_.front());
       between_jobs_.pop_front();
-      running_ = {absl::Now(), "an operation between jobs (a model created or deleted, a sampler made)"};
+      running_ = {absl::Now(),
+                  "an operation between jobs (a model created or deleted, a sampler made)"};
       mu_.Unlock();
       for (auto& [cb, r] : calls) cb(r);
       calls.clear();
