@@ -1,6 +1,7 @@
 // shard_memory_bench: what a rank holds and how long a step takes when full fine-tuning runs
-// data-parallel, with replicas (--shard=none) against sharded optimizer state (--shard=optimizer),
-// at several world sizes, on real processes over Gloo (loopback).
+// data-parallel, with replicas (--shard=none) against sharded optimizer state (--shard=optimizer)
+// and sharded parameters (--shard=full), at several world sizes, on real processes over Gloo
+// (loopback).
 //   shard_memory_bench [--worlds=1,2,4] [--steps=3] [--hidden=1024 ...] [--out_dir=DIR]
 // The driver writes the model once, then for each world size and sharding runs that many copies
 // of itself as ranks (torchrun's environment) and prints a markdown row:
@@ -223,7 +224,7 @@ int Drive(char* self) {
   for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_worlds), ',')) {
     int world = 0;
     if (!absl::SimpleAtoi(w, &world) || world < 1) return 2;
-    for (const std::string shard : {"none", "optimizer"}) {
+    for (const std::string shard : {"none", "optimizer", "full"}) {
       if (!RunJob(world, shard, self)) {
         std::fprintf(stderr, "shard_memory_bench: a rank failed (world %d, %s)\n", world,
                      shard.c_str());

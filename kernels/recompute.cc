@@ -54,7 +54,67 @@ class RecomputeNode : public torch::autograd::Node {
   std::vector<at::Tensor> params_;
 };
 
+// The gathered weights whole, each (defined one) a leaf that records its gradient.
+std::vector<at::Tensor> GatherLeaves(const Gathered& weights) {
+  std::vector<at::Tensor> w = weights.gather();
+  for (at::Tensor& t : w) {
+    if (t.defined()) t = t.detach().requires_grad_(true);
+  }
+  return w;
+}
+
+// The backward node of RecomputeGathered: its one next edge is x's.
+class GatheredNode : public torch::autograd::Node {
+ public:
+  GatheredNode(GatheredFn fn, Gathered weights, const at::Tensor& x)
+      : fn_(std::move(fn)),
+        weights_(std::move(weights)),
+        x_(x.detach()),
+        x_needs_grad_(x.requires_grad()) {}
+
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(x_.defined(), "recompute: backward ran twice through a gathered layer");
+    at::AutoGradMode grad_on(true);
+    const at::Tensor x = x_.detach().requires_grad_(x_needs_grad_);
+    const std::vector<at::Tensor> w = GatherLeaves(weights_);
+    const at::Tensor y = fn_(x, w);
+    variable_list wrt;
+    if (x_needs_grad_) wrt.push_back(x);
+    for (const at::Tensor& t : w) {
+      if (t.defined()) wrt.push_back(t);
+    }
+    const variable_list g = torch::autograd::grad({y}, wrt, {grads[0]}, /*retain_graph=*/false,
+                                                  /*create_graph=*/false, /*allow_unused=*/true);
+    size_t k = x_needs_grad_ ? 1 : 0;
+    std::vector<at::Tensor> dw(w.size());
+    for (size_t i = 0; i < w.size(); ++i) {
+      if (w[i].defined()) dw[i] = g[k++];
+    }
+    weights_.scatter(dw);
+    return {x_needs_grad_ ? g[0] : at::Tensor()};
+  }
+
+  std::string name() const override { return "tinkerd::RecomputeGatheredBackward"; }
+  void release_variables() override { x_.reset(); }
+
+ private:
+  GatheredFn fn_;
+  Gathered weights_;
+  at::Tensor x_;
+  bool x_needs_grad_;
+};
+
 }  // namespace
+
+at::Tensor RecomputeGathered(GatheredFn fn, Gathered weights, const at::Tensor& x) {
+  if (!at::GradMode::is_enabled()) return fn(x, weights.gather());
+  // As in Recompute: the forward runs as the recompute will, so that it takes the same kernels.
+  at::Tensor y = fn(x.detach().requires_grad_(x.requires_grad()), GatherLeaves(weights)).detach();
+  auto node = std::make_shared<GatheredNode>(std::move(fn), std::move(weights), x);
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  torch::autograd::create_gradient_edge(y, node);
+  return y;
+}
 
 at::Tensor Recompute(LayerFn fn, const at::Tensor& x, const std::vector<at::Tensor>& params) {
   bool any = x.requires_grad();

@@ -20,4 +20,19 @@ using LayerFn = std::function<at::Tensor(const at::Tensor&)>;
 // Without grad mode, or with nothing that needs a gradient, this is fn(x).
 at::Tensor Recompute(LayerFn fn, const at::Tensor& x, const std::vector<at::Tensor>& params);
 
+// Weights that live elsewhere (slices on every rank, runner/dist/param_shard.h): `gather` brings
+// them whole (undefined entries stay undefined), once for the forward and again for the
+// backward's recompute, and they are dropped after each. Their gradients leave through `scatter`,
+// position by position (undefined where none reached), not through the graph: only x's gradient
+// flows on. Either may throw; the backward then fails.
+struct Gathered {
+  std::function<std::vector<at::Tensor>()> gather;
+  std::function<void(const std::vector<at::Tensor>& grads)> scatter;
+};
+using GatheredFn =
+    std::function<at::Tensor(const at::Tensor& x, const std::vector<at::Tensor>& weights)>;
+
+// y = fn(x, gathered weights), checkpointed as Recompute is. Without grad mode, fn(x, gather()).
+at::Tensor RecomputeGathered(GatheredFn fn, Gathered weights, const at::Tensor& x);
+
 }  // namespace tinkerd::kernels

@@ -21,6 +21,9 @@ struct CallShape {
   int64_t compute_bytes = 4;     // element size of the activations
   int64_t trainable_values = 0;  // of the model's trainable tensors
   int64_t train_bytes = 4;       // element size of their gradients
+  // --shard=full: values gathered whole at once (the rest of the model and its largest layer),
+  // held as weights and, in a backward, as their gradients, in the training dtype.
+  int64_t gathered_values = 0;
 };
 
 // Per token and decoder layer a backward keeps the layer's inputs to each op: two norms' outputs,
@@ -32,7 +35,8 @@ struct CallShape {
 // least float32. A quarter is added for the allocator's rounding and LibTorch's temporaries
 // (bench/RESULTS.md, "Memory against tokens": 4,096 tokens of the bench model peak 2.0 GB above
 // the weights without checkpointing, 0.5 GB with; this gives 2.5 and 0.6 GB). Backward adds the
-// staged gradient and autograd's result, each of the trainable values.
+// staged gradient and autograd's result, each of the trainable values (under --shard=full, the
+// staged slices; the gathered units and their gradients are counted apart).
 int64_t CallBytes(const ModelConfig& config, const CallShape& call);
 
 }  // namespace tinkerd

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "runner/checkpoint/param_shard_io.h"
 #include "runner/checkpoint/state_io.h"
 #include "runner/checkpoint/store.h"
 #include "runner/dist/collectives.h"
@@ -117,16 +118,14 @@ struct ModelRunner::Impl {
   std::map<int64_t, Stream> streams ABSL_GUARDED_BY(mu);
   int64_t next_stream = 1;
 
-  // Runs what `s` has buffered, its memory reserved for the run.
+  // Runs what `s` has buffered, its memory reserved for the run. (Under --shard=full a failure
+  // is every rank's, RunIf agreeing on it, so the ranks skip a failed stream's runs alike.)
   absl::Status RunStream(Stream& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto model = models.find(s.stage->model_id());
     if (model == models.end()) return absl::NotFoundError("stream: its model was deleted");
-    ASSIGN_OR_RETURN(Reservation memory, ReserveCall(Context(), model->second, s.buffered,
-                                                     /*backward=*/true, /*staged_gradient=*/false));
-    return Guarded("stream", [&]() -> absl::Status {
-      s.stage->Run(s.buffered);
-      return absl::OkStatus();
-    });
+    absl::StatusOr<Reservation> memory = ReserveCall(Context(), model->second, s.buffered,
+                                                     /*backward=*/true, /*staged_gradient=*/false);
+    return s.stage->RunIf(memory.status(), s.buffered);
   }
   bool HasOpenStream(const std::string& model_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (const auto& [sid, st] : streams) {
@@ -156,6 +155,15 @@ struct ModelRunner::Impl {
       return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(id), "'"));
     return &it->second;
   }
+  // What is not built yet for a full fine-tune whose parameters are sharded (--shard=full).
+  static absl::Status Unsharded(const ModelState& t, const char* what) {
+    if (!t.sharded) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": model ", t.id,
+        " holds its parameters in slices over the ranks (--shard=full), and exporting or "
+        "sampling such a model is not built yet: save_state it, and load that checkpoint into a "
+        "server run with --shard=optimizer to export or sample it"));
+  }
   // Memory a model's trainable state would take, counted before anything is allocated: each
   // trainable value is held four times (the parameter, its gradient sum, AdamW's two moments) in
   // the training dtype; under --shard=optimizer the parameter once and the other three a W-th
@@ -170,10 +178,15 @@ struct ModelRunner::Impl {
         values += w.numel();
       }
     }
-    // Under --shard=optimizer a rank holds the parameters and 1/W of the other three.
+    // Under --shard=optimizer a rank holds the parameters and 1/W of the other three; under
+    // --shard=full, a full fine-tune 1/W of all four (a unit's slices rounded up: at most one
+    // value per unit more).
     const int64_t W = collectives->world_size();
-    const int64_t held =
-        config.shard == ShardMode::kOptimizer ? values + 3 * ((values + W - 1) / W) : 4 * values;
+    const int64_t slice = (values + W - 1) / W + model_config.num_hidden_layers + 1;
+    int64_t held = 4 * values;
+    if (config.shard == ShardMode::kOptimizer) held = values + 3 * slice;
+    if (config.shard == ShardMode::kFull) held = (options.lora ? values : 0) + 3 * slice;
+    if (config.shard == ShardMode::kFull && !options.lora) held += slice;
     return held * at::elementSize(TrainDType());
   }
   // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
@@ -272,6 +285,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     impl->collectives = config.collectives ? config.collectives : MakeLocalCollectives();
     impl->memory_limit = ProcessMemoryLimit();
 
+    // Before any product runs: oneDNN reads its cap once (util/cpu_environment.h).
+    const std::string onednn_isa = CapOneDnnIsa();
     if (config.num_threads > 0) at::set_num_threads(config.num_threads);
     // util/blas_buffers.h: OpenBLAS's buffers mapped now, while memory is plentiful, and before
     // the budget is sized from what the process holds.
@@ -341,12 +356,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
         "runner: {} | {} | memory limit {} ({}), budget for models, calls and samples {} | "
         "intra-op threads {}, "
         "OMP_WAIT_POLICY={}, GOMP_SPINCOUNT={}, BLAS buffers mapped by {} calls, OpenBLAS kernels "
-        "{}",
+        "{}, ONEDNN_MAX_CPU_ISA={}",
         config.DebugString(), impl->model_config.DebugString(), Bytes(impl->memory_limit.bytes),
         impl->memory_limit.source, Bytes(impl->account->capacity()), at::get_num_threads(),
         wait_policy != nullptr ? wait_policy : "(unset)",
         spin_count != nullptr ? spin_count : "(unset)", blas_calls,
-        blas_core.empty() ? "(not OpenBLAS)" : blas_core);
+        blas_core.empty() ? "(not OpenBLAS)" : blas_core, onednn_isa);
     return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
   });
 }
@@ -392,21 +407,26 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
       t.lora = std::move(a);
     } else {
       const bool tied = impl_->model_config.tie_word_embeddings;
-      BaseWeights own = impl_->base;  // shallow; every tensor is replaced below
-      own.embed_VD = CloneTrainable(impl_->base.embed_VD, train_dtype);
-      own.final_norm_D = CloneTrainable(impl_->base.final_norm_D, train_dtype);
-      own.lm_head_VD = tied ? own.embed_VD : CloneTrainable(impl_->base.lm_head_VD, train_dtype);
-      for (LayerWeights& L : own.layers) {
-        for (at::Tensor* w : {&L.input_norm_D, &L.post_norm_D, &L.q_proj, &L.k_proj, &L.v_proj,
-                              &L.o_proj, &L.q_bias, &L.k_bias, &L.v_bias, &L.q_norm_d, &L.k_norm_d,
-                              &L.gate_proj, &L.up_proj, &L.down_proj}) {
-          if (w->defined()) *w = CloneTrainable(*w, train_dtype);
+      if (impl_->config.shard == ShardMode::kFull) {
+        // Every rank slices the same replicated base; nothing whole is kept.
+        t.sharded.emplace(impl_->base, tied, impl_->collectives->world_size(),
+                          impl_->collectives->rank(),
+                          at::TensorOptions().dtype(train_dtype).device(impl_->device));
+      } else {
+        BaseWeights own = impl_->base;  // shallow; every tensor is replaced below
+        own.embed_VD = CloneTrainable(impl_->base.embed_VD, train_dtype);
+        own.final_norm_D = CloneTrainable(impl_->base.final_norm_D, train_dtype);
+        own.lm_head_VD = tied ? own.embed_VD : CloneTrainable(impl_->base.lm_head_VD, train_dtype);
+        for (LayerWeights& L : own.layers) {
+          for (at::Tensor* w : L.All()) {
+            if (w->defined()) *w = CloneTrainable(*w, train_dtype);
+          }
         }
+        t.params = own.Named(tied);
+        t.full = std::move(own);
       }
-      t.params = own.Named(tied);
-      t.full = std::move(own);
     }
-    if (impl_->config.shard == ShardMode::kOptimizer) {
+    if (!t.sharded && impl_->config.shard != ShardMode::kNone) {
       std::vector<int64_t> numels;
       for (const auto& [name, p] : t.params) numels.push_back(p.numel());
       t.shard.emplace(ShardLayout(std::move(numels), impl_->collectives->world_size(),
@@ -462,6 +482,7 @@ absl::StatusOr<ModelInfo> ModelRunner::GetInfo(const std::string& model_id) cons
   info.accumulated_sequences = t->accumulated_sequences;
   info.skipped_steps = t->skipped_steps;
   for (const auto& [n, p] : t->params) info.trainable_parameters += p.numel();
+  if (t->sharded) info.trainable_parameters = t->sharded->values();
   info.vocab_size = impl_->model_config.vocab_size;
   info.max_context_length = impl_->model_config.max_position_embeddings;
   return info;
@@ -520,6 +541,9 @@ absl::StatusOr<int64_t> ModelRunner::BeginStream(
   if (MemoryAccount* account = impl_->Context().account) {
     int64_t bytes = 0;
     for (const auto& [name, p] : t->params) bytes += 2 * p.numel() * p.element_size();
+    if (t->sharded) {
+      for (const ShardedUnit& u : t->sharded->units()) bytes += u.param_C.nbytes();
+    }
     gradient = account->Reserve(bytes, "forward_backward stream: its staged gradient",
                                 ". Retry the stream later");
   }
@@ -605,11 +629,38 @@ absl::Status ReceiveOutcome(Collectives& c) {
   return absl::AbortedError(absl::StrCat("save_state on rank 0: ", outcome));
 }
 
+// A save every rank takes part in: rank 0 commits the checkpoint, running `first` in the
+// directory it is committing; the other ranks run `others` with that directory once rank 0 has
+// begun (and not at all when it could not begin: a name taken). Each step that can fail on one
+// rank is followed by a collective that tells the others, so all ranks end with the same outcome:
+// a failed save changes no state on any rank.
+absl::Status SaveOnEveryRank(Collectives& c, const std::string& path, bool overwrite,
+                             const std::function<absl::Status(const std::string& dir)>& first,
+                             const std::function<absl::Status(const std::string& dir)>& others) {
+  if (c.rank() != 0) {
+    std::string dir;
+    RETURN_IF_ERROR(c.BroadcastBytes(dir, 0));
+    if (dir.empty()) return absl::AbortedError("save_state: rank 0 did not start the checkpoint");
+    const absl::Status done = others(dir);
+    RETURN_IF_ERROR(ReceiveOutcome(c));
+    return done;
+  }
+  bool started = false;
+  absl::Status st = CommitCheckpoint(path, overwrite, [&](const std::string& dir) {
+    started = true;
+    std::string shared = dir;
+    RETURN_IF_ERROR(c.BroadcastBytes(shared, 0));
+    return first(dir);
+  });
+  if (started) return SendOutcome(c, st);
+  std::string none;  // the others wait for a directory, not an outcome
+  RETURN_IF_ERROR(c.BroadcastBytes(none, 0));
+  return st;
+}
+
 // Under --shard=optimizer every rank writes its own slices, in parallel, into the directory rank
 // 0 is committing (the checkpoint root must be shared by all ranks, as loading already needs);
-// rank 0 writes the parameters and, last, the manifest naming every rank's files. Each step that
-// can fail on one rank is followed by a collective that tells the others, so all ranks end with
-// the same outcome: a failed save changes no state on any rank.
+// rank 0 writes the parameters and, last, the manifest naming every rank's files.
 absl::Status SaveSharded(Collectives& c, const ModelState& t, const CheckpointMeta& meta,
                          const std::string& path, const SaveStateOptions& options) {
   const bool sums = options.include_accumulated;
@@ -639,26 +690,24 @@ absl::Status SaveSharded(Collectives& c, const ModelState& t, const CheckpointMe
     }
     return files;
   };
-  if (c.rank() != 0) {
-    std::string dir;
-    RETURN_IF_ERROR(c.BroadcastBytes(dir, 0));
-    if (dir.empty()) return absl::AbortedError("save_state: rank 0 did not start the checkpoint");
-    const absl::Status written = write_shards(dir).status();
-    RETURN_IF_ERROR(ReceiveOutcome(c));
-    return written;
-  }
-  bool started = false;
-  absl::Status st = CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
-    started = true;
-    std::string shared = dir;
-    RETURN_IF_ERROR(c.BroadcastBytes(shared, 0));
-    ASSIGN_OR_RETURN(auto files, write_shards(dir));
-    return WriteShardedTrainingState(t, meta, sums, c.world_size(), files, dir);
-  });
-  if (started) return SendOutcome(c, st);
-  std::string none;  // the others wait for a directory, not an outcome
-  RETURN_IF_ERROR(c.BroadcastBytes(none, 0));
-  return st;
+  return SaveOnEveryRank(
+      c, path, options.overwrite,
+      [&](const std::string& dir) -> absl::Status {
+        ASSIGN_OR_RETURN(auto files, write_shards(dir));
+        return WriteShardedTrainingState(t, meta, sums, c.world_size(), files, dir);
+      },
+      [&](const std::string& dir) { return write_shards(dir).status(); });
+}
+
+// Under --shard=full every rank takes part in gathering each tensor whole, and rank 0 writes
+// (runner/checkpoint/param_shard_io.h).
+absl::Status SaveGathered(Collectives& c, const ModelState& t, const CheckpointMeta& meta,
+                          const std::string& path, const SaveStateOptions& options) {
+  const bool sums = options.include_accumulated;
+  return SaveOnEveryRank(
+      c, path, options.overwrite,
+      [&](const std::string& dir) { return WriteGatheredTrainingState(c, t, meta, sums, dir); },
+      [&](const std::string&) { return WriteGatheredTrainingState(c, t, meta, sums, ""); });
 }
 
 }  // namespace
@@ -678,7 +727,7 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   // Files are written a tensor at a time (SaveSafetensorsFile); what a save holds beside the model
   // is the copy of its gradient sum it reduces over the ranks and saves.
   Reservation held;
-  if (options.include_accumulated && !t->shard) {
+  if (options.include_accumulated && !t->shard && !t->sharded) {
     int64_t bytes = 0;
     for (const auto& [name, g] : t->grad_sum) bytes += static_cast<int64_t>(g.nbytes());
     ASSIGN_OR_RETURN(held, impl_->account->Reserve(
@@ -687,6 +736,7 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   }
   return Guarded("save_state", [&]() -> absl::Status {
     if (t->shard) return SaveSharded(*impl_->collectives, *t, meta, path, options);
+    if (t->sharded) return SaveGathered(*impl_->collectives, *t, meta, path, options);
     // Each rank holds its share of the gradient until optim_step reduces them (Note [Reduce once]
     // in runner/dist/collectives.h); a checkpoint holds their sum.
     std::map<std::string, at::Tensor> accumulated;
@@ -716,6 +766,7 @@ namespace {
 // SaveState). Shards take their slice of every whole tensor, the sum included (it is already
 // reduced), so a checkpoint of any world size and sharding loads at any other.
 void ApplyLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer, int rank) {
+  if (t.sharded) return ScatterLoadedState(t, s, with_optimizer);
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> avg, avg_sq, sums;  // whole tensors in name order
   for (auto& [name, p] : t.params) {
@@ -772,7 +823,7 @@ absl::Status ModelRunner::LoadState(const std::string& model_id, const std::stri
   // Read and check everything before touching the model: a refused load changes nothing.
   Reservation held;
   ASSIGN_OR_RETURN(LoadedState s, impl_->ReadState(path, &held));
-  RETURN_IF_ERROR(CheckCompatible(*t, s));
+  RETURN_IF_ERROR(t->sharded ? CheckShardedCompatible(*t, s) : CheckCompatible(*t, s));
   return Guarded("load_state", [&]() -> absl::Status {
     ApplyLoadedState(*t, s, with_optimizer, impl_->collectives->rank());
     return absl::OkStatus();
@@ -792,7 +843,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
   ASSIGN_OR_RETURN(std::string id, CreateModel(s->options, model_id));
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(id));
-  absl::Status st = CheckCompatible(*t, *s);
+  absl::Status st = t->sharded ? CheckShardedCompatible(*t, *s) : CheckCompatible(*t, *s);
   if (st.ok()) {
     st = Guarded("load_state", [&]() -> absl::Status {
       ApplyLoadedState(*t, *s, with_optimizer, impl_->collectives->rank());
@@ -811,6 +862,7 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
                                                 bool overwrite) {
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  RETURN_IF_ERROR(Impl::Unsharded(*t, "save_weights_for_sampler"));
   // A merged export makes each adapted weight as the file reaches it: the largest weight, the
   // adapter's product of its size, and their sum in float32, held at once.
   Reservation held;
@@ -876,6 +928,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
     return std::shared_ptr<const Policy>(std::move(policy));
   }
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  RETURN_IF_ERROR(Impl::Unsharded(*t, "create_sampler"));
   // The copy is admitted before it is made.
   int64_t copy_bytes = 0;
   const int64_t element = static_cast<int64_t>(at::elementSize(impl_->dtype));
@@ -957,6 +1010,44 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
   });
 }
 
+namespace {
+
+NamedValues Values(std::string name, const at::Tensor& t) {
+  const at::Tensor d = t.detach().to(at::kCPU, at::kDouble).contiguous();
+  NamedValues v{std::move(name), d.sizes().vec(), {}};
+  v.values.assign(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+  return v;
+}
+
+// Snapshot of a model under --shard=full: its parameters gathered whole (a collective), or this
+// rank's slices of the sums and moments, each named by its tensor and range.
+absl::StatusOr<std::vector<NamedValues>> SnapshotSharded(Collectives& c, const ParamShard& shard,
+                                                         StateKind kind) {
+  std::map<std::string, NamedValues> sorted;
+  for (const ShardedUnit& u : shard.units()) {
+    if (kind == StateKind::kParams) {
+      ASSIGN_OR_RETURN(std::vector<at::Tensor> whole, u.Gather(c));
+      for (size_t i = 0; i < whole.size(); ++i)
+        sorted.emplace(u.names[i], Values(u.names[i], whole[i]));
+      continue;
+    }
+    const at::Tensor& flat_C = kind == StateKind::kGrads        ? u.state.grad_sum_C
+                               : kind == StateKind::kAdamExpAvg ? u.state.exp_avg_C
+                                                                : u.state.exp_avg_sq_C;
+    const ShardLayout& l = u.state.layout;
+    for (const auto& piece : l.Pieces(l.begin(l.rank()), l.end(l.rank()))) {
+      std::string name = absl::StrCat(u.names[piece.tensor], "[", piece.tensor_offset, ":",
+                                      piece.tensor_offset + piece.length, "]");
+      sorted.emplace(name, Values(name, flat_C.narrow(0, piece.offset, piece.length)));
+    }
+  }
+  std::vector<NamedValues> out;
+  for (auto& [name, v] : sorted) out.push_back(std::move(v));
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string& model_id,
                                                                StateKind kind) const {
   absl::MutexLock lock(&impl_->mu);
@@ -967,6 +1058,7 @@ absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string
   if (kind == StateKind::kAdamExpAvgSq) src = &t->exp_avg_sq;
   return Guarded("snapshot", [&]() -> absl::StatusOr<std::vector<NamedValues>> {
     std::vector<NamedValues> out;
+    if (t->sharded) return SnapshotSharded(*impl_->collectives, *t->sharded, kind);
     if (t->shard && kind != StateKind::kParams) {
       const OptimizerShard& shard = *t->shard;
       const at::Tensor& flat_C = kind == StateKind::kGrads        ? shard.grad_sum_C

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "runner/dist/param_shard.h"
 #include "runner/dist/shard.h"
 #include "runner/model/lora.h"
 #include "runner/model/transformer.h"
@@ -31,6 +32,9 @@ struct ModelState {
   // Under ShardMode::kOptimizer: this rank's slice of the sums and moments, reduced per call;
   // grad_sum, exp_avg and exp_avg_sq are then empty.
   std::optional<OptimizerShard> shard;
+  // Under ShardMode::kFull, a full fine-tune: this rank's slices of the parameters, sums and
+  // moments, unit by unit; `full`, params and the maps above are then empty.
+  std::optional<ParamShard> sharded;
   // Of params and accumulators, as admitted (ModelRunner::CreateModel), held in the process's
   // memory account while the model lives.
   Reservation memory;

@@ -48,15 +48,11 @@ const char* ComputeDTypeName(ComputeDType dtype) {
 }
 
 absl::StatusOr<ShardMode> ParseShardMode(absl::string_view name) {
-  for (ShardMode m : {ShardMode::kNone, ShardMode::kOptimizer}) {
+  for (ShardMode m : {ShardMode::kNone, ShardMode::kOptimizer, ShardMode::kFull}) {
     if (name == ShardModeName(m)) return m;
   }
-  if (name == "full") {
-    return absl::InvalidArgumentError(
-        "runner: shard=full (parameters sharded as well) is not built yet; use none or optimizer");
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("runner: shard must be none or optimizer, not \"", std::string(name), "\""));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "runner: shard must be none, optimizer or full, not \"", std::string(name), "\""));
 }
 
 const char* ShardModeName(ShardMode mode) {
@@ -65,6 +61,8 @@ const char* ShardModeName(ShardMode mode) {
       return "none";
     case ShardMode::kOptimizer:
       return "optimizer";
+    case ShardMode::kFull:
+      return "full";
   }
   return "?";
 }

@@ -21,8 +21,10 @@ const char* ComputeDTypeName(ComputeDType dtype);
 
 // What each data-parallel rank holds of a model's training state. kNone: all of it (replicas).
 // kOptimizer: every parameter, but 1/W of the gradient sums and AdamW moments
-// (runner/dist/shard.h). Parameter sharding (full) is not built yet.
-enum class ShardMode { kNone, kOptimizer };
+// (runner/dist/shard.h). kFull: a full fine-tune's parameters too, each decoder layer gathered
+// only while it runs (runner/dist/param_shard.h); LoRA models and the frozen base are as under
+// kOptimizer.
+enum class ShardMode { kNone, kOptimizer, kFull };
 absl::StatusOr<ShardMode> ParseShardMode(absl::string_view name);
 const char* ShardModeName(ShardMode mode);
 

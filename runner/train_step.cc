@@ -20,6 +20,7 @@
 #include "runner/loss/losses.h"
 #include "runner/packing/karmarkar_karp.h"
 #include "runner/packing/micro_batch.h"
+#include "runner/util/exception_status.h"
 #include "runner/util/status_macros.h"
 #include "runner/validate.h"
 
@@ -56,6 +57,24 @@ at::Tensor GatherInt(const std::vector<Datum>& data, const std::vector<int>& mb,
       .to(device, at::kLong, /*non_blocking=*/false, /*copy=*/true);
 }
 
+template <typename T>
+T OrThrow(absl::StatusOr<T> v) {
+  if (!v.ok()) throw std::runtime_error(std::string(v.status().message()));
+  return *std::move(v);
+}
+
+void OrThrow(const absl::Status& st) {
+  if (!st.ok()) throw std::runtime_error(std::string(st.message()));
+}
+
+// The number of micro-batches every rank runs under --shard=full: the most any rank planned.
+size_t AgreedMicroBatches(Collectives& c, size_t mine) {
+  std::vector<int64_t> counts(c.world_size(), 0);
+  counts[c.rank()] = static_cast<int64_t>(mine);
+  OrThrow(c.AllReduceSumCounts(counts));
+  return static_cast<size_t>(*std::max_element(counts.begin(), counts.end()));
+}
+
 }  // namespace
 
 CallStage::CallStage(const StepContext& ctx, ModelState& model, ResolvedLoss loss, bool backward)
@@ -64,6 +83,28 @@ CallStage::CallStage(const StepContext& ctx, ModelState& model, ResolvedLoss los
     params_.push_back(p);
     if (backward_) staged_.emplace_back();  // undefined until a micro-batch reaches it
   }
+  if (model_.sharded && backward_) {
+    for (const ShardedUnit& u : model_.sharded->units()) {
+      staged_C_.push_back(at::zeros_like(u.param_C));
+    }
+  }
+}
+
+absl::Status CallStage::RunIf(absl::Status local, const std::vector<Datum>& data) {
+  if (model_.sharded) {
+    bool ok = local.ok();
+    RETURN_IF_ERROR(ctx_.collectives->AllAgree(ok));
+    if (!ok && local.ok()) {
+      return absl::AbortedError("the call failed on another rank; nothing was applied");
+    }
+  }
+  if (!local.ok()) return local;
+  try {
+    Run(data);
+  } catch (...) {
+    return ExceptionStatus("forward_backward", std::current_exception());
+  }
+  return absl::OkStatus();
 }
 
 void CallStage::Run(const std::vector<Datum>& data) {
@@ -94,15 +135,31 @@ void CallStage::Run(const std::vector<Datum>& data) {
   std::vector<int64_t> mine_lengths;
   for (int i : mine) mine_lengths.push_back(lengths[i]);
 
-  // ---- TRAINING SECTION BEGIN: one packed micro-batch per iteration ----
-  for (std::vector<int> mb : PlanMicroBatches(mine_lengths, ctx_.micro_batch_tokens)) {
+  std::vector<std::vector<int>> plan = PlanMicroBatches(mine_lengths, ctx_.micro_batch_tokens);
+  for (std::vector<int>& mb : plan) {
     for (int& j : mb) j = mine[j];  // positions in `mine` -> indices into `data`
+  }
+  // Under --shard=full each micro-batch gathers every unit (runner/dist/param_shard.h): the ranks
+  // run as many, the shorter padding with empty ones (one masked token: nothing counted, a zero
+  // gradient).
+  Collectives& c = *ctx_.collectives;
+  if (model_.sharded) plan.resize(AgreedMicroBatches(c, plan.size()));
+
+  // ---- TRAINING SECTION BEGIN: one packed micro-batch per iteration ----
+  for (const std::vector<int>& mb : plan) {
+    const bool pad = mb.empty();
     std::optional<at::NoGradGuard> no_grad;
     if (!backward_) no_grad.emplace();
-    PackedBatch batch{GatherInt(data, mb, /*targets=*/false, ctx_.device), {0}};
+    const at::Tensor one_token = at::zeros({1}, at::TensorOptions(at::kLong).device(ctx_.device));
+    PackedBatch batch{pad ? one_token : GatherInt(data, mb, /*targets=*/false, ctx_.device), {0}};
     for (int i : mb) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + lengths[i]);
-    at::Tensor targets_T = GatherInt(data, mb, /*targets=*/true, ctx_.device);
+    if (pad) batch.cu_seqlens.push_back(1);
+    at::Tensor targets_T =
+        pad ? one_token.repeat({per_token}) : GatherInt(data, mb, /*targets=*/true, ctx_.device);
     if (K > 0) targets_T = targets_T.view({-1, K});
+    auto floats = [&](const std::string& key, int64_t per) {
+      return pad ? at::zeros({per}, on_device) : GatherFloat(data, mb, key, on_device);
+    };
 
     // Mask: explicit "mask" if given, else the loss's implicit input != 0 (DESIGN.md §3); a
     // position of top-K weights is valid when any of its K weights is.
@@ -125,15 +182,33 @@ void CallStage::Run(const std::vector<Datum>& data) {
         scale.push_back(v ? s : 0.0);
       }
     }
+    if (pad) mask = scale = {0.0};
     const int64_t T = static_cast<int64_t>(mask.size());
     at::Tensor keep_T = at::from_blob(mask.data(), {T}, at::kDouble).ne(0).to(ctx_.device);
     at::Tensor scale_T = at::from_blob(scale.data(), {T}, at::kDouble)
                              .to(on_device, /*non_blocking=*/false, /*copy=*/true);
 
-    const BaseWeights& weights = WeightsOf(ctx_, model_);
+    // Under --shard=full the rest of the model is gathered whole for the micro-batch and each
+    // layer as it runs; their gradients are reduced into staged_C_ as the backward makes them.
+    std::optional<BaseWeights> gathered;
+    std::vector<at::Tensor> params = params_;
+    LayerSource source;
+    ForwardOptions forward = ctx_.forward;
+    if (const ParamShard* shard = model_.sharded ? &*model_.sharded : nullptr) {
+      gathered = OrThrow(shard->GatherRest(c));
+      params = shard->RestTensors(*gathered);
+      for (at::Tensor& p : params) p.requires_grad_(backward_);
+      source.gather = [shard, &c](int64_t l) { return OrThrow(shard->GatherLayer(c, l)); };
+      source.scatter = [this, shard, &c](int64_t l, const LayerWeights& grads) {
+        OrThrow(shard->units()[1 + l].ReduceScatterInto(c, shard->LayerTensors(l, grads),
+                                                        staged_C_[1 + l]));
+      };
+      forward.layers = &source;
+    }
+    const BaseWeights& weights = gathered ? *gathered : WeightsOf(ctx_, model_);
     const LoraAdapter* lora = model_.lora ? &*model_.lora : nullptr;
     kernels::LogprobHeadParams head;
-    head.hidden_TD = ForwardHidden(*ctx_.config, weights, lora, batch, ctx_.forward);
+    head.hidden_TD = ForwardHidden(*ctx_.config, weights, lora, batch, forward);
     head.weight_VD = weights.lm_head_VD;
     if (const LoraPair* pair = HeadAdapter(lora)) {
       head.lora_A_rD = pair->A_rI;
@@ -145,14 +220,14 @@ void CallStage::Run(const std::vector<Datum>& data) {
     LossTokenInputs li;
     li.logp_T = logp_T;
     if (loss_.spec->name == "cross_entropy") {
-      li.weights_T = GatherFloat(data, mb, "weights", on_device);
+      li.weights_T = floats("weights", per_token);
       if (K > 0) li.weights_T = li.weights_T.view({-1, K});
     } else {
-      li.logq_T = GatherFloat(data, mb, "logprobs", on_device);
-      li.adv_T = GatherFloat(data, mb, "advantages", on_device);
+      li.logq_T = floats("logprobs", 1);
+      li.adv_T = floats("advantages", 1);
     }
     if (loss_.spec->name == "gspo") {
-      li.ratio_mask_T = GatherFloat(data, mb, "sequence_ratio_mask", on_device);
+      li.ratio_mask_T = floats("sequence_ratio_mask", 1);
       li.cu_seqlens = batch.cu_seqlens;
     }
     LossTokenOutputs lo = PerTokenLoss(loss_.spec->name, li, loss_.config);
@@ -161,10 +236,15 @@ void CallStage::Run(const std::vector<Datum>& data) {
     if (lo.clipped_T.defined()) {
       clipped_tokens_ += lo.clipped_T.logical_and(keep_T).sum().item<int64_t>();
     }
-    if (backward_ && keep_T.any().item<bool>()) {
+    // Sharded, every rank runs every backward: its reductions are collectives.
+    if (backward_ && (model_.sharded || keep_T.any().item<bool>())) {
       std::vector<at::Tensor> grads =
-          torch::autograd::grad({raw}, params_, /*grad_outputs=*/{}, /*retain_graph=*/false,
+          torch::autograd::grad({raw}, params, /*grad_outputs=*/{}, /*retain_graph=*/false,
                                 /*create_graph=*/false, /*allow_unused=*/true);
+      if (model_.sharded) {
+        OrThrow(model_.sharded->units()[0].ReduceScatterInto(c, grads, staged_C_[0]));
+        grads.clear();
+      }
       for (size_t k = 0; k < grads.size(); ++k) {
         if (!grads[k].defined()) continue;
         // The first gradient is kept, not added to zeros: a call holds one gradient-sized buffer
@@ -178,6 +258,7 @@ void CallStage::Run(const std::vector<Datum>& data) {
       }
     }
     loss_sum_ += raw.item<double>();
+    if (pad) continue;
     at::Tensor logp_f = logp_T.detach().to(at::kCPU, at::kFloat).contiguous();
     const float* lp = logp_f.data_ptr<float>();
     for (size_t j = 0; j < mb.size(); ++j) {
@@ -239,6 +320,9 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
     // The only place a call changes training state.
     at::NoGradGuard no_grad;
     if (model_.shard) model_.shard->grad_sum_C.add_(reduced_C);
+    for (size_t u = 0; u < staged_C_.size(); ++u) {
+      model_.sharded->units()[u].state.grad_sum_C.add_(staged_C_[u]);
+    }
     size_t k = 0;
     for (auto& [name, g] : model_.grad_sum) {
       if (staged_[k].defined()) g.add_(staged_[k]);
@@ -269,6 +353,16 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
     if (staged_gradient) call.trainable_values += p.numel();
     call.train_bytes = static_cast<int64_t>(p.element_size());
   }
+  if (model.sharded) {
+    call.checkpointing = true;  // every gathered layer is recomputed
+    int64_t largest = 0;
+    for (const ShardedUnit& u : model.sharded->units()) {
+      if (staged_gradient) call.trainable_values += u.param_C.numel();
+      if (&u != &model.sharded->units()[0]) largest = std::max(largest, u.state.layout.total());
+      call.train_bytes = static_cast<int64_t>(u.param_C.element_size());
+    }
+    call.gathered_values = model.sharded->units()[0].state.layout.total() + largest;
+  }
   // A refusal is the call's result in its model's order, as any failure is.
   return ctx.account->Reserve(
       CallBytes(*ctx.config, call),
@@ -285,17 +379,7 @@ absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelSt
   // Refused memory is this rank's outcome: it still commits, so that every rank's collectives
   // line up and all of them refuse the call.
   absl::StatusOr<Reservation> memory = ReserveCall(ctx, model, data, backward);
-  absl::Status local = memory.status();
-  if (local.ok()) {
-    try {
-      stage.Run(data);
-    } catch (const c10::Error& e) {
-      local = absl::InternalError(absl::StrCat("forward_backward: ", e.what_without_backtrace()));
-    } catch (const std::exception& e) {
-      local = absl::InternalError(absl::StrCat("forward_backward: ", e.what()));
-    }
-  }
-  return stage.Commit(local);
+  return stage.Commit(stage.RunIf(memory.status(), data));
 }
 
 namespace {
@@ -356,6 +440,12 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
       largest = std::max<int64_t>(largest, g.numel());
     }
     if (t.shard) copy = t.shard->grad_sum_C.numel() * t.shard->grad_sum_C.element_size();
+    if (t.sharded) {
+      for (const ShardedUnit& u : t.sharded->units()) {
+        copy += u.param_C.numel() * u.param_C.element_size();
+        largest = std::max<int64_t>(largest, u.param_C.numel());
+      }
+    }
     ASSIGN_OR_RETURN(memory,
                      ctx.account->Reserve(2 * copy + 2 * largest * int64_t{sizeof(double)},
                                           "optim_step: its copy of the gradients",
@@ -367,6 +457,10 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   std::vector<at::Tensor> grads;
   if (t.shard) {
     grads = t.shard->Cut(t.shard->grad_sum_C.clone());
+  } else if (t.sharded) {
+    for (const ShardedUnit& u : t.sharded->units()) {
+      for (at::Tensor& g : u.state.Cut(u.state.grad_sum_C.clone())) grads.push_back(std::move(g));
+    }
   } else {
     for (auto& [name, g] : t.grad_sum) grads.push_back(g.clone());
     // See Note [Reduce once] in runner/dist/collectives.h.
@@ -385,7 +479,7 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
     const at::Tensor squares_P = at::stack(squares).cpu();
     for (int64_t i = 0; i < squares_P.size(0); ++i) sq[0] += squares_P.data_ptr<double>()[i];
   }
-  if (t.shard) RETURN_IF_ERROR(ctx.collectives->AllReduceSumDoubles(sq));
+  if (t.shard || t.sharded) RETURN_IF_ERROR(ctx.collectives->AllReduceSumDoubles(sq));
   OptimStepResult r;
   r.grad_norm = std::sqrt(sq[0]);
   r.learning_rate = p.learning_rate;
@@ -394,6 +488,9 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   r.num_sequences = t.accumulated_sequences;
   auto clear = [&] {
     if (t.shard) t.shard->grad_sum_C.zero_();
+    if (t.sharded) {
+      for (ShardedUnit& u : t.sharded->units()) u.state.grad_sum_C.zero_();
+    }
     for (auto& [name, g] : t.grad_sum) g.zero_();
     t.accumulated_tokens = 0;
     t.accumulated_sequences = 0;
@@ -422,6 +519,13 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
     adam.params = t.shard->Views(params);
     adam.exp_avgs = t.shard->Cut(t.shard->exp_avg_C);
     adam.exp_avg_sqs = t.shard->Cut(t.shard->exp_avg_sq_C);
+  } else if (t.sharded) {
+    // Each rank steps its slices and keeps them: a layer is gathered again when it next runs.
+    for (const ShardedUnit& u : t.sharded->units()) {
+      for (const at::Tensor& v : u.state.Cut(u.param_C)) adam.params.push_back(v);
+      for (const at::Tensor& v : u.state.Cut(u.state.exp_avg_C)) adam.exp_avgs.push_back(v);
+      for (const at::Tensor& v : u.state.Cut(u.state.exp_avg_sq_C)) adam.exp_avg_sqs.push_back(v);
+    }
   } else {
     adam.params = params;
     for (auto& [name, param] : t.params) {

@@ -43,6 +43,10 @@ class CallStage {
   // every rank). Data must already be validated. Throws on LibTorch errors; the caller passes the
   // outcome to Commit, which every rank must reach so collectives line up.
   void Run(const std::vector<Datum>& data);
+  // Run, unless `local` (this rank's outcome so far) failed; returns the outcome, exceptions
+  // turned into statuses. Under --shard=full the ranks first agree on `local`, so that every rank
+  // runs (and its gathers line up) or none does.
+  absl::Status RunIf(absl::Status local, const std::vector<Datum>& data);
   // Agrees with every rank on `local` (this rank's outcome), sums counts and losses over ranks,
   // gathers per-datum outputs, and only if every rank succeeded adds the staged gradient.
   absl::StatusOr<ForwardBackwardResult> Commit(const absl::Status& local);
@@ -56,6 +60,9 @@ class CallStage {
   std::vector<at::Tensor> params_;
   // This call's gradient, in model_.params' order; undefined where no micro-batch reached it yet.
   std::vector<at::Tensor> staged_;
+  // Under --shard=full: this rank's slice of the call's gradient summed over ranks, per unit of
+  // model_.sharded (reduced as each layer's backward ends).
+  std::vector<at::Tensor> staged_C_;
   ForwardBackwardResult result_;
   double loss_sum_ = 0;
   int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;

@@ -123,7 +123,9 @@ ABSL_FLAG(int, nproc, 1,
           "torchrun, Slurm or Kubernetes)");
 ABSL_FLAG(std::string, shard, "none",
           "data parallel: what each rank holds of a model's training state: none (a whole "
-          "replica) or optimizer (the parameters, and 1/N of the gradient sums and AdamW moments)");
+          "replica), optimizer (the parameters, and 1/N of the gradient sums and AdamW moments) or "
+          "full (1/N of a full fine-tune's parameters as well, each layer gathered while it "
+          "runs)");
 ABSL_FLAG(int, collective_timeout_s, 600,
           "data parallel: a collective that takes longer fails and the server turns NOT_SERVING; "
           "must exceed the longest call's compute time");

@@ -25,6 +25,9 @@ struct Faults {
   // The loss-sum reduction at the end of every forward(_backward) fails (UNAVAILABLE), after the
   // call's micro-batches ran and its counts were reduced: the last moment before it commits.
   bool fail_loss_reduction = false;
+  // Every all-gather keeps this rank's row alone and leaves the others' zero: sharded weights
+  // used without the slices the other ranks hold.
+  bool gather_own_only = false;
 };
 
 class FaultyCollectives : public Collectives {
@@ -59,7 +62,12 @@ class FaultyCollectives : public Collectives {
     return st;
   }
   absl::Status AllGather(const at::Tensor& in_K, at::Tensor& out_WK) override {
-    return inner_->AllGather(in_K, out_WK);
+    absl::Status st = inner_->AllGather(in_K, out_WK);
+    if (st.ok() && faults_.gather_own_only) {
+      out_WK.zero_();
+      out_WK[rank()].copy_(in_K);
+    }
+    return st;
   }
   absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) override {
     return inner_->AllReduceSumCounts(counts);

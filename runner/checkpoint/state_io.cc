@@ -64,6 +64,17 @@ absl::Status WriteParamsAndManifest(const ModelState& t, const CheckpointMeta& m
                                     bool accumulated, TrainingManifest m, const std::string& dir) {
   ASSIGN_OR_RETURN(m.files["params.safetensors"],
                    SaveTensors(dir, "params.safetensors", t.params, meta.training_dtype));
+  return WriteManifest(t, meta, accumulated, std::move(m), dir);
+}
+
+std::string ShardFileName(const std::string& kind, int rank, int world_size) {
+  return absl::StrCat(kind, "-", rank, "-of-", world_size, ".safetensors");
+}
+
+}  // namespace
+
+absl::Status WriteManifest(const ModelState& t, const CheckpointMeta& meta, bool accumulated,
+                           TrainingManifest m, const std::string& dir) {
   if (accumulated) m.accumulated = Accumulated{t.accumulated_tokens, t.accumulated_sequences};
   m.model_id = t.id;
   m.options = t.options;
@@ -75,12 +86,6 @@ absl::Status WriteParamsAndManifest(const ModelState& t, const CheckpointMeta& m
   m.base_fingerprint = meta.base_fingerprint;
   return WriteFileAtomically(Join(dir, "manifest.json"), TrainingManifestToJson(m));
 }
-
-std::string ShardFileName(const std::string& kind, int rank, int world_size) {
-  return absl::StrCat(kind, "-", rank, "-of-", world_size, ".safetensors");
-}
-
-}  // namespace
 
 absl::Status WriteTrainingState(const ModelState& t, const CheckpointMeta& meta,
                                 const std::map<std::string, at::Tensor>* accumulated,

@@ -46,6 +46,11 @@ absl::Status WriteShardedTrainingState(const ModelState& t, const CheckpointMeta
                                        const std::map<std::string, FileDigest>& shard_files,
                                        const std::string& dir);
 
+// The manifest, written last (its presence marks the checkpoint complete), listing `m.files`
+// (the parameters' among them).
+absl::Status WriteManifest(const ModelState& t, const CheckpointMeta& meta, bool accumulated,
+                           TrainingManifest m, const std::string& dir);
+
 struct LoadedState {
   CreateModelOptions options;
   int64_t step = 0;

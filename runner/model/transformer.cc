@@ -115,6 +115,34 @@ std::vector<at::Tensor> LayerParams(const LayerWeights& L, const LoraAdapter* lo
   return out;
 }
 
+// Layer `layer` of `source` on h_TD: its weights gathered for the forward and again for the
+// backward (kernels/recompute.h).
+at::Tensor GatheredLayer(const LayerSource& source, int64_t layer,
+                         std::function<at::Tensor(const LayerWeights&, const at::Tensor&)> fn,
+                         const at::Tensor& h_TD) {
+  kernels::Gathered weights;
+  weights.gather = [&source, layer] {
+    const LayerWeights L = source.gather(layer);
+    std::vector<at::Tensor> out;
+    for (const at::Tensor* t : L.All()) out.push_back(*t);
+    return out;
+  };
+  weights.scatter = [&source, layer](const std::vector<at::Tensor>& grads) {
+    LayerWeights g;
+    const auto fields = g.All();
+    for (size_t f = 0; f < fields.size(); ++f) *fields[f] = grads[f];
+    source.scatter(layer, g);
+  };
+  return kernels::RecomputeGathered(
+      [fn = std::move(fn)](const at::Tensor& h, const std::vector<at::Tensor>& tensors) {
+        LayerWeights L;
+        const auto fields = L.All();
+        for (size_t f = 0; f < fields.size(); ++f) *fields[f] = tensors[f];
+        return fn(L, h);
+      },
+      std::move(weights), h_TD);
+}
+
 absl::Status Expect(const TensorMap& m, const std::string& name, std::vector<int64_t> shape) {
   auto it = m.find(name);
   if (it == m.end()) return absl::InvalidArgumentError(absl::StrCat("weights: missing ", name));
@@ -193,25 +221,10 @@ std::map<std::string, at::Tensor> BaseWeights::Named(bool tied) const {
   if (!tied) m["lm_head.weight"] = lm_head_VD;
   for (size_t l = 0; l < layers.size(); ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    const LayerWeights& L = layers[l];
-    m[p + "input_layernorm.weight"] = L.input_norm_D;
-    m[p + "post_attention_layernorm.weight"] = L.post_norm_D;
-    m[p + "self_attn.q_proj.weight"] = L.q_proj;
-    m[p + "self_attn.k_proj.weight"] = L.k_proj;
-    m[p + "self_attn.v_proj.weight"] = L.v_proj;
-    m[p + "self_attn.o_proj.weight"] = L.o_proj;
-    if (L.q_bias.defined()) {
-      m[p + "self_attn.q_proj.bias"] = L.q_bias;
-      m[p + "self_attn.k_proj.bias"] = L.k_bias;
-      m[p + "self_attn.v_proj.bias"] = L.v_bias;
+    const auto fields = layers[l].All();
+    for (size_t f = 0; f < fields.size(); ++f) {
+      if (fields[f]->defined()) m[p + LayerWeights::kNames[f]] = *fields[f];
     }
-    if (L.q_norm_d.defined()) {
-      m[p + "self_attn.q_norm.weight"] = L.q_norm_d;
-      m[p + "self_attn.k_norm.weight"] = L.k_norm_d;
-    }
-    m[p + "mlp.gate_proj.weight"] = L.gate_proj;
-    m[p + "mlp.up_proj.weight"] = L.up_proj;
-    m[p + "mlp.down_proj.weight"] = L.down_proj;
   }
   return m;
 }
@@ -245,10 +258,21 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
           : BuildRopeTables(c, batch.cu_seqlens, w.embed_VD.options().dtype(dt), past);
   at::Tensor h_TD = at::embedding(w.embed_VD, batch.tokens_T).to(dt);
   for (size_t l = 0; l < w.layers.size(); ++l) {
-    const LayerWeights& L = w.layers[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
+    const auto index = static_cast<int64_t>(l);
+    if (options.layers != nullptr) {
+      h_TD = GatheredLayer(
+          *options.layers, index,
+          [&c, lora, p, rope, cu = batch.cu_seqlens, kv = options.kv, index](const LayerWeights& L,
+                                                                             const at::Tensor& h) {
+            return DecoderLayer(c, L, lora, p, rope, cu, kv, index, h);
+          },
+          h_TD);
+      continue;
+    }
+    const LayerWeights& L = w.layers[l];
     auto layer = [&c, &L, lora, p, rope, cu = batch.cu_seqlens, kv = options.kv,
-                  index = static_cast<int64_t>(l)](const at::Tensor& h) {
+                  index](const at::Tensor& h) {
       return DecoderLayer(c, L, lora, p, rope, cu, kv, index, h);
     };
     h_TD = options.recompute_layers && options.kv == nullptr

@@ -33,11 +33,23 @@ struct LayerWeights {
   at::Tensor q_norm_d, k_norm_d;              // undefined unless qk_norm
   at::Tensor gate_proj, up_proj, down_proj;
 
-  // Every field above, defined or not.
+  // Every field above, defined or not, and (kNames) each one's Hugging Face name in the layer.
   std::array<const at::Tensor*, 14> All() const {
     return {&input_norm_D, &post_norm_D, &q_proj,   &k_proj,   &v_proj,    &o_proj,  &q_bias,
             &k_bias,       &v_bias,      &q_norm_d, &k_norm_d, &gate_proj, &up_proj, &down_proj};
   }
+  std::array<at::Tensor*, 14> All() {
+    return {&input_norm_D, &post_norm_D, &q_proj,   &k_proj,   &v_proj,    &o_proj,  &q_bias,
+            &k_bias,       &v_bias,      &q_norm_d, &k_norm_d, &gate_proj, &up_proj, &down_proj};
+  }
+  static constexpr std::array<const char*, 14> kNames = {
+      "input_layernorm.weight",  "post_attention_layernorm.weight",
+      "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+      "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+      "self_attn.q_proj.bias",   "self_attn.k_proj.bias",
+      "self_attn.v_proj.bias",   "self_attn.q_norm.weight",
+      "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+      "mlp.up_proj.weight",      "mlp.down_proj.weight"};
 };
 
 struct BaseWeights {
@@ -75,6 +87,16 @@ struct KvPieces {
   std::vector<int64_t> lengths;  // per sequence, its keys: the first rows of its pieces
 };
 
+// Decoder layers whose weights each rank holds in slices (--shard=full,
+// runner/dist/param_shard.h): layer l's are gathered whole just before it runs, in the forward
+// and again in its backward (such a layer is always recomputed), and dropped after it; their
+// gradients leave through `scatter` (undefined fields and unreached weights undefined), not
+// through the graph. Both are collectives and throw when one fails.
+struct LayerSource {
+  std::function<LayerWeights(int64_t layer)> gather;
+  std::function<void(int64_t layer, const LayerWeights& grads)> scatter;
+};
+
 // A forward that continues sequences whose earlier tokens' keys and values are cached (sampling:
 // a prompt's prefill, then one token per decode step). Sequence s of the batch holds the tokens
 // after its past[s] cached ones, so its positions start at past[s]. Before each layer's attention,
@@ -100,6 +122,8 @@ struct ForwardOptions {
   RopeCache* rope = nullptr;
   // Set: attend to cached keys as well (see KvStep); recompute_layers is then ignored.
   const KvStep* kv = nullptr;
+  // Set: the decoder layers' weights come from here, not from the BaseWeights' `layers`.
+  const LayerSource* layers = nullptr;
 };
 
 // The LoRA adapters a forward applies: one for every row (null: none, the base model or full

@@ -43,6 +43,11 @@ std::string BlasCore() {
   return core != nullptr ? core : "";
 }
 
+std::string CapOneDnnIsa() {
+  setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", /*overwrite=*/0);
+  return std::getenv("ONEDNN_MAX_CPU_ISA");
+}
+
 void PrepareCpuEnvironment(char** argv) {
   bool changed = false;
   if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr) {

@@ -28,4 +28,13 @@ void PrepareCpuEnvironment(char** argv);
 // The OpenBLAS kernels in use ("Cooperlake", "Prescott", ...), or "" when the BLAS is not OpenBLAS.
 std::string BlasCore();
 
+// Caps oneDNN, which takes LibTorch's bf16 products on the CPU, at AVX-512 BF16 instructions
+// (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) unless the operator set ONEDNN_MAX_CPU_ISA. On CPUs with
+// AMX (Sapphire Rapids and later) oneDNN otherwise chooses between its AMX and AVX-512 kernels by
+// the product's shape, so that a row's bf16 result changes with the number of rows beside it and
+// the sampler's logprobs stop being the trainer's (docs/sampling.md; bench/RESULTS.md, stop 49).
+// oneDNN reads the variable when it first runs a product: call before any. Returns the cap in
+// force ("AVX512_CORE_BF16", or the operator's value).
+std::string CapOneDnnIsa();
+
 }  // namespace tinkerd

@@ -168,6 +168,49 @@ TEST(Checkpoint, BadCheckpointsAreRefusedAndChangeNothing) {
   EXPECT_EQ(Flat(Snap(*r, target, StateKind::kParams)), Flat(Snap(*r, src, StateKind::kParams)));
 }
 
+// What is not built for a fully sharded full fine-tune (--shard=full) is refused by name and
+// changes nothing: a sampler's copy of its weights and an export. Its training checkpoint (the
+// gathered, unsharded layout) loads into replicas and steps as the sharded one does, to rounding
+// (one process here; the multi-rank resumes are in tests/dist/dist_test.cc). The control: the same
+// requests of a model sharded as --shard=optimizer succeed.
+TEST(Checkpoint, AFullyShardedModelSavesAndRefusesWhatIsNotBuiltByName) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("llama"));
+  auto full = MakeRunner(model, ComputeDType::kFloat64, 4096, ShardMode::kFull);
+  CreateModelOptions fine_tune;
+  fine_tune.lora.reset();
+  const std::string a = *full->CreateModel(fine_tune);
+  Step(*full, a, 0);
+  const auto before = Flat(Snap(*full, a, StateKind::kParams));
+  for (const absl::Status& st :
+       {full->FreezePolicy(a).status(),
+        full->SaveWeightsForSampler(a, dir.Sub("s/merged"), /*merged=*/true, false)}) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st.message();
+    EXPECT_NE(st.message().find("--shard=full"), absl::string_view::npos) << st.message();
+  }
+  EXPECT_EQ(Flat(Snap(*full, a, StateKind::kParams)), before);
+  EXPECT_FALSE(fs::exists(dir.Sub("s/merged")));
+
+  ASSERT_TRUE(full->SaveState(a, dir.Sub("c/full"), SaveStateOptions()).ok());
+  const std::string saved = *ResolveCheckpoint(dir.Sub("c/full"));
+  EXPECT_TRUE(fs::exists(saved + "/params.safetensors"));
+  EXPECT_TRUE(fs::exists(saved + "/optimizer.safetensors"));
+  auto replicas = MakeRunner(model);
+  auto b = replicas->CreateModelFromState(dir.Sub("c/full"), /*with_optimizer=*/true);
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  EXPECT_EQ(Flat(Snap(*replicas, *b, StateKind::kParams)), before);
+  Step(*full, a, 1);
+  Step(*replicas, *b, 1);
+  EXPECT_LE(MaxAbsDiff(Flat(Snap(*replicas, *b, StateKind::kParams)),
+                       Flat(Snap(*full, a, StateKind::kParams))),
+            1e-12);
+
+  auto sharded = MakeRunner(model, ComputeDType::kFloat64, 4096, ShardMode::kOptimizer);
+  const std::string c = *sharded->CreateModel(fine_tune);
+  EXPECT_TRUE(sharded->FreezePolicy(c).ok());
+  EXPECT_TRUE(sharded->SaveWeightsForSampler(c, dir.Sub("s/control"), true, false).ok());
+}
+
 // A checkpoint of sharded optimizer state (one process here, so one shard: the multi-rank
 // resumes are in tests/dist/dist_test.cc) holds per-rank files of flat slices; an unsharded model
 // loads it as whole tensors, mid-accumulation, and steps exactly as the sharded one does. A

@@ -128,6 +128,76 @@ TEST_F(DataParallel, ShardedOptimizerStateEqualsOneProcess) {
   }
 }
 
+// --shard=full (runner/dist/param_shard.h): the full fine-tune keeps 1/W of its parameters as
+// well, each decoder layer gathered while it runs and its gradient reduce-scattered as its
+// backward ends; the ranks pad to the same number of micro-batches (calls here give some ranks
+// none). The LoRA models shard their optimizer state as under --shard=optimizer. W = 3 cuts every
+// unit unevenly. The sums group otherwise than one process's (per micro-batch over ranks): kTol.
+// The broken control, on the full fine-tune alone (the LoRA models' stepped slices are
+// all-gathered too, and their replicas would be caught diverging first): every gather keeps this
+// rank's slices alone.
+TEST_F(DataParallel, FullyShardedParametersEqualOneProcess) {
+  for (int world : {1, 2, 3}) {
+    auto ranks =
+        RunRanks(*model_, dir_->Sub("full" + std::to_string(world)), world, {"--shard=full"});
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(ranks[r].size(), reference_->size()) << "world " << world << " rank " << r;
+      EXPECT_LE(MaxAbsDiff(ranks[r], *reference_), kTol) << "world " << world << " rank " << r;
+      EXPECT_EQ(ranks[r], ranks[0]) << "ranks must gather identical parameters";
+    }
+  }
+  const auto alone = RunRanks(*model_, dir_->Sub("full_ref"), 1, {"--scenario=train_full"})[0];
+  const auto sharded =
+      RunRanks(*model_, dir_->Sub("full_2"), 2, {"--shard=full", "--scenario=train_full"})[0];
+  const auto own =
+      RunRanks(*model_, dir_->Sub("full_own"), 2,
+               {"--shard=full", "--scenario=train_full", "--broken=gather_own_only"})[0];
+  ASSERT_GT(alone.size(), 100u);
+  ASSERT_EQ(sharded.size(), alone.size());
+  ASSERT_EQ(own.size(), alone.size());
+  EXPECT_LE(MaxAbsDiff(sharded, alone), kTol);
+  EXPECT_GT(MaxAbsDiff(own, alone), 1e3 * kTol);
+}
+
+// A fully sharded full fine-tune's checkpoint is gathered into the unsharded layout: saved
+// mid-accumulation at W = 3, it resumes bitwise at W = 3 (each rank takes back exactly its
+// slices), and within kResumeTol (AShardedCheckpointResumesAtAnyWorldSize's) at W = 2 sharded and
+// at W = 1 as a replica; a replica's checkpoint resumes sharded at W = 2 likewise. The control: a
+// resume without the moments ends elsewhere.
+TEST_F(DataParallel, AFullyShardedCheckpointResumesAtAnyWorldSize) {
+  constexpr double kResumeTol = 1e-12;
+  const std::string ckpt = dir_->Sub("full_ckpt"), replica_ckpt = dir_->Sub("replica_ckpt");
+  const std::vector<std::string> full{"--shard=full", "--full_model"};
+  auto with = [](std::vector<std::string> flags, std::vector<std::string> more) {
+    flags.insert(flags.end(), more.begin(), more.end());
+    return flags;
+  };
+  auto saved = RunRanks(*model_, dir_->Sub("fsave3"), 3,
+                        with(full, {"--scenario=save", "--checkpoint=" + ckpt}))[0];
+  ASSERT_GT(saved.size(), 100u);
+  EXPECT_EQ(RunRanks(*model_, dir_->Sub("fload3"), 3,
+                     with(full, {"--scenario=load", "--checkpoint=" + ckpt}))[0],
+            saved);
+  const auto two = RunRanks(*model_, dir_->Sub("fload2"), 2,
+                            with(full, {"--scenario=load", "--checkpoint=" + ckpt}))[0];
+  const auto one =
+      RunRanks(*model_, dir_->Sub("fload1"), 1, {"--scenario=load", "--checkpoint=" + ckpt})[0];
+  RunRanks(*model_, dir_->Sub("rsave1"), 1,
+           {"--full_model", "--scenario=save", "--checkpoint=" + replica_ckpt});
+  const auto from_replica =
+      RunRanks(*model_, dir_->Sub("rload2"), 2,
+               with(full, {"--scenario=load", "--checkpoint=" + replica_ckpt}))[0];
+  for (const auto* resumed : {&two, &one, &from_replica}) {
+    ASSERT_EQ(resumed->size(), saved.size());
+    EXPECT_LE(MaxAbsDiff(*resumed, saved), kResumeTol);
+  }
+  const auto fresh =
+      RunRanks(*model_, dir_->Sub("ffresh2"), 2,
+               with(full, {"--scenario=load_without_optimizer", "--checkpoint=" + ckpt}))[0];
+  ASSERT_EQ(fresh.size(), saved.size());
+  EXPECT_GT(MaxAbsDiff(fresh, saved), 1e3 * kResumeTol);
+}
+
 // Ranks that split the state differently would issue different collectives: the job refuses to
 // start: each rank's runner fails naming what differs (the worker exits 8 on that message only).
 // The control is every test above, where the same comparison passes.

@@ -2,9 +2,9 @@
 // environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes what it ended with (every
 // model's parameters, every step's gradient norm, every call's loss) as raw doubles to
 // --out.<rank>, so the test can compare world sizes.
-//   dist_worker --model_dir=D --out=F [--shard=none|optimizer]
+//   dist_worker --model_dir=D --out=F [--shard=none|optimizer|full]
 //       [--scenario=train|save|load|load_without_optimizer --checkpoint=PATH]
-//       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1]
+//       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1|gather_own_only]
 // train: LoRA models in every reduction mode and a full fine-tune, two steps each.
 // save: one step, then a call left accumulated is saved with the accumulation to --checkpoint,
 //       and the run goes on (one more call, one step); load: the same continuation from that
@@ -25,10 +25,13 @@
 
 ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
-ABSL_FLAG(std::string, shard, "none", "none or optimizer (RunnerConfig::shard)");
-ABSL_FLAG(std::string, scenario, "train", "train, save, load or load_without_optimizer");
+ABSL_FLAG(std::string, shard, "none", "none, optimizer or full (RunnerConfig::shard)");
+ABSL_FLAG(std::string, scenario, "train",
+          "train, train_full (the full fine-tune alone), save, load or load_without_optimizer");
+ABSL_FLAG(bool, full_model, false, "save: a full fine-tune instead of a LoRA model");
 ABSL_FLAG(std::string, checkpoint, "", "the checkpoint the save scenario writes and load reads");
-ABSL_FLAG(std::string, broken, "none", "none, no_world_size_factor, reduce_twice or diverge_rank1");
+ABSL_FLAG(std::string, broken, "none",
+          "none, no_world_size_factor, reduce_twice, diverge_rank1 or gather_own_only");
 
 namespace tinkerd::testing {
 namespace {
@@ -47,6 +50,7 @@ int Run() {
   Faults faults;
   faults.forget_world_size_factor = broken == "no_world_size_factor";
   faults.reduce_twice = broken == "reduce_twice";
+  faults.gather_own_only = broken == "gather_own_only";
   if (broken == "diverge_rank1" && dist->rank == 1) faults.perturb_at_reduction = 0;
   auto collectives = std::make_shared<FaultyCollectives>(*c10d, faults);
   RunnerConfig rc;
@@ -125,10 +129,11 @@ int Run() {
   lora.lora = LoraConfig{4, 8, true, true, true};
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
   const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint);
-  if (scenario == "train") {
+  if (scenario == "train" || scenario == "train_full") {
     std::vector<CreateModelOptions> models;
     for (LossReduction mode : {LossReduction::kTokenMean, LossReduction::kSum,
                                LossReduction::kSeqMeanTokenMean, LossReduction::kSeqMeanTokenSum}) {
+      if (scenario == "train_full") break;  // the full fine-tune alone
       models.push_back(lora);
       models.back().loss_reduction = mode;
     }
@@ -148,7 +153,9 @@ int Run() {
     std::string id;
     SplitMix64 g(17);
     if (scenario == "save") {
-      auto created = r.CreateModel(lora);
+      CreateModelOptions full;
+      full.lora.reset();
+      auto created = r.CreateModel(absl::GetFlag(FLAGS_full_model) ? full : lora);
       check(created.status());
       id = *created;
       calls(id, g);

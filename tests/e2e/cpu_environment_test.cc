@@ -1,7 +1,8 @@
 // The real tinkerd's start-up environment (runner/util/cpu_environment.h): with OMP_WAIT_POLICY,
 // GOMP_SPINCOUNT and OPENBLAS_CORETYPE unset it re-executes itself with short OpenMP spins before
-// sleeping and, on a CPU with AVX, never runs OpenBLAS's generic Prescott kernels; values the
-// operator set are kept. The runner's start-up line says what is in effect.
+// sleeping and, on a CPU with AVX, never runs OpenBLAS's generic Prescott kernels; it caps oneDNN
+// at AVX-512 BF16 (row-invariant bf16 products on AMX CPUs); values the operator set are kept. The
+// runner's start-up line says what is in effect.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -64,10 +65,13 @@ std::string Value(const std::string& line, const std::string& key) {
 }
 
 TEST(CpuEnvironment, TinkerdSetsWhatTheCpuLibrariesReadAsTheyLoad) {
-  const std::string chosen = RunnerLine(
-      {{"OMP_WAIT_POLICY", nullptr}, {"GOMP_SPINCOUNT", nullptr}, {"OPENBLAS_CORETYPE", nullptr}});
+  const std::string chosen = RunnerLine({{"OMP_WAIT_POLICY", nullptr},
+                                         {"GOMP_SPINCOUNT", nullptr},
+                                         {"OPENBLAS_CORETYPE", nullptr},
+                                         {"ONEDNN_MAX_CPU_ISA", nullptr}});
   ASSERT_NE(chosen, "") << "no runner start-up line";
   EXPECT_EQ(Value(chosen, "OMP_WAIT_POLICY="), "PASSIVE") << chosen;
+  EXPECT_EQ(Value(chosen, "ONEDNN_MAX_CPU_ISA="), "AVX512_CORE_BF16") << chosen;
   EXPECT_EQ(Value(chosen, "GOMP_SPINCOUNT="), "3000") << chosen;
   const std::string kernels = Value(chosen, "OpenBLAS kernels ");
   ASSERT_NE(kernels, "") << chosen;
@@ -78,8 +82,10 @@ TEST(CpuEnvironment, TinkerdSetsWhatTheCpuLibrariesReadAsTheyLoad) {
   // The operator's values are kept, and the line names what runs (the control: Prescott shows).
   const std::string kept = RunnerLine({{"OMP_WAIT_POLICY", "ACTIVE"},
                                        {"GOMP_SPINCOUNT", nullptr},
-                                       {"OPENBLAS_CORETYPE", "Prescott"}});
+                                       {"OPENBLAS_CORETYPE", "Prescott"},
+                                       {"ONEDNN_MAX_CPU_ISA", "ALL"}});
   EXPECT_EQ(Value(kept, "OMP_WAIT_POLICY="), "ACTIVE") << kept;
+  EXPECT_EQ(Value(kept, "ONEDNN_MAX_CPU_ISA="), "ALL") << kept;
   EXPECT_EQ(Value(kept, "GOMP_SPINCOUNT="), "(unset)") << kept;
   // A spin count alone is the operator's choice of waiting too: neither variable is added.
   const std::string spins = RunnerLine(

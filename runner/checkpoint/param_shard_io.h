@@ -1,0 +1,35 @@
+// Internal: training checkpoints of a full fine-tune whose parameters are sharded (--shard=full,
+// runner/dist/param_shard.h). They are written in the unsharded layout (params.safetensors,
+// optimizer.safetensors, accumulators.safetensors: whole tensors under their names, state_io.h),
+// so that they load at any world size and sharding, and a replica's checkpoint loads here.
+//
+// A save gathers every tensor whole, one unit at a time, in each file's order: a collective that
+// every rank runs in the same sequence whatever happens to rank 0's files (rank 0 alone writes,
+// streaming, and holds at most one unit whole). A load reads the whole checkpoint on every rank
+// (state_io.h) and each rank keeps its slices.
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "runner/checkpoint/state_io.h"
+#include "runner/dist/collectives.h"
+#include "runner/model_state.h"
+
+namespace tinkerd {
+
+// Every rank calls it with the same `accumulated`; rank 0 passes the directory it is committing
+// and writes the files and, last, the manifest; the others pass "" and only gather. The outcome
+// is rank 0's writing (the others' is the gathers').
+absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
+                                        const CheckpointMeta& meta, bool accumulated,
+                                        const std::string& dir);
+
+// Checks that `s` holds every tensor of `t` with its shape, and nothing else: FAILED_PRECONDITION
+// otherwise.
+absl::Status CheckShardedCompatible(const ModelState& t, const LoadedState& s);
+// Takes this rank's slices of `s` (the gradient sum, already the global one, too); moments and
+// step from zero without `with_optimizer`.
+void ScatterLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer);
+
+}  // namespace tinkerd

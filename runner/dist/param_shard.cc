@@ -1,0 +1,112 @@
+#include "runner/dist/param_shard.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "runner/util/status_macros.h"
+
+namespace tinkerd {
+namespace {
+
+std::vector<int64_t> Numels(const std::vector<at::Tensor>& tensors) {
+  std::vector<int64_t> out;
+  for (const at::Tensor& t : tensors) out.push_back(t.numel());
+  return out;
+}
+
+}  // namespace
+
+ShardedUnit::ShardedUnit(std::vector<std::string> n, const std::vector<at::Tensor>& whole,
+                         int world_size, int rank, const at::TensorOptions& options)
+    : names(std::move(n)),
+      state(ShardLayout(Numels(whole), world_size, rank), options),
+      param_C(at::empty({state.layout.owned()}, options)) {
+  for (const at::Tensor& t : whole) shapes.push_back(t.sizes().vec());
+  state.Scatter(whole, param_C);
+}
+
+absl::StatusOr<std::vector<at::Tensor>> ShardedUnit::Gather(Collectives& c,
+                                                            const at::Tensor& slice_C) const {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> whole;
+  for (const auto& shape : shapes) whole.push_back(at::empty(shape, slice_C.options()));
+  const ShardLayout& l = state.layout;
+  WriteFlat(l, whole, l.begin(l.rank()), l.end(l.rank()), slice_C);
+  RETURN_IF_ERROR(state.AllGather(c, whole));
+  return whole;
+}
+
+absl::Status ShardedUnit::ReduceScatterInto(Collectives& c, const std::vector<at::Tensor>& grads,
+                                            at::Tensor& into_C) const {
+  at::Tensor sum_C;
+  RETURN_IF_ERROR(state.ReduceScatter(c, grads, sum_C));
+  at::NoGradGuard no_grad;
+  into_C.add_(sum_C);
+  return absl::OkStatus();
+}
+
+ParamShard::ParamShard(const BaseWeights& w, bool tied, int world_size, int rank,
+                       const at::TensorOptions& options)
+    : tied_(tied) {
+  std::vector<std::string> names{"model.embed_tokens.weight", "model.norm.weight"};
+  std::vector<at::Tensor> rest{w.embed_VD, w.final_norm_D};
+  if (!tied) {
+    names.emplace_back("lm_head.weight");
+    rest.push_back(w.lm_head_VD);
+  }
+  units_.emplace_back(std::move(names), rest, world_size, rank, options);
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    std::vector<std::string> layer_names;
+    std::vector<at::Tensor> tensors;
+    std::vector<size_t>& fields = fields_.emplace_back();
+    const auto all = w.layers[l].All();
+    for (size_t f = 0; f < all.size(); ++f) {
+      if (!all[f]->defined()) continue;
+      layer_names.push_back(absl::StrCat("model.layers.", l, ".", LayerWeights::kNames[f]));
+      tensors.push_back(*all[f]);
+      fields.push_back(f);
+    }
+    units_.emplace_back(std::move(layer_names), tensors, world_size, rank, options);
+  }
+}
+
+int64_t ParamShard::values() const {
+  int64_t n = 0;
+  for (const ShardedUnit& u : units_) n += u.state.layout.total();
+  return n;
+}
+
+absl::StatusOr<BaseWeights> ParamShard::GatherRest(Collectives& c) const {
+  ASSIGN_OR_RETURN(std::vector<at::Tensor> rest, units_[0].Gather(c));
+  BaseWeights w;
+  w.embed_VD = rest[0];
+  w.final_norm_D = rest[1];
+  w.lm_head_VD = tied_ ? rest[0] : rest[2];
+  w.layers.resize(units_.size() - 1);
+  return w;
+}
+
+absl::StatusOr<LayerWeights> ParamShard::GatherLayer(Collectives& c, int64_t layer) const {
+  ASSIGN_OR_RETURN(std::vector<at::Tensor> tensors, units_.at(1 + layer).Gather(c));
+  LayerWeights L;
+  const auto all = L.All();
+  const std::vector<size_t>& fields = fields_.at(layer);
+  for (size_t i = 0; i < fields.size(); ++i) *all[fields[i]] = std::move(tensors[i]);
+  return L;
+}
+
+std::vector<at::Tensor> ParamShard::RestTensors(const BaseWeights& w) const {
+  if (tied_) return {w.embed_VD, w.final_norm_D};
+  return {w.embed_VD, w.final_norm_D, w.lm_head_VD};
+}
+
+std::vector<at::Tensor> ParamShard::LayerTensors(int64_t layer, const LayerWeights& L) const {
+  std::vector<at::Tensor> out;
+  const auto all = L.All();
+  for (size_t f : fields_.at(layer)) out.push_back(*all[f]);
+  return out;
+}
+
+}  // namespace tinkerd

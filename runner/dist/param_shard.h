@@ -1,0 +1,77 @@
+// Sharded parameters (--shard=full, FSDP's split) of a full fine-tune. The model is cut into
+// units, each decoder layer one and the rest (embedding, final norm, untied head) another, and
+// every rank keeps 1/W of each unit's flattened parameters and the same slices of their gradient
+// sums and AdamW moments (a ShardLayout per unit, runner/dist/shard.h).
+//
+// A unit is gathered whole just before it runs and dropped after it (runner/model/transformer.h,
+// LayerSource): a layer in the forward and again in its backward's recompute, the rest once per
+// micro-batch. A layer's gradient is reduce-scattered into its owners' slices as soon as its
+// backward has produced it, so a rank holds 1/W of the model, plus the rest and one layer whole
+// while a micro-batch runs. Every gather and reduce-scatter is a collective: every rank must run
+// the same units in the same order, so a call runs as many micro-batches on every rank
+// (runner/train_step.cc pads the shorter ranks with empty ones).
+//
+// Shape suffixes: C one rank's slice of a unit.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runner/dist/collectives.h"
+#include "runner/dist/shard.h"
+#include "runner/model/transformer.h"
+
+namespace tinkerd {
+
+struct ShardedUnit {
+  // This rank's slices of `whole` (cast to `options`' dtype), which every rank passes alike.
+  ShardedUnit(std::vector<std::string> names, const std::vector<at::Tensor>& whole, int world_size,
+              int rank, const at::TensorOptions& options);
+
+  std::vector<std::string> names;  // Hugging Face names, in the unit's order
+  std::vector<std::vector<int64_t>> shapes;
+  OptimizerShard state;  // the layout, and the slices of the gradient sums and moments
+  at::Tensor param_C;    // the slice of the parameters (fp32 or wider, DESIGN.md §3)
+
+  // The unit's tensors whole, fresh and contiguous, from every rank's slice of the parameters
+  // (or of another flat vector of the unit: a sum's or a moment's slice).
+  absl::StatusOr<std::vector<at::Tensor>> Gather(Collectives& c) const {
+    return Gather(c, param_C);
+  }
+  absl::StatusOr<std::vector<at::Tensor>> Gather(Collectives& c, const at::Tensor& slice_C) const;
+  // Adds to into_C this rank's slice of the sum over ranks of `grads` (whole, in the unit's
+  // order; undefined: zero).
+  absl::Status ReduceScatterInto(Collectives& c, const std::vector<at::Tensor>& grads,
+                                 at::Tensor& into_C) const;
+};
+
+class ParamShard {
+ public:
+  // Every rank passes the same (replicated) weights and takes its slices of them.
+  ParamShard(const BaseWeights& weights, bool tied, int world_size, int rank,
+             const at::TensorOptions& options);
+
+  // units()[0] is the rest, units()[1 + l] decoder layer l.
+  const std::vector<ShardedUnit>& units() const { return units_; }
+  std::vector<ShardedUnit>& units() { return units_; }
+  int64_t values() const;  // of the whole model
+
+  // The rest whole, as BaseWeights with `layers` empty placeholders (LayerSource supplies them).
+  absl::StatusOr<BaseWeights> GatherRest(Collectives& c) const;
+  absl::StatusOr<LayerWeights> GatherLayer(Collectives& c, int64_t layer) const;
+  // Tensors of the rest (GatherRest's) and of a layer in their unit's order; undefined fields
+  // (biases and q/k norms a model lacks) are left out, as the units leave them out.
+  std::vector<at::Tensor> RestTensors(const BaseWeights& w) const;
+  std::vector<at::Tensor> LayerTensors(int64_t layer, const LayerWeights& L) const;
+
+ private:
+  bool tied_;
+  std::vector<ShardedUnit> units_;
+  std::vector<std::vector<size_t>> fields_;  // per layer: the LayerWeights::All() it holds
+};
+
+}  // namespace tinkerd
