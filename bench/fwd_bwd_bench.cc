@@ -97,7 +97,7 @@ struct Flags {
   std::string compute_dtype = "float32";
   std::string stored_dtype = "float32";  // of the written model's weights
   int64_t activation_checkpointing = 0;
-  std::string shard = "none";  // none or optimizer (RunnerConfig::shard)
+  std::string shard = "none";  // none, optimizer or full (RunnerConfig::shard)
   // 1: the runner's collectives are c10d's in a world of one (NCCL on CUDA), so that the
   // data-parallel and sharded paths run on a single device; 0: no collectives at all.
   int64_t c10d = 0;
@@ -173,7 +173,8 @@ std::vector<FlagDef> FlagTable(Flags* f) {
                  "dtype of the written model's weights: float32, bfloat16, float16 or float64"),
       IntFlag("activation_checkpointing", &f->activation_checkpointing,
               "1: recompute each decoder layer in backward"),
-      StringFlag("shard", &f->shard, "none or optimizer (sharded gradient sums and moments)"),
+      StringFlag("shard", &f->shard,
+                 "none, optimizer (sharded gradient sums and moments) or full (and parameters)"),
       IntFlag("c10d", &f->c10d, "1: c10d collectives in a world of one (NCCL on CUDA)"),
       IntFlag("warmup_steps", &f->warmup_steps, "untimed steps first"),
       IntFlag("steps", &f->steps, "timed steps (median reported)"),

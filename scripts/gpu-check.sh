@@ -80,10 +80,11 @@ if [[ -f /tmp/trace_full_1b.json ]]; then
     | tee "$OUT/trace_full_1b.txt"
   rm -f /tmp/trace_full_1b.json
 fi
-# The same row over c10d in a world of one (NCCL for the gradients), with replicas and then with
-# sharded optimizer state: NCCL's reduce-scatter and all-gather run, and the two rows' last_loss
-# must agree (at W = 1 the shard is the whole model).
-for S in none optimizer; do
+# The same row over c10d in a world of one (NCCL for the gradients), with replicas, then with
+# sharded optimizer state, then with sharded parameters (each layer gathered as it runs): NCCL's
+# reduce-scatter and all-gather run, and the rows' last_loss must agree (at W = 1 the shard is the
+# whole model).
+for S in none optimizer full; do
   bench "full_1b_c10d_$S" "${FULL_1B[@]}" --c10d=1 --shard=$S
 done
 # LoRA on the whole 8B shape (Llama 3 8B's: 32 layers, hidden 4096, 32/8 heads, vocabulary
