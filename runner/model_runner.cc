@@ -182,11 +182,14 @@ struct ModelRunner::Impl {
     // --shard=full, a full fine-tune 1/W of all four (a unit's slices rounded up: at most one
     // value per unit more).
     const int64_t W = collectives->world_size();
-    const int64_t slice = (values + W - 1) / W + model_config.num_hidden_layers + 1;
+    const int64_t slice = (values + W - 1) / W;
     int64_t held = 4 * values;
     if (config.shard == ShardMode::kOptimizer) held = values + 3 * slice;
-    if (config.shard == ShardMode::kFull) held = (options.lora ? values : 0) + 3 * slice;
-    if (config.shard == ShardMode::kFull && !options.lora) held += slice;
+    if (config.shard == ShardMode::kFull) {
+      // A LoRA model as under optimizer; a full fine-tune's slices are per unit.
+      const int64_t units_slice = slice + model_config.num_hidden_layers + 1;
+      held = options.lora ? values + 3 * slice : 4 * units_slice;
+    }
     return held * at::elementSize(TrainDType());
   }
   // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).

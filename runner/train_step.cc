@@ -83,11 +83,6 @@ CallStage::CallStage(const StepContext& ctx, ModelState& model, ResolvedLoss los
     params_.push_back(p);
     if (backward_) staged_.emplace_back();  // undefined until a micro-batch reaches it
   }
-  if (model_.sharded && backward_) {
-    for (const ShardedUnit& u : model_.sharded->units()) {
-      staged_C_.push_back(at::zeros_like(u.param_C));
-    }
-  }
 }
 
 absl::Status CallStage::RunIf(absl::Status local, const std::vector<Datum>& data) {
@@ -144,6 +139,13 @@ void CallStage::Run(const std::vector<Datum>& data) {
   // gradient).
   Collectives& c = *ctx_.collectives;
   if (model_.sharded) plan.resize(AgreedMicroBatches(c, plan.size()));
+  if (model_.sharded && backward_ && staged_C_.empty()) {
+    // Made here, once every rank has agreed to run (RunIf), not before: a rank failing to make
+    // them alone would leave the others waiting in a gather.
+    for (const ShardedUnit& u : model_.sharded->units()) {
+      staged_C_.push_back(at::zeros_like(u.param_C));
+    }
+  }
 
   // ---- TRAINING SECTION BEGIN: one packed micro-batch per iteration ----
   for (const std::vector<int>& mb : plan) {

@@ -89,8 +89,12 @@ std::vector<v1::Datum> Wire(const std::vector<Datum>& data) {
 }
 
 // Both tests below run with the ranks as replicas and with the optimizer state sharded
-// (--shard=optimizer), on the LoRA model CreateModel makes by default.
-class DataParallelServer : public ::testing::TestWithParam<std::string> {};
+// (--shard=optimizer), on the LoRA model CreateModel makes by default, and with the parameters
+// sharded (--shard=full) on a full fine-tune.
+class DataParallelServer : public ::testing::TestWithParam<std::string> {
+ protected:
+  bool full() const { return GetParam() == "full"; }
+};
 
 TEST_P(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
   TempDir dir;
@@ -104,6 +108,7 @@ TEST_P(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
   v1::CreateModelRequest req;
   req.set_loss_reduction("seq_mean_token_mean");
   req.set_seed(2);
+  req.set_full_finetune(full());
   auto info = conn->CreateModel(req);
   ASSERT_TRUE(info.ok()) << info.status().message();
   auto tc = conn->Attach(info->model_id());
@@ -112,6 +117,7 @@ TEST_P(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
   CreateModelOptions co;
   co.loss_reduction = LossReduction::kSeqMeanTokenMean;
   co.seed = 2;
+  if (full()) co.lora.reset();
   const std::string id = *local->CreateModel(co);
 
   SplitMix64 g(9);
@@ -167,6 +173,7 @@ TEST_P(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare)
   auto conn = client::Connection::Create(o);
   v1::CreateModelRequest req;
   req.set_seed(5);
+  req.set_full_finetune(full());
   auto info = conn->CreateModel(req);
   ASSERT_TRUE(info.ok()) << info.status().message();
   auto tc = conn->Attach(info->model_id());
@@ -229,7 +236,7 @@ TEST_P(DataParallelServer, CheckpointOfAccumulatedGradientsHoldsEveryRanksShare)
   EXPECT_EQ(ExitCode(job), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Shard, DataParallelServer, ::testing::Values("none", "optimizer"));
+INSTANTIATE_TEST_SUITE_P(Shard, DataParallelServer, ::testing::Values("none", "optimizer", "full"));
 
 // Ranks that differ on whether a command succeeded no longer hold the same state: the job stops
 // serving rather than train on, diverged. Here rank 1 runs with a memory budget too small for a
