@@ -28,10 +28,10 @@ import numpy as np
 import tinkerd
 
 
-def start_server(binary: str, keys_file: str, threads: int):
+def start_server(binary: str, keys_file: str, threads: int, extra: list[str]):
     process = subprocess.Popen(
         [binary, "--listen=127.0.0.1:0", "--metrics_port=-1", f"--api_keys_file={keys_file}",
-         f"--threads={threads}", "--max_models=128"],
+         f"--threads={threads}", "--max_models=128"] + extra,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in process.stdout:
         m = re.match(r"tinkerd listening on port (\d+)", line)
@@ -104,13 +104,15 @@ def main() -> int:
                    help="models the first tenant trains at once")
     p.add_argument("--depth", type=int, default=1,
                    help="rounds each model keeps in flight (its calls queued at the server)")
+    p.add_argument("--server_args", default="",
+                   help="more tinkerd flags, space-separated (e.g. --join_tokens=0: calls alone)")
     args = p.parse_args()
     ks = [int(k) for k in args.tenants.split(",")]
     keys = [f"tenant-{i:03d}-key-0123456789abcdef" for i in range(max(ks))]
     with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
         for i, key in enumerate(keys):
             f.write(f"tenant{i} {key}\n")
-    process, target = start_server(args.binary, f.name, args.threads)
+    process, target = start_server(args.binary, f.name, args.threads, args.server_args.split())
     try:
         print(f"# bench/tenants.py {' '.join(sys.argv[1:])}")
         print("| K tenants | one tenant, K sequences | K tenants, 1 sequence each | ratio | "

@@ -119,18 +119,43 @@ at::Tensor Linear(const LinearParams& p) {
     const at::Tensor low_Nr = Product(p.x_NI, p.A_rI);
     y = y + Product(low_Nr, p.B_Or) * p.scale;
   }
+  // Each run: the single adapter's arithmetic on the run's rows, so each row rounds as it would
+  // alone. Recording a graph, the terms are joined and added out of place (one add per row, as
+  // the single adapter's), so each run's pair gets the gradient of its own rows alone.
+  const bool graph = c10::GradMode::is_enabled() &&
+                     std::any_of(p.runs.begin(), p.runs.end(), [](const LoraRun& r) {
+                       return r.A_rI.requires_grad() || r.B_Or.requires_grad();
+                     });
+  // split, not narrow: its backward joins the runs' input gradients in one tensor, where each
+  // narrow's would make a zero-filled one of all N rows (quadratic in the number of runs).
+  std::vector<at::Tensor> x_runs;
+  if (graph) {
+    std::vector<int64_t> rows;
+    for (const LoraRun& run : p.runs) rows.push_back(run.rows);
+    x_runs = p.x_NI.split_with_sizes(rows);
+  }
+  std::vector<at::Tensor> terms;
   int64_t row = 0;
-  for (const LoraRun& run : p.runs) {
+  for (size_t i = 0; i < p.runs.size(); ++i) {
+    const LoraRun& run = p.runs[i];
     TORCH_CHECK(!p.A_rI.defined(), "Linear: runs and a single adapter are exclusive");
     if (run.A_rI.defined()) {
-      // The single adapter's arithmetic on the run's rows, so each row rounds as it would alone.
-      const at::Tensor low_Nr = Product(p.x_NI.narrow(0, row, run.rows), run.A_rI);
-      y.narrow(0, row, run.rows).add_(Product(low_Nr, run.B_Or) * run.scale);
+      const at::Tensor low_Nr =
+          Product(graph ? x_runs[i] : p.x_NI.narrow(0, row, run.rows), run.A_rI);
+      at::Tensor term = Product(low_Nr, run.B_Or) * run.scale;
+      if (graph) {
+        terms.push_back(std::move(term));
+      } else {
+        y.narrow(0, row, run.rows).add_(term);
+      }
+    } else if (graph) {
+      terms.push_back(at::zeros({run.rows, y.size(1)}, y.options()));
     }
     row += run.rows;
   }
   TORCH_CHECK(p.runs.empty() || row == p.x_NI.size(0), "Linear: runs cover ", row, " rows of ",
               p.x_NI.size(0));
+  if (graph) y = y + at::cat(terms);
   return y;
 }
 

@@ -3,10 +3,11 @@
 // b and the low-rank pair are optional. With `runs`, the rows of x fall in consecutive runs, each
 // with its own pair (of any rank) or none:
 //   y[run] = x[run]·Wᵀ + b + s_run·(x[run]·A_runᵀ)·B_runᵀ
-// so that one product with W serves every row: a decode step over policies of one base model. Every
-// weight may be held in a wider dtype than x (fp32 master weights under bf16 compute); each is cast
-// to x's dtype for the product, and a trained master's gradient is summed over the rows in its own
-// dtype, never rounded to x's (kernels/mixed_grad.h).
+// so that one product with W serves every row: a decode step over policies of one base model, or
+// one training pass over several models' calls (each pair's gradient from its own rows alone).
+// Every weight may be held in a wider dtype than x (fp32 master weights under bf16 compute); each
+// is cast to x's dtype for the product, and a trained master's gradient is summed over the rows in
+// its own dtype, never rounded to x's (kernels/mixed_grad.h).
 //
 // Shape suffixes: N rows, I in features, O out features, r rank.
 #pragma once

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <set>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
@@ -25,6 +26,7 @@
 #include "runner/checkpoint/state_io.h"
 #include "runner/checkpoint/store.h"
 #include "runner/dist/collectives.h"
+#include "runner/joint_call.h"
 #include "runner/model/safetensors.h"
 #include "runner/model/tiny_model.h"
 #include "runner/model/weights.h"
@@ -508,6 +510,89 @@ absl::StatusOr<ForwardBackwardResult> ModelRunner::ForwardBackward(const std::st
   return Guarded("forward_backward", [&] {
     return RunForward(impl_->Context(), *t, batch.data(), batch.loss(), true);
   });
+}
+
+std::vector<absl::StatusOr<ForwardBackwardResult>> ModelRunner::ForwardBackwardJoint(
+    const std::vector<Call>& calls, bool backward) {
+  absl::MutexLock lock(&impl_->mu);
+  const char* what = backward ? "forward_backward" : "forward";
+  std::vector<absl::StatusOr<ForwardBackwardResult>> results(
+      calls.size(), absl::InternalError("joint call: not run"));
+  // Which calls share passes; the others run alone after them, in order.
+  std::vector<JointCall> joint;
+  std::vector<size_t> joint_index, alone;
+  std::set<std::string> seen;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    absl::StatusOr<ModelState*> t = impl_->Find(calls[i].model_id);
+    absl::Status st = t.status();
+    if (st.ok() && backward) st = impl_->NoOpenStream(calls[i].model_id);
+    if (!st.ok()) {
+      results[i] = st;
+    } else if ((*t)->lora && !(*t)->sharded && seen.insert(calls[i].model_id).second) {
+      joint.push_back({*t, calls[i].batch});
+      joint_index.push_back(i);
+    } else {
+      alone.push_back(i);
+    }
+  }
+  auto run_alone = [&](const JointCall& call) {
+    return Guarded(what, [&] {
+      return RunForward(impl_->Context(), *call.model, call.batch->data(), call.batch->loss(),
+                        backward);
+    });
+  };
+  if (joint.size() == 1) {
+    alone.insert(alone.begin(), joint_index.front());
+    joint.clear();
+  }
+  if (!joint.empty()) {
+    std::vector<absl::StatusOr<ForwardBackwardResult>> shared;
+    try {
+      shared = RunJoint(impl_->Context(), joint, backward, run_alone);
+    } catch (...) {
+      // Only before any call committed (RunJoint guards its commits): nothing was applied.
+      shared.assign(joint.size(), ExceptionStatus(what, std::current_exception()));
+    }
+    for (size_t k = 0; k < joint.size(); ++k) results[joint_index[k]] = std::move(shared[k]);
+  }
+  std::sort(alone.begin(), alone.end());
+  for (size_t i : alone) {
+    // Found above; a model's second call runs after its first.
+    ModelState* t = *impl_->Find(calls[i].model_id);
+    results[i] = run_alone({t, calls[i].batch});
+  }
+  return results;
+}
+
+std::vector<absl::StatusOr<OptimStepResult>> ModelRunner::OptimStepJoint(
+    const std::vector<Step>& steps) {
+  absl::MutexLock lock(&impl_->mu);
+  std::vector<absl::StatusOr<OptimStepResult>> results(steps.size(),
+                                                       absl::InternalError("joint step: not run"));
+  std::vector<JointStep> joint;
+  std::vector<size_t> joint_index, alone;
+  std::set<std::string> seen;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    absl::StatusOr<ModelState*> t = impl_->Find(steps[i].model_id);
+    absl::Status st = t.status();
+    if (st.ok()) st = impl_->NoOpenStream(steps[i].model_id);
+    if (!st.ok()) {
+      results[i] = st;
+    } else if (seen.insert(steps[i].model_id).second) {
+      joint.push_back({*t, steps[i].params});
+      joint_index.push_back(i);
+    } else {
+      alone.push_back(i);
+    }
+  }
+  std::vector<absl::StatusOr<OptimStepResult>> shared = StepJoint(impl_->Context(), joint);
+  for (size_t k = 0; k < joint.size(); ++k) results[joint_index[k]] = std::move(shared[k]);
+  for (size_t i : alone) {
+    ModelState* t = *impl_->Find(steps[i].model_id);
+    results[i] = Guarded("optim_step",
+                         [&] { return ApplyOptimStep(impl_->Context(), *t, steps[i].params); });
+  }
+  return results;
 }
 
 absl::StatusOr<ForwardBackwardResult> ModelRunner::Forward(

@@ -61,6 +61,30 @@ class ModelRunner {
       const std::string& model_id, const std::vector<Datum>& data, const std::string& loss_fn,
       const std::map<std::string, double>& loss_fn_config);
 
+  // Several models' calls of one direction (forward, or forward_backward with `backward`) in
+  // shared passes over the base, for many tenants with small batches (runner/joint_call.h): the
+  // base weights' products run once over every call's tokens, each LoRA model's over its own.
+  // One result per call, in order, each what the call alone would give: its outputs, gradient
+  // sums and counts, bitwise where the kernels are row-invariant (docs/kernels.md), and its
+  // failure its own. Calls of full fine-tunes, of a model with an open stream, and a model's
+  // second call run alone, in order. Under data parallelism every rank passes the same calls.
+  struct Call {
+    std::string model_id;
+    const Batch* batch = nullptr;  // outlives the call
+  };
+  std::vector<absl::StatusOr<ForwardBackwardResult>> ForwardBackwardJoint(
+      const std::vector<Call>& calls, bool backward);
+
+  // Several models' optimizer steps, their AdamW as one multi-tensor call where their
+  // hyperparameters and step numbers agree (runner/joint_call.h). One result per step, in order,
+  // each what the step alone would give (bitwise on the CPU), its failure its own. A model's
+  // second step runs alone, after. Under data parallelism every rank passes the same steps.
+  struct Step {
+    std::string model_id;
+    AdamParams params;
+  };
+  std::vector<absl::StatusOr<OptimStepResult>> OptimStepJoint(const std::vector<Step>& steps);
+
   // Streaming forward_backward, for rollout services that produce trajectories over time. Datums
   // appended to a stream run in packed micro-batches as soon as micro_batch_tokens of them are
   // buffered; FinishStream runs the rest and commits the whole stream as ONE forward_backward

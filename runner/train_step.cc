@@ -103,30 +103,26 @@ absl::Status CallStage::RunIf(absl::Status local, const std::vector<Datum>& data
 }
 
 void CallStage::Run(const std::vector<Datum>& data) {
-  // Loss inputs, masks and per-token losses are fp32 (fp64 in fp64 runs) whatever the compute
-  // dtype: the logprob head returns them in that precision.
-  const at::ScalarType dt = ctx_.compute_dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const at::TensorOptions on_device = at::TensorOptions().dtype(dt).device(ctx_.device);
-  const std::string& mask_key = loss_.spec->implicit_mask_input;
-  const bool seq_token_mean = model_.options.loss_reduction == LossReduction::kSeqMeanTokenMean;
+  for (std::vector<int>& mb : Plan(data)) RunPacked(Pack({Piece{this, std::move(mb)}}));
+}
+
+std::vector<std::vector<int>> CallStage::Plan(const std::vector<Datum>& data) {
+  data_ = &data;
   std::vector<int64_t> lengths;
   for (const Datum& d : data) lengths.push_back(static_cast<int64_t>(d.tokens.size()));
-  const size_t first_output = result_.outputs.size();
-  result_.outputs.resize(first_output + data.size());
+  first_output_ = result_.outputs.size();
+  result_.outputs.resize(first_output_ + data.size());
   // Top-K targets: every datum of a call has the same K (Batch::Check); K = 0 means [T].
   const int64_t K = TargetWidth(data.front());
-  const int64_t per_token = std::max<int64_t>(K, 1);
   for (size_t i = 0; i < data.size(); ++i) {
-    result_.outputs[first_output + i].logprobs_shape =
+    result_.outputs[first_output_ + i].logprobs_shape =
         K > 0 ? std::vector<int64_t>{lengths[i], K} : std::vector<int64_t>{lengths[i]};
   }
   // This rank's datums. A rank may get none; it still takes part in every collective (Commit).
   std::vector<int> mine(data.size());
   std::iota(mine.begin(), mine.end(), 0);
-  if (ctx_.collectives->world_size() > 1) {
-    mine =
-        KarmarkarKarpPartition(lengths, ctx_.collectives->world_size())[ctx_.collectives->rank()];
-  }
+  Collectives& c = *ctx_.collectives;
+  if (c.world_size() > 1) mine = KarmarkarKarpPartition(lengths, c.world_size())[c.rank()];
   std::vector<int64_t> mine_lengths;
   for (int i : mine) mine_lengths.push_back(lengths[i]);
 
@@ -137,7 +133,6 @@ void CallStage::Run(const std::vector<Datum>& data) {
   // Under --shard=full each micro-batch gathers every unit (runner/dist/param_shard.h): the ranks
   // run as many, the shorter padding with empty ones (one masked token: nothing counted, a zero
   // gradient).
-  Collectives& c = *ctx_.collectives;
   if (model_.sharded) plan.resize(AgreedMicroBatches(c, plan.size()));
   if (model_.sharded && backward_ && staged_C_.empty()) {
     // Made here, once every rank has agreed to run (RunIf), not before: a rank failing to make
@@ -146,130 +141,222 @@ void CallStage::Run(const std::vector<Datum>& data) {
       staged_C_.push_back(at::zeros_like(u.param_C));
     }
   }
+  return plan;
+}
 
-  // ---- TRAINING SECTION BEGIN: one packed micro-batch per iteration ----
-  for (const std::vector<int>& mb : plan) {
-    const bool pad = mb.empty();
-    std::optional<at::NoGradGuard> no_grad;
-    if (!backward_) no_grad.emplace();
-    const at::Tensor one_token = at::zeros({1}, at::TensorOptions(at::kLong).device(ctx_.device));
-    PackedBatch batch{pad ? one_token : GatherInt(data, mb, /*targets=*/false, ctx_.device), {0}};
-    for (int i : mb) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + lengths[i]);
-    if (pad) batch.cu_seqlens.push_back(1);
-    at::Tensor targets_T =
-        pad ? one_token.repeat({per_token}) : GatherInt(data, mb, /*targets=*/true, ctx_.device);
-    if (K > 0) targets_T = targets_T.view({-1, K});
-    auto floats = [&](const std::string& key, int64_t per) {
-      return pad ? at::zeros({per}, on_device) : GatherFloat(data, mb, key, on_device);
-    };
-
-    // Mask: explicit "mask" if given, else the loss's implicit input != 0 (DESIGN.md §3); a
-    // position of top-K weights is valid when any of its K weights is.
-    // scale is 1, or 1/N_i under seq_mean_token_mean, kept in double until cast to `dt`.
-    std::vector<double> mask, scale;
-    for (int i : mb) {
-      const auto& in = data[i].loss_fn_inputs;
-      const bool explicit_mask = in.count("mask") > 0;
-      const auto& src = explicit_mask ? in.at("mask").float32_data : in.at(mask_key).float32_data;
-      const size_t stride = explicit_mask ? 1 : static_cast<size_t>(per_token);
-      std::vector<bool> valid(src.size() / stride);
-      for (size_t p = 0; p < src.size(); ++p) valid[p / stride] = valid[p / stride] || src[p] != 0;
-      int64_t n_i = 0;
-      for (bool v : valid) n_i += v;
-      valid_tokens_ += n_i;
-      valid_sequences_ += (n_i > 0);
-      const double s = seq_token_mean && n_i > 0 ? 1.0 / static_cast<double>(n_i) : 1.0;
-      for (bool v : valid) {
-        mask.push_back(v ? 1.0 : 0.0);
-        scale.push_back(v ? s : 0.0);
-      }
+PackedPieces Pack(std::vector<Piece> pieces) {
+  PackedPieces packed;
+  const at::Device device = pieces.front().stage->ctx_.device;
+  std::vector<int64_t> tokens;
+  packed.batch.cu_seqlens = {0};
+  for (const Piece& piece : pieces) {
+    const std::vector<Datum>& data = *piece.stage->data_;
+    int64_t rows = 0;
+    for (int i : piece.mb) {
+      tokens.insert(tokens.end(), data[i].tokens.begin(), data[i].tokens.end());
+      rows += static_cast<int64_t>(data[i].tokens.size());
+      packed.batch.cu_seqlens.push_back(packed.batch.cu_seqlens.back() +
+                                        static_cast<int64_t>(data[i].tokens.size()));
     }
-    if (pad) mask = scale = {0.0};
-    const int64_t T = static_cast<int64_t>(mask.size());
-    at::Tensor keep_T = at::from_blob(mask.data(), {T}, at::kDouble).ne(0).to(ctx_.device);
-    at::Tensor scale_T = at::from_blob(scale.data(), {T}, at::kDouble)
-                             .to(on_device, /*non_blocking=*/false, /*copy=*/true);
-
-    // Under --shard=full the rest of the model is gathered whole for the micro-batch and each
-    // layer as it runs; their gradients are reduced into staged_C_ as the backward makes them.
-    std::optional<BaseWeights> gathered;
-    std::vector<at::Tensor> params = params_;
-    LayerSource source;
-    ForwardOptions forward = ctx_.forward;
-    if (const ParamShard* shard = model_.sharded ? &*model_.sharded : nullptr) {
-      gathered = OrThrow(shard->GatherRest(c));
-      params = shard->RestTensors(*gathered);
-      for (at::Tensor& p : params) p.requires_grad_(backward_);
-      source.gather = [shard, &c](int64_t l) { return OrThrow(shard->GatherLayer(c, l)); };
-      source.scatter = [this, shard, &c](int64_t l, const LayerWeights& grads) {
-        OrThrow(shard->units()[1 + l].ReduceScatterInto(c, shard->LayerTensors(l, grads),
-                                                        staged_C_[1 + l]));
-      };
-      forward.layers = &source;
+    if (piece.mb.empty()) {  // a pad micro-batch: one masked token 0
+      tokens.push_back(0);
+      rows = 1;
+      packed.batch.cu_seqlens.push_back(packed.batch.cu_seqlens.back() + 1);
     }
-    const BaseWeights& weights = gathered ? *gathered : WeightsOf(ctx_, model_);
-    const LoraAdapter* lora = model_.lora ? &*model_.lora : nullptr;
-    kernels::LogprobHeadParams head;
-    head.hidden_TD = ForwardHidden(*ctx_.config, weights, lora, batch, forward);
-    head.weight_VD = weights.lm_head_VD;
-    if (const LoraPair* pair = HeadAdapter(lora)) {
-      head.lora_A_rD = pair->A_rI;
-      head.lora_B_Vr = pair->B_Or;
-      head.lora_scale = lora->scale();
-    }
-    head.targets_T = targets_T;
-    at::Tensor logp_T = kernels::TokenLogprobs(head).logp_T;
-    LossTokenInputs li;
-    li.logp_T = logp_T;
-    if (loss_.spec->name == "cross_entropy") {
-      li.weights_T = floats("weights", per_token);
-      if (K > 0) li.weights_T = li.weights_T.view({-1, K});
-    } else {
-      li.logq_T = floats("logprobs", 1);
-      li.adv_T = floats("advantages", 1);
-    }
-    if (loss_.spec->name == "gspo") {
-      li.ratio_mask_T = floats("sequence_ratio_mask", 1);
-      li.cu_seqlens = batch.cu_seqlens;
-    }
-    LossTokenOutputs lo = PerTokenLoss(loss_.spec->name, li, loss_.config);
-    // where(), not multiply: a masked token's loss may be inf/nan and must not leak through.
-    at::Tensor raw = at::where(keep_T, lo.loss_T * scale_T, at::zeros_like(lo.loss_T)).sum();
-    if (lo.clipped_T.defined()) {
-      clipped_tokens_ += lo.clipped_T.logical_and(keep_T).sum().item<int64_t>();
-    }
-    // Sharded, every rank runs every backward: its reductions are collectives.
-    if (backward_ && (model_.sharded || keep_T.any().item<bool>())) {
-      std::vector<at::Tensor> grads =
-          torch::autograd::grad({raw}, params, /*grad_outputs=*/{}, /*retain_graph=*/false,
-                                /*create_graph=*/false, /*allow_unused=*/true);
-      if (model_.sharded) {
-        OrThrow(model_.sharded->units()[0].ReduceScatterInto(c, grads, staged_C_[0]));
-        grads.clear();
-      }
-      for (size_t k = 0; k < grads.size(); ++k) {
-        if (!grads[k].defined()) continue;
-        // The first gradient is kept, not added to zeros: a call holds one gradient-sized buffer
-        // beside autograd's result, not two (a stride-0 expansion is copied: it cannot be added
-        // to).
-        if (!staged_[k].defined()) {
-          staged_[k] = grads[k].contiguous();
-        } else {
-          staged_[k].add_(grads[k]);
-        }
-      }
-    }
-    loss_sum_ += raw.item<double>();
-    if (pad) continue;
-    at::Tensor logp_f = logp_T.detach().to(at::kCPU, at::kFloat).contiguous();
-    const float* lp = logp_f.data_ptr<float>();
-    for (size_t j = 0; j < mb.size(); ++j) {
-      result_.outputs[first_output + mb[j]].logprobs.assign(
-          lp + batch.cu_seqlens[j] * per_token, lp + batch.cu_seqlens[j + 1] * per_token);
-      owned_.push_back(first_output + mb[j]);
+    packed.rows.push_back(rows);
+  }
+  packed.batch.tokens_T =
+      at::from_blob(tokens.data(), {static_cast<int64_t>(tokens.size())}, at::kLong)
+          .to(device, at::kLong, /*non_blocking=*/false, /*copy=*/true);
+  if (pieces.size() == 1) {
+    const ModelState& m = pieces.front().stage->model_;
+    packed.adapters = Adapters(m.lora ? &*m.lora : nullptr);
+  } else {
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      const ModelState& m = pieces[p].stage->model_;
+      TORCH_CHECK(m.lora.has_value() && !m.sharded, "a shared pass takes LoRA models only");
+      packed.adapters.runs.emplace_back(&*m.lora, packed.rows[p]);
     }
   }
-  // ---- TRAINING SECTION END ----
+  packed.pieces = std::move(pieces);
+  return packed;
+}
+
+// ---- TRAINING SECTION BEGIN: one packed micro-batch ----
+void RunPacked(const PackedPieces& packed) {
+  CallStage& first = *packed.pieces.front().stage;
+  const StepContext& ctx = first.ctx_;
+  const bool backward = first.backward_;
+  Collectives& c = *ctx.collectives;
+  std::optional<at::NoGradGuard> no_grad;
+  if (!backward) no_grad.emplace();
+
+  // Under --shard=full (a call alone) the rest of the model is gathered whole for the
+  // micro-batch and each layer as it runs; their gradients are reduced into staged_C_ as the
+  // backward makes them.
+  std::optional<BaseWeights> gathered;
+  std::vector<at::Tensor> rest;
+  LayerSource source;
+  ForwardOptions forward = ctx.forward;
+  if (const ParamShard* shard = first.model_.sharded ? &*first.model_.sharded : nullptr) {
+    TORCH_CHECK(packed.pieces.size() == 1, "a sharded model's call runs alone");
+    gathered = OrThrow(shard->GatherRest(c));
+    rest = shard->RestTensors(*gathered);
+    for (at::Tensor& p : rest) p.requires_grad_(backward);
+    source.gather = [shard, &c](int64_t l) { return OrThrow(shard->GatherLayer(c, l)); };
+    source.scatter = [&first, shard, &c](int64_t l, const LayerWeights& grads) {
+      OrThrow(shard->units()[1 + l].ReduceScatterInto(c, shard->LayerTensors(l, grads),
+                                                      first.staged_C_[1 + l]));
+    };
+    forward.layers = &source;
+  }
+  const BaseWeights& weights = gathered ? *gathered : WeightsOf(ctx, first.model_);
+  const at::Tensor hidden_TD =
+      ForwardHidden(*ctx.config, weights, packed.adapters, packed.batch, forward);
+
+  // Each piece's loss from its own rows; one backward over their sum reaches each piece's
+  // parameters from its own tokens alone (attention stays within a sequence, and a row's
+  // adapter is its piece's).
+  at::Tensor total;
+  std::vector<at::Tensor> params;
+  std::vector<size_t> from;  // per piece: where its parameters begin in `params`
+  // split: its backward joins the pieces' gradients in one tensor (see kernels/linear.cc).
+  const std::vector<at::Tensor> hidden = hidden_TD.split_with_sizes(packed.rows);
+  for (size_t p = 0; p < packed.pieces.size(); ++p) {
+    CallStage& stage = *packed.pieces[p].stage;
+    bool valid = false;
+    at::Tensor raw = stage.PieceLoss(packed.pieces[p].mb, hidden[p], weights, &valid);
+    from.push_back(params.size());
+    // Sharded, every rank runs every backward: its reductions are collectives.
+    if (!backward || !(valid || stage.model_.sharded)) continue;
+    total = total.defined() ? total + raw : raw;
+    const std::vector<at::Tensor>& mine = gathered ? rest : stage.params_;
+    params.insert(params.end(), mine.begin(), mine.end());
+  }
+  from.push_back(params.size());
+  if (!total.defined()) return;
+  std::vector<at::Tensor> grads =
+      torch::autograd::grad({total}, params, /*grad_outputs=*/{}, /*retain_graph=*/false,
+                            /*create_graph=*/false, /*allow_unused=*/true);
+  if (gathered) {
+    OrThrow(first.model_.sharded->units()[0].ReduceScatterInto(c, grads, first.staged_C_[0]));
+    return;
+  }
+  for (size_t p = 0; p < packed.pieces.size(); ++p) {
+    if (from[p] == from[p + 1]) continue;
+    packed.pieces[p].stage->Stage(
+        std::vector<at::Tensor>(grads.begin() + static_cast<std::ptrdiff_t>(from[p]),
+                                grads.begin() + static_cast<std::ptrdiff_t>(from[p + 1])));
+  }
+}
+// ---- TRAINING SECTION END ----
+
+at::Tensor CallStage::PieceLoss(const std::vector<int>& mb, const at::Tensor& hidden_TD,
+                                const BaseWeights& weights, bool* valid) {
+  const std::vector<Datum>& data = *data_;
+  // Loss inputs, masks and per-token losses are fp32 (fp64 in fp64 runs) whatever the compute
+  // dtype: the logprob head returns them in that precision.
+  const at::ScalarType dt = ctx_.compute_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const at::TensorOptions on_device = at::TensorOptions().dtype(dt).device(ctx_.device);
+  const std::string& mask_key = loss_.spec->implicit_mask_input;
+  const bool seq_token_mean = model_.options.loss_reduction == LossReduction::kSeqMeanTokenMean;
+  const int64_t K = TargetWidth(data.front());
+  const int64_t per_token = std::max<int64_t>(K, 1);
+  const bool pad = mb.empty();
+  const at::Tensor one_token = at::zeros({1}, at::TensorOptions(at::kLong).device(ctx_.device));
+  at::Tensor targets_T =
+      pad ? one_token.repeat({per_token}) : GatherInt(data, mb, /*targets=*/true, ctx_.device);
+  if (K > 0) targets_T = targets_T.view({-1, K});
+  auto floats = [&](const std::string& key, int64_t per) {
+    return pad ? at::zeros({per}, on_device) : GatherFloat(data, mb, key, on_device);
+  };
+  std::vector<int64_t> cu_seqlens{0};
+  for (int i : mb) {
+    cu_seqlens.push_back(cu_seqlens.back() + static_cast<int64_t>(data[i].tokens.size()));
+  }
+  if (pad) cu_seqlens.push_back(1);
+
+  // Mask: explicit "mask" if given, else the loss's implicit input != 0 (DESIGN.md §3); a
+  // position of top-K weights is valid when any of its K weights is.
+  // scale is 1, or 1/N_i under seq_mean_token_mean, kept in double until cast to `dt`.
+  std::vector<double> mask, scale;
+  for (int i : mb) {
+    const auto& in = data[i].loss_fn_inputs;
+    const bool explicit_mask = in.count("mask") > 0;
+    const auto& src = explicit_mask ? in.at("mask").float32_data : in.at(mask_key).float32_data;
+    const size_t stride = explicit_mask ? 1 : static_cast<size_t>(per_token);
+    std::vector<bool> v(src.size() / stride);
+    for (size_t p = 0; p < src.size(); ++p) v[p / stride] = v[p / stride] || src[p] != 0;
+    int64_t n_i = 0;
+    for (bool b : v) n_i += b;
+    valid_tokens_ += n_i;
+    valid_sequences_ += (n_i > 0);
+    *valid = *valid || n_i > 0;
+    const double s = seq_token_mean && n_i > 0 ? 1.0 / static_cast<double>(n_i) : 1.0;
+    for (bool b : v) {
+      mask.push_back(b ? 1.0 : 0.0);
+      scale.push_back(b ? s : 0.0);
+    }
+  }
+  if (pad) mask = scale = {0.0};
+  const int64_t T = static_cast<int64_t>(mask.size());
+  at::Tensor keep_T = at::from_blob(mask.data(), {T}, at::kDouble).ne(0).to(ctx_.device);
+  at::Tensor scale_T = at::from_blob(scale.data(), {T}, at::kDouble)
+                           .to(on_device, /*non_blocking=*/false, /*copy=*/true);
+
+  const LoraAdapter* lora = model_.lora ? &*model_.lora : nullptr;
+  kernels::LogprobHeadParams head;
+  head.hidden_TD = hidden_TD;
+  head.weight_VD = weights.lm_head_VD;
+  if (const LoraPair* pair = HeadAdapter(lora)) {
+    head.lora_A_rD = pair->A_rI;
+    head.lora_B_Vr = pair->B_Or;
+    head.lora_scale = lora->scale();
+  }
+  head.targets_T = targets_T;
+  at::Tensor logp_T = kernels::TokenLogprobs(head).logp_T;
+  LossTokenInputs li;
+  li.logp_T = logp_T;
+  if (loss_.spec->name == "cross_entropy") {
+    li.weights_T = floats("weights", per_token);
+    if (K > 0) li.weights_T = li.weights_T.view({-1, K});
+  } else {
+    li.logq_T = floats("logprobs", 1);
+    li.adv_T = floats("advantages", 1);
+  }
+  if (loss_.spec->name == "gspo") {
+    li.ratio_mask_T = floats("sequence_ratio_mask", 1);
+    li.cu_seqlens = cu_seqlens;
+  }
+  LossTokenOutputs lo = PerTokenLoss(loss_.spec->name, li, loss_.config);
+  // where(), not multiply: a masked token's loss may be inf/nan and must not leak through.
+  at::Tensor raw = at::where(keep_T, lo.loss_T * scale_T, at::zeros_like(lo.loss_T)).sum();
+  if (lo.clipped_T.defined()) {
+    clipped_tokens_ += lo.clipped_T.logical_and(keep_T).sum().item<int64_t>();
+  }
+  loss_sum_ += raw.item<double>();
+  if (pad) return raw;
+  at::Tensor logp_f = logp_T.detach().to(at::kCPU, at::kFloat).contiguous();
+  const float* lp = logp_f.data_ptr<float>();
+  for (size_t j = 0; j < mb.size(); ++j) {
+    result_.outputs[first_output_ + mb[j]].logprobs.assign(lp + cu_seqlens[j] * per_token,
+                                                           lp + cu_seqlens[j + 1] * per_token);
+    owned_.push_back(first_output_ + mb[j]);
+  }
+  return raw;
+}
+
+void CallStage::Stage(std::vector<at::Tensor> grads) {
+  for (size_t k = 0; k < grads.size(); ++k) {
+    if (!grads[k].defined()) continue;
+    // The first gradient is kept, not added to zeros: a call holds one gradient-sized buffer
+    // beside autograd's result, not two (a stride-0 expansion is copied: it cannot be added to).
+    if (!staged_[k].defined()) {
+      staged_[k] = grads[k].contiguous();
+    } else {
+      staged_[k].add_(grads[k]);
+    }
+  }
 }
 
 absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& local) {
@@ -391,6 +478,18 @@ namespace {
 // tensor, its float64 sum and sum of squares, written exactly (%a). A difference means a rank
 // diverged (a fault, a nondeterministic kernel, another base model): UNAVAILABLE, as for a failed
 // collective, so the server stops serving instead of training on with replicas that disagree.
+// After a step (or a skipped one): the accumulators and counters start again from zero.
+void ClearAccumulated(ModelState& t) {
+  at::NoGradGuard no_grad;
+  if (t.shard) t.shard->grad_sum_C.zero_();
+  if (t.sharded) {
+    for (ShardedUnit& u : t.sharded->units()) u.state.grad_sum_C.zero_();
+  }
+  for (auto& [name, g] : t.grad_sum) g.zero_();
+  t.accumulated_tokens = 0;
+  t.accumulated_sequences = 0;
+}
+
 absl::Status CompareAcrossRanks(Collectives& c, const ModelState& t) {
   if (c.world_size() == 1) return absl::OkStatus();
   std::string digest = absl::StrCat(t.step, "/", t.skipped_steps);
@@ -412,9 +511,11 @@ absl::Status CompareAcrossRanks(Collectives& c, const ModelState& t) {
 
 }  // namespace
 
-absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelState& t,
-                                               const AdamParams& p) {
+absl::StatusOr<PreparedStep> PrepareOptimStep(const StepContext& ctx, ModelState& t,
+                                              const AdamParams& p) {
   if (auto st = ValidateAdamParams(p); !st.ok()) return st;
+  PreparedStep prepared;
+  prepared.model = &t;
   double denominator = 1.0;
   switch (t.options.loss_reduction) {
     case LossReduction::kTokenMean:
@@ -434,7 +535,7 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   // the moments have moved, so it must not fail then) and, one tensor at a time, a float64 square
   // for the norm. Only in a world of one: a rank refusing alone would leave the others waiting in
   // the collectives below.
-  Reservation memory;
+  Reservation& memory = prepared.memory;
   if (ctx.account != nullptr && ctx.collectives->world_size() == 1) {
     int64_t copy = 0, largest = 0;
     for (const auto& [name, g] : t.grad_sum) {
@@ -482,28 +583,19 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
     for (int64_t i = 0; i < squares_P.size(0); ++i) sq[0] += squares_P.data_ptr<double>()[i];
   }
   if (t.shard || t.sharded) RETURN_IF_ERROR(ctx.collectives->AllReduceSumDoubles(sq));
-  OptimStepResult r;
+  OptimStepResult& r = prepared.result;
   r.grad_norm = std::sqrt(sq[0]);
   r.learning_rate = p.learning_rate;
   r.denominator = denominator;
   r.num_tokens = t.accumulated_tokens;
   r.num_sequences = t.accumulated_sequences;
-  auto clear = [&] {
-    if (t.shard) t.shard->grad_sum_C.zero_();
-    if (t.sharded) {
-      for (ShardedUnit& u : t.sharded->units()) u.state.grad_sum_C.zero_();
-    }
-    for (auto& [name, g] : t.grad_sum) g.zero_();
-    t.accumulated_tokens = 0;
-    t.accumulated_sequences = 0;
-  };
   if (!std::isfinite(r.grad_norm)) {
     // Every rank sees the same reduced norm, so every rank skips alike.
-    clear();
+    ClearAccumulated(t);
     ++t.skipped_steps;
     r.skipped = true;
     r.step = t.step;
-    return r;
+    return prepared;
   }
   double coef = 1.0;
   if (p.grad_clip_norm > 0) {
@@ -512,9 +604,9 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   }
   const int64_t step = t.step + 1;
   if (coef != 1.0 && !grads.empty()) at::_foreach_mul_(grads, coef);
-  kernels::AdamWParams adam;
+  kernels::AdamWParams& adam = prepared.adam;
   adam.grads = std::move(grads);
-  std::vector<at::Tensor> params;
+  std::vector<at::Tensor>& params = prepared.params;
   for (auto& [name, param] : t.params) params.push_back(param);
   if (t.shard) {
     // Each rank steps its slice of the parameters in place, then the slices are exchanged.
@@ -541,13 +633,27 @@ absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelStat
   adam.eps = p.eps;
   adam.weight_decay = p.weight_decay;
   adam.step = step;
-  kernels::AdamW(adam);
-  if (t.shard) RETURN_IF_ERROR(t.shard->AllGather(*ctx.collectives, params));
-  clear();
-  t.step = step;
-  r.step = step;
+  return prepared;
+}
+
+absl::StatusOr<OptimStepResult> FinishOptimStep(const StepContext& ctx, PreparedStep& prepared) {
+  ModelState& t = *prepared.model;
+  OptimStepResult r = prepared.result;
+  if (r.skipped) return r;
+  if (t.shard) RETURN_IF_ERROR(t.shard->AllGather(*ctx.collectives, prepared.params));
+  ClearAccumulated(t);
+  t.step = prepared.adam.step;
+  r.step = t.step;
   RETURN_IF_ERROR(CompareAcrossRanks(*ctx.collectives, t));
   return r;
+}
+
+absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelState& t,
+                                               const AdamParams& p) {
+  ASSIGN_OR_RETURN(PreparedStep prepared, PrepareOptimStep(ctx, t, p));
+  at::NoGradGuard no_grad;
+  if (!prepared.result.skipped) kernels::AdamW(prepared.adam);
+  return FinishOptimStep(ctx, prepared);
 }
 
 }  // namespace tinkerd

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/adamw.h"
 #include "runner/dist/collectives.h"
 #include "runner/loss/loss_spec.h"
 #include "runner/model/config.h"
@@ -32,6 +33,31 @@ struct StepContext {
   MemoryAccount* account = nullptr;  // where a call reserves its memory; null: nowhere
 };
 
+class CallStage;
+
+// One call's datums (indices into the data its stage planned) in a packed micro-batch.
+struct Piece {
+  CallStage* stage = nullptr;
+  std::vector<int> mb;  // empty: a pad micro-batch under --shard=full (one masked token)
+};
+
+// A packed micro-batch of one or more calls' pieces, their tokens in piece order. Several pieces
+// are calls of different LoRA models of one base run in one pass (runner/joint_call.h): the base
+// weights' products run once over every token, `adapters` gives each piece's rows its own model's
+// adapter, and each piece's loss, counts, outputs and gradients go to its own stage alone.
+struct PackedPieces {
+  std::vector<Piece> pieces;
+  std::vector<int64_t> rows;  // per piece, its token rows
+  PackedBatch batch;
+  Adapters adapters;  // one piece: its model's adapter; several: one run per piece
+};
+
+// Packs `pieces` (each stage planned, all of one direction; several only of LoRA models).
+PackedPieces Pack(std::vector<Piece> pieces);
+// Runs a packed micro-batch: forward, each piece's loss, and with backward one backward pass
+// whose gradients are staged in each piece's stage. Throws on LibTorch errors.
+void RunPacked(const PackedPieces& packed);
+
 // One logical forward(_backward) call in progress. Run() may be called many times (a stream);
 // each runs its datums in packed micro-batches into a staged gradient. Commit() adds the staged
 // gradient and the global counts to the model's state, once. Destroying a stage without Commit()
@@ -47,12 +73,27 @@ class CallStage {
   // turned into statuses. Under --shard=full the ranks first agree on `local`, so that every rank
   // runs (and its gathers line up) or none does.
   absl::Status RunIf(absl::Status local, const std::vector<Datum>& data);
+  // Run in two halves, for passes shared with other calls: Plan returns this rank's micro-batches
+  // of `data` (indices into it; `data` must outlive their runs) and makes room for its outputs;
+  // RunPacked then runs them, alone or beside other calls' pieces.
+  std::vector<std::vector<int>> Plan(const std::vector<Datum>& data);
   // Agrees with every rank on `local` (this rank's outcome), sums counts and losses over ranks,
   // gathers per-datum outputs, and only if every rank succeeded adds the staged gradient.
   absl::StatusOr<ForwardBackwardResult> Commit(const absl::Status& local);
   const std::string& model_id() const { return model_.id; }
 
  private:
+  friend PackedPieces Pack(std::vector<Piece> pieces);
+  friend void RunPacked(const PackedPieces& packed);
+
+  // The piece's raw summed loss (a scalar in the graph) from its rows `hidden_TD` of the
+  // micro-batch's final hidden states; records its counts and outputs. `*valid`: whether any of
+  // its tokens counts.
+  at::Tensor PieceLoss(const std::vector<int>& mb, const at::Tensor& hidden_TD,
+                       const BaseWeights& weights, bool* valid);
+  // Adds one micro-batch's gradients (params_'s order; undefined: not reached) to staged_.
+  void Stage(std::vector<at::Tensor> grads);
+
   StepContext ctx_;
   ModelState& model_;
   ResolvedLoss loss_;
@@ -67,6 +108,9 @@ class CallStage {
   double loss_sum_ = 0;
   int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;
   std::vector<size_t> owned_;  // indices into result_.outputs computed on this rank
+  // The data planned last (Plan) and where its outputs begin in result_.outputs.
+  const std::vector<Datum>* data_ = nullptr;
+  size_t first_output_ = 0;
 };
 
 // Reserves in ctx.account (when set) what a call over `data` may take beyond the model's state
@@ -84,5 +128,21 @@ absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelSt
 // Normalize, reduce, clip, AdamW, clear. See ModelRunner::OptimStep.
 absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelState& model,
                                                const AdamParams& params);
+
+// ApplyOptimStep in halves, so that several models' AdamW run as one multi-tensor call
+// (runner/joint_call.h): Prepare normalizes, reduces, measures the norm and clips (or, with a
+// non-finite norm, skips the step and clears); kernels::AdamW(adam) then steps the parameters,
+// unless the step was skipped; Finish gathers shards, clears and counts. Every rank runs both
+// halves of its models in the same order.
+struct PreparedStep {
+  ModelState* model = nullptr;
+  OptimStepResult result;          // .skipped: nothing more to run but Finish
+  kernels::AdamWParams adam;       // the step's lists and scalars
+  std::vector<at::Tensor> params;  // the whole parameters (a shard's slices are views of them)
+  Reservation memory;              // the step's transient
+};
+absl::StatusOr<PreparedStep> PrepareOptimStep(const StepContext& ctx, ModelState& model,
+                                              const AdamParams& params);
+absl::StatusOr<OptimStepResult> FinishOptimStep(const StepContext& ctx, PreparedStep& prepared);
 
 }  // namespace tinkerd

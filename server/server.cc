@@ -37,6 +37,7 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError("server: order_timeout <= 0");
   if (scheduler.steps_between_jobs < 1)
     return absl::InvalidArgumentError("server: sample_steps_between_jobs < 1");
+  if (scheduler.join_tokens < 0) return absl::InvalidArgumentError("server: join_tokens < 0");
   if (auto st = tinker_http.Validate(); !st.ok()) return st;
   if (sampling.engine.max_sequences < 1 || sampling.engine.kv_cache_bytes < 1)
     return absl::InvalidArgumentError("server: sample_max_sequences and sample_kv_cache_mb >= 1");
@@ -58,7 +59,7 @@ std::string ServerConfig::DebugString() const {
       "auth=%s tls=%s %s "
       "sample_max_sequences=%d sample_kv_cache_bytes=%d sampler_idle=%s "
       "sampler_bytes_per_tenant=%d sample_steps_between_jobs=%d "
-      "sample_prefill_tokens_per_step=%d",
+      "sample_prefill_tokens_per_step=%d join_tokens=%d join_optim_steps=%v",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       stall_timeout == absl::ZeroDuration() ? "off" : absl::FormatDuration(stall_timeout),
       scheduler.max_pending_per_model, scheduler.max_pending_per_tenant,
@@ -68,7 +69,8 @@ std::string ServerConfig::DebugString() const {
       tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"),
       tinker_http.DebugString(), sampling.engine.max_sequences, sampling.engine.kv_cache_bytes,
       absl::FormatDuration(sampling.sampler_idle), sampling.max_sampler_bytes_per_tenant,
-      scheduler.steps_between_jobs, sampling.engine.prefill_tokens_per_step);
+      scheduler.steps_between_jobs, sampling.engine.prefill_tokens_per_step, scheduler.join_tokens,
+      join_optim_steps);
 }
 
 absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
@@ -95,7 +97,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
           ? s->runner_->memory_account()
           : nullptr;
   s->ops_ = std::make_unique<Ops>(s->replicated_.get(), s->scheduler_.get(), s->runner_->limits(),
-                                  config.checkpoint_root, s->metrics_.get(), host_account);
+                                  config.checkpoint_root, s->metrics_.get(), host_account,
+                                  config.join_optim_steps);
   SamplingConfig sampling_config = config.sampling;
   sampling_config.tenant_limits = config.api_keys.limits();
   // Samples' KV caches and training share one account: neither can take what the other holds.

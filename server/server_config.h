@@ -22,6 +22,10 @@ struct ServerConfig {
   // Data parallel only: how often rank 0 pings the other ranks when idle. Must stay well below
   // the collective timeout, or idle ranks would time out waiting for the next command.
   absl::Duration heartbeat_interval = absl::Seconds(2);
+  // Queued optim_steps of several models share one multi-tensor AdamW (runner/joint_call.h):
+  // fewer kernel launches on a GPU; on a 2-vCPU CPU 1.5x slower than steps alone, whose work
+  // overlaps the RPCs' (bench/RESULTS.md), hence off by default.
+  bool join_optim_steps = false;
   // Where tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints are stored.
   std::string checkpoint_root = "/tmp/tinkerd-checkpoints";
   // Prometheus /metrics, /healthz, /readyz over HTTP on this port (-1: off; 0: any free port).

@@ -44,6 +44,12 @@ ABSL_FLAG(int, max_message_mb, 256, "largest request or response, MiB");
 ABSL_FLAG(int, max_pending_per_model, 64, "queued requests per model before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_pending_per_tenant, 1024,
           "queued requests over a tenant's models before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, join_tokens, 8192,
+          "tokens of queued forward_backward calls of several LoRA models that may run in one "
+          "shared pass over the base, each getting what it would alone (0: each call alone)");
+ABSL_FLAG(bool, join_optim_steps, false,
+          "queued optim_steps of several models share one multi-tensor AdamW (fewer kernel "
+          "launches on a GPU; slower on small CPUs, where steps alone overlap the RPCs)");
 ABSL_FLAG(int, max_models_per_tenant, 0,
           "models one tenant may hold (0: only --max_models bounds them)");
 ABSL_FLAG(int, max_samples_per_tenant, 0,
@@ -245,6 +251,8 @@ int main(int argc, char** argv) {
   sc.scheduler.result_cache_per_model = absl::GetFlag(FLAGS_result_cache_per_model);
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
   sc.scheduler.steps_between_jobs = absl::GetFlag(FLAGS_sample_steps_between_jobs);
+  sc.scheduler.join_tokens = absl::GetFlag(FLAGS_join_tokens);
+  sc.join_optim_steps = absl::GetFlag(FLAGS_join_optim_steps);
   sc.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_s));
   sc.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   sc.metrics_port = absl::GetFlag(FLAGS_metrics_port);

@@ -97,16 +97,19 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
 }
 
 // The trainable tensors a layer reads: its LoRA pairs, or its own weights under full fine-tuning.
-std::vector<at::Tensor> LayerParams(const LayerWeights& L, const LoraAdapter* lora,
+std::vector<at::Tensor> LayerParams(const LayerWeights& L, const Adapters& lora,
                                     const std::string& p) {
   std::vector<at::Tensor> out;
   for (const at::Tensor* t : L.All()) {
     if (t->defined() && t->requires_grad()) out.push_back(*t);
   }
-  if (lora != nullptr) {
+  std::vector<const LoraAdapter*> adapters{lora.all};
+  for (const auto& [adapter, rows] : lora.runs) adapters.push_back(adapter);
+  for (const LoraAdapter* adapter : adapters) {
+    if (adapter == nullptr) continue;
     for (const char* m : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
-      if (const LoraPair* pair = lora->Find(p + m)) {
+      if (const LoraPair* pair = adapter->Find(p + m)) {
         out.push_back(pair->A_rI);
         out.push_back(pair->B_Or);
       }
@@ -276,7 +279,7 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
       return DecoderLayer(c, L, lora, p, rope, cu, kv, index, h);
     };
     h_TD = options.recompute_layers && options.kv == nullptr
-               ? kernels::Recompute(layer, h_TD, LayerParams(L, lora.all, p))
+               ? kernels::Recompute(layer, h_TD, LayerParams(L, lora, p))
                : layer(h_TD);
   }
   return Norm(h_TD, w.final_norm_D, c.rms_norm_eps);

@@ -128,8 +128,9 @@ struct ForwardOptions {
 
 // The LoRA adapters a forward applies: one for every row (null: none, the base model or full
 // fine-tuning), or one per run of consecutive token rows, so that policies sharing the base
-// weights decode in one forward (a null adapter leaves its run unadapted). Runs are for
-// inference: backward and activation checkpointing see only `all`.
+// weights decode in one forward (a null adapter leaves its run unadapted) and the calls of
+// several LoRA models train in one pass (each run's gradient reaches its own adapter alone).
+// A run's rows round as they would with that adapter as `all` (kernels/linear.h).
 struct Adapters {
   Adapters(const LoraAdapter* all = nullptr) : all(all) {}  // NOLINT(google-explicit-constructor)
   const LoraAdapter* all = nullptr;

@@ -239,6 +239,9 @@ std::string Metrics::Render(int64_t queue_depth, bool serving, const TenantUsage
              [](const TenantUsage& u) { return absl::StrFormat("%.6f", u.scheduler_seconds); });
   per_tenant("tinkerd_tenant_jobs_total", "A tenant's requests the scheduler ran.", usage,
              [](const TenantUsage& u) { return absl::StrCat(u.jobs); });
+  per_tenant("tinkerd_tenant_shared_jobs_total",
+             "A tenant's forward(_backward) calls that ran in one pass with other models' calls.",
+             usage, [](const TenantUsage& u) { return absl::StrCat(u.shared_jobs); });
   per_tenant("tinkerd_tenant_queue_wait_seconds_total",
              "Time a tenant's requests waited in the queue before they began.", usage,
              [](const TenantUsage& u) { return absl::StrFormat("%.6f", u.queue_wait_seconds); });

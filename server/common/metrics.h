@@ -19,10 +19,12 @@ namespace tinkerd {
 
 // One tenant's account at the scheduler (server/core/scheduler.h): the time its jobs ran, how
 // many ran, how long they waited in the queue before their first step, and how many requests its
-// queue limits refused.
+// queue limits refused, and how many of its jobs ran in a run shared with other models' (a
+// shared run's time is charged to its jobs by their tokens).
 struct TenantUsage {
   double scheduler_seconds = 0;
   int64_t jobs = 0;
+  int64_t shared_jobs = 0;
   double queue_wait_seconds = 0;
   int64_t rejected = 0;
 };

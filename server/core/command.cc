@@ -42,6 +42,12 @@ absl::StatusOr<Command> DecodeCommand(v1::internal::Command wire, const ModelLim
       ASSIGN_OR_RETURN(cmd.batch, BatchFromProto(a.data(), a.loss_fn(), limits));
       break;
     }
+    case C::kJoint:
+      for (const v1::ForwardBackwardRequest& r : wire.joint().calls()) {
+        ASSIGN_OR_RETURN(Batch b, BatchFromProto(r.data(), r.loss_fn(), limits));
+        cmd.batches.push_back(std::move(b));
+      }
+      break;
     default:
       break;
   }
@@ -70,6 +76,30 @@ absl::StatusOr<CommandResult> Execute(ModelRunner* r, Command cmd) {
     case C::kForward: {
       if (batch == nullptr) return NotDecoded();
       ASSIGN_OR_RETURN(out.forward, r->Forward(w.forward().model_id(), *batch));
+      return out;
+    }
+    case C::kJoint: {
+      const auto& calls = w.joint().calls();
+      if (cmd.batches.size() != static_cast<size_t>(calls.size())) return NotDecoded();
+      std::vector<ModelRunner::Call> joint;
+      for (int i = 0; i < calls.size(); ++i)
+        joint.push_back({calls[i].model_id(), &cmd.batches[i]});
+      out.joint = r->ForwardBackwardJoint(joint, w.joint().backward());
+      // A failed collective leaves the ranks out of step: the command's failure, not a call's.
+      for (const auto& one : out.joint) {
+        if (one.status().code() == absl::StatusCode::kUnavailable) return one.status();
+      }
+      return out;
+    }
+    case C::kJointSteps: {
+      std::vector<ModelRunner::Step> steps;
+      for (const v1::OptimStepRequest& o : w.joint_steps().steps()) {
+        steps.push_back({o.model_id(), AdamFromProto(o.adam_params())});
+      }
+      out.joint_steps = r->OptimStepJoint(steps);
+      for (const auto& one : out.joint_steps) {
+        if (one.status().code() == absl::StatusCode::kUnavailable) return one.status();
+      }
       return out;
     }
     case C::kOptimStep: {

@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "runner/batch.h"
@@ -20,6 +21,8 @@ struct Command {
   v1::internal::Command wire;
   // The datums of a forward, forward_backward or stream_append, decoded and checked.
   std::optional<Batch> batch;
+  // A joint command's: one per call, in order.
+  std::vector<Batch> batches;
 };
 
 // What a command answers; rank 0 returns it to the client, followers drop it.
@@ -28,6 +31,9 @@ struct CommandResult {
   int64_t stream_id = 0;          // stream_begin
   ForwardBackwardResult forward;  // forward, forward_backward, stream_finish
   OptimStepResult step;           // optim_step
+  // A joint command's: one per call, in order (the command itself succeeds when they ran).
+  std::vector<absl::StatusOr<ForwardBackwardResult>> joint;
+  std::vector<absl::StatusOr<OptimStepResult>> joint_steps;  // likewise, joint_steps
 };
 
 // A follower's decoding of a command rank 0 broadcast: the batch of a datum-carrying command is

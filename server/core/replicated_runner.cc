@@ -85,10 +85,32 @@ absl::Status ReplicatedRunner::DeleteModel(const std::string& model_id) {
 
 absl::StatusOr<ForwardBackwardResult> ReplicatedRunner::ForwardBackward(
     v1::ForwardBackwardRequest req, Batch batch, bool backward) {
-  Command c{{}, std::move(batch)};
+  Command c{{}, std::move(batch), {}};
   (backward ? c.wire.mutable_forward_backward() : c.wire.mutable_forward())->Swap(&req);
   ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return std::move(r.forward);
+}
+
+std::vector<absl::StatusOr<ForwardBackwardResult>> ReplicatedRunner::ForwardBackwardJoint(
+    std::vector<v1::ForwardBackwardRequest> reqs, std::vector<Batch> batches, bool backward) {
+  const size_t n = reqs.size();
+  Command c;
+  c.wire.mutable_joint()->set_backward(backward);
+  for (v1::ForwardBackwardRequest& r : reqs) c.wire.mutable_joint()->add_calls()->Swap(&r);
+  c.batches = std::move(batches);
+  absl::StatusOr<CommandResult> r = Replicate(std::move(c));
+  if (!r.ok()) return std::vector<absl::StatusOr<ForwardBackwardResult>>(n, r.status());
+  return std::move(r->joint);
+}
+
+std::vector<absl::StatusOr<OptimStepResult>> ReplicatedRunner::OptimStepJoint(
+    std::vector<v1::OptimStepRequest> reqs) {
+  const size_t n = reqs.size();
+  v1::internal::Command c;
+  for (v1::OptimStepRequest& r : reqs) c.mutable_joint_steps()->add_steps()->Swap(&r);
+  absl::StatusOr<CommandResult> r = Replicate(std::move(c));
+  if (!r.ok()) return std::vector<absl::StatusOr<OptimStepResult>>(n, r.status());
+  return std::move(r->joint_steps);
 }
 
 absl::StatusOr<OptimStepResult> ReplicatedRunner::OptimStep(const v1::OptimStepRequest& req) {
@@ -109,7 +131,7 @@ absl::StatusOr<int64_t> ReplicatedRunner::BeginStream(const std::string& model_i
 
 absl::Status ReplicatedRunner::StreamAppend(int64_t stream_id, const v1::LossFn& loss,
                                             std::vector<v1::Datum> data, Batch batch) {
-  Command c{{}, std::move(batch)};
+  Command c{{}, std::move(batch), {}};
   v1::internal::StreamAppend* a = c.wire.mutable_stream_append();
   a->set_stream_id(stream_id);
   *a->mutable_loss_fn() = loss;

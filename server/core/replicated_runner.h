@@ -34,7 +34,14 @@ class ReplicatedRunner {
   // ranks (moved into the command, not copied).
   absl::StatusOr<ForwardBackwardResult> ForwardBackward(v1::ForwardBackwardRequest req, Batch batch,
                                                         bool backward);
+  // Several models' calls in shared passes (ModelRunner::ForwardBackwardJoint): one result per
+  // call, in order; `batches[i]` is `reqs[i]`'s datums, decoded and checked at the edge.
+  std::vector<absl::StatusOr<ForwardBackwardResult>> ForwardBackwardJoint(
+      std::vector<v1::ForwardBackwardRequest> reqs, std::vector<Batch> batches, bool backward);
   absl::StatusOr<OptimStepResult> OptimStep(const v1::OptimStepRequest& req);
+  // Several models' steps (ModelRunner::OptimStepJoint): one result per request, in order.
+  std::vector<absl::StatusOr<OptimStepResult>> OptimStepJoint(
+      std::vector<v1::OptimStepRequest> reqs);
   absl::StatusOr<int64_t> BeginStream(const std::string& model_id, const v1::LossFn& loss);
   // `batch`: `data` decoded and checked against the stream's loss `loss`.
   absl::Status StreamAppend(int64_t stream_id, const v1::LossFn& loss, std::vector<v1::Datum> data,
@@ -66,7 +73,7 @@ class ReplicatedRunner {
   // the other ranks on the outcome; one command at a time.
   absl::StatusOr<CommandResult> Replicate(Command cmd);
   absl::StatusOr<CommandResult> Replicate(v1::internal::Command wire) {
-    return Replicate(Command{std::move(wire), std::nullopt});
+    return Replicate(Command{std::move(wire), std::nullopt, {}});
   }
   void MarkBroken(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

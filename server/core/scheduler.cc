@@ -1,6 +1,7 @@
 #include "server/core/scheduler.h"
 
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "runner/util/echo.h"
@@ -33,6 +34,10 @@ void Scheduler::Stop(absl::Duration grace) {
 
 void Scheduler::SetBackground(std::function<bool()> step) {
   background_ = std::move(step);
+}
+
+void Scheduler::SetJoiner(std::string group, Joiner joiner) {
+  joiners_[std::move(group)] = std::move(joiner);
 }
 
 void Scheduler::KickBackground() {
@@ -279,7 +284,9 @@ int Scheduler::PendingOfLocked(const std::string& owner) const {
   return n;
 }
 
-std::pair<Scheduler::Queue*, Scheduler::Pending*> Scheduler::PickLocked(std::string* model) {
+std::pair<Scheduler::Queue*, Scheduler::Pending*> Scheduler::PickLocked(
+    std::string* model, const std::function<bool(const std::string&, const Pending&)>& eligible,
+    bool companion) {
   // Per tenant with a runnable job: its first runnable model after the one served last (wrapping
   // to its first), and its service, a returning tenant's raised to the level.
   struct Candidate {
@@ -293,6 +300,7 @@ std::pair<Scheduler::Queue*, Scheduler::Pending*> Scheduler::PickLocked(std::str
     auto head = q.pending.find(q.next_seq);
     if (head == q.pending.end()) continue;
     if (head->second.spec.ready && !head->second.spec.ready()) continue;
+    if (eligible && !eligible(id, head->second)) continue;
     const Tenant& t = tenants_[q.owner];
     auto [it, first] = runnable.try_emplace(
         q.owner, Candidate{&id, &q, &head->second, std::max(t.served, level_)});
@@ -309,11 +317,77 @@ std::pair<Scheduler::Queue*, Scheduler::Pending*> Scheduler::PickLocked(std::str
     if (best == runnable.end() || start->second.served < best->second.served) best = start;
   }
   Tenant& t = tenants_[best->first];
-  t.served = level_ = best->second.served;
+  t.served = best->second.served;
   t.last_model = *best->second.model;
-  last_owner_ = best->first;
+  if (!companion) {
+    level_ = t.served;
+    last_owner_ = best->first;
+  }
   *model = *best->second.model;
   return {best->second.queue, best->second.job};
+}
+
+std::vector<Scheduler::Picked> Scheduler::CompanionsLocked(const std::string& model,
+                                                           const Pending& first) {
+  std::vector<Picked> out;
+  if (first.spec.join == nullptr || first.started || config_.join_tokens <= 0 ||
+      !joiners_.count(first.spec.join_group)) {
+    return out;
+  }
+  int64_t tokens = first.spec.join->tokens;
+  std::set<std::string> taken{model};
+  // Fair share among the companions too: each is the least served tenant's next joinable job
+  // that fits, and is charged its part of the run.
+  while (true) {
+    std::string next;
+    auto [q, job] = PickLocked(
+        &next,
+        [&](const std::string& id, const Pending& p) {
+          return !taken.count(id) && !p.started && p.spec.join != nullptr &&
+                 p.spec.join_group == first.spec.join_group &&
+                 tokens + p.spec.join->tokens <= config_.join_tokens;
+        },
+        /*companion=*/true);
+    if (job == nullptr) return out;
+    tokens += job->spec.join->tokens;
+    taken.insert(next);
+    out.push_back({next, q, job});
+  }
+}
+
+void Scheduler::ChargeLocked(const Picked& p, absl::Duration took, absl::Time began) {
+  if (auto t = tenants_.find(p.queue->owner); t != tenants_.end()) t->second.served += took;
+  TenantUsage& usage = usage_[p.queue->owner];
+  usage.scheduler_seconds += absl::ToDoubleSeconds(took);
+  if (!p.job->started) {
+    p.job->started = true;
+    ++usage.jobs;
+    usage.queue_wait_seconds += absl::ToDoubleSeconds(began - p.job->enqueued);
+  }
+}
+
+void Scheduler::FinishLocked(const Picked& p, const JobResult& result,
+                             std::vector<std::pair<JobCallback, JobResult>>* calls) {
+  Queue* q = p.queue;
+  Pending* job = p.job;
+  const int64_t seq = q->next_seq;
+  // Cache the result, advance the model, answer every waiter (retries included).
+  const uint64_t hash = job->spec.final_hash ? job->spec.final_hash() : job->spec.payload_hash;
+  for (auto& w : job->waiters) {
+    if (w.payload_hash && *w.payload_hash != hash) {
+      calls->emplace_back(std::move(w.done), absl::AlreadyExistsError(absl::StrCat(
+                                                 "seq_id ", seq, " of model ", p.model,
+                                                 " was already used for another ", job->spec.kind,
+                                                 "; a retry must resend the same payload")));
+    } else {
+      calls->emplace_back(std::move(w.done), result);
+    }
+  }
+  q->done[seq] = {job->spec.kind, hash, result};
+  while (static_cast<int>(q->done.size()) > config_.result_cache_per_model)
+    q->done.erase(q->done.begin());
+  q->pending.erase(seq);
+  q->next_seq = seq + 1;
 }
 
 void Scheduler::ExpireLocked(std::vector<std::pair<JobCallback, JobResult>>* calls) {
@@ -391,48 +465,54 @@ void Scheduler::Loop() {
       wake_ = false;
       continue;
     }
-    job->running = true;
-    const int64_t seq = q->next_seq;
-    const std::string owner = q->owner;
+    std::vector<Picked> run_now{{model, q, job}};
+    for (Picked& p : CompanionsLocked(model, *job)) run_now.push_back(std::move(p));
+    for (const Picked& p : run_now) p.job->running = true;
+    if (run_now.size() == 1) {
+      running_ = {absl::Now(), absl::StrCat(job->spec.kind, " seq_id ", q->next_seq, " of model ",
+                                            model, " (tenant ", q->owner, ")")};
+    } else {
+      running_ = {absl::Now(), absl::StrCat(job->spec.kind, " of ", run_now.size(),
+                                            " models in one run, first model ", model, " seq_id ",
+                                            q->next_seq, " (tenant ", q->owner, ")")};
+    }
     std::function<JobStep()> run = job->spec.run;
-    running_ = {absl::Now(), absl::StrCat(job->spec.kind, " seq_id ", seq, " of model ", model,
-                                          " (tenant ", owner, ")")};
+    std::vector<JoinPart*> parts;
+    const Joiner* joiner = nullptr;
+    if (run_now.size() > 1) {
+      joiner = &joiners_.at(job->spec.join_group);
+      for (const Picked& p : run_now) parts.push_back(p.job->spec.join.get());
+    }
     mu_.Unlock();
     for (auto& [cb, r] : calls) cb(r);
     calls.clear();
     const absl::Time began = absl::Now();
-    JobStep step = run();
+    std::vector<JobStep> steps;
+    if (joiner == nullptr) {
+      steps.push_back(run());
+    } else {
+      for (JobResult& r : (*joiner)(parts)) steps.push_back({true, std::move(r)});
+    }
     const absl::Duration took = absl::Now() - began;
     mu_.Lock();
     running_ = {};
-    if (auto t = tenants_.find(owner); t != tenants_.end()) t->second.served += took;
-    TenantUsage& usage = usage_[owner];
-    usage.scheduler_seconds += absl::ToDoubleSeconds(took);
-    if (!job->started) {
-      job->started = true;
-      ++usage.jobs;
-      usage.queue_wait_seconds += absl::ToDoubleSeconds(began - job->enqueued);
+    // A shared run is charged to its jobs' tenants by their tokens.
+    int64_t tokens = 0;
+    for (JoinPart* part : parts) tokens += part->tokens;
+    for (size_t i = 0; i < run_now.size(); ++i) {
+      const double share =
+          run_now.size() == 1 || tokens == 0
+              ? 1.0 / static_cast<double>(run_now.size())
+              : static_cast<double>(parts[i]->tokens) / static_cast<double>(tokens);
+      ChargeLocked(run_now[i], took * share, began);
+      if (run_now.size() > 1) ++usage_[run_now[i].queue->owner].shared_jobs;
+      run_now[i].job->running = false;
     }
     background_turns_ = config_.steps_between_jobs;
-    job->running = false;
-    if (!step.done) continue;
-    // Finished: cache the result, advance the model, answer every waiter (retries included).
-    const uint64_t hash = job->spec.final_hash ? job->spec.final_hash() : job->spec.payload_hash;
-    for (auto& w : job->waiters) {
-      if (w.payload_hash && *w.payload_hash != hash) {
-        calls.emplace_back(std::move(w.done), absl::AlreadyExistsError(absl::StrCat(
-                                                  "seq_id ", seq, " of model ", model,
-                                                  " was already used for another ", job->spec.kind,
-                                                  "; a retry must resend the same payload")));
-      } else {
-        calls.emplace_back(std::move(w.done), step.result);
-      }
+    for (size_t i = 0; i < run_now.size(); ++i) {
+      JobStep& step = i < steps.size() ? steps[i] : steps.emplace_back();
+      if (step.done) FinishLocked(run_now[i], step.result, &calls);
     }
-    q->done[seq] = {job->spec.kind, hash, step.result};
-    while (static_cast<int>(q->done.size()) > config_.result_cache_per_model)
-      q->done.erase(q->done.begin());
-    q->pending.erase(seq);
-    q->next_seq = seq + 1;
   }
   // Whatever could not run in time fails, so no client waits forever.
   for (auto& [id, q] : queues_) {

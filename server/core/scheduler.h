@@ -18,6 +18,12 @@
 // more than the job running when it arrives: a job costs its own time, and the light tenant is
 // then the least served.
 //
+// Shared runs: a joinable job (JobSpec::join) takes along other models' runnable joinable jobs of
+// its group, each the least served tenant's next that fits, up to join_tokens tokens in all, and
+// its group's Joiner runs them as one (forward_backward calls in one pass over the base). The
+// run's time is charged to its jobs' tenants by their tokens; a light tenant's call then waits at
+// most for the run in progress, and runs in the next one.
+//
 // It is also the registry of models: each model's id, owner (tenant) and queue. The registry
 // changes on the scheduler thread alone, between jobs, so no job of a model runs while the model
 // is created or deleted, and creations, deletions and requests are applied in one order.
@@ -31,6 +37,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -55,6 +62,16 @@ struct JobStep {
   JobResult result = absl::UnknownError("unset");
 };
 
+// A job's part in a run shared with other models' jobs (JobSpec::join): what its group's joiner
+// needs of it (a subclass), and its size in tokens.
+struct JoinPart {
+  virtual ~JoinPart() = default;
+  int64_t tokens = 0;
+};
+// Runs the parts of several jobs of one group as one; one result per part, in order. On the
+// scheduler thread.
+using Joiner = std::function<std::vector<JobResult>(const std::vector<JoinPart*>&)>;
+
 struct JobSpec {
   // With (model_id, seq_id), the retry key: `kind` names the RPC, so that the same seq_id sent
   // with another RPC is a conflict even when the two payloads serialize to the same bytes.
@@ -69,6 +86,10 @@ struct JobSpec {
   std::function<JobStep()> run;   // on the scheduler thread
   std::function<bool()> ready;    // null: always ready; else polled before each step
   std::function<void()> on_drop;  // called if the job is dropped without finishing (optional)
+  // Set: the job may run with other models' runnable jobs of the same join_group, through that
+  // group's Joiner (SetJoiner), instead of through `run` (batched multi-adapter training).
+  std::string join_group;
+  std::shared_ptr<JoinPart> join;
 };
 
 struct SchedulerConfig {
@@ -82,6 +103,10 @@ struct SchedulerConfig {
   // Background steps (decode steps) between two jobs while both have work: a queued job waits
   // this many steps at most, and sampling gets this many steps per training job.
   int steps_between_jobs = 1;
+  // A shared run's budget: the job picked by fair share takes along the next runnable joinable
+  // jobs of its group (other models', picked by fair share too) while their tokens sum to at
+  // most this. 0: every job runs alone.
+  int64_t join_tokens = 8192;
 };
 
 class Scheduler {
@@ -133,6 +158,8 @@ class Scheduler {
   // KickBackground() says there is work again (from any thread). Set before Start(); no step runs
   // once stopping.
   void SetBackground(std::function<bool()> step);
+  // The Joiner of jobs whose join_group is `group`. Set before Start().
+  void SetJoiner(std::string group, Joiner joiner);
   void KickBackground();
 
   // Requests queued or running, over all models (a gauge for /metrics).
@@ -190,8 +217,28 @@ class Scheduler {
   void RemoveLocked(const std::string& model_id,
                     std::vector<std::pair<JobCallback, JobResult>>* calls)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Under mu_: the next runnable (model, job) by fair share (above), or nulls.
-  std::pair<Queue*, Pending*> PickLocked(std::string* model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_: the next runnable (model, job) by fair share (above), or nulls; with `eligible`,
+  // among the jobs it accepts only. A companion pick (a job joining the run of one picked
+  // before) raises its tenant to the level but leaves the level and the turn order as they are.
+  std::pair<Queue*, Pending*> PickLocked(
+      std::string* model,
+      const std::function<bool(const std::string&, const Pending&)>& eligible = nullptr,
+      bool companion = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_: the jobs that run with `first` (model `model`): none unless it is joinable.
+  struct Picked {
+    std::string model;
+    Queue* queue;
+    Pending* job;
+  };
+  std::vector<Picked> CompanionsLocked(const std::string& model, const Pending& first)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_: a finished job's result cached, its model advanced and its waiters answered.
+  void FinishLocked(const Picked& p, const JobResult& result,
+                    std::vector<std::pair<JobCallback, JobResult>>* calls)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_: `took` of scheduler time charged to the job's tenant.
+  void ChargeLocked(const Picked& p, absl::Duration took, absl::Time began)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Under mu_: the requests queued for `owner`'s models.
   int PendingOfLocked(const std::string& owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Under mu_: fails out-of-order jobs that waited longer than order_timeout.
@@ -212,6 +259,7 @@ class Scheduler {
   absl::Time stop_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   std::function<bool()> background_;
+  std::map<std::string, Joiner> joiners_;  // by group; set before Start
   bool background_ready_ ABSL_GUARDED_BY(mu_) = false;
   int background_turns_ ABSL_GUARDED_BY(mu_) = 0;  // steps before the next job may wait
   Running running_ ABSL_GUARDED_BY(mu_);

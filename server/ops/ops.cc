@@ -79,16 +79,88 @@ absl::StatusOr<CheckpointPath> TrainingCheckpoint(const std::string& uri) {
   return path;
 }
 
+// A forward(_backward) request from its queueing to its run, alone (JobSpec::run) or in a run
+// shared with other models' (the joiner, JobSpec::join).
+struct ForwardCall : JoinPart {
+  v1::ForwardBackwardRequest request;
+  absl::StatusOr<Batch> batch;
+  Reservation memory;  // both of the above, from the queue until the call has run
+  std::string tenant;
+  bool backward = true;
+};
+
+// An optim_step request waiting for its run, alone or with other models' steps.
+struct StepCall : JoinPart {
+  v1::OptimStepRequest request;
+};
+
+JobResult AnswerStep(const absl::StatusOr<OptimStepResult>& r, Metrics* metrics) {
+  if (!r.ok()) return r.status();
+  metrics->AddOptimStep(r->skipped);
+  v1::RetrieveResultResponse out;
+  OptimStepToProto(*r, out.mutable_optim_step());
+  return out;
+}
+
+// The job's result from the runner's: the request's memory released, its tokens counted.
+JobResult Answer(ForwardCall& call, const absl::StatusOr<ForwardBackwardResult>& r,
+                 Metrics* metrics) {
+  call.memory = Reservation();
+  if (!r.ok()) return r.status();
+  if (call.backward) {
+    metrics->AddTokens(call.tenant, static_cast<int64_t>(r->metrics.at("num_tokens:sum")));
+  }
+  v1::RetrieveResultResponse out;
+  ResultToProto(*r, out.mutable_forward_backward());
+  return out;
+}
+
 }  // namespace
 
 Ops::Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-         std::string checkpoint_root, Metrics* metrics, std::shared_ptr<MemoryAccount> account)
+         std::string checkpoint_root, Metrics* metrics, std::shared_ptr<MemoryAccount> account,
+         bool join_steps)
     : runner_(runner),
       scheduler_(scheduler),
       limits_(limits),
       checkpoint_root_(std::move(checkpoint_root)),
       metrics_(metrics),
-      account_(std::move(account)) {}
+      account_(std::move(account)) {
+  // Queued calls of several models, each checked at the edge, run in shared passes over the base
+  // (ModelRunner::ForwardBackwardJoint): each gets what it would alone.
+  for (const bool backward : {true, false}) {
+    scheduler_->SetJoiner(
+        backward ? "ForwardBackward" : "Forward",
+        [runner, metrics, backward](const std::vector<JoinPart*>& parts) {
+          std::vector<v1::ForwardBackwardRequest> reqs;
+          std::vector<Batch> batches;
+          for (JoinPart* part : parts) {
+            auto* call = static_cast<ForwardCall*>(part);
+            reqs.push_back(std::move(call->request));
+            batches.push_back(*std::move(call->batch));
+          }
+          auto results =
+              runner->ForwardBackwardJoint(std::move(reqs), std::move(batches), backward);
+          std::vector<JobResult> out;
+          for (size_t i = 0; i < parts.size(); ++i) {
+            out.push_back(Answer(*static_cast<ForwardCall*>(parts[i]), results[i], metrics));
+          }
+          return out;
+        });
+  }
+  // Queued optim_steps of several models: their AdamW as one multi-tensor call (without a
+  // joiner for the group, each runs alone).
+  if (!join_steps) return;
+  scheduler_->SetJoiner("OptimStep", [runner, metrics](const std::vector<JoinPart*>& parts) {
+    std::vector<v1::OptimStepRequest> reqs;
+    for (JoinPart* part : parts) reqs.push_back(static_cast<StepCall*>(part)->request);
+    std::vector<JobResult> out;
+    for (const auto& r : runner->OptimStepJoint(std::move(reqs))) {
+      out.push_back(AnswerStep(r, metrics));
+    }
+    return out;
+  });
+}
 
 absl::Status Ops::CheckOwner(const std::string& model_id, const std::string& tenant) const {
   const std::optional<std::string> owner = scheduler_->Owner(model_id);
@@ -412,12 +484,7 @@ void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest*
   const int64_t seq_id = req->seq_id();
   absl::StatusOr<Batch> batch = BatchFromProto(req->data(), req->loss_fn(), limits_);
   // The job runs once; shared only because std::function must be copyable.
-  struct Pending {
-    v1::ForwardBackwardRequest request;
-    absl::StatusOr<Batch> batch;
-    Reservation memory;  // both of the above, from the queue until the call has run
-  };
-  auto pending = std::make_shared<Pending>();
+  auto pending = std::make_shared<ForwardCall>();
   if (account_ != nullptr && batch.ok()) {
     // Refused before the scheduler sees it, as a full queue is: its seq_id stays free to resend.
     // The model's next seq_id is never refused, as the scheduler always admits it: later ones,
@@ -434,21 +501,22 @@ void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest*
     }
   }
   pending->request.Swap(req);
+  pending->tenant = tenant;
+  pending->backward = backward;
+  if (batch.ok()) {
+    // A checked call may share its run with other models' (a refused one answers alone).
+    for (const Datum& d : batch->data()) pending->tokens += static_cast<int64_t>(d.tokens.size());
+    job.join_group = job.kind;
+    job.join = pending;
+  }
   pending->batch = std::move(batch);
   ReplicatedRunner* runner = runner_;
   Metrics* metrics = metrics_;
-  job.run = [runner, pending, backward, metrics, tenant]() -> JobStep {
+  job.run = [runner, pending, backward, metrics]() -> JobStep {
     if (!pending->batch.ok()) return {true, pending->batch.status()};
     auto r =
         runner->ForwardBackward(std::move(pending->request), *std::move(pending->batch), backward);
-    pending->memory = Reservation();
-    if (!r.ok()) return {true, r.status()};
-    if (backward) {
-      metrics->AddTokens(tenant, static_cast<int64_t>(r->metrics.at("num_tokens:sum")));
-    }
-    v1::RetrieveResultResponse out;
-    ResultToProto(*r, out.mutable_forward_backward());
-    return {true, out};
+    return {true, Answer(*pending, r, metrics)};
   };
   scheduler_->Submit(model_id, seq_id, std::move(job),
                      [done = std::move(done)](const JobResult& r) {
@@ -494,21 +562,29 @@ void Ops::OptimStep(const std::string& tenant, v1::OptimStepRequest req,
   if (auto st = CheckOwner(req.model_id(), tenant); !st.ok()) return done(st);
   // Checked before the request is queued, hashed and broadcast.
   const absl::Status invalid = ValidateAdamParams(AdamFromProto(req.adam_params()));
-  auto request = std::make_shared<v1::OptimStepRequest>(std::move(req));
+  JobSpec job;
+  job.kind = "OptimStep";
+  job.payload_hash = PayloadHash(req);
+  const std::string model_id = req.model_id();
+  const int64_t seq_id = req.seq_id();
+  auto pending = std::make_shared<StepCall>();
+  pending->request = std::move(req);
+  if (invalid.ok()) {
+    // A valid step may share its AdamW with other models' (it counts no tokens).
+    job.join_group = job.kind;
+    job.join = pending;
+  }
   ReplicatedRunner* runner = runner_;
   Metrics* metrics = metrics_;
-  SubmitOrdered<v1::OptimStepResponse>(
-      request->model_id(), request->seq_id(), "OptimStep", PayloadHash(*request),
-      [runner, request, invalid, metrics]() -> absl::StatusOr<v1::RetrieveResultResponse> {
-        if (!invalid.ok()) return invalid;
-        auto r = runner->OptimStep(*request);
-        if (!r.ok()) return r.status();
-        metrics->AddOptimStep(r->skipped);
-        v1::RetrieveResultResponse out;
-        OptimStepToProto(*r, out.mutable_optim_step());
-        return out;
-      },
-      &v1::RetrieveResultResponse::optim_step, std::move(done));
+  job.run = [runner, pending, invalid, metrics]() -> JobStep {
+    if (!invalid.ok()) return {true, invalid};
+    return {true, AnswerStep(runner->OptimStep(pending->request), metrics)};
+  };
+  scheduler_->Submit(model_id, seq_id, std::move(job),
+                     [done = std::move(done)](const JobResult& r) {
+                       if (!r.ok()) return done(r.status());
+                       done(r->optim_step());
+                     });
 }
 
 void Ops::SaveState(const std::string& tenant, v1::SaveStateRequest req,

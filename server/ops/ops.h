@@ -58,10 +58,11 @@ class Ops {
  public:
   // `account`: where a queued training call's request and decoded batch are held until it has
   // run (runner/util/memory_account.h); null where queued requests are not accounted (ranks that
-  // must admit alike).
+  // must admit alike). `join_steps`: queued optim_steps of several models may share one
+  // multi-tensor AdamW (ServerConfig::join_optim_steps).
   Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
       std::string checkpoint_root, Metrics* metrics,
-      std::shared_ptr<MemoryAccount> account = nullptr);
+      std::shared_ptr<MemoryAccount> account = nullptr, bool join_steps = false);
 
   // Registry changes, on the scheduler thread between jobs.
   void CreateModel(const std::string& tenant, v1::CreateModelRequest req, Done<v1::ModelInfo> done);

@@ -12,6 +12,7 @@
 
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "runner/dist/dist_config.h"
 #include "tests/test_util.h"
 
@@ -85,6 +86,24 @@ TEST_F(DataParallel, TwoAndThreeRanksEqualOneProcess) {
       ASSERT_EQ(ranks[r].size(), reference_->size()) << "world " << world << " rank " << r;
       EXPECT_LE(MaxAbsDiff(ranks[r], *reference_), kTol) << "world " << world << " rank " << r;
       EXPECT_EQ(ranks[r], ranks[0]) << "ranks must hold identical replicas";
+    }
+  }
+}
+
+// Several LoRA models' calls in shared passes (runner/joint_call.h) under data parallelism: each
+// rank plans every call's share as alone and commits the calls in order, so 2 and 3 ranks, and
+// sharded optimizer state, end where one process ends.
+TEST_F(DataParallel, SharedPassesOfSeveralModelsEqualOneProcess) {
+  const auto reference = RunRanks(*model_, dir_->Sub("joint1"), 1, {"--scenario=train_joint"})[0];
+  ASSERT_GT(reference.size(), 100u);
+  for (const auto& [world, shard] :
+       std::vector<std::pair<int, std::string>>{{2, "none"}, {3, "none"}, {2, "optimizer"}}) {
+    auto ranks = RunRanks(*model_, dir_->Sub(absl::StrCat("joint", world, shard)), world,
+                          {"--scenario=train_joint", "--shard=" + shard});
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(ranks[r].size(), reference.size()) << "world " << world << " rank " << r;
+      EXPECT_LE(MaxAbsDiff(ranks[r], reference), kTol)
+          << "world " << world << " " << shard << " rank " << r;
     }
   }
 }

@@ -149,6 +149,35 @@ int Run() {
       }
       params(*id);
     }
+  } else if (scenario == "train_joint") {
+    // Three LoRA models' calls in shared passes (ModelRunner::ForwardBackwardJoint), each rank
+    // running its share of every call.
+    std::vector<std::string> ids;
+    for (LossReduction mode :
+         {LossReduction::kTokenMean, LossReduction::kSum, LossReduction::kSeqMeanTokenMean}) {
+      CreateModelOptions o = lora;
+      o.loss_reduction = mode;
+      o.seed = 3 + ids.size();
+      auto id = r.CreateModel(o);
+      check(id.status());
+      ids.push_back(*id);
+    }
+    const std::vector<std::pair<std::vector<int>, std::string>> shapes = {
+        {{2, 31, 5, 17, 3}, "cross_entropy"}, {{9}, "ppo"}, {{11, 5, 2}, "gspo"}};
+    SplitMix64 g(17);
+    for (int round = 0; round < 2; ++round) {
+      std::vector<Batch> batches;
+      for (const auto& [lengths, loss] : shapes) {
+        auto b = Batch::Check(RandomData(g, lengths, loss, 128), loss, {}, r.limits());
+        check(b.status());
+        batches.push_back(*std::move(b));
+      }
+      std::vector<ModelRunner::Call> joint;
+      for (size_t k = 0; k < ids.size(); ++k) joint.push_back({ids[k], &batches[k]});
+      for (const auto& fb : r.ForwardBackwardJoint(joint, /*backward=*/true)) record(fb);
+      for (const std::string& id : ids) step(id);
+    }
+    for (const std::string& id : ids) params(id);
   } else if (scenario == "save" || absl::StartsWith(scenario, "load")) {
     std::string id;
     SplitMix64 g(17);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -110,7 +111,21 @@ TEST(Scheduler, StepsBetweenJobsGiveSamplingMoreTurns) {
 // the scheduler's choice alone.
 class Tenants {
  public:
-  explicit Tenants(SchedulerConfig config = {}) : scheduler_(config) { scheduler_.Start(); }
+  // Joinable jobs (Submit's `tokens` > 0) run through a joiner that records each run's models.
+  explicit Tenants(SchedulerConfig config = {}) : scheduler_(config) {
+    scheduler_.SetJoiner("fb", [this](const std::vector<JoinPart*>& parts) {
+      absl::MutexLock lock(&mu_);
+      std::vector<std::string>& run = runs_.emplace_back();
+      std::vector<JobResult> out;
+      for (JoinPart* p : parts) {
+        run.push_back(static_cast<Part*>(p)->model);
+        order_.push_back(run.back());
+        out.push_back(v1::RetrieveResultResponse());
+      }
+      return out;
+    });
+    scheduler_.Start();
+  }
   ~Tenants() { scheduler_.Stop(absl::Seconds(10)); }
 
   void Create(const std::string& owner, const std::string& model) {
@@ -125,7 +140,8 @@ class Tenants {
   }
 
   // Queues (model, seq); returns the status it was answered with once it ran (or was refused).
-  void Submit(const std::string& model, int64_t seq, bool gate = false) {
+  // `tokens` > 0: the job may join other models' jobs (JobSpec::join) with that many tokens.
+  void Submit(const std::string& model, int64_t seq, bool gate = false, int64_t tokens = 0) {
     JobSpec spec;
     spec.kind = "forward_backward";
     spec.run = [this, model, gate] {
@@ -135,8 +151,16 @@ class Tenants {
       }
       absl::MutexLock lock(&mu_);
       order_.push_back(model);
+      runs_.push_back({model});
       return JobStep{true, v1::RetrieveResultResponse()};
     };
+    if (tokens > 0) {
+      auto part = std::make_shared<Part>();
+      part->model = model;
+      part->tokens = tokens;
+      spec.join_group = "fb";
+      spec.join = part;
+    }
     scheduler_.Submit(model, seq, std::move(spec), [this](const JobResult& r) {
       absl::MutexLock lock(&mu_);
       answers_.push_back(r.status());
@@ -161,12 +185,21 @@ class Tenants {
     return answers_;
   }
   TenantUsages Usage() const { return scheduler_.Usage(); }
+  // The models of each run, in run order (a run alone holds one).
+  std::vector<std::vector<std::string>> Runs() {
+    absl::MutexLock lock(&mu_);
+    return runs_;
+  }
 
  private:
+  struct Part : JoinPart {
+    std::string model;
+  };
   Scheduler scheduler_;
   absl::Notification running_, release_;
   absl::Mutex mu_;
   std::vector<std::string> order_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<std::string>> runs_ ABSL_GUARDED_BY(mu_);
   std::vector<absl::Status> answers_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -206,6 +239,60 @@ TEST(Scheduler, AGreedyTenantsManyModelsCannotDelayAnotherTenantsCall) {
   const std::vector<std::string> same_tenant = GreedyThenLight("greedy");
   ASSERT_EQ(same_tenant.size(), 33u);
   EXPECT_GE(Position(same_tenant, "light"), 8u) << "control: one tenant's models share its turns";
+}
+
+// Joinable calls queued behind a running job share runs: each run within --join_tokens, at most
+// one call per model, every call once and each model's in seq_id order; the light tenant's call
+// is in the first run after the job running when it came, with the greedy tenant's calls beside
+// it. The control: with join_tokens 0 every call runs alone.
+std::vector<std::vector<std::string>> JoinedRuns(int64_t join_tokens) {
+  SchedulerConfig config;
+  config.join_tokens = join_tokens;
+  Tenants t(config);
+  for (int m = 0; m < 8; ++m) t.Create("greedy", absl::StrCat("g", m));
+  t.Create("light tenant", "light");
+  t.Submit("g0", 1, /*gate=*/true);
+  t.WaitRunning();
+  for (int m = 0; m < 8; ++m) {
+    for (int64_t seq = m == 0 ? 2 : 1; seq <= 4; ++seq) {
+      t.Submit(absl::StrCat("g", m), seq, false, /*tokens=*/64 + 16 * m);
+    }
+  }
+  t.Submit("light", 1, false, /*tokens=*/64);
+  t.Release();
+  t.WaitAnswers(33);
+  for (const absl::Status& st : t.Answers()) EXPECT_TRUE(st.ok()) << st.message();
+  return t.Runs();
+}
+
+TEST(Scheduler, QueuedCallsOfSeveralModelsShareRunsWithinTheBudget) {
+  const auto runs = JoinedRuns(/*join_tokens=*/400);
+  std::map<std::string, int> calls;
+  size_t shared = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    std::set<std::string> models(runs[r].begin(), runs[r].end());
+    EXPECT_EQ(models.size(), runs[r].size()) << "run " << r << " holds a model twice";
+    int64_t tokens = 0;
+    for (const std::string& m : runs[r]) {
+      ++calls[m];
+      tokens += m == "light" ? 64 : 64 + 16 * (m[1] - '0');
+    }
+    if (runs[r].size() > 1) {
+      ++shared;
+      EXPECT_LE(tokens, 400) << "run " << r;
+    }
+  }
+  EXPECT_EQ(calls["light"], 1);
+  for (int m = 0; m < 8; ++m) EXPECT_EQ(calls[absl::StrCat("g", m)], 4) << "g" << m;
+  EXPECT_GE(shared, 5u) << "33 joinable calls, 400 tokens a run: most runs are shared";
+  ASSERT_GE(runs.size(), 2u);
+  EXPECT_EQ(runs[0], std::vector<std::string>{"g0"});  // the gate, running when they came
+  EXPECT_NE(std::find(runs[1].begin(), runs[1].end(), "light"), runs[1].end())
+      << "the light call waited past the first run after the gate";
+  EXPECT_GT(runs[1].size(), 1u);
+
+  const auto alone = JoinedRuns(/*join_tokens=*/0);
+  EXPECT_EQ(alone.size(), 33u) << "control: without a budget every call runs alone";
 }
 
 TEST(Scheduler, ATenantsQueuedCallsAreBoundedOverItsModels) {
