@@ -80,6 +80,10 @@ struct Flags {
   int64_t head_dim = 64;
   int64_t max_pos = 2048;
   uint64_t model_seed = 0;
+  // > 0: a mixture of experts in Mixtral's layout, every layer routing each token to top_k of
+  // `experts` SwiGLU experts of size --intermediate.
+  int64_t experts = 0;
+  int64_t top_k = 2;
   // Batch: stratified log-uniform lengths in [min_len, max_len]. The default of 12 sequences is
   // ~5k tokens and ~0.7 TFLOP per step, sized so that this program plus both eager modes finish
   // in about ten minutes on 2 cores; raise --num_seqs for a steadier number on a bigger machine.
@@ -158,6 +162,9 @@ std::vector<FlagDef> FlagTable(Flags* f) {
       IntFlag("head_dim", &f->head_dim, "per-head dimension"),
       IntFlag("max_pos", &f->max_pos, "max_position_embeddings"),
       IntFlag("model_seed", &f->model_seed, "seed of the random base weights"),
+      IntFlag("experts", &f->experts,
+              "experts per layer (Mixtral layout, --intermediate each); 0: a dense model"),
+      IntFlag("top_k", &f->top_k, "experts per token, with --experts"),
       IntFlag("num_seqs", &f->num_seqs, "sequences per step"),
       IntFlag("min_len", &f->min_len, "shortest sequence"),
       IntFlag("max_len", &f->max_len, "longest sequence (<= max_pos)"),
@@ -309,7 +316,7 @@ struct FlopCount {
   int64_t matmul_params =
       0;                    // weights used as matmul operands per token: layers' linears + lm_head
   int64_t lora_params = 0;  // adapter parameters on q,k,v,o,gate,up,down
-  double linear_flops = 0;  // per step: 4·matmul_params·T + 6·lora_params·T
+  double linear_flops = 0;  // per step: 4·matmul_params·T + 6·(active lora params)·T
   double attn_flops = 0;    // per step: 12·layers·heads·head_dim·Σ L_i²
   double Total() const { return linear_flops + attn_flops; }
 };
@@ -318,17 +325,25 @@ FlopCount CountFlops(const tinkerd::ModelConfig& c, int64_t rank, bool full_fine
                      const std::vector<Sequence>& batch) {
   const int64_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
-  const int64_t per_layer_linear = D * q + 2 * D * kv + q * D + 3 * D * I;
+  // A mixture of experts (every layer routing, as --experts writes it) counts what a token uses:
+  // its top_k experts and the router. Dense: one "expert" and no router.
+  const int64_t E = std::max<int64_t>(c.moe.num_experts, 1);
+  const int64_t k = c.moe.num_experts > 0 ? c.moe.top_k : 1;
+  const int64_t router = c.moe.num_experts * D;
+  const int64_t attn_linear = D * q + 2 * D * kv + q * D;
+  const int64_t per_layer_linear = attn_linear + k * 3 * D * I + router;
   FlopCount f;
   // The lm_head matmul costs V·D per token whether or not it is tied to the embedding.
   f.matmul_params = c.num_hidden_layers * per_layer_linear + V * D;
   f.total_params = V * D + (c.tie_word_embeddings ? 0 : V * D) +
-                   c.num_hidden_layers * (per_layer_linear + 2 * D) + D +
+                   c.num_hidden_layers * (attn_linear + E * 3 * D * I + router + 2 * D) + D +
                    (c.attention_bias ? c.num_hidden_layers * (q + 2 * kv) : 0);
-  // A rank-r adapter on a d_in -> d_out linear holds r·(d_in + d_out) parameters.
-  f.lora_params = full_finetune ? 0
-                                : c.num_hidden_layers * rank *
-                                      ((D + q) + 2 * (D + kv) + (q + D) + 2 * (D + I) + (I + D));
+  // A rank-r adapter on a d_in -> d_out linear holds r·(d_in + d_out) parameters; every expert
+  // holds its own, and a token trains its top_k experts'.
+  const int64_t attn_lora = (D + q) + 2 * (D + kv) + (q + D), mlp_lora = 2 * (D + I) + (I + D);
+  f.lora_params = full_finetune ? 0 : c.num_hidden_layers * rank * (attn_lora + E * mlp_lora);
+  const int64_t active_lora =
+      full_finetune ? 0 : c.num_hidden_layers * rank * (attn_lora + k * mlp_lora);
   double tokens = 0, sum_sq = 0;
   for (const auto& s : batch) {
     auto L = static_cast<double>(s.tokens.size());
@@ -339,7 +354,7 @@ FlopCount CountFlops(const tinkerd::ModelConfig& c, int64_t rank, bool full_fine
   // rather than the full-training 6·N·T. The adapters are trained: 6 FLOPs per parameter per token.
   // Full fine-tuning adds the weight-gradient matmul: 6·N·T.
   f.linear_flops = (full_finetune ? 6.0 : 4.0) * static_cast<double>(f.matmul_params) * tokens +
-                   6.0 * static_cast<double>(f.lora_params) * tokens;
+                   6.0 * static_cast<double>(active_lora) * tokens;
   // Per layer and sequence the forward does Q·Kᵀ and P·V, 2·L²·head_dim each per head; backward is
   // twice that. Counted over the full L×L square (the usual convention), not the causal half.
   f.attn_flops = 12.0 * static_cast<double>(c.num_hidden_layers) *
@@ -419,8 +434,14 @@ int Run(const Flags& f) {
   tinkerd::InitLogging(0);
   if (f.num_threads > 0) at::set_num_threads(static_cast<int>(f.num_threads));
 
-  // 1. The base model, from the ready-made Llama config with the sizes overridden.
-  tinkerd::ModelConfig mc = tinkerd::TinyConfig("llama");
+  // 1. The base model, from the ready-made Llama (or Mixtral) config with the sizes overridden.
+  tinkerd::ModelConfig mc = tinkerd::TinyConfig(f.experts > 0 ? "mixtral" : "llama");
+  if (f.experts > 0) {
+    mc.moe.num_experts = f.experts;
+    mc.moe.top_k = f.top_k;
+    mc.moe.expert_intermediate_size = f.intermediate;
+    mc.moe.layer_routes.assign(static_cast<size_t>(f.layers), true);
+  }
   mc.vocab_size = f.vocab;
   mc.hidden_size = f.hidden;
   mc.intermediate_size = f.intermediate;

@@ -156,8 +156,12 @@ class Llama(torch.nn.Module):
         for key, want in (("attention_bias", False), ("tie_word_embeddings", False)):
             if bool(cfg.get(key, False)) != want:
                 raise ValueError(f"torch_eager.py supports only {key}={want}")
-        if cfg.get("rope_scaling") or cfg.get("model_type", "llama") != "llama":
-            raise ValueError("torch_eager.py supports plain Llama (no rope_scaling)")
+        if cfg.get("rope_scaling") or cfg.get("model_type", "llama") not in ("llama", "mixtral"):
+            raise ValueError("torch_eager.py supports plain Llama and Mixtral (no rope_scaling)")
+        if cfg.get("model_type") == "mixtral" and cfg.get("sliding_window"):
+            raise ValueError("torch_eager.py supports Mixtral without a sliding window")
+        self.experts = cfg.get("num_local_experts", 8) if cfg.get("model_type") == "mixtral" else 0
+        self.top_k = cfg.get("num_experts_per_tok", 2)
         self.hidden = cfg["hidden_size"]
         self.heads = cfg["num_attention_heads"]
         self.kv_heads = cfg.get("num_key_value_heads", self.heads)
@@ -181,9 +185,21 @@ class Llama(torch.nn.Module):
             for proj in ("q", "k", "v", "o"):
                 w = weights.pop(p + f"self_attn.{proj}_proj.weight")
                 setattr(block, proj, LoRALinear(w, rank, alpha, gen))
-            for proj in ("gate", "up", "down"):
-                w = weights.pop(p + f"mlp.{proj}_proj.weight")
-                setattr(block, proj, LoRALinear(w, rank, alpha, gen))
+            if self.experts:
+                # Mixtral's layout: a router and per-expert w1 (gate), w3 (up), w2 (down), each
+                # expert with its own adapters, as PEFT puts them on per-expert linears.
+                block.router = frozen(p + "block_sparse_moe.gate.weight")
+                block.experts = torch.nn.ModuleList()
+                for e in range(self.experts):
+                    expert = torch.nn.Module()
+                    for proj, name in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                        w = weights.pop(p + f"block_sparse_moe.experts.{e}.{name}.weight")
+                        setattr(expert, proj, LoRALinear(w, rank, alpha, gen))
+                    block.experts.append(expert)
+            else:
+                for proj in ("gate", "up", "down"):
+                    w = weights.pop(p + f"mlp.{proj}_proj.weight")
+                    setattr(block, proj, LoRALinear(w, rank, alpha, gen))
             self.blocks.append(block)
 
         # RoPE tables, HF convention: inv_freq over even dims, both halves share a frequency.
@@ -228,8 +244,27 @@ class Llama(torch.nn.Module):
             k = k * cos + rotate_half(k) * sin
             h = h + blk.o(attention(q, k, v))
             x = rms_norm(h, blk.post_norm, self.eps)
-            h = h + blk.down(F.silu(blk.gate(x)) * blk.up(x))
+            h = h + (self.routed(blk, x) if self.experts else blk.down(F.silu(blk.gate(x)) * blk.up(x)))
         return F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head)
+
+    def routed(self, blk, x):
+        """Hugging Face's sparse MoE block: softmax router in fp32, top-k renormalized, then a
+        Python loop over the experts that got tokens, each over its own rows (index_add back)."""
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(F.linear(flat, blk.router), dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
+        out = torch.zeros_like(flat)
+        mask = F.one_hot(chosen, num_classes=self.experts).permute(2, 1, 0)  # [E, k, N]
+        for e in range(self.experts):
+            slot, token = torch.where(mask[e])
+            if token.numel() == 0:
+                continue
+            rows = flat[token]
+            ex = blk.experts[e]
+            y = ex.down(F.silu(ex.gate(rows)) * ex.up(rows)) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out.view(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,12 +371,19 @@ def count_flops(cfg, rank, lengths):
     heads = cfg["num_attention_heads"]
     hd = cfg.get("head_dim") or d // heads
     q, kv = heads * hd, cfg.get("num_key_value_heads", heads) * hd
-    per_layer = d * q + 2 * d * kv + q * d + 3 * d * inter
+    # A mixture of experts counts what a token uses: its top_k experts and the router.
+    experts = cfg.get("num_local_experts", 8) if cfg.get("model_type") == "mixtral" else 0
+    e_all, k = max(experts, 1), (cfg.get("num_experts_per_tok", 2) if experts else 1)
+    attn_linear, router = d * q + 2 * d * kv + q * d, experts * d
+    per_layer = attn_linear + k * 3 * d * inter + router
     matmul_params = layers * per_layer + vocab * d
-    total_params = vocab * d * (1 if cfg.get("tie_word_embeddings") else 2) + layers * (per_layer + 2 * d) + d
-    lora_params = layers * rank * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + inter) + (inter + d))
+    total_params = (vocab * d * (1 if cfg.get("tie_word_embeddings") else 2)
+                    + layers * (attn_linear + e_all * 3 * d * inter + router + 2 * d) + d)
+    attn_lora, mlp_lora = (d + q) + 2 * (d + kv) + (q + d), 2 * (d + inter) + (inter + d)
+    lora_params = layers * rank * (attn_lora + e_all * mlp_lora)
+    active_lora = layers * rank * (attn_lora + k * mlp_lora)
     tokens = sum(lengths)
-    linear = 4.0 * matmul_params * tokens + 6.0 * lora_params * tokens
+    linear = 4.0 * matmul_params * tokens + 6.0 * active_lora * tokens
     attn = 12.0 * layers * q * sum(n * n for n in lengths)
     return dict(total_params=total_params, matmul_params=matmul_params, lora_params=lora_params,
                 linear=linear, attn=attn, total=linear + attn)

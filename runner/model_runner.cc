@@ -176,7 +176,7 @@ struct ModelRunner::Impl {
       RETURN_IF_ERROR(LoraAdapter::Validate(*options.lora));
       values = LoraAdapter::CountValues(model_config, *options.lora);
     } else {
-      for (const auto& [name, w] : base.Named(model_config.tie_word_embeddings)) {
+      for (const auto& [name, w] : base.Named(model_config)) {
         values += w.numel();
       }
     }
@@ -414,7 +414,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
       const bool tied = impl_->model_config.tie_word_embeddings;
       if (impl_->config.shard == ShardMode::kFull) {
         // Every rank slices the same replicated base; nothing whole is kept.
-        t.sharded.emplace(impl_->base, tied, impl_->collectives->world_size(),
+        t.sharded.emplace(impl_->base, impl_->model_config, impl_->collectives->world_size(),
                           impl_->collectives->rank(),
                           at::TensorOptions().dtype(train_dtype).device(impl_->device));
       } else {
@@ -427,7 +427,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
             if (w->defined()) *w = CloneTrainable(*w, train_dtype);
           }
         }
-        t.params = own.Named(tied);
+        t.params = own.Named(impl_->model_config);
         t.full = std::move(own);
       }
     }
@@ -956,7 +956,7 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
   Reservation held;
   if (merged && t->lora) {
     int64_t largest = 0;
-    for (const auto& [name, w] : impl_->base.Named(impl_->model_config.tie_word_embeddings)) {
+    for (const auto& [name, w] : impl_->base.Named(impl_->model_config)) {
       largest =
           std::max(largest, w.numel() * static_cast<int64_t>(at::elementSize(impl_->TrainDType())));
     }
@@ -991,10 +991,9 @@ BaseWeights FrozenWeights(const BaseWeights& w, bool tied, at::ScalarType dtype,
   out.final_norm_D = copy(w.final_norm_D);
   out.lm_head_VD = tied ? out.embed_VD : copy(w.lm_head_VD);
   for (const LayerWeights& L : w.layers) {
-    out.layers.push_back({copy(L.input_norm_D), copy(L.post_norm_D), copy(L.q_proj), copy(L.k_proj),
-                          copy(L.v_proj), copy(L.o_proj), copy(L.q_bias), copy(L.k_bias),
-                          copy(L.v_bias), copy(L.q_norm_d), copy(L.k_norm_d), copy(L.gate_proj),
-                          copy(L.up_proj), copy(L.down_proj)});
+    std::vector<at::Tensor> fields;
+    for (const at::Tensor* t : L.All()) fields.push_back(copy(*t));
+    out.layers.push_back(LayerWeights::FromAll(std::move(fields)));
   }
   return out;
 }
@@ -1021,7 +1020,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
   int64_t copy_bytes = 0;
   const int64_t element = static_cast<int64_t>(at::elementSize(impl_->dtype));
   if (t->full) {
-    for (const auto& [name, w] : t->full->Named(impl_->model_config.tie_word_embeddings)) {
+    for (const auto& [name, w] : t->full->Named(impl_->model_config)) {
       copy_bytes += w.numel() * element;
     }
   }
@@ -1084,7 +1083,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
     };
     if (w.weights) {
       policy->weights = *std::move(w.weights);
-      count(policy->weights.Named(policy->config.tie_word_embeddings));
+      count(policy->weights.Named(policy->config));
     } else {
       policy->weights = impl_->base;
     }

@@ -324,9 +324,9 @@ absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
   std::map<std::string, at::Tensor> w;
   TensorTransform merge;
   if (t.full) {
-    w = t.full->Named(config.tie_word_embeddings);
+    w = t.full->Named(config);
   } else {
-    w = base.Named(config.tie_word_embeddings);
+    w = base.Named(config);
     // An adapted unembedding no longer equals the embedding: the merged model is untied.
     if (config.tie_word_embeddings && t.lora->Find("lm_head") != nullptr) {
       out.tie_word_embeddings = false;
@@ -358,12 +358,25 @@ absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
 namespace {
 
 // PEFT's module names for each group LoraConfig switches on.
-bool Targets(const std::set<std::string>& targets, std::initializer_list<const char*> group,
-             bool* on) {
-  int found = 0;
-  for (const char* m : group) found += targets.count(m);
+bool Targets(const std::set<std::string>& targets, const std::set<std::string>& group, bool* on) {
+  size_t found = 0;
+  for (const std::string& m : group) found += targets.count(m);
   *on = found > 0;
-  return found == 0 || found == static_cast<int>(group.size());
+  return found == 0 || found == group.size();
+}
+
+// The MLP's linear modules by PEFT's short name: the dense layers' and the experts' (Mixtral
+// names its experts' w1, w3 and w2).
+std::set<std::string> MlpModules(const ModelConfig& config) {
+  std::set<std::string> out;
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    if (config.Routes(l)) {
+      out.insert({config.moe.names.gate, config.moe.names.up, config.moe.names.down});
+    } else {
+      out.insert({"gate_proj", "up_proj", "down_proj"});
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<LoraAdapter> ReadPeftAdapter(const std::string& dir, const ModelConfig& config,
@@ -384,10 +397,11 @@ absl::StatusOr<LoraAdapter> ReadPeftAdapter(const std::string& dir, const ModelC
   lora.rank = c["r"].get<int64_t>();
   lora.alpha = c["lora_alpha"].get<double>();
   // tinkerd adapts whole groups; an adapter of part of one was not made here.
+  const std::set<std::string> mlp = MlpModules(config);
   if (!Targets(targets, {"q_proj", "k_proj", "v_proj", "o_proj"}, &lora.train_attn) ||
-      !Targets(targets, {"gate_proj", "up_proj", "down_proj"}, &lora.train_mlp) ||
+      !Targets(targets, mlp, &lora.train_mlp) ||
       !Targets(targets, {"lm_head"}, &lora.train_unembed) ||
-      targets.size() != 4u * lora.train_attn + 3u * lora.train_mlp + lora.train_unembed) {
+      targets.size() != 4u * lora.train_attn + mlp.size() * lora.train_mlp + lora.train_unembed) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", dir, ": its adapter targets modules this server does not adapt"));
   }

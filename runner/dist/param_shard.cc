@@ -47,9 +47,10 @@ absl::Status ShardedUnit::ReduceScatterInto(Collectives& c, const std::vector<at
   return absl::OkStatus();
 }
 
-ParamShard::ParamShard(const BaseWeights& w, bool tied, int world_size, int rank,
+ParamShard::ParamShard(const BaseWeights& w, const ModelConfig& config, int world_size, int rank,
                        const at::TensorOptions& options)
-    : tied_(tied) {
+    : tied_(config.tie_word_embeddings) {
+  const bool tied = tied_;
   std::vector<std::string> names{"model.embed_tokens.weight", "model.norm.weight"};
   std::vector<at::Tensor> rest{w.embed_VD, w.final_norm_D};
   if (!tied) {
@@ -62,9 +63,11 @@ ParamShard::ParamShard(const BaseWeights& w, bool tied, int world_size, int rank
     std::vector<at::Tensor> tensors;
     std::vector<size_t>& fields = fields_.emplace_back();
     const auto all = w.layers[l].All();
+    const std::vector<std::string> field_names = w.layers[l].Names(config.moe.names);
+    experts_.push_back(w.layers[l].experts.size());
     for (size_t f = 0; f < all.size(); ++f) {
       if (!all[f]->defined()) continue;
-      layer_names.push_back(absl::StrCat("model.layers.", l, ".", LayerWeights::kNames[f]));
+      layer_names.push_back(absl::StrCat("model.layers.", l, ".", field_names[f]));
       tensors.push_back(*all[f]);
       fields.push_back(f);
     }
@@ -90,7 +93,7 @@ absl::StatusOr<BaseWeights> ParamShard::GatherRest(Collectives& c) const {
 
 absl::StatusOr<LayerWeights> ParamShard::GatherLayer(Collectives& c, int64_t layer) const {
   ASSIGN_OR_RETURN(std::vector<at::Tensor> tensors, units_.at(1 + layer).Gather(c));
-  LayerWeights L;
+  LayerWeights L = LayerWeights::Shaped(experts_.at(layer));
   const auto all = L.All();
   const std::vector<size_t>& fields = fields_.at(layer);
   for (size_t i = 0; i < fields.size(); ++i) *all[fields[i]] = std::move(tensors[i]);

@@ -52,7 +52,7 @@ struct ShardedUnit {
 class ParamShard {
  public:
   // Every rank passes the same (replicated) weights and takes its slices of them.
-  ParamShard(const BaseWeights& weights, bool tied, int world_size, int rank,
+  ParamShard(const BaseWeights& weights, const ModelConfig& config, int world_size, int rank,
              const at::TensorOptions& options);
 
   // units()[0] is the rest, units()[1 + l] decoder layer l.
@@ -72,6 +72,7 @@ class ParamShard {
   bool tied_;
   std::vector<ShardedUnit> units_;
   std::vector<std::vector<size_t>> fields_;  // per layer: the LayerWeights::All() it holds
+  std::vector<size_t> experts_;              // per layer: its experts (0 unless it routes)
 };
 
 }  // namespace tinkerd

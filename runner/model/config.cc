@@ -11,13 +11,20 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "runner/util/status_macros.h"
 
 namespace tinkerd {
 namespace {
 
 using json = nlohmann::json;
 
-constexpr int64_t kMaxLayers = 4096;  // the largest published decoders have ~200
+constexpr int64_t kMaxLayers = 4096;   // the largest published decoders have ~200
+constexpr int64_t kMaxExperts = 4096;  // the largest published routers pick among ~400
+
+// Mistral and Mixtral slide every layer when sliding_window is set; Qwen's families choose.
+bool SlidesEveryLayer(const std::string& model_type) {
+  return model_type == "mistral" || model_type == "mixtral";
+}
 
 absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("config.json: ", what));
@@ -211,7 +218,7 @@ absl::Status ParseRope(const json& j, ModelConfig* c) {
 // max_window_layers and above (Hugging Face's rule, default 28), when use_sliding_window is true.
 // `layer_types` (transformers >= 4.53 and 5) lists them explicitly and wins.
 absl::Status ParseSlidingWindow(const json& j, ModelConfig* c) {
-  const bool mistral = c->model_type == "mistral";
+  const bool mistral = SlidesEveryLayer(c->model_type);
   bool use_sw = mistral;
   if (!mistral) {
     if (auto st = ReadBool(j, "use_sliding_window", &use_sw); !st.ok()) return st;
@@ -263,6 +270,68 @@ absl::Status ReadEos(const json& j, int64_t vocab, std::vector<int64_t>* out) {
   return absl::OkStatus();
 }
 
+// The routed MLP of Qwen3MoeForCausalLM and MixtralForCausalLM, with their config classes'
+// defaults for absent keys. The router's auxiliary loss keys (output_router_logits,
+// router_aux_loss_coef) do not change the forward and are not read: Tinker's losses are the ones
+// a client asks for.
+absl::Status ParseMoe(const json& j, ModelConfig* c) {
+  MoeConfig& m = c->moe;
+  const auto n = static_cast<size_t>(c->num_hidden_layers);
+  if (c->architecture == "MixtralForCausalLM") {
+    m.names = {"block_sparse_moe", "gate", "w1", "w3", "w2"};
+    m.num_experts = 8;
+    m.top_k = 2;
+    RETURN_IF_ERROR(ReadNumber(j, "num_local_experts", &m.num_experts, false));
+    RETURN_IF_ERROR(ReadNumber(j, "num_experts_per_tok", &m.top_k, false));
+    m.expert_intermediate_size = c->intermediate_size;
+    m.norm_topk_prob = true;
+    double jitter = 0;
+    RETURN_IF_ERROR(ReadNumber(j, "router_jitter_noise", &jitter, false));
+    if (jitter != 0) {
+      return Bad("router_jitter_noise other than 0 is not supported (it makes routing random)");
+    }
+    m.layer_routes.assign(n, true);
+  } else if (c->architecture == "Qwen3MoeForCausalLM") {
+    m.names = {"mlp", "gate", "gate_proj", "up_proj", "down_proj"};
+    m.num_experts = 128;
+    m.top_k = 8;
+    m.expert_intermediate_size = 768;
+    int64_t step = 1;
+    RETURN_IF_ERROR(ReadNumber(j, "num_experts", &m.num_experts, false));
+    RETURN_IF_ERROR(ReadNumber(j, "num_experts_per_tok", &m.top_k, false));
+    RETURN_IF_ERROR(ReadNumber(j, "moe_intermediate_size", &m.expert_intermediate_size, false));
+    RETURN_IF_ERROR(ReadBool(j, "norm_topk_prob", &m.norm_topk_prob));
+    RETURN_IF_ERROR(ReadNumber(j, "decoder_sparse_step", &step, false));
+    if (step <= 0) return Bad("decoder_sparse_step must be positive");
+    m.layer_routes.assign(n, false);
+    for (size_t l = 0; l < n; ++l) m.layer_routes[l] = (l + 1) % static_cast<size_t>(step) == 0;
+    if (auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {
+      if (!it->is_array()) return Bad("mlp_only_layers must be a list of layer indices");
+      for (const json& v : *it) {
+        const std::optional<int64_t> l = v.is_number() ? ExactInt64(v) : std::nullopt;
+        if (!l || *l < 0 || *l >= c->num_hidden_layers) {
+          return Bad(absl::StrCat("mlp_only_layers must hold layer indices in [0, ",
+                                  c->num_hidden_layers, ")"));
+        }
+        m.layer_routes[static_cast<size_t>(*l)] = false;
+      }
+    }
+    if (m.num_experts == 0) m.layer_routes.assign(n, false);
+  } else {
+    return absl::OkStatus();
+  }
+  if (m.num_experts < 0 || m.num_experts > kMaxExperts) {
+    return Bad(absl::StrCat("the number of experts must be in [0, ", kMaxExperts, "]"));
+  }
+  if (m.num_experts > 0 && (m.top_k < 1 || m.top_k > m.num_experts)) {
+    return Bad("num_experts_per_tok must be in [1, the number of experts]");
+  }
+  if (m.num_experts > 0 && m.expert_intermediate_size <= 0) {
+    return Bad("the experts' intermediate size must be positive");
+  }
+  return absl::OkStatus();
+}
+
 // Keys of Hugging Face configs that change the math of these families when they are not at their
 // default: refused by name rather than ignored.
 absl::Status RefuseUnsupportedMath(const json& j) {
@@ -309,10 +378,16 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
   } else if (a == "Qwen3ForCausalLM") {
     if (c.model_type.empty()) c.model_type = "qwen3";
     c.qk_norm = true;
+  } else if (a == "Qwen3MoeForCausalLM") {
+    if (c.model_type.empty()) c.model_type = "qwen3_moe";
+    c.qk_norm = true;
+  } else if (a == "MixtralForCausalLM") {
+    if (c.model_type.empty()) c.model_type = "mixtral";
   } else {
     return Bad(absl::StrCat("architecture '", a,
                             "' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
-                            "Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+                            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+                            "MixtralForCausalLM)"));
   }
   if (auto st = ReadNumber(j, "vocab_size", &c.vocab_size, true); !st.ok()) return st;
   if (auto st = ReadNumber(j, "hidden_size", &c.hidden_size, true); !st.ok()) return st;
@@ -341,6 +416,7 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
   if (auto st = ParseRope(j, &c); !st.ok()) return st;
   if (c.num_hidden_layers > 0) {
     if (auto st = ParseSlidingWindow(j, &c); !st.ok()) return st;
+    if (auto st = ParseMoe(j, &c); !st.ok()) return st;
   }
   for (const char* key : {"torch_dtype", "dtype"}) {  // transformers 4, 5
     if (j.contains(key) && j[key].is_string()) c.torch_dtype = j[key].get<std::string>();
@@ -419,7 +495,7 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   if (c.model_type != "qwen2") j["attention_bias"] = c.attention_bias;
   if (c.sliding_window > 0) {
     j["sliding_window"] = c.sliding_window;
-    if (c.model_type != "mistral") {
+    if (!SlidesEveryLayer(c.model_type)) {
       j["use_sliding_window"] = true;
       // Hugging Face's rule for readers without layer_types: layers from this index on slide.
       int64_t first = 0;
@@ -433,8 +509,25 @@ std::string ModelConfigToJson(const ModelConfig& c) {
       }
       j["layer_types"] = types;
     }
-  } else if (c.model_type == "mistral") {
+  } else if (SlidesEveryLayer(c.model_type)) {
     j["sliding_window"] = nullptr;
+  }
+  const MoeConfig& m = c.moe;
+  if (c.architecture == "MixtralForCausalLM") {
+    j["num_local_experts"] = m.num_experts;
+    j["num_experts_per_tok"] = m.top_k;
+    j["router_jitter_noise"] = 0.0;
+  } else if (c.architecture == "Qwen3MoeForCausalLM") {
+    j["num_experts"] = m.num_experts;
+    j["num_experts_per_tok"] = m.top_k;
+    j["moe_intermediate_size"] = m.expert_intermediate_size;
+    j["norm_topk_prob"] = m.norm_topk_prob;
+    j["decoder_sparse_step"] = 1;
+    json dense = json::array();
+    for (size_t l = 0; l < m.layer_routes.size(); ++l) {
+      if (!m.layer_routes[l]) dense.push_back(l);
+    }
+    j["mlp_only_layers"] = dense;
   }
   const RopeScaling& s = c.rope_scaling;
   if (s.type == RopeScaling::Type::kNone) {
@@ -477,16 +570,27 @@ std::string ModelConfigToJson(const ModelConfig& c) {
 
 std::string ModelConfig::DebugString() const {
   return absl::StrFormat(
-      "%s: vocab=%d hidden=%d inter=%d layers=%d heads=%d kv_heads=%d head_dim=%d ctx=%d tied=%d "
-      "bias=%d qk_norm=%d sliding_window=%d(%s) rope_theta=%g rope_scaling=%d(x%g)",
-      architecture, vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-      num_attention_heads, num_key_value_heads, head_dim, max_position_embeddings,
-      tie_word_embeddings, attention_bias, qk_norm, sliding_window,
-      layer_slides.empty()
-          ? "every layer"
-          : absl::StrCat(std::count(layer_slides.begin(), layer_slides.end(), true), " of ",
-                         layer_slides.size(), " layers"),
-      rope_theta, static_cast<int>(rope_scaling.type), rope_scaling.factor);
+             "%s: vocab=%d hidden=%d inter=%d layers=%d heads=%d kv_heads=%d head_dim=%d ctx=%d "
+             "tied=%d "
+             "bias=%d qk_norm=%d sliding_window=%d(%s) rope_theta=%g rope_scaling=%d(x%g)",
+             architecture, vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+             num_attention_heads, num_key_value_heads, head_dim, max_position_embeddings,
+             tie_word_embeddings, attention_bias, qk_norm, sliding_window,
+             layer_slides.empty()
+                 ? "every layer"
+                 : absl::StrCat(std::count(layer_slides.begin(), layer_slides.end(), true), " of ",
+                                layer_slides.size(), " layers"),
+             rope_theta, static_cast<int>(rope_scaling.type), rope_scaling.factor) +
+         (moe.num_experts == 0
+              ? ""
+              : absl::StrFormat(
+                    " experts=%d top_k=%d expert_inter=%d norm_topk=%d routed_layers=%d",
+                    moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.norm_topk_prob,
+                    std::count(moe.layer_routes.begin(), moe.layer_routes.end(), true)));
+}
+
+std::string MoeNames::Expert(int64_t e) const {
+  return absl::StrCat(block, ".experts.", e, ".");
 }
 
 }  // namespace tinkerd

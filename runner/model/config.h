@@ -23,9 +23,35 @@ struct RopeScaling {
   double attention_factor = 0.0;                 // yarn; 0: derived as 0.1·ln(factor) + 1
 };
 
+// Where a mixture-of-experts family keeps its router and experts, by Hugging Face name within a
+// layer: `<block>.<router>.weight` [E, D] and `<block>.experts.<e>.<gate|up|down>.weight`. A new
+// family with this router and SwiGLU experts is a new entry of these names, not a new decoder.
+struct MoeNames {
+  std::string block;           // "mlp" (Qwen3-MoE), "block_sparse_moe" (Mixtral)
+  std::string router;          // "gate"
+  std::string gate, up, down;  // "gate_proj", "up_proj", "down_proj"; Mixtral: "w1", "w3", "w2"
+
+  // "<block>.experts.<e>." and "<block>.<router>".
+  std::string Expert(int64_t e) const;
+  std::string Router() const { return block + "." + router; }
+};
+
+// The routed MLP (kernels/routed_experts.h): a softmax router picks top_k of num_experts SwiGLU
+// experts per token, their outputs weighted by the picked probabilities (renormalized to sum to 1
+// when norm_topk_prob). num_experts 0: a dense model.
+struct MoeConfig {
+  int64_t num_experts = 0;
+  int64_t top_k = 0;
+  int64_t expert_intermediate_size = 0;  // each expert's I
+  bool norm_topk_prob = false;
+  std::vector<bool> layer_routes;  // per layer: routed (true) or the dense MLP (Qwen3-MoE's
+                                   // mlp_only_layers / decoder_sparse_step)
+  MoeNames names;
+};
+
 struct ModelConfig {
   std::string architecture;  // "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", ...
-  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3"
+  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -48,6 +74,12 @@ struct ModelConfig {
   // The end-of-sequence tokens a sample stops at (config.json's eos_token_id; the runner prefers
   // generation_config.json's, as Hugging Face's generate does). Empty: none.
   std::vector<int64_t> eos_token_ids;
+  MoeConfig moe;
+
+  // Whether `layer`'s MLP is routed experts (else the dense gate/up/down of intermediate_size).
+  bool Routes(int64_t layer) const {
+    return moe.num_experts > 0 && moe.layer_routes[static_cast<size_t>(layer)];
+  }
 
   // The attention window of `layer`: sliding_window where it slides, else 0 (full).
   int64_t WindowOf(int64_t layer) const {

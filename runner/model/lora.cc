@@ -35,7 +35,16 @@ std::vector<LoraAdapter::Module> LoraAdapter::Modules(const ModelConfig& c,
       out.push_back({p + "self_attn.v_proj", D, kv_out});
       out.push_back({p + "self_attn.o_proj", q_out, D});
     }
-    if (lora.train_mlp) {
+    if (lora.train_mlp && c.Routes(l)) {
+      // Each expert's own pair, under the names PEFT gives per-expert linears.
+      const MoeNames& n = c.moe.names;
+      const int64_t Ie = c.moe.expert_intermediate_size;
+      for (int64_t e = 0; e < c.moe.num_experts; ++e) {
+        out.push_back({p + n.Expert(e) + n.gate, D, Ie});
+        out.push_back({p + n.Expert(e) + n.up, D, Ie});
+        out.push_back({p + n.Expert(e) + n.down, Ie, D});
+      }
+    } else if (lora.train_mlp) {
       out.push_back({p + "mlp.gate_proj", D, I});
       out.push_back({p + "mlp.up_proj", D, I});
       out.push_back({p + "mlp.down_proj", I, D});

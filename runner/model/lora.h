@@ -22,7 +22,8 @@ struct LoraPair {
 
 class LoraAdapter {
  public:
-  // Adapts q,k,v,o (train_attn), gate,up,down (train_mlp) and lm_head (train_unembed).
+  // Adapts q,k,v,o (train_attn), gate,up,down (train_mlp: each expert's, where a layer routes;
+  // never the router) and lm_head (train_unembed).
   static absl::StatusOr<LoraAdapter> Create(const ModelConfig& config, const LoraConfig& lora,
                                             uint64_t seed, at::ScalarType dtype, at::Device device);
   // INVALID_ARGUMENT naming the field when `lora` cannot make an adapter.

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -69,9 +71,24 @@ absl::StatusOr<TensorMap> GenerateWeights(const TinyModelSpec& spec, at::ScalarT
       add(p + "self_attn.q_norm.weight", {hd}, 1.0, 0.1);
       add(p + "self_attn.k_norm.weight", {hd}, 1.0, 0.1);
     }
-    add(p + "mlp.gate_proj.weight", {I, D}, 0, s);
-    add(p + "mlp.up_proj.weight", {I, D}, 0, s);
-    add(p + "mlp.down_proj.weight", {D, I}, 0, s);
+    if (checked.Routes(l)) {
+      const MoeConfig& m = checked.moe;
+      const int64_t Ie = m.expert_intermediate_size;
+      // Router logits of order 1 (normalized inputs): picks that are clear, not near-ties a
+      // rounding would flip, nor so peaked that only the first choice counts.
+      add(p + m.names.Router() + ".weight", {m.num_experts, D}, 0,
+          std::max(s, 1.0 / std::sqrt(static_cast<double>(D))));
+      for (int64_t e = 0; e < m.num_experts; ++e) {
+        const std::string q = p + m.names.Expert(e);
+        add(q + m.names.gate + ".weight", {Ie, D}, 0, s);
+        add(q + m.names.up + ".weight", {Ie, D}, 0, s);
+        add(q + m.names.down + ".weight", {D, Ie}, 0, s);
+      }
+    } else {
+      add(p + "mlp.gate_proj.weight", {I, D}, 0, s);
+      add(p + "mlp.up_proj.weight", {I, D}, 0, s);
+      add(p + "mlp.down_proj.weight", {D, I}, 0, s);
+    }
   }
   return w;
 }
@@ -105,9 +122,36 @@ ModelConfig TinyConfig(const std::string& family) {
     c.qk_norm = true;
     c.tie_word_embeddings = true;
     c.rope_theta = 1000000.0;
+  } else if (family == "qwen3_moe") {
+    // Eight experts, two per token, renormalized; layer 1 keeps the dense MLP (mlp_only_layers).
+    c.architecture = "Qwen3MoeForCausalLM";
+    c.model_type = "qwen3_moe";
+    c.qk_norm = true;
+    c.rope_theta = 1000000.0;
+    c.moe.num_experts = 8;
+    c.moe.top_k = 2;
+    c.moe.expert_intermediate_size = 16;
+    c.moe.norm_topk_prob = true;
+    c.moe.layer_routes = {true, false};
+  } else if (family == "mixtral") {
+    // Four experts, two per token, in every layer.
+    c.architecture = "MixtralForCausalLM";
+    c.model_type = "mixtral";
+    c.intermediate_size = 48;
+    c.moe.num_experts = 4;
+    c.moe.top_k = 2;
+    c.moe.expert_intermediate_size = c.intermediate_size;
+    c.moe.norm_topk_prob = true;
+    c.moe.layer_routes = {true, true};
   } else {
     c.architecture = "LlamaForCausalLM";
     c.model_type = "llama";
+  }
+  if (c.moe.num_experts > 0) {
+    // The parser fills in what the family implies (the tensors' names).
+    absl::StatusOr<ModelConfig> parsed = ParseModelConfig(ModelConfigToJson(c));
+    TORCH_CHECK(parsed.ok(), parsed.status().ToString());
+    return *parsed;
   }
   return c;
 }

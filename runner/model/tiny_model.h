@@ -6,6 +6,10 @@
 //   model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  q:[H·hd, D] k,v:[Hkv·hd, D] o:[D, H·hd]
 //   model.layers.{i}.self_attn.{q,k,v}_proj.bias (attention_bias), .{q,k}_norm.weight [hd] (Qwen3)
 //   model.layers.{i}.mlp.{gate,up}_proj.weight [I, D], .down_proj.weight [D, I]
+//   routed layers instead: model.layers.{i}.mlp.gate.weight [E, D] and
+//   model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight (Qwen3-MoE), or
+//   model.layers.{i}.block_sparse_moe.gate.weight and .block_sparse_moe.experts.{e}.w{1,3,2}.weight
+//   (Mixtral)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -28,8 +32,9 @@ struct TinyModelSpec {
   double init_std = 0.02;                // normal(0, init_std) for matrices; norms ~ 1 ± 0.1
 };
 
-// A ready-made config of the given family: "llama", "mistral", "qwen2", "qwen3".
-// Small sizes (vocab 128, hidden 32, 2 layers, 4 heads / 2 kv heads, head_dim 8).
+// A ready-made config of the given family: "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"
+// (8 experts, top 2, layer 1 dense) or "mixtral" (4 experts, top 2). Small sizes (vocab 128,
+// hidden 32, 2 layers, 4 heads / 2 kv heads, head_dim 8).
 ModelConfig TinyConfig(const std::string& family);
 
 // The embedded default model of the server and demo: a Llama-style model of 3.2M parameters.

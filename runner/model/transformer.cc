@@ -9,7 +9,9 @@
 #include "kernels/linear.h"
 #include "kernels/recompute.h"
 #include "kernels/rms_norm.h"
+#include "kernels/routed_experts.h"
 #include "runner/model/rope.h"
+#include "runner/util/status_macros.h"
 
 namespace tinkerd {
 namespace {
@@ -41,6 +43,45 @@ kernels::LinearParams Proj(const at::Tensor& x, const at::Tensor& w, const at::T
 
 at::Tensor Norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return kernels::RmsNorm({x, w, eps});
+}
+
+// SwiGLU: down(silu(gate(x)) ⊙ up(x)), each projection adapted under its module name.
+at::Tensor Mlp(const at::Tensor& x_ND, const at::Tensor& gate, const at::Tensor& up,
+               const at::Tensor& down, const Adapters& lora, const std::string& module,
+               const std::array<std::string, 3>& names) {
+  using kernels::Linear;
+  const at::Tensor none;
+  const at::Tensor gate_NI = Linear(Proj(x_ND, gate, none, lora, module + names[0]));
+  const at::Tensor up_NI = Linear(Proj(x_ND, up, none, lora, module + names[1]));
+  return Linear(Proj(kernels::SwiGLU(gate_NI, up_NI), down, none, lora, module + names[2]));
+}
+
+// The routed MLP (kernels/routed_experts.h). Rows in runs (Adapters::runs) route run by run, each
+// with its adapter as `all`: a run's tokens meet only their own model's expert adapters, in
+// products over that run's rows alone, so a call computes what it would alone.
+at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& lora,
+                     const std::string& p, const at::Tensor& x_TD) {
+  if (!lora.runs.empty()) {
+    std::vector<int64_t> rows;
+    for (const auto& [adapter, n] : lora.runs) rows.push_back(n);
+    std::vector<at::Tensor> out = x_TD.split_with_sizes(rows);
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (rows[i] > 0) out[i] = RoutedMlp(m, L, Adapters(lora.runs[i].first), p, out[i]);
+    }
+    return at::cat(out);
+  }
+  const at::Tensor none;
+  kernels::RouteParams route;
+  route.logits_TE = kernels::Linear(Proj(x_TD, L.router_ED, none, Adapters(), ""));
+  route.top_k = m.top_k;
+  route.normalize = m.norm_topk_prob;
+  const kernels::Routing routing = kernels::Route(route);
+  const std::array<std::string, 3> names{m.names.gate, m.names.up, m.names.down};
+  return kernels::RoutedExperts({x_TD, &routing, [&](int64_t e, const at::Tensor& x_ND) {
+                                   const ExpertWeights& W = L.experts[static_cast<size_t>(e)];
+                                   return Mlp(x_ND, W.gate_ID, W.up_ID, W.down_DI, lora,
+                                              p + m.names.Expert(e), names);
+                                 }});
 }
 
 // One decoder layer on the residual stream h_TD: h + attn(norm(h)), then + mlp(norm(·)).
@@ -90,25 +131,31 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   at::Tensor out_TD = h_TD + Linear(Proj(attn_TD, L.o_proj, none, lora, p + "self_attn.o_proj"));
 
   x_TD = Norm(out_TD, L.post_norm_D, eps);
-  const at::Tensor gate_TI = Linear(Proj(x_TD, L.gate_proj, none, lora, p + "mlp.gate_proj"));
-  const at::Tensor up_TI = Linear(Proj(x_TD, L.up_proj, none, lora, p + "mlp.up_proj"));
-  return out_TD + Linear(Proj(kernels::SwiGLU(gate_TI, up_TI), L.down_proj, none, lora,
-                              p + "mlp.down_proj"));
+  return out_TD + (c.Routes(layer) ? RoutedMlp(c.moe, L, lora, p, x_TD)
+                                   : Mlp(x_TD, L.gate_proj, L.up_proj, L.down_proj, lora,
+                                         p + "mlp.", {"gate_proj", "up_proj", "down_proj"}));
 }
 
 // The trainable tensors a layer reads: its LoRA pairs, or its own weights under full fine-tuning.
-std::vector<at::Tensor> LayerParams(const LayerWeights& L, const Adapters& lora,
-                                    const std::string& p) {
+std::vector<at::Tensor> LayerParams(const MoeNames& moe, const LayerWeights& L,
+                                    const Adapters& lora, const std::string& p) {
   std::vector<at::Tensor> out;
   for (const at::Tensor* t : L.All()) {
     if (t->defined() && t->requires_grad()) out.push_back(*t);
   }
   std::vector<const LoraAdapter*> adapters{lora.all};
   for (const auto& [adapter, rows] : lora.runs) adapters.push_back(adapter);
+  std::vector<std::string> modules{"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                   "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                   "mlp.down_proj"};
+  for (size_t e = 0; e < L.experts.size(); ++e) {
+    for (const std::string* name : {&moe.gate, &moe.up, &moe.down}) {
+      modules.push_back(moe.Expert(static_cast<int64_t>(e)) + *name);
+    }
+  }
   for (const LoraAdapter* adapter : adapters) {
     if (adapter == nullptr) continue;
-    for (const char* m : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
+    for (const std::string& m : modules) {
       if (const LoraPair* pair = adapter->Find(p + m)) {
         out.push_back(pair->A_rI);
         out.push_back(pair->B_Or);
@@ -131,17 +178,11 @@ at::Tensor GatheredLayer(const LayerSource& source, int64_t layer,
     return out;
   };
   weights.scatter = [&source, layer](const std::vector<at::Tensor>& grads) {
-    LayerWeights g;
-    const auto fields = g.All();
-    for (size_t f = 0; f < fields.size(); ++f) *fields[f] = grads[f];
-    source.scatter(layer, g);
+    source.scatter(layer, LayerWeights::FromAll(grads));
   };
   return kernels::RecomputeGathered(
       [fn = std::move(fn)](const at::Tensor& h, const std::vector<at::Tensor>& tensors) {
-        LayerWeights L;
-        const auto fields = L.All();
-        for (size_t f = 0; f < fields.size(); ++f) *fields[f] = tensors[f];
-        return fn(L, h);
+        return fn(LayerWeights::FromAll(tensors), h);
       },
       std::move(weights), h_TD);
 }
@@ -157,7 +198,70 @@ absl::Status Expect(const TensorMap& m, const std::string& name, std::vector<int
   return absl::OkStatus();
 }
 
+constexpr std::array<const char*, 15> kFixedNames = {"input_layernorm.weight",
+                                                     "post_attention_layernorm.weight",
+                                                     "self_attn.q_proj.weight",
+                                                     "self_attn.k_proj.weight",
+                                                     "self_attn.v_proj.weight",
+                                                     "self_attn.o_proj.weight",
+                                                     "self_attn.q_proj.bias",
+                                                     "self_attn.k_proj.bias",
+                                                     "self_attn.v_proj.bias",
+                                                     "self_attn.q_norm.weight",
+                                                     "self_attn.k_norm.weight",
+                                                     "mlp.gate_proj.weight",
+                                                     "mlp.up_proj.weight",
+                                                     "mlp.down_proj.weight",
+                                                     nullptr /* the router: named by the family */};
+
+// LayerWeights::All for either constness.
+template <typename Layer, typename Ptr>
+std::vector<Ptr> AllOf(Layer& L) {
+  std::vector<Ptr> out{&L.input_norm_D, &L.post_norm_D, &L.q_proj,  &L.k_proj,    &L.v_proj,
+                       &L.o_proj,       &L.q_bias,      &L.k_bias,  &L.v_bias,    &L.q_norm_d,
+                       &L.k_norm_d,     &L.gate_proj,   &L.up_proj, &L.down_proj, &L.router_ED};
+  for (auto& e : L.experts) {
+    out.push_back(&e.gate_ID);
+    out.push_back(&e.up_ID);
+    out.push_back(&e.down_DI);
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<const at::Tensor*> LayerWeights::All() const {
+  return AllOf<const LayerWeights, const at::Tensor*>(*this);
+}
+std::vector<at::Tensor*> LayerWeights::All() {
+  return AllOf<LayerWeights, at::Tensor*>(*this);
+}
+
+std::vector<std::string> LayerWeights::Names(const MoeNames& moe) const {
+  std::vector<std::string> out(kFixedNames.begin(), kFixedNames.end() - 1);
+  out.push_back(moe.Router() + ".weight");
+  for (size_t e = 0; e < experts.size(); ++e) {
+    for (const std::string* name : {&moe.gate, &moe.up, &moe.down}) {
+      out.push_back(moe.Expert(static_cast<int64_t>(e)) + *name + ".weight");
+    }
+  }
+  return out;
+}
+
+LayerWeights LayerWeights::Shaped(size_t experts) {
+  LayerWeights L;
+  L.experts.resize(experts);
+  return L;
+}
+
+LayerWeights LayerWeights::FromAll(std::vector<at::Tensor> fields) {
+  TORCH_CHECK(fields.size() >= kFixedNames.size() && (fields.size() - kFixedNames.size()) % 3 == 0,
+              "LayerWeights::FromAll: ", fields.size(), " fields");
+  LayerWeights L = Shaped((fields.size() - kFixedNames.size()) / 3);
+  const auto all = L.All();
+  for (size_t f = 0; f < all.size(); ++f) *all[f] = std::move(fields[f]);
+  return L;
+}
 
 absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& c, TensorMap m) {
   const int64_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
@@ -189,11 +293,25 @@ absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& c, TensorM
              {"self_attn.q_proj.weight", {qo, D}, &L.q_proj},
              {"self_attn.k_proj.weight", {kvo, D}, &L.k_proj},
              {"self_attn.v_proj.weight", {kvo, D}, &L.v_proj},
-             {"self_attn.o_proj.weight", {D, qo}, &L.o_proj},
-             {"mlp.gate_proj.weight", {I, D}, &L.gate_proj},
-             {"mlp.up_proj.weight", {I, D}, &L.up_proj},
-             {"mlp.down_proj.weight", {D, I}, &L.down_proj}}) {
+             {"self_attn.o_proj.weight", {D, qo}, &L.o_proj}}) {
       if (auto st = take(p + name, shape, out); !st.ok()) return st;
+    }
+    if (c.Routes(l)) {
+      const MoeConfig& moe = c.moe;
+      const int64_t Ie = moe.expert_intermediate_size;
+      RETURN_IF_ERROR(take(p + moe.names.Router() + ".weight", {moe.num_experts, D}, &L.router_ED));
+      L.experts.resize(static_cast<size_t>(moe.num_experts));
+      for (int64_t e = 0; e < moe.num_experts; ++e) {
+        const std::string q = p + moe.names.Expert(e);
+        ExpertWeights& W = L.experts[static_cast<size_t>(e)];
+        RETURN_IF_ERROR(take(q + moe.names.gate + ".weight", {Ie, D}, &W.gate_ID));
+        RETURN_IF_ERROR(take(q + moe.names.up + ".weight", {Ie, D}, &W.up_ID));
+        RETURN_IF_ERROR(take(q + moe.names.down + ".weight", {D, Ie}, &W.down_DI));
+      }
+    } else {
+      RETURN_IF_ERROR(take(p + "mlp.gate_proj.weight", {I, D}, &L.gate_proj));
+      RETURN_IF_ERROR(take(p + "mlp.up_proj.weight", {I, D}, &L.up_proj));
+      RETURN_IF_ERROR(take(p + "mlp.down_proj.weight", {D, I}, &L.down_proj));
     }
     if (c.attention_bias) {
       if (auto st = take(p + "self_attn.q_proj.bias", {qo}, &L.q_bias); !st.ok()) return st;
@@ -217,16 +335,17 @@ absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& c, TensorM
   return w;
 }
 
-std::map<std::string, at::Tensor> BaseWeights::Named(bool tied) const {
+std::map<std::string, at::Tensor> BaseWeights::Named(const ModelConfig& config) const {
   std::map<std::string, at::Tensor> m;
   m["model.embed_tokens.weight"] = embed_VD;
   m["model.norm.weight"] = final_norm_D;
-  if (!tied) m["lm_head.weight"] = lm_head_VD;
+  if (!config.tie_word_embeddings) m["lm_head.weight"] = lm_head_VD;
   for (size_t l = 0; l < layers.size(); ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const auto fields = layers[l].All();
+    const std::vector<std::string> names = layers[l].Names(config.moe.names);
     for (size_t f = 0; f < fields.size(); ++f) {
-      if (fields[f]->defined()) m[p + LayerWeights::kNames[f]] = *fields[f];
+      if (fields[f]->defined()) m[p + names[f]] = *fields[f];
     }
   }
   return m;
@@ -239,6 +358,7 @@ bool BaseWeights::Shares(const BaseWeights& other) const {
   }
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto mine = layers[l].All(), theirs = other.layers[l].All();
+    if (mine.size() != theirs.size()) return false;
     for (size_t i = 0; i < mine.size(); ++i) {
       if (!mine[i]->is_same(*theirs[i])) return false;
     }
@@ -279,7 +399,7 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
       return DecoderLayer(c, L, lora, p, rope, cu, kv, index, h);
     };
     h_TD = options.recompute_layers && options.kv == nullptr
-               ? kernels::Recompute(layer, h_TD, LayerParams(L, lora, p))
+               ? kernels::Recompute(layer, h_TD, LayerParams(c.moe.names, L, lora, p))
                : layer(h_TD);
   }
   return Norm(h_TD, w.final_norm_D, c.rms_norm_eps);

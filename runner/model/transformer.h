@@ -26,30 +26,28 @@
 
 namespace tinkerd {
 
+// One expert of a routed MLP (SwiGLU, like the dense MLP), [out, in].
+struct ExpertWeights {
+  at::Tensor gate_ID, up_ID, down_DI;
+};
+
 struct LayerWeights {
   at::Tensor input_norm_D, post_norm_D;
   at::Tensor q_proj, k_proj, v_proj, o_proj;  // [out, in]
   at::Tensor q_bias, k_bias, v_bias;          // undefined unless attention_bias
   at::Tensor q_norm_d, k_norm_d;              // undefined unless qk_norm
-  at::Tensor gate_proj, up_proj, down_proj;
+  at::Tensor gate_proj, up_proj, down_proj;   // undefined where the layer routes
+  at::Tensor router_ED;                       // defined where the layer routes
+  std::vector<ExpertWeights> experts;         // as many as the config's experts where it routes
 
-  // Every field above, defined or not, and (kNames) each one's Hugging Face name in the layer.
-  std::array<const at::Tensor*, 14> All() const {
-    return {&input_norm_D, &post_norm_D, &q_proj,   &k_proj,   &v_proj,    &o_proj,  &q_bias,
-            &k_bias,       &v_bias,      &q_norm_d, &k_norm_d, &gate_proj, &up_proj, &down_proj};
-  }
-  std::array<at::Tensor*, 14> All() {
-    return {&input_norm_D, &post_norm_D, &q_proj,   &k_proj,   &v_proj,    &o_proj,  &q_bias,
-            &k_bias,       &v_bias,      &q_norm_d, &k_norm_d, &gate_proj, &up_proj, &down_proj};
-  }
-  static constexpr std::array<const char*, 14> kNames = {
-      "input_layernorm.weight",  "post_attention_layernorm.weight",
-      "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-      "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-      "self_attn.q_proj.bias",   "self_attn.k_proj.bias",
-      "self_attn.v_proj.bias",   "self_attn.q_norm.weight",
-      "self_attn.k_norm.weight", "mlp.gate_proj.weight",
-      "mlp.up_proj.weight",      "mlp.down_proj.weight"};
+  // Every field above, defined or not, expert by expert at the end; Names gives each one's
+  // Hugging Face name in the layer, and FromAll reverses All.
+  std::vector<const at::Tensor*> All() const;
+  std::vector<at::Tensor*> All();
+  std::vector<std::string> Names(const MoeNames& names) const;
+  static LayerWeights FromAll(std::vector<at::Tensor> fields);
+  // A layer of `experts` experts, every field undefined.
+  static LayerWeights Shaped(size_t experts);
 };
 
 struct BaseWeights {
@@ -59,7 +57,7 @@ struct BaseWeights {
   std::vector<LayerWeights> layers;
 
   // Every tensor by its Hugging Face name (lm_head.weight omitted when tied).
-  std::map<std::string, at::Tensor> Named(bool tied) const;
+  std::map<std::string, at::Tensor> Named(const ModelConfig& config) const;
   // Whether every tensor is `other`'s very tensor (shared storage, not equal values), as the
   // policies of LoRA models on one base share it.
   bool Shares(const BaseWeights& other) const;

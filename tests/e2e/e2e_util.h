@@ -37,11 +37,12 @@ struct LiveServer {
 
   // `tokenizer`: the model directory gets tests/test_util.h's tokenizer.json (for stop strings).
   // `memory_budget_bytes`: the runner's memory account (0: the default).
+  // `family`: the TinyConfig family of the served model.
   explicit LiveServer(ServerConfig sc = {}, int64_t micro_batch_tokens = 4096,
                       ComputeDType dt = ComputeDType::kFloat64, bool tokenizer = false,
-                      int64_t memory_budget_bytes = 0) {
-    model_dir = WriteModel(dir, TinyConfig("llama"));
-    if (tokenizer) WriteTokenizerJson(model_dir, TinyConfig("llama").vocab_size);
+                      int64_t memory_budget_bytes = 0, const std::string& family = "llama") {
+    model_dir = WriteModel(dir, TinyConfig(family));
+    if (tokenizer) WriteTokenizerJson(model_dir, TinyConfig(family).vocab_size);
     sc.listen_address = "127.0.0.1:0";
     sc.checkpoint_root = dir.Sub("checkpoints");
     auto runner =

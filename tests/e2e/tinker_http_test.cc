@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <set>
@@ -54,7 +55,8 @@ class TinkerHttp : public ::testing::Test {
     sc.tinker_http.archive = archive_;
     sc.tinker_http.peek_bytes = peek_bytes_;
     sc.sampling.max_samplers_per_tenant = max_samplers_;
-    live_ = std::make_unique<LiveServer>(sc, 4096, ComputeDType::kFloat64, false, memory_budget_);
+    live_ = std::make_unique<LiveServer>(sc, 4096, ComputeDType::kFloat64, false, memory_budget_,
+                                         family_);
     port_ = live_->server->tinker_http_port();
     ASSERT_GT(port_, 0);
   }
@@ -168,6 +170,9 @@ class TinkerHttp : public ::testing::Test {
         "create_sampling_session",
         {{"session_id", session}, {"sampling_session_seq_id", seq}, {"base_model", "tiny-llama"}});
   }
+  // Two steps of one batch through HTTP, gRPC and a runner in process: the same bits.
+  void ExpectTheSameStepsEverywhere();
+
   std::string Metrics() {
     httplib::Client cli("127.0.0.1", live_->server->metrics_port());
     auto r = cli.Get("/metrics");
@@ -180,7 +185,8 @@ class TinkerHttp : public ::testing::Test {
   int max_samplers_ = 32;
   http::ArchiveConfig archive_;
   int64_t peek_bytes_ = 1 << 20;
-  int64_t memory_budget_ = 0;  // the runner's (0: the default)
+  int64_t memory_budget_ = 0;     // the runner's (0: the default)
+  std::string family_ = "llama";  // of the served model (still named tiny-llama)
   TempDir keys_dir_;
   std::unique_ptr<LiveServer> live_;
   int port_ = 0;
@@ -377,6 +383,74 @@ TEST_F(TinkerHttp, BadRequestsGetAStatusAndABodyNamingTheReasonAndChangeNothing)
 }
 
 TEST_F(TinkerHttp, TheSameStepsThroughHttpAndGrpcGiveBitwiseIdenticalResultsAndWeights) {
+  ExpectTheSameStepsEverywhere();
+}
+
+// A mixture of experts (Mixtral's layout: four experts, two per token, each with its own LoRA
+// pairs) trains through both front ends as in process, and samples through the HTTP API with the
+// trained adapter, each sampled token's logprob the trainer's.
+TEST_F(TinkerHttp, AMixtureOfExpertsTrainsAndSamplesThroughBothFrontEnds) {
+  family_ = "mixtral";
+  ExpectTheSameStepsEverywhere();
+  if (HasFatalFailure()) return;
+  const std::string session = Session();
+  const std::string model = CreateModel(/*seed=*/11, session);
+  Reply trained = SubmitBatch(TinkerBatch(model, 1, Batch(300)));
+  ASSERT_EQ(trained.status, 200) << trained.body;
+  ASSERT_EQ(Await(trained.json()["request_id"]).status, 200);
+  Reply stepped =
+      Call("optim_step",
+           {{"model_id", model}, {"seq_id", 2}, {"adam_params", {{"learning_rate", 5e-2}}}});
+  ASSERT_EQ(stepped.status, 200) << stepped.body;
+  Reply saved =
+      Call("save_weights_for_sampler", {{"model_id", model}, {"path", "moe"}, {"seq_id", 3}});
+  ASSERT_EQ(saved.status, 200) << saved.body;
+  Reply sampler = Post("create_sampling_session", {{"session_id", session},
+                                                   {"sampling_session_seq_id", 0},
+                                                   {"model_path", saved.json().value("path", "")}});
+  ASSERT_EQ(sampler.status, 200) << sampler.body;
+  const std::vector<int64_t> prompt = {5, 17, 42};
+  Reply r =
+      Post("asample", {{"sampling_session_id", sampler.json().value("sampling_session_id", "")},
+                       {"seq_id", 1},
+                       {"num_samples", 2},
+                       {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", prompt}}}}}},
+                       {"sampling_params", {{"max_tokens", 5}, {"seed", 3}}}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  Reply done = Await(r.json().value("request_id", ""));
+  ASSERT_EQ(done.status, 200) << done.body;
+  ASSERT_EQ(done.content_type, "application/x-protobuf") << done.body;
+  tinker_public::SampleResponse response;
+  ASSERT_TRUE(response.ParseFromString(done.body));
+  ASSERT_EQ(response.sequences_size(), 2);
+  ModelRunner& runner = *live_->server->runner();
+  for (const tinker_public::SampledSequence& s : response.sequences()) {
+    std::vector<int32_t> sampled(s.tokens().size() / sizeof(int32_t));
+    std::memcpy(sampled.data(), s.tokens().data(), s.tokens().size());
+    std::vector<float> logprobs(s.logprobs().size() / sizeof(float));
+    std::memcpy(logprobs.data(), s.logprobs().data(), s.logprobs().size());
+    const std::vector<int64_t> tokens(sampled.begin(), sampled.end());
+    ASSERT_EQ(tokens.size(), 5u);
+    ASSERT_EQ(logprobs.size(), tokens.size());
+    Datum d;
+    d.tokens = prompt;
+    d.tokens.insert(d.tokens.end(), tokens.begin(), tokens.end() - 1);
+    std::vector<int64_t> targets(prompt.begin() + 1, prompt.end());
+    targets.insert(targets.end(), tokens.begin(), tokens.end());
+    d.loss_fn_inputs["target_tokens"] = TensorData::Int64(targets);
+    d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(targets.size(), 1.f));
+    auto forward = runner.Forward(model, {d}, "cross_entropy", {});
+    ASSERT_TRUE(forward.ok()) << forward.status().message();
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      // In float64 the sampler and Forward agree to the float32 the logprobs are sent in.
+      EXPECT_NEAR(logprobs[t], forward->outputs[0].logprobs[prompt.size() - 1 + t],
+                  1e-6 * std::max(1.0, std::abs(static_cast<double>(logprobs[t]))))
+          << "token " << t;
+    }
+  }
+}
+
+void TinkerHttp::ExpectTheSameStepsEverywhere() {
   Start(absl::Seconds(30), /*keys=*/false);
   const std::string via_http = CreateModel(/*seed=*/11);
   // The gRPC twin with what create_model asks for: rank 4, default alpha, all modules, sums.

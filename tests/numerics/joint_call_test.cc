@@ -91,6 +91,7 @@ struct JointCase {
   ComputeDType dtype;
   bool checkpointing;
   int64_t micro_batch_tokens;
+  std::string family = "qwen3";  // a mixture of experts routes each model's rows apart
 };
 
 class AloneVsTogether : public ::testing::TestWithParam<JointCase> {};
@@ -98,7 +99,7 @@ class AloneVsTogether : public ::testing::TestWithParam<JointCase> {};
 TEST_P(AloneVsTogether, EachModelGetsWhatItGetsAlone) {
   const JointCase c = GetParam();
   TempDir dir;
-  const std::string model = WriteModel(dir, TinyConfig("qwen3"));
+  const std::string model = WriteModel(dir, TinyConfig(c.family));
   RunnerConfig rc;
   rc.base_model_path = model;
   rc.compute_dtype = c.dtype;
@@ -174,14 +175,19 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, AloneVsTogether,
                                            JointCase{ComputeDType::kFloat64, true, 40},
                                            JointCase{ComputeDType::kFloat32, false, 24},
                                            JointCase{ComputeDType::kFloat32, true, 64},
-                                           JointCase{ComputeDType::kBFloat16, false, 32}),
+                                           JointCase{ComputeDType::kBFloat16, false, 32},
+                                           JointCase{ComputeDType::kFloat64, false, 40, "mixtral"},
+                                           JointCase{ComputeDType::kFloat32, true, 40, "qwen3_moe"},
+                                           JointCase{ComputeDType::kBFloat16, false, 32,
+                                                     "mixtral"}),
                          [](const auto& info) {
                            const JointCase& c = info.param;
                            return absl::StrCat(c.dtype == ComputeDType::kFloat64   ? "f64"
                                                : c.dtype == ComputeDType::kFloat32 ? "f32"
                                                                                    : "bf16",
                                                c.checkpointing ? "_checkpointed" : "", "_mb",
-                                               c.micro_batch_tokens);
+                                               c.micro_batch_tokens,
+                                               c.family == "qwen3" ? "" : "_" + c.family);
                          });
 
 // A call that fails alone fails in the joint call too, and the others are untouched by it.

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +82,11 @@ struct RefConfig {
   int64_t sliding_window = 0;      // 0: full causal attention
   std::vector<bool> layer_slides;  // which layers use the window; one entry per layer
   RefRope rope;
+  // Mixtures of experts (Qwen3-MoE, Mixtral); experts = 0 for the dense families.
+  int64_t experts = 0, top_k = 0, expert_intermediate = 0;
+  bool renormalize = false;        // the k picked probabilities divided by their sum
+  std::vector<bool> layer_routes;  // one entry per layer
+  std::string moe_block, expert_gate, expert_up, expert_down;  // Hugging Face names
 };
 
 // A present-but-null field reads as absent, as Hugging Face's config classes treat it.
@@ -103,7 +109,9 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
     const bool mistral = c.architecture == "MistralForCausalLM";
     const bool qwen2 = c.architecture == "Qwen2ForCausalLM";
     const bool qwen3 = c.architecture == "Qwen3ForCausalLM";
-    if (!(llama || mistral || qwen2 || qwen3)) {
+    const bool qwen3_moe = c.architecture == "Qwen3MoeForCausalLM";
+    const bool mixtral = c.architecture == "MixtralForCausalLM";
+    if (!(llama || mistral || qwen2 || qwen3 || qwen3_moe || mixtral)) {
       return absl::InvalidArgumentError(
           absl::StrCat("reference: architecture ", c.architecture, " is not modelled"));
     }
@@ -129,12 +137,12 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
     c.tie_word_embeddings = Field<bool>(j, "tie_word_embeddings", false);
     // Qwen2's q/k/v projections carry a bias unconditionally; the others follow attention_bias.
     c.qkv_bias = qwen2 ? true : Field<bool>(j, "attention_bias", false);
-    c.qk_norm = qwen3;
-    // Mistral windows every layer. Qwen2/3 window the layers from max_window_layers (default
-    // 28) on, when use_sliding_window; an explicit layer_types list says which, per layer.
-    c.layer_slides.assign(static_cast<size_t>(c.layers), mistral);
-    if (mistral) c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
-    if ((qwen2 || qwen3) && Field<bool>(j, "use_sliding_window", false)) {
+    c.qk_norm = qwen3 || qwen3_moe;
+    // Mistral and Mixtral window every layer. Qwen2/3 window the layers from max_window_layers
+    // (default 28) on, when use_sliding_window; an explicit layer_types list says which.
+    c.layer_slides.assign(static_cast<size_t>(c.layers), mistral || mixtral);
+    if (mistral || mixtral) c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
+    if ((qwen2 || qwen3 || qwen3_moe) && Field<bool>(j, "use_sliding_window", false)) {
       c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
       const int64_t first = Field<int64_t>(j, "max_window_layers", 28);
       for (int64_t l = first; l < c.layers; ++l) c.layer_slides[static_cast<size_t>(l)] = true;
@@ -144,6 +152,38 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
         c.layer_slides[static_cast<size_t>(l)] =
             j["layer_types"].at(static_cast<size_t>(l)).get<std::string>() == "sliding_attention";
       }
+    }
+    // Mixtral routes every layer, always renormalizing; Qwen3-MoE routes layer l unless it is in
+    // mlp_only_layers or (l + 1) is not a multiple of decoder_sparse_step.
+    c.layer_routes.assign(static_cast<size_t>(c.layers), false);
+    if (mixtral) {
+      c.experts = Field<int64_t>(j, "num_local_experts", 8);
+      c.top_k = Field<int64_t>(j, "num_experts_per_tok", 2);
+      c.expert_intermediate = c.intermediate;
+      c.renormalize = true;
+      c.layer_routes.assign(static_cast<size_t>(c.layers), true);
+      c.moe_block = "block_sparse_moe";
+      c.expert_gate = "w1";
+      c.expert_up = "w3";
+      c.expert_down = "w2";
+    }
+    if (qwen3_moe) {
+      c.experts = Field<int64_t>(j, "num_experts", 128);
+      c.top_k = Field<int64_t>(j, "num_experts_per_tok", 8);
+      c.expert_intermediate = Field<int64_t>(j, "moe_intermediate_size", 768);
+      c.renormalize = Field<bool>(j, "norm_topk_prob", false);
+      const int64_t step = Field<int64_t>(j, "decoder_sparse_step", 1);
+      const std::vector<int64_t> dense =
+          Field<std::vector<int64_t>>(j, "mlp_only_layers", std::vector<int64_t>{});
+      for (int64_t l = 0; l < c.layers; ++l) {
+        c.layer_routes[static_cast<size_t>(l)] =
+            c.experts > 0 && (l + 1) % step == 0 &&
+            std::find(dense.begin(), dense.end(), l) == dense.end();
+      }
+      c.moe_block = "mlp";
+      c.expert_gate = "gate_proj";
+      c.expert_up = "up_proj";
+      c.expert_down = "down_proj";
     }
     if (c.kv_heads <= 0 || c.heads % c.kv_heads != 0 || c.head_dim <= 0 || c.head_dim % 2 != 0) {
       return absl::InvalidArgumentError("reference: inconsistent head counts or odd head_dim");
@@ -354,7 +394,9 @@ struct RefLayer {
   RefMatrix q, k, v, o;        // q: [H·E, D]  k, v: [G·E, D]  o: [D, H·E]
   Vec q_bias, k_bias, v_bias;  // empty without attention bias
   Vec q_norm_E, k_norm_E;      // empty without qk-norm
-  RefMatrix gate, up, down;    // gate, up: [I, D]  down: [D, I]
+  RefMatrix gate, up, down;    // gate, up: [I, D]  down: [D, I]; empty where the layer routes
+  RefMatrix router;            // [experts, D] where the layer routes
+  std::vector<std::array<RefMatrix, 3>> experts;  // each one's gate, up [I', D] and down [D, I']
 };
 
 struct RefModel {
@@ -435,9 +477,21 @@ absl::StatusOr<RefModel> BuildModel(Checkpoint ck) {
       layer.q_norm_E = take.Vector(p + "self_attn.q_norm.weight", E);
       layer.k_norm_E = take.Vector(p + "self_attn.k_norm.weight", E);
     }
-    layer.gate = take.Matrix(p + "mlp.gate_proj.weight", I, D);
-    layer.up = take.Matrix(p + "mlp.up_proj.weight", I, D);
-    layer.down = take.Matrix(p + "mlp.down_proj.weight", D, I);
+    if (c.layer_routes[static_cast<size_t>(l)]) {
+      const std::string b = p + c.moe_block + ".";
+      const int64_t Ie = c.expert_intermediate;
+      layer.router = take.Matrix(b + "gate.weight", c.experts, D);
+      for (int64_t e = 0; e < c.experts; ++e) {
+        const std::string x = absl::StrCat(b, "experts.", e, ".");
+        layer.experts.push_back({take.Matrix(x + c.expert_gate + ".weight", Ie, D),
+                                 take.Matrix(x + c.expert_up + ".weight", Ie, D),
+                                 take.Matrix(x + c.expert_down + ".weight", D, Ie)});
+      }
+    } else {
+      layer.gate = take.Matrix(p + "mlp.gate_proj.weight", I, D);
+      layer.up = take.Matrix(p + "mlp.up_proj.weight", I, D);
+      layer.down = take.Matrix(p + "mlp.down_proj.weight", D, I);
+    }
     m.layers.push_back(std::move(layer));
   }
   m.final_norm_D = take.Vector("model.norm.weight", D);
@@ -457,7 +511,9 @@ struct Variant {
   bool drop_rope_scaling = false;  // plain RoPE whatever rope_scaling says
   bool wrong_gqa_mapping = false;  // query head h reads kv head h mod G instead of h / (H/G)
   bool ignore_sliding_window = false;
-  bool window_every_layer = false;  // Qwen's max_window_layers / layer_types ignored
+  bool window_every_layer = false;    // Qwen's max_window_layers / layer_types ignored
+  bool skip_renormalization = false;  // the picked probabilities used as they are
+  bool first_choice_only = false;     // one expert per token, whatever num_experts_per_tok says
 };
 
 struct Rotary {
@@ -636,14 +692,47 @@ Vec ReferenceLogprobs(const RefModel& m, const std::vector<int64_t>& tokens,
       for (int64_t d = 0; d < D; ++d) h_TD[t][d] += o_D[d];
     }
 
-    for (int64_t t = 0; t < T; ++t) {
-      const Vec x_D = RmsNorm(h_TD[t], layer.post_norm_D, c.rms_norm_eps);
-      const Vec gate_I = Linear(layer.gate, x_D);
-      const Vec up_I = Linear(layer.up, x_D);
+    auto swiglu = [](const RefMatrix& gate, const RefMatrix& up, const RefMatrix& down,
+                     const Vec& x_D) {
+      const Vec gate_I = Linear(gate, x_D);
+      const Vec up_I = Linear(up, x_D);
       Vec act_I(gate_I.size());
       for (size_t i = 0; i < act_I.size(); ++i) act_I[i] = Silu(gate_I[i]) * up_I[i];
-      const Vec down_D = Linear(layer.down, act_I);
-      for (int64_t d = 0; d < D; ++d) h_TD[t][d] += down_D[d];
+      return Linear(down, act_I);
+    };
+    for (int64_t t = 0; t < T; ++t) {
+      const Vec x_D = RmsNorm(h_TD[t], layer.post_norm_D, c.rms_norm_eps);
+      if (layer.experts.empty()) {
+        const Vec down_D = swiglu(layer.gate, layer.up, layer.down, x_D);
+        for (int64_t d = 0; d < D; ++d) h_TD[t][d] += down_D[d];
+        continue;
+      }
+      // The router's softmax, then the top_k experts by probability (the first index on a tie),
+      // each one's output weighted by its probability (divided by the picked ones' sum).
+      Vec p_X = Linear(layer.router, x_D);
+      const double top = *std::max_element(p_X.begin(), p_X.end());
+      double z = 0;
+      for (double& v : p_X) z += (v = std::exp(v - top));
+      for (double& v : p_X) v /= z;
+      std::vector<int64_t> picked;
+      const int64_t k = variant.first_choice_only ? 1 : c.top_k;
+      while (static_cast<int64_t>(picked.size()) < k) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < c.experts; ++e) {
+          if (std::find(picked.begin(), picked.end(), e) != picked.end()) continue;
+          if (best < 0 || p_X[e] > p_X[best]) best = e;
+        }
+        picked.push_back(best);
+      }
+      double kept = 0;
+      for (int64_t e : picked) kept += p_X[e];
+      for (int64_t e : picked) {
+        const auto& [gate, up, down] = layer.experts[static_cast<size_t>(e)];
+        const double weight =
+            c.renormalize && !variant.skip_renormalization ? p_X[e] / kept : p_X[e];
+        const Vec out_D = swiglu(gate, up, down, x_D);
+        for (int64_t d = 0; d < D; ++d) h_TD[t][d] += weight * out_D[d];
+      }
     }
   }
 
@@ -690,6 +779,7 @@ struct Case {
   bool want_qk_norm = false;
   int64_t want_sliding_window = 0;
   int64_t want_sliding_layers = -1;  // -1: every layer when want_sliding_window > 0, else none
+  int64_t want_routed_layers = 0;
   std::string want_safetensors_dtype = "F32";
   // How config.json is laid out: as tinkerd writes it (transformers 4's keys, with layer_types
   // for partly sliding models), as transformers 5 writes it, or as transformers < 4.53 wrote a
@@ -914,6 +1004,40 @@ std::vector<Case> AllCases() {
            .want_sliding_window = 4,
            .want_sliding_layers = 1,
            .layout = Case::Layout::kNoLayerTypes},
+      // Eight experts, two per token, renormalized; layer 1 is in mlp_only_layers.
+      Case{.name = "Qwen3MoeDenseLayer1",
+           .family = "qwen3_moe",
+           .tweak = [none](ModelConfig& m) { m.rope_scaling = none; },
+           .seed = 22,
+           .want_qk_norm = true,
+           .want_routed_layers = 1},
+      Case{.name = "Qwen3MoeUnnormalizedTied",
+           .family = "qwen3_moe",
+           .tweak =
+               [none](ModelConfig& m) {
+                 m.rope_scaling = none;
+                 m.moe.norm_topk_prob = false;
+                 m.moe.top_k = 3;
+                 m.moe.layer_routes = {true, true};
+                 m.tie_word_embeddings = true;
+               },
+           .seed = 23,
+           .want_tied = true,
+           .want_qk_norm = true,
+           .want_routed_layers = 2},
+      Case{.name = "MixtralSlidingWindow4Bf16TwoShards",
+           .family = "mixtral",
+           .tweak =
+               [none](ModelConfig& m) {
+                 m.sliding_window = 4;
+                 m.rope_scaling = none;
+               },
+           .stored_dtype = "bfloat16",
+           .num_shards = 2,
+           .seed = 24,
+           .want_sliding_window = 4,
+           .want_routed_layers = 2,
+           .want_safetensors_dtype = "BF16"},
   };
   // transformers 5's layout of some of the cases above: their logprobs must be the same bits
   // (Transformers5Layout) and match the reference, which reads that layout itself.
@@ -997,6 +1121,7 @@ void RunScenario(const Case& c, Scenario* s) {
                             : c.want_sliding_window > 0 ? rc.layers
                                                         : 0);
   EXPECT_LT(rc.kv_heads, rc.heads) << "every case should exercise grouped-query attention";
+  EXPECT_EQ(std::count(rc.layer_routes.begin(), rc.layer_routes.end(), true), c.want_routed_layers);
 
   std::mt19937_64 rng(c.seed * 7919 + 1);  // the raw engine: identical on every platform
   for (int64_t len : kSequenceLengths) {
@@ -1125,6 +1250,14 @@ TEST(ModelReferenceControl, IgnoringSlidingWindowIsDetected) {
 TEST(ModelReferenceControl, WindowingEveryQwenLayerIsDetected) {
   ExpectMistakeDetected("Qwen2SlidingFromLayer1", Variant{.window_every_layer = true});
   ExpectMistakeDetected("Qwen2SlidingFromLayer1V5", Variant{.window_every_layer = true});
+}
+
+TEST(ModelReferenceControl, IgnoringTopKRenormalizationIsDetected) {
+  ExpectMistakeDetected("Qwen3MoeDenseLayer1", Variant{.skip_renormalization = true});
+}
+
+TEST(ModelReferenceControl, RoutingToOneExpertIsDetected) {
+  ExpectMistakeDetected("MixtralSlidingWindow4Bf16TwoShards", Variant{.first_choice_only = true});
 }
 
 // The same weights under a transformers-5 config compute the same logprobs, bit for bit, as

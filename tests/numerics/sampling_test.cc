@@ -1092,10 +1092,11 @@ TEST_F(SamplingTest, StopStringsNeedTheModelsTokenizer) {
 struct Precision {
   ComputeDType dtype;
   bool wide;
+  std::string family = "llama";  // unless wide; a mixture of experts routes in the decode too
 };
 
-ModelConfig PrecisionConfig(bool wide) {
-  if (!wide) return TinyConfig("llama");
+ModelConfig PrecisionConfig(const Precision& p) {
+  if (!p.wide) return TinyConfig(p.family);
   ModelConfig c = TinyConfig("qwen3");
   c.hidden_size = 64;
   c.intermediate_size = 96;
@@ -1110,7 +1111,7 @@ class SamplingPrecisionTest : public SamplingTest, public ::testing::WithParamIn
     if (TestDevice() != "cpu") GTEST_SKIP() << "the bitwise promise is the CPU's";
     if (!kernels::GemvRunsHere()) GTEST_SKIP() << "the bitwise promise needs AVX-512 (Gemv)";
     dir_ = std::make_unique<TempDir>();
-    runner_ = MakeRunner(WriteModel(*dir_, PrecisionConfig(GetParam().wide), 5), GetParam().dtype);
+    runner_ = MakeRunner(WriteModel(*dir_, PrecisionConfig(GetParam()), 5), GetParam().dtype);
     ASSERT_NE(runner_, nullptr);
     ASSERT_NO_FATAL_FAILURE(TrainedLora(4, 9, 3, &model_, &policy_));
   }
@@ -1323,8 +1324,7 @@ TEST_P(SamplingPrecisionTest, AFullFineTunesPolicyHoldsTheTrainersWeightsInTheCo
     EXPECT_GT(chopped_apart, masters.size() / 2) << "the comparison cannot tell roundings apart";
     return bytes;
   };
-  EXPECT_EQ((*policy)->bytes,
-            expect_cast((*policy)->weights.Named((*policy)->config.tie_word_embeddings), *masters));
+  EXPECT_EQ((*policy)->bytes, expect_cast((*policy)->weights.Named((*policy)->config), *masters));
   ExpectForwardsBits(*model, *policy, kPrompt, 8);
 
   // An adapter's policy likewise (SetUp's).
@@ -1338,10 +1338,13 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, SamplingPrecisionTest,
                          ::testing::Values(Precision{ComputeDType::kFloat32, false},
                                            Precision{ComputeDType::kBFloat16, false},
                                            Precision{ComputeDType::kFloat32, true},
-                                           Precision{ComputeDType::kBFloat16, true}),
+                                           Precision{ComputeDType::kBFloat16, true},
+                                           Precision{ComputeDType::kFloat32, false, "qwen3_moe"},
+                                           Precision{ComputeDType::kBFloat16, false, "mixtral"}),
                          [](const auto& info) {
                            return std::string(ComputeDTypeName(info.param.dtype)) +
-                                  (info.param.wide ? "Wide" : "");
+                                  (info.param.wide ? "Wide" : "") +
+                                  (info.param.family == "llama" ? "" : "_" + info.param.family);
                          });
 
 TEST(SampleValidation, EachBadFieldIsNamed) {

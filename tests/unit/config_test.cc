@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "runner/model/tiny_model.h"
 
 namespace tinkerd {
@@ -18,6 +23,88 @@ TEST(ModelConfig, EveryFamilyRoundTrips) {
     EXPECT_EQ(parsed->attention_bias, std::string(family) == "qwen2");
     EXPECT_EQ(parsed->qk_norm, std::string(family) == "qwen3");
   }
+}
+
+TEST(ModelConfig, MixturesOfExpertsRoundTrip) {
+  for (const char* family : {"qwen3_moe", "mixtral"}) {
+    const ModelConfig c = TinyConfig(family);
+    auto parsed = ParseModelConfig(ModelConfigToJson(c));
+    ASSERT_TRUE(parsed.ok()) << family << ": " << parsed.status().message();
+    EXPECT_EQ(parsed->moe.num_experts, c.moe.num_experts);
+    EXPECT_EQ(parsed->moe.top_k, 2);
+    EXPECT_EQ(parsed->moe.expert_intermediate_size, c.moe.expert_intermediate_size);
+    EXPECT_TRUE(parsed->moe.norm_topk_prob);
+    EXPECT_EQ(parsed->moe.layer_routes, c.moe.layer_routes);
+    EXPECT_EQ(parsed->qk_norm, std::string(family) == "qwen3_moe");
+  }
+  EXPECT_EQ(TinyConfig("qwen3_moe").moe.layer_routes, (std::vector<bool>{true, false}));
+  EXPECT_EQ(TinyConfig("mixtral").moe.names.Expert(3), "block_sparse_moe.experts.3.");
+  EXPECT_EQ(TinyConfig("mixtral").moe.names.gate, "w1");
+}
+
+// Qwen3-30B-A3B's config.json as published (the keys that matter), and Mixtral-8x7B's.
+TEST(ModelConfig, PublishedMixturesOfExpertsParse) {
+  auto qwen = ParseModelConfig(R"({"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
+    "vocab_size":151936,"hidden_size":2048,"intermediate_size":6144,"num_hidden_layers":48,
+    "num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"moe_intermediate_size":768,
+    "num_experts":128,"num_experts_per_tok":8,"norm_topk_prob":true,"decoder_sparse_step":1,
+    "mlp_only_layers":[],"output_router_logits":false,"router_aux_loss_coef":0.001,
+    "rope_theta":1000000.0,"rms_norm_eps":1e-06,"sliding_window":null,"use_sliding_window":false,
+    "max_window_layers":48,"tie_word_embeddings":false,"hidden_act":"silu",
+    "max_position_embeddings":40960})");
+  ASSERT_TRUE(qwen.ok()) << qwen.status().message();
+  EXPECT_EQ(qwen->moe.num_experts, 128);
+  EXPECT_EQ(qwen->moe.top_k, 8);
+  EXPECT_EQ(qwen->moe.expert_intermediate_size, 768);
+  EXPECT_EQ(std::count(qwen->moe.layer_routes.begin(), qwen->moe.layer_routes.end(), true), 48);
+  EXPECT_EQ(qwen->moe.names.Router(), "mlp.gate");
+  auto mixtral = ParseModelConfig(R"({"architectures":["MixtralForCausalLM"],"model_type":"mixtral",
+    "vocab_size":32000,"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,
+    "num_attention_heads":32,"num_key_value_heads":8,"num_local_experts":8,
+    "num_experts_per_tok":2,"router_aux_loss_coef":0.02,"rope_theta":1000000.0,
+    "sliding_window":null,"rms_norm_eps":1e-05,"tie_word_embeddings":false,"hidden_act":"silu",
+    "max_position_embeddings":32768})");
+  ASSERT_TRUE(mixtral.ok()) << mixtral.status().message();
+  EXPECT_EQ(mixtral->moe.expert_intermediate_size, 14336);
+  EXPECT_TRUE(mixtral->moe.norm_topk_prob);
+  EXPECT_EQ(mixtral->head_dim, 128);
+  EXPECT_EQ(mixtral->sliding_window, 0);
+}
+
+TEST(ModelConfig, SparseStepAndDenseLayersChooseTheRoutedLayers) {
+  auto c = ParseModelConfig(R"({"architectures":["Qwen3MoeForCausalLM"],"vocab_size":10,
+    "hidden_size":16,"intermediate_size":32,"num_hidden_layers":6,"num_attention_heads":2,
+    "num_experts":4,"num_experts_per_tok":1,"moe_intermediate_size":8,"decoder_sparse_step":2,
+    "mlp_only_layers":[3]})");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  // (l + 1) % 2 == 0 routes layers 1, 3, 5; layer 3 is listed dense.
+  EXPECT_EQ(c->moe.layer_routes, (std::vector<bool>{false, true, false, false, false, true}));
+  EXPECT_EQ(c->head_dim, 8) << "Qwen3-MoE's head_dim defaults to hidden / heads";
+}
+
+TEST(ModelConfig, BadExpertSettingsAreNamed) {
+  const std::string base = R"({"architectures":["Qwen3MoeForCausalLM"],"vocab_size":10,
+    "hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":2,)";
+  for (const auto& [json, needle] : std::vector<std::pair<std::string, std::string>>{
+           {R"("num_experts":4,"num_experts_per_tok":5})", "num_experts_per_tok"},
+           {R"("num_experts":4,"num_experts_per_tok":0})", "num_experts_per_tok"},
+           {R"("num_experts":100000,"num_experts_per_tok":2})", "experts"},
+           {R"("num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":0})",
+            "intermediate"},
+           {R"("num_experts":4,"num_experts_per_tok":2,"decoder_sparse_step":0})",
+            "decoder_sparse_step"},
+           {R"("num_experts":4,"num_experts_per_tok":2,"mlp_only_layers":[2]})", "mlp_only_layers"},
+           {R"("num_experts":4,"num_experts_per_tok":2,"mlp_only_layers":"0"})", "mlp_only_layers"},
+           {R"("num_experts":4,"num_experts_per_tok":2,"norm_topk_prob":"yes"})",
+            "norm_topk_prob"}}) {
+    auto c = ParseModelConfig(base + json);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << json;
+    EXPECT_NE(c.status().message().find(needle), std::string::npos) << c.status().message();
+  }
+  auto jitter = ParseModelConfig(R"({"architectures":["MixtralForCausalLM"],"vocab_size":10,
+    "hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":2,
+    "router_jitter_noise":0.1})");
+  EXPECT_NE(jitter.status().message().find("router_jitter_noise"), std::string::npos);
 }
 
 TEST(ModelConfig, HeadDimDefaultsToHiddenOverHeads) {

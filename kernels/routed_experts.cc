@@ -1,0 +1,62 @@
+#include "kernels/routed_experts.h"
+
+#include <c10/util/Exception.h>
+
+namespace tinkerd::kernels {
+
+Routing Route(const RouteParams& p) {
+  TORCH_CHECK(p.logits_TE.dim() == 2, "Route: logits must be [T, E]");
+  const int64_t E = p.logits_TE.size(1);
+  TORCH_CHECK(p.top_k >= 1 && p.top_k <= E, "Route: top_k must be in [1, E]");
+  const at::ScalarType wide = p.logits_TE.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor p_TE = at::softmax(p.logits_TE.to(wide), -1);
+  Routing r;
+  at::Tensor w_Tk;
+  if (p.experts_Tk.defined()) {
+    TORCH_CHECK(p.experts_Tk.dim() == 2 && p.experts_Tk.size(0) == p.logits_TE.size(0),
+                "Route: replayed experts must be [T, k]");
+    r.experts_Tk = p.experts_Tk.to(p.logits_TE.device(), at::kLong);
+    TORCH_CHECK(r.experts_Tk.numel() == 0 || (r.experts_Tk.min().item<int64_t>() >= 0 &&
+                                              r.experts_Tk.max().item<int64_t>() < E),
+                "Route: a replayed expert is out of range");
+    w_Tk = p_TE.gather(1, r.experts_Tk);
+  } else {
+    std::tie(w_Tk, r.experts_Tk) = at::topk(p_TE, p.top_k, -1, /*largest=*/true, /*sorted=*/true);
+  }
+  if (p.normalize) w_Tk = w_Tk / w_Tk.sum(-1, /*keepdim=*/true);
+  r.weights_Tk = w_Tk.to(p.logits_TE.scalar_type());
+
+  const int64_t k = r.experts_Tk.size(1);
+  const at::Tensor experts_S = r.experts_Tk.reshape({-1});
+  const at::Tensor order_S = std::get<1>(at::sort(experts_S, /*stable=*/true, 0, false));
+  r.token_S = at::div(order_S, k, "floor");
+  r.inverse_S = at::empty_like(order_S);
+  r.inverse_S.index_put_({order_S}, at::arange(order_S.numel(), order_S.options()));
+  const at::Tensor rows_E = at::bincount(experts_S, {}, E).cpu();
+  r.rows_E.assign(rows_E.data_ptr<int64_t>(), rows_E.data_ptr<int64_t>() + E);
+  return r;
+}
+
+at::Tensor RoutedExperts(const RoutedExpertsParams& p) {
+  const Routing& r = *p.routing;
+  const int64_t T = p.x_TD.size(0), D = p.x_TD.size(1), k = r.experts_Tk.size(1);
+  TORCH_CHECK(r.experts_Tk.size(0) == T, "RoutedExperts: routing is for another batch");
+  if (T == 0) return at::zeros_like(p.x_TD);
+  const at::Tensor x_SD = p.x_TD.index_select(0, r.token_S);
+  const std::vector<at::Tensor> x_ND = x_SD.split_with_sizes(r.rows_E);
+  std::vector<at::Tensor> y_ND;
+  for (size_t e = 0; e < r.rows_E.size(); ++e) {
+    if (r.rows_E[e] > 0) y_ND.push_back(p.expert(static_cast<int64_t>(e), x_ND[e]));
+  }
+  const at::Tensor y_TkD = at::cat(y_ND).index_select(0, r.inverse_S).view({T, k, D});
+  const at::ScalarType dt = p.x_TD.scalar_type();
+  // Choice by choice, each product cast to x's dtype before it is added, as Hugging Face's
+  // index_add into an x-typed sum does.
+  at::Tensor out_TD = (y_TkD.select(1, 0) * r.weights_Tk.select(1, 0).unsqueeze(1)).to(dt);
+  for (int64_t j = 1; j < k; ++j) {
+    out_TD = out_TD + (y_TkD.select(1, j) * r.weights_Tk.select(1, j).unsqueeze(1)).to(dt);
+  }
+  return out_TD;
+}
+
+}  // namespace tinkerd::kernels
