@@ -11,25 +11,35 @@ Routing Route(const RouteParams& p) {
   const at::ScalarType wide = p.logits_TE.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor p_TE = at::softmax(p.logits_TE.to(wide), -1);
   Routing r;
-  at::Tensor w_Tk;
+  at::Tensor w_Tk, e_Tk;  // by descending p
+  std::tie(w_Tk, e_Tk) = at::topk(p_TE, p.top_k, -1, /*largest=*/true, /*sorted=*/true);
   if (p.experts_Tk.defined()) {
-    TORCH_CHECK(p.experts_Tk.dim() == 2 && p.experts_Tk.size(0) == p.logits_TE.size(0),
-                "Route: replayed experts must be [T, k]");
-    r.experts_Tk = p.experts_Tk.to(p.logits_TE.device(), at::kLong);
-    TORCH_CHECK(r.experts_Tk.numel() == 0 || (r.experts_Tk.min().item<int64_t>() >= 0 &&
-                                              r.experts_Tk.max().item<int64_t>() < E),
+    TORCH_CHECK(p.experts_Tk.dim() == 2 && p.experts_Tk.size(0) == p.logits_TE.size(0) &&
+                    p.experts_Tk.size(1) == p.top_k,
+                "Route: replayed experts must be [T, top_k]");
+    const at::Tensor replay_Tk = p.experts_Tk.to(p.logits_TE.device(), at::kLong);
+    TORCH_CHECK(replay_Tk.numel() == 0 ||
+                    (replay_Tk.min().item<int64_t>() >= -1 && replay_Tk.max().item<int64_t>() < E),
                 "Route: a replayed expert is out of range");
-    w_Tk = p_TE.gather(1, r.experts_Tk);
-  } else {
-    std::tie(w_Tk, r.experts_Tk) = at::topk(p_TE, p.top_k, -1, /*largest=*/true, /*sorted=*/true);
+    // p at the chosen experts, ordered as top-k orders them, so that the renormalizing sum adds
+    // in the same order (a row that routes itself gets its top-k values back, bit for bit).
+    const at::Tensor chosen_Tk = at::where(replay_Tk >= 0, replay_Tk, e_Tk);
+    at::Tensor by_p_Tk;
+    std::tie(w_Tk, by_p_Tk) =
+        at::sort(p_TE.gather(1, chosen_Tk), /*stable=*/true, /*dim=*/1, /*descending=*/true);
+    e_Tk = chosen_Tk.gather(1, by_p_Tk);
   }
   if (p.normalize) w_Tk = w_Tk / w_Tk.sum(-1, /*keepdim=*/true);
-  r.weights_Tk = w_Tk.to(p.logits_TE.scalar_type());
+  // A token's choices in ascending expert order: the order in which Hugging Face adds its
+  // experts' outputs, and the order routes are returned and replayed in.
+  at::Tensor by_expert_Tk;
+  std::tie(r.experts_Tk, by_expert_Tk) = at::sort(e_Tk, /*stable=*/true, /*dim=*/1, false);
+  w_Tk = w_Tk.gather(1, by_expert_Tk);
+  r.weights_Tk = p.wide_weights ? w_Tk : w_Tk.to(p.logits_TE.scalar_type());
 
-  const int64_t k = r.experts_Tk.size(1);
   const at::Tensor experts_S = r.experts_Tk.reshape({-1});
   const at::Tensor order_S = std::get<1>(at::sort(experts_S, /*stable=*/true, 0, false));
-  r.token_S = at::div(order_S, k, "floor");
+  r.order_S = order_S;
   r.inverse_S = at::empty_like(order_S);
   r.inverse_S.index_put_({order_S}, at::arange(order_S.numel(), order_S.options()));
   const at::Tensor rows_E = at::bincount(experts_S, {}, E).cpu();
@@ -42,7 +52,11 @@ at::Tensor RoutedExperts(const RoutedExpertsParams& p) {
   const int64_t T = p.x_TD.size(0), D = p.x_TD.size(1), k = r.experts_Tk.size(1);
   TORCH_CHECK(r.experts_Tk.size(0) == T, "RoutedExperts: routing is for another batch");
   if (T == 0) return at::zeros_like(p.x_TD);
-  const at::Tensor x_SD = p.x_TD.index_select(0, r.token_S);
+  // Each token's row k times, then the slots in expert order: a permutation, so the backward's
+  // index_add writes every row once (no colliding adds), and the sum over a token's k copies is
+  // the expand's, in a fixed order.
+  const at::Tensor x_SD =
+      p.x_TD.unsqueeze(1).expand({T, k, D}).reshape({T * k, D}).index_select(0, r.order_S);
   const std::vector<at::Tensor> x_ND = x_SD.split_with_sizes(r.rows_E);
   std::vector<at::Tensor> y_ND;
   for (size_t e = 0; e < r.rows_E.size(); ++e) {
@@ -50,8 +64,8 @@ at::Tensor RoutedExperts(const RoutedExpertsParams& p) {
   }
   const at::Tensor y_TkD = at::cat(y_ND).index_select(0, r.inverse_S).view({T, k, D});
   const at::ScalarType dt = p.x_TD.scalar_type();
-  // Choice by choice, each product cast to x's dtype before it is added, as Hugging Face's
-  // index_add into an x-typed sum does.
+  // Choice by choice in ascending expert order, each product (in the weights' dtype) cast to x's
+  // dtype before it is added, as Hugging Face's index_add into an x-typed sum does.
   at::Tensor out_TD = (y_TkD.select(1, 0) * r.weights_Tk.select(1, 0).unsqueeze(1)).to(dt);
   for (int64_t j = 1; j < k; ++j) {
     out_TD = out_TD + (y_TkD.select(1, j) * r.weights_Tk.select(1, j).unsqueeze(1)).to(dt);

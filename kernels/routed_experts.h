@@ -1,12 +1,13 @@
 // Routed experts, the sparse MLP of a mixture of experts, in Hugging Face's math:
 //   p_TE = softmax(logits_TE)            in fp32 (fp64 for fp64 logits)
 //   (w_Tk, e_Tk) = top-k of p per token, in descending order; w /= Σ_k w when `normalize`
-//   y_t = Σ_j cast(w_tj) · expert_{e_tj}(x_t)
+//   y_t = Σ_j cast(w_tj · expert_{e_tj}(x_t)), j in ascending expert order
+// with w cast to the logits' dtype first unless `wide_weights` (Qwen3-MoE casts, Mixtral not),
 // computed by grouping, never as a dense [T, E, D] product: the T·k (token, choice) slots are
 // sorted by expert, stably, so each expert's rows keep token order; each expert with rows runs
 // once over exactly its rows (a split, so the backward is linear in the number of experts); the
 // outputs return to their slots through the inverse permutation and are summed over a token's
-// choices in choice order. Every step is a gather or a row-wise product, with no atomics, so a
+// choices. Every step is a gather or a row-wise product, with no atomics, so a
 // token's output depends on its own row and its experts only: on the CPU it is the same bits
 // whatever else is in the batch wherever the experts' products are row-invariant
 // (kernels/linear.h).
@@ -31,15 +32,17 @@ struct RouteParams {
   at::Tensor logits_TE;
   int64_t top_k = 1;
   bool normalize = false;
-  // Defined: these choices [T, k] (int64, each in [0, E)) are used instead of the top-k
-  // (router replay); w is then p at them, in the order given.
+  bool wide_weights = false;  // w kept in fp32 (fp64), as Mixtral keeps it
+  // Defined: these choices [T, k] (int64, each in [0, E), or a row of -1: that token's own top-k)
+  // are used instead of the top-k (router replay); w is then p at them.
   at::Tensor experts_Tk;
 };
 
+// A token's choices in ascending expert order.
 struct Routing {
-  at::Tensor weights_Tk;        // w, in the logits' dtype; differentiable in the logits
+  at::Tensor weights_Tk;        // w (see wide_weights); differentiable in the logits
   at::Tensor experts_Tk;        // e, int64
-  at::Tensor token_S;           // the token of each slot, slots sorted by expert
+  at::Tensor order_S;           // the slots t·k + j sorted by expert (stably)
   at::Tensor inverse_S;         // where slot t·k + j went in the sorted order
   std::vector<int64_t> rows_E;  // slots per expert (on the host)
 };

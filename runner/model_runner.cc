@@ -227,7 +227,9 @@ struct ModelRunner::Impl {
   // `held` gets the reservation of what the read and its application hold (ReadTrainingState).
   absl::StatusOr<LoadedState> ReadState(const std::string& path, Reservation* held) const;
   ModelLimits Limits() const {
-    return {model_config.vocab_size, model_config.max_position_embeddings, texts != nullptr};
+    return {model_config.vocab_size, model_config.max_position_embeddings,
+            texts != nullptr,        model_config.moe.num_experts,
+            model_config.moe.top_k,  model_config.moe.RoutedLayers()};
   }
 };
 

@@ -168,6 +168,31 @@ PackedPieces Pack(std::vector<Piece> pieces) {
   packed.batch.tokens_T =
       at::from_blob(tokens.data(), {static_cast<int64_t>(tokens.size())}, at::kLong)
           .to(device, at::kLong, /*non_blocking=*/false, /*copy=*/true);
+  // Router replay: the rows' routed_experts, [T, R, k] in packed order, -1 for the rows of datums
+  // without them (they route themselves); undefined when no datum has them.
+  const MoeConfig& moe = pieces.front().stage->ctx_.config->moe;
+  const int64_t width = moe.RoutedLayers() * moe.top_k;
+  const auto rows = static_cast<int64_t>(tokens.size());
+  std::vector<int64_t> routes;
+  int64_t row = 0;
+  for (const Piece& piece : pieces) {
+    const std::vector<Datum>& data = *piece.stage->data_;
+    for (int i : piece.mb) {
+      const auto it = data[i].loss_fn_inputs.find("routed_experts");
+      if (it != data[i].loss_fn_inputs.end()) {
+        if (routes.empty()) routes.assign(static_cast<size_t>(rows * width), -1);
+        std::copy(it->second.int64_data.begin(), it->second.int64_data.end(),
+                  routes.begin() + row * width);
+      }
+      row += static_cast<int64_t>(data[i].tokens.size());
+    }
+    if (piece.mb.empty()) ++row;  // the pad token
+  }
+  if (!routes.empty()) {
+    packed.batch.routes_TRk =
+        at::from_blob(routes.data(), {rows, moe.RoutedLayers(), moe.top_k}, at::kLong)
+            .to(device, at::kLong, /*non_blocking=*/false, /*copy=*/true);
+  }
   if (pieces.size() == 1) {
     const ModelState& m = pieces.front().stage->model_;
     packed.adapters = Adapters(m.lora ? &*m.lora : nullptr);

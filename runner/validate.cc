@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "runner/util/status_macros.h"
 
 namespace tinkerd {
 namespace {
@@ -75,6 +76,36 @@ absl::StatusOr<int64_t> CheckTargetWidth(size_t i, const TensorData& tgt, const 
   return K;
 }
 
+// Router replay's input: [T, R, k] expert ids, distinct within each token's layer (a repeated
+// expert would count twice in the token's output).
+absl::Status CheckRoutes(size_t i, const TensorData& t, int64_t T, const ModelLimits& limits) {
+  const char* key = "routed_experts";
+  if (t.dtype != TensorData::DType::kInt64) return Field(i, key, "must be int64");
+  const int64_t k = limits.top_k;
+  RETURN_IF_ERROR(CheckShape(i, key, t, {T, limits.routed_layers, k}));
+  if (t.shape.empty()) return Field(i, key, "must be [T, routed layers, experts per token]");
+  for (size_t row = 0; row < t.int64_data.size(); row += static_cast<size_t>(k)) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = t.int64_data[row + static_cast<size_t>(j)];
+      const int64_t token = static_cast<int64_t>(row) / (k * limits.routed_layers);
+      const int64_t layer = static_cast<int64_t>(row) / k % limits.routed_layers;
+      if (e < 0 || e >= limits.experts) {
+        return Field(i, key,
+                     absl::StrCat("expert ", e, " at position ", token, ", routed layer ", layer,
+                                  " is outside [0, ", limits.experts, ")"));
+      }
+      for (int64_t other = 0; other < j; ++other) {
+        if (t.int64_data[row + static_cast<size_t>(other)] == e) {
+          return Field(i, key,
+                       absl::StrCat("expert ", e, " appears twice at position ", token,
+                                    ", routed layer ", layer));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int64_t TargetWidth(const Datum& d) {
@@ -87,7 +118,9 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
   if (data.empty()) return absl::InvalidArgumentError("data: the batch has no datums");
   std::set<std::string> allowed{"target_tokens", "mask"};
   for (const std::string& k : loss.required_inputs) allowed.insert(k);
+  if (limits.routed_layers > 0) allowed.insert("routed_experts");
   int64_t call_width = -1;
+  int replays = -1;  // whether data[0] carries routed_experts
   for (size_t i = 0; i < data.size(); ++i) {
     const Datum& d = data[i];
     const int64_t T = static_cast<int64_t>(d.tokens.size());
@@ -105,6 +138,10 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
       }
     }
     for (const auto& [key, t] : d.loss_fn_inputs) {
+      if (key == "routed_experts" && limits.routed_layers == 0) {
+        return Field(i, key,
+                     "the model routes no experts (router replay is for mixtures of experts)");
+      }
       if (!allowed.count(key)) {
         return Field(i, key,
                      absl::StrCat("not an input of ", loss.name, " (expected ",
@@ -133,6 +170,14 @@ absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
                                   " is outside [0, ", limits.vocab_size, ")"));
       }
     }
+    const auto routes = d.loss_fn_inputs.find("routed_experts");
+    const int has_routes = routes != d.loss_fn_inputs.end();
+    if (replays >= 0 && has_routes != replays) {
+      return Field(i, "routed_experts",
+                   "every datum of a call carries routed experts, or none does");
+    }
+    replays = has_routes;
+    if (has_routes) RETURN_IF_ERROR(CheckRoutes(i, routes->second, T, limits));
     std::vector<std::string> floats = loss.required_inputs;
     if (d.loss_fn_inputs.count("mask")) floats.push_back("mask");
     for (const std::string& key : floats) {

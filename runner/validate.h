@@ -15,6 +15,9 @@ struct ModelLimits {
   int64_t vocab_size = 0;
   int64_t max_context_length = 0;
   bool tokenizer = false;  // the base model has one, so stop strings can be matched
+  // A mixture of experts: its experts, the experts per token and how many layers route
+  // (router replay's `routed_experts` input); 0 for a dense model.
+  int64_t experts = 0, top_k = 0, routed_layers = 0;
 };
 
 // InvalidArgument naming the datum, the field and the reason, e.g.
@@ -23,7 +26,9 @@ struct ModelLimits {
 // targets) in [0, vocab); exactly the inputs the loss takes (plus an optional "mask" of 0/1);
 // dtypes (int64 targets, float32 others); finite values; shapes [T], T the input length, except
 // cross_entropy's top-K form: target_tokens and weights both [T, K], 1 ≤ K ≤ vocab, one K for
-// every datum of the batch.
+// every datum of the batch. A mixture of experts also takes `routed_experts` (router replay):
+// int64 [T, R, k], R the routed layers and k the experts per token, each an expert id, distinct
+// within a token's layer; every datum of a call carries it or none does.
 absl::Status ValidateData(const std::vector<Datum>& data, const LossSpec& loss,
                           const ModelLimits& limits);
 

@@ -214,8 +214,10 @@ absl::Status ParseRope(const json& j, ModelConfig* c) {
   return absl::OkStatus();
 }
 
-// Which layers attend through the sliding window. Mistral: all of them. Qwen2/3: those at index
-// max_window_layers and above (Hugging Face's rule, default 28), when use_sliding_window is true.
+// Which layers attend through the sliding window. Mistral and Mixtral: all of them. Qwen2/3: those
+// at index max_window_layers and above (Hugging Face's rule, default 28), when use_sliding_window
+// is true. Qwen3-MoE: all of them when use_sliding_window is true (its config has no
+// max_window_layers).
 // `layer_types` (transformers >= 4.53 and 5) lists them explicitly and wins.
 absl::Status ParseSlidingWindow(const json& j, ModelConfig* c) {
   const bool mistral = SlidesEveryLayer(c->model_type);
@@ -243,7 +245,7 @@ absl::Status ParseSlidingWindow(const json& j, ModelConfig* c) {
                                 "sliding_attention)"));
       }
     }
-  } else if (!mistral && c->sliding_window > 0) {
+  } else if (!mistral && c->model_type != "qwen3_moe" && c->sliding_window > 0) {
     int64_t first = 28;  // Qwen2Config's and Qwen3Config's default
     if (auto st = ReadNumber(j, "max_window_layers", &first, false); !st.ok()) return st;
     c->layer_slides.assign(static_cast<size_t>(n), false);
@@ -285,6 +287,7 @@ absl::Status ParseMoe(const json& j, ModelConfig* c) {
     RETURN_IF_ERROR(ReadNumber(j, "num_experts_per_tok", &m.top_k, false));
     m.expert_intermediate_size = c->intermediate_size;
     m.norm_topk_prob = true;
+    m.wide_weights = true;
     double jitter = 0;
     RETURN_IF_ERROR(ReadNumber(j, "router_jitter_noise", &jitter, false));
     if (jitter != 0) {
@@ -297,7 +300,14 @@ absl::Status ParseMoe(const json& j, ModelConfig* c) {
     m.top_k = 8;
     m.expert_intermediate_size = 768;
     int64_t step = 1;
+    // transformers 5 writes the count as num_local_experts (an alias of num_experts).
     RETURN_IF_ERROR(ReadNumber(j, "num_experts", &m.num_experts, false));
+    int64_t alias = m.num_experts;
+    RETURN_IF_ERROR(ReadNumber(j, "num_local_experts", &alias, false));
+    if (j.contains("num_experts") && !j["num_experts"].is_null() && alias != m.num_experts) {
+      return Bad("num_experts and num_local_experts disagree; remove one of them");
+    }
+    m.num_experts = alias;
     RETURN_IF_ERROR(ReadNumber(j, "num_experts_per_tok", &m.top_k, false));
     RETURN_IF_ERROR(ReadNumber(j, "moe_intermediate_size", &m.expert_intermediate_size, false));
     RETURN_IF_ERROR(ReadBool(j, "norm_topk_prob", &m.norm_topk_prob));
@@ -495,7 +505,9 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   if (c.model_type != "qwen2") j["attention_bias"] = c.attention_bias;
   if (c.sliding_window > 0) {
     j["sliding_window"] = c.sliding_window;
-    if (!SlidesEveryLayer(c.model_type)) {
+    if (c.model_type == "qwen3_moe") {
+      j["use_sliding_window"] = true;
+    } else if (!SlidesEveryLayer(c.model_type)) {
       j["use_sliding_window"] = true;
       // Hugging Face's rule for readers without layer_types: layers from this index on slide.
       int64_t first = 0;
@@ -587,6 +599,14 @@ std::string ModelConfig::DebugString() const {
                     " experts=%d top_k=%d expert_inter=%d norm_topk=%d routed_layers=%d",
                     moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.norm_topk_prob,
                     std::count(moe.layer_routes.begin(), moe.layer_routes.end(), true)));
+}
+
+int64_t MoeConfig::RoutedLayers() const {
+  return num_experts == 0 ? 0 : std::count(layer_routes.begin(), layer_routes.end(), true);
+}
+
+int64_t MoeConfig::RoutedIndex(int64_t layer) const {
+  return std::count(layer_routes.begin(), layer_routes.begin() + layer, true);
 }
 
 std::string MoeNames::Expert(int64_t e) const {

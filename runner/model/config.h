@@ -44,9 +44,15 @@ struct MoeConfig {
   int64_t top_k = 0;
   int64_t expert_intermediate_size = 0;  // each expert's I
   bool norm_topk_prob = false;
+  bool wide_weights = false;       // the weights multiply in fp32, not the compute dtype (Mixtral)
   std::vector<bool> layer_routes;  // per layer: routed (true) or the dense MLP (Qwen3-MoE's
                                    // mlp_only_layers / decoder_sparse_step)
   MoeNames names;
+
+  // How many layers route, and which of them `layer` is (its routed index: the routed layers
+  // before it). Router replay and recorded routes count layers this way.
+  int64_t RoutedLayers() const;
+  int64_t RoutedIndex(int64_t layer) const;
 };
 
 struct ModelConfig {

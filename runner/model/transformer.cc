@@ -56,18 +56,35 @@ at::Tensor Mlp(const at::Tensor& x_ND, const at::Tensor& gate, const at::Tensor&
   return Linear(Proj(kernels::SwiGLU(gate_NI, up_NI), down, none, lora, module + names[2]));
 }
 
-// The routed MLP (kernels/routed_experts.h). Rows in runs (Adapters::runs) route run by run, each
-// with its adapter as `all`: a run's tokens meet only their own model's expert adapters, in
-// products over that run's rows alone, so a call computes what it would alone.
+// A forward's router replay and recording (PackedBatch::routes_TRk, ForwardOptions::on_routes).
+struct RouteIo {
+  at::Tensor replay_TRk;
+  std::function<void(int64_t routed, const at::Tensor& experts_Tk)> record;
+};
+
+// The routed MLP (kernels/routed_experts.h), the rows' experts given by replay_Tk where it is
+// defined (a row of -1 routes itself), and `chosen_Tk` (when set) receiving the experts used. Rows
+// in runs (Adapters::runs) route run by run, each with its adapter as `all`: a run's tokens meet
+// only their own model's expert adapters, in products over that run's rows alone, so a call
+// computes what it would alone.
 at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& lora,
-                     const std::string& p, const at::Tensor& x_TD) {
+                     const std::string& p, const at::Tensor& replay_Tk, const at::Tensor& x_TD,
+                     at::Tensor* chosen_Tk) {
   if (!lora.runs.empty()) {
     std::vector<int64_t> rows;
     for (const auto& [adapter, n] : lora.runs) rows.push_back(n);
     std::vector<at::Tensor> out = x_TD.split_with_sizes(rows);
+    std::vector<at::Tensor> replay(rows.size());
+    if (replay_Tk.defined()) replay = replay_Tk.split_with_sizes(rows);
+    std::vector<at::Tensor> chosen(rows.size());
     for (size_t i = 0; i < out.size(); ++i) {
-      if (rows[i] > 0) out[i] = RoutedMlp(m, L, Adapters(lora.runs[i].first), p, out[i]);
+      if (rows[i] == 0) {
+        chosen[i] = at::empty({0, m.top_k}, x_TD.options().dtype(at::kLong));
+        continue;
+      }
+      out[i] = RoutedMlp(m, L, Adapters(lora.runs[i].first), p, replay[i], out[i], &chosen[i]);
     }
+    if (chosen_Tk != nullptr) *chosen_Tk = at::cat(chosen);
     return at::cat(out);
   }
   const at::Tensor none;
@@ -75,7 +92,10 @@ at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& 
   route.logits_TE = kernels::Linear(Proj(x_TD, L.router_ED, none, Adapters(), ""));
   route.top_k = m.top_k;
   route.normalize = m.norm_topk_prob;
+  route.wide_weights = m.wide_weights;
+  route.experts_Tk = replay_Tk;
   const kernels::Routing routing = kernels::Route(route);
+  if (chosen_Tk != nullptr) *chosen_Tk = routing.experts_Tk;
   const std::array<std::string, 3> names{m.names.gate, m.names.up, m.names.down};
   return kernels::RoutedExperts({x_TD, &routing, [&](int64_t e, const at::Tensor& x_ND) {
                                    const ExpertWeights& W = L.experts[static_cast<size_t>(e)];
@@ -88,8 +108,8 @@ at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& 
 // With `kv`, layer `layer`'s attention also reads the cached keys and values (KvStep).
 at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapters& lora,
                         const std::string& p, const RopeTables& rope,
-                        const std::vector<int64_t>& cu_seqlens, const KvStep* kv, int64_t layer,
-                        const at::Tensor& h_TD) {
+                        const std::vector<int64_t>& cu_seqlens, const KvStep* kv,
+                        const RouteIo& routes, int64_t layer, const at::Tensor& h_TD) {
   using kernels::Linear;
   const int64_t T = h_TD.size(0), H = c.num_attention_heads, K = c.num_key_value_heads;
   const int64_t d = c.head_dim;
@@ -131,9 +151,17 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   at::Tensor out_TD = h_TD + Linear(Proj(attn_TD, L.o_proj, none, lora, p + "self_attn.o_proj"));
 
   x_TD = Norm(out_TD, L.post_norm_D, eps);
-  return out_TD + (c.Routes(layer) ? RoutedMlp(c.moe, L, lora, p, x_TD)
-                                   : Mlp(x_TD, L.gate_proj, L.up_proj, L.down_proj, lora,
-                                         p + "mlp.", {"gate_proj", "up_proj", "down_proj"}));
+  if (!c.Routes(layer)) {
+    return out_TD + Mlp(x_TD, L.gate_proj, L.up_proj, L.down_proj, lora, p + "mlp.",
+                        {"gate_proj", "up_proj", "down_proj"});
+  }
+  const int64_t routed = c.moe.RoutedIndex(layer);
+  at::Tensor chosen_Tk;
+  const at::Tensor mlp_TD = RoutedMlp(
+      c.moe, L, lora, p, routes.replay_TRk.defined() ? routes.replay_TRk.select(1, routed) : none,
+      x_TD, routes.record ? &chosen_Tk : nullptr);
+  if (routes.record) routes.record(routed, chosen_Tk);
+  return out_TD + mlp_TD;
 }
 
 // The trainable tensors a layer reads: its LoRA pairs, or its own weights under full fine-tuning.
@@ -380,23 +408,27 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
           ? options.rope->Tables(batch.cu_seqlens, past)
           : BuildRopeTables(c, batch.cu_seqlens, w.embed_VD.options().dtype(dt), past);
   at::Tensor h_TD = at::embedding(w.embed_VD, batch.tokens_T).to(dt);
+  // A recomputed layer would record its routes again in the backward: recording is inference's.
+  const RouteIo routes{batch.routes_TRk, options.recompute_layers && options.kv == nullptr
+                                             ? nullptr
+                                             : options.on_routes};
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const auto index = static_cast<int64_t>(l);
     if (options.layers != nullptr) {
       h_TD = GatheredLayer(
           *options.layers, index,
-          [&c, lora, p, rope, cu = batch.cu_seqlens, kv = options.kv, index](const LayerWeights& L,
-                                                                             const at::Tensor& h) {
-            return DecoderLayer(c, L, lora, p, rope, cu, kv, index, h);
+          [&c, lora, p, rope, cu = batch.cu_seqlens, kv = options.kv, routes, index](
+              const LayerWeights& L, const at::Tensor& h) {
+            return DecoderLayer(c, L, lora, p, rope, cu, kv, routes, index, h);
           },
           h_TD);
       continue;
     }
     const LayerWeights& L = w.layers[l];
-    auto layer = [&c, &L, lora, p, rope, cu = batch.cu_seqlens, kv = options.kv,
+    auto layer = [&c, &L, lora, p, rope, cu = batch.cu_seqlens, kv = options.kv, routes,
                   index](const at::Tensor& h) {
-      return DecoderLayer(c, L, lora, p, rope, cu, kv, index, h);
+      return DecoderLayer(c, L, lora, p, rope, cu, kv, routes, index, h);
     };
     h_TD = options.recompute_layers && options.kv == nullptr
                ? kernels::Recompute(layer, h_TD, LayerParams(c.moe.names, L, lora, p))

@@ -69,6 +69,10 @@ absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& config, Te
 struct PackedBatch {
   at::Tensor tokens_T;              // int64
   std::vector<int64_t> cu_seqlens;  // [S+1], cu_seqlens[0] = 0, cu_seqlens[S] = T
+  // Router replay (mixtures of experts): each row's experts in every routed layer, int64
+  // [T, R, k] (R: MoeConfig::RoutedLayers), used instead of the router's top-k. Undefined: every
+  // row routes itself; so does a row of -1.
+  at::Tensor routes_TRk = at::Tensor();
 };
 
 // Keys and values of one layer for every sequence of a batch, packed: cu_seqlens_k [S+1].
@@ -122,6 +126,9 @@ struct ForwardOptions {
   const KvStep* kv = nullptr;
   // Set: the decoder layers' weights come from here, not from the BaseWeights' `layers`.
   const LayerSource* layers = nullptr;
+  // Set: called with each routed layer's routed index and every row's experts there, [T, k]
+  // int64 (what a sampler returns for router replay).
+  std::function<void(int64_t routed, const at::Tensor& experts_Tk)> on_routes = nullptr;
 };
 
 // The LoRA adapters a forward applies: one for every row (null: none, the base model or full

@@ -202,7 +202,9 @@ int64_t SampleEngine::KvBytes(const Policy& policy, const SampleRequest& r) {
                             static_cast<int64_t>(at::elementSize(policy.compute_dtype));
   const int64_t tokens =
       static_cast<int64_t>(r.prompt.size()) + r.num_samples * r.params.max_tokens;
-  return per_token * tokens;
+  // Recorded routes: k int64 ids per token and routed layer, held until the result goes.
+  const int64_t routes = r.routed_experts ? c.moe.RoutedLayers() * c.moe.top_k * 8 : 0;
+  return (per_token + routes) * tokens;
 }
 
 absl::Status SampleEngine::Admit(std::shared_ptr<const Policy> policy, SampleRequest request,
@@ -284,8 +286,26 @@ void SampleEngine::Prefill(const std::vector<Job*>& jobs) {
     return KvPacked{k_TKd, v_TKd, cu};
   };
   const PackedBatch batch{Tokens(tokens, pol.device), cu};
-  const at::Tensor hidden_TD =
-      ForwardHidden(pol.config, pol.weights, LoraOf(pol), batch, Options(pol, &kv));
+  ForwardOptions options = Options(pol, &kv);
+  const bool routes =
+      std::any_of(jobs.begin(), jobs.end(), [](const Job* j) { return j->request.routed_experts; });
+  std::vector<at::Tensor> routes_LTk;  // per routed layer
+  if (routes) {
+    options.on_routes = [&routes_LTk](int64_t routed, const at::Tensor& experts_Tk) {
+      routes_LTk.resize(std::max<size_t>(routes_LTk.size(), routed + 1));
+      routes_LTk[routed] = experts_Tk.cpu();
+    };
+  }
+  const at::Tensor hidden_TD = ForwardHidden(pol.config, pol.weights, LoraOf(pol), batch, options);
+  if (routes) {
+    const at::Tensor all_TRk = at::stack(routes_LTk, 1).contiguous();
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (!jobs[i]->request.routed_experts) continue;
+      const at::Tensor mine = all_TRk.narrow(0, cu[i], cu[i + 1] - cu[i]).contiguous();
+      jobs[i]->result.prompt_routed_experts.assign(mine.data_ptr<int64_t>(),
+                                                   mine.data_ptr<int64_t>() + mine.numel());
+    }
+  }
   // Every prompt's next-token logits in one head: its last row.
   const at::Tensor logits_JV =
       kernels::HeadLogits(Head(pol, hidden_TD.index_select(0, Tokens(last, pol.device))))
@@ -449,9 +469,20 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   for (const auto& [policy, rows] : runs) {
     if (runs.size() > 1) lora.runs.emplace_back(LoraOf(*policy), rows);
   }
-  const ForwardOptions options = Options(pol, &kv);
+  ForwardOptions options = Options(pol, &kv);
+  const bool routes = std::any_of(batch.begin(), batch.end(),
+                                  [](const auto& b) { return b.first->request.routed_experts; });
+  std::vector<at::Tensor> routes_LSk;  // per routed layer
+  if (routes) {
+    options.on_routes = [&routes_LSk](int64_t routed, const at::Tensor& experts_Sk) {
+      routes_LSk.resize(std::max<size_t>(routes_LSk.size(), routed + 1));
+      routes_LSk[routed] = experts_Sk.cpu();
+    };
+  }
   const PackedBatch packed{Tokens(tokens, pol.device), cu_q};
   const at::Tensor hidden_SD = ForwardHidden(pol.config, pol.weights, lora, packed, options);
+  // Each fed-back token's experts, appended once the step is sure to be kept (below).
+  const at::Tensor routes_SRk = routes ? at::stack(routes_LSk, 1).contiguous() : at::Tensor();
   const at::Tensor z_SV = Logits(runs, hidden_SD).cpu().contiguous();
   const int64_t V = z_SV.size(1);
   // Every token is chosen (on copies of the generators) before any sample changes, so a failure
@@ -471,6 +502,11 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   for (int64_t i = 0; i < S; ++i) HeadLogprobs(z_SV, lse_S, i, chosen[i].choice);
   for (int64_t i = 0; i < S; ++i) {
     const auto& [job, s] = batch[i];
+    if (job->request.routed_experts) {
+      const int64_t width = routes_SRk.size(1) * routes_SRk.size(2);
+      const int64_t* row = routes_SRk.data_ptr<int64_t>() + i * width;
+      s->out.routed_experts.insert(s->out.routed_experts.end(), row, row + width);
+    }
     ++s->cached;
     s->rng = chosen[i].rng;
     Take(job->request.params, job->policy->config.eos_token_ids, chosen[i].choice, s->out,

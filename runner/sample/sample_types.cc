@@ -47,6 +47,11 @@ absl::Status ValidateSampleRequest(const SampleRequest& r, const ModelLimits& mo
                                    const SampleLimits& limits) {
   const SamplingParams& p = r.params;
   if (r.prompt.empty()) return Invalid("prompt", "is empty");
+  if (r.routed_experts && model.routed_layers == 0) {
+    return Invalid("routed_experts",
+                   "the model routes no experts (router replay is for mixtures "
+                   "of experts)");
+  }
   if (auto st = CheckTokens("prompt", r.prompt, model.vocab_size); !st.ok()) return st;
   if (auto st = CheckPromptFits(std::ssize(r.prompt), model); !st.ok()) return st;
   if (p.max_tokens <= 0) {

@@ -51,6 +51,9 @@ struct SampleRequest {
   // k > 0: k independent draws at params.temperature (no top-k or top-p) from the model's
   // distribution at every prompt position after the first: alternatives to each prompt token.
   int64_t prompt_alt_tokens_k = 0;
+  // A mixture of experts: return the experts every token met in every routed layer (the prompt's
+  // and each sample's), for the trainer's router replay (the `routed_experts` input).
+  bool routed_experts = false;
 };
 
 // The k most likely tokens of one position: (token, logprob), most likely first, ties by id.
@@ -66,6 +69,9 @@ struct SampledSequence {
   StopReason stop_reason = StopReason::kLength;
   // When topk_sample_logprobs > 0: one row per token, from the logits the token was drawn from.
   std::vector<TopLogprobs> topk_logprobs;
+  // When asked (SampleRequest::routed_experts): [tokens - 1, R, k] row-major, the experts each
+  // token fed back to the model (every one but the last) met in each routed layer.
+  std::vector<int64_t> routed_experts;
 };
 
 // What one sample gained in one engine step, for a caller that streams tokens as they come.
@@ -94,6 +100,9 @@ struct SampleResult {
   // logprobs (temperature 1, as every logprob here).
   std::vector<int64_t> prompt_alt_tokens;
   std::vector<double> prompt_alt_logprobs;
+  // When asked: [P, R, k] row-major, the experts of each prompt token in each routed layer. A
+  // sample's datum prompt + tokens[:-1] replays prompt_routed_experts then its routed_experts.
+  std::vector<int64_t> prompt_routed_experts;
 };
 
 struct SampleLimits {

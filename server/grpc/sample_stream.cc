@@ -160,6 +160,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* NewSampleStreamReactor(
         "that is not valid UTF-8)"));
     return reactor;
   }
+  if (req.routed_experts()) {
+    reactor->Fail(absl::InvalidArgumentError(
+        "routed_experts: SampleStream does not return routes; ask Sample for them"));
+    return reactor;
+  }
   reactor->Start(sampling, *tenant, req);
   return reactor;
 }

@@ -71,7 +71,10 @@ v1::SampleResponse ToProto(const SampleResult& r) {
                                                             : v1::STOP_REASON_LENGTH);
     for (const TopLogprobs& row : s.topk_logprobs)
       TopLogprobsToProto(row, seq->add_topk_logprobs());
+    seq->mutable_routed_experts()->Add(s.routed_experts.begin(), s.routed_experts.end());
   }
+  out.mutable_prompt_routed_experts()->Add(r.prompt_routed_experts.begin(),
+                                           r.prompt_routed_experts.end());
   out.mutable_prompt_logprobs()->Add(r.prompt_logprobs.begin(), r.prompt_logprobs.end());
   for (const TopLogprobs& row : r.topk_prompt_logprobs) {
     TopLogprobsToProto(row, out.add_topk_prompt_logprobs());
@@ -137,6 +140,7 @@ absl::StatusOr<SampleRequest> Sampling::Decode(const v1::SampleRequest& req) {
   r.prompt_logprobs_last_n = req.prompt_logprobs_last_n();
   r.topk_sample_logprobs = req.topk_sample_logprobs();
   r.prompt_alt_tokens_k = req.prompt_alt_tokens_k();
+  r.routed_experts = req.routed_experts();
   if (req.has_target_prompt_logprobs()) {
     RETURN_IF_ERROR(TargetIds(req.target_prompt_logprobs(), r));
   }

@@ -130,6 +130,9 @@ inline v1::Datum ToProto(const Datum& d) {
       pt.set_data(std::string(reinterpret_cast<const char*>(t.float32_data.data()),
                               t.float32_data.size() * 4));
     }
+    // A 1-D tensor's shape is its length (the server reads an unset shape so); a [T, R, k] one
+    // needs its own.
+    if (t.shape.size() > 1) pt.mutable_shape()->Add(t.shape.begin(), t.shape.end());
   }
   return out;
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -71,14 +72,23 @@ TEST(SamplingE2E, StopStringsEndSamplesWhereTheirTextFirstAppears) {
 }
 
 // Forward's logprobs of `continuation` after kPrompt.
+// `routes`: the datum's routed_experts, [T, R, k] flat (R·k = route_width), when non-empty.
 std::vector<float> ForwardLogprobs(LiveServer& live, const std::string& model, int64_t seq,
-                                   const std::vector<int64_t>& continuation) {
+                                   const std::vector<int64_t>& continuation,
+                                   const std::vector<int64_t>& routes = {},
+                                   std::vector<int64_t> route_shape = {}) {
   std::vector<int64_t> all = kPrompt;
   all.insert(all.end(), continuation.begin(), continuation.end());
   Datum d;
   d.tokens.assign(all.begin(), all.end() - 1);
   d.loss_fn_inputs["target_tokens"] = TensorData::Int64({all.begin() + 1, all.end()});
   d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
+  if (!routes.empty()) {
+    TensorData t = TensorData::Int64(routes);
+    route_shape.insert(route_shape.begin(), static_cast<int64_t>(d.tokens.size()));
+    t.shape = route_shape;
+    d.loss_fn_inputs["routed_experts"] = t;
+  }
   grpc::ClientContext ctx;
   v1::ForwardBackwardOutput out;
   const grpc::Status st = live.stub->Forward(&ctx, MakeRequest(model, seq, {d}), &out);
@@ -128,6 +138,60 @@ TEST(SamplingE2e, SampleAndComputeLogprobsAgreeWithForward) {
   for (int t = 0; t < resp.sequences(1).tokens_size(); ++t) {
     EXPECT_EQ(again.sequences(1).tokens(t), resp.sequences(1).tokens(t));
   }
+}
+
+// Router replay over gRPC on a mixture of experts: Sample returns every token's experts, and a
+// Forward that sends them back as routed_experts computes the same logprobs, to the bit; a
+// trajectory with a token moved to another expert does not. SampleStream and a dense model
+// refuse the field by name.
+TEST(SamplingE2e, SampledRoutesReplayThroughTheTrainer) {
+  LiveServer live({}, 4096, ComputeDType::kFloat64, false, 0, "qwen3_moe");
+  const std::string model = live.CreateModel();
+  v1::SampleRequest req = SampleReq(model, 5);
+  req.set_routed_experts(true);
+  v1::SampleResponse resp;
+  grpc::Status st = Sample(live, req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  const ModelConfig config = TinyConfig("qwen3_moe");
+  const int64_t width = config.moe.RoutedLayers() * config.moe.top_k;
+  ASSERT_EQ(resp.prompt_routed_experts_size(), static_cast<int>(kPrompt.size() * width));
+  const v1::SampledSequence& s = resp.sequences(0);
+  ASSERT_EQ(s.routed_experts_size(), (s.tokens_size() - 1) * width);
+  std::vector<int64_t> routes(resp.prompt_routed_experts().begin(),
+                              resp.prompt_routed_experts().end());
+  routes.insert(routes.end(), s.routed_experts().begin(), s.routed_experts().end());
+  const std::vector<int64_t> tokens(s.tokens().begin(), s.tokens().end());
+  const std::vector<int64_t> shape = {config.moe.RoutedLayers(), config.moe.top_k};
+  const std::vector<float> own = ForwardLogprobs(live, model, 1, tokens);
+  ASSERT_EQ(own.size(), kPrompt.size() + tokens.size() - 1);
+  EXPECT_EQ(ForwardLogprobs(live, model, 2, tokens, routes, shape), own);
+  std::vector<int64_t> moved = routes;
+  const size_t at = (kPrompt.size() + 2) * width;  // the third sampled token's first choice
+  for (int64_t e = 0; e < config.moe.num_experts; ++e) {
+    if (std::find(moved.begin() + at, moved.begin() + at + width, e) ==
+        moved.begin() + at + width) {
+      moved[at] = e;
+      break;
+    }
+  }
+  EXPECT_NE(ForwardLogprobs(live, model, 3, tokens, moved, shape), own);
+
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReader<v1::SampleStreamResponse>> stream =
+      live.stub->SampleStream(&ctx, req);
+  v1::SampleStreamResponse message;
+  while (stream->Read(&message)) {
+  }
+  const grpc::Status refused = stream->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("routed_experts"), std::string::npos);
+
+  LiveServer dense;
+  v1::SampleRequest dense_req = SampleReq(dense.CreateModel(), 5);
+  dense_req.set_routed_experts(true);
+  st = Sample(dense, dense_req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("routed_experts"), std::string::npos) << st.error_message();
 }
 
 TEST(SamplingE2e, ASamplerKeepsItsPolicyWhileTheModelTrains) {

@@ -68,6 +68,7 @@ at::Tensor Reference(const at::Tensor& x64_TD, const Experts& w, bool normalize,
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
     order.resize(K);
     (*picks)[t] = order;
+    std::sort((*picks)[t].begin(), (*picks)[t].end());  // the kernel returns them by expert
     double kept = 0;
     for (int64_t e : order) kept += p[e];
     for (int64_t e : order) {
@@ -173,7 +174,9 @@ TEST(RoutedExperts, DeviceFloat32EqualsTheReference) {
   // 2e-5 is that with a margin for the softmax's exp, and far below a swapped expert (O(1)).
   EXPECT_LE(RelErr(got, want), 2e-5);
   for (int64_t t = 0; t < T; ++t) {
-    EXPECT_EQ(routing.experts_Tk[t][0].item<int64_t>(), picks[t][0]) << t;
+    for (int64_t j = 0; j < K; ++j) {
+      EXPECT_EQ(routing.experts_Tk[t][j].item<int64_t>(), picks[t][j]) << t << "," << j;
+    }
   }
 }
 
@@ -215,11 +218,11 @@ TEST(RoutedExperts, AMisroutedTokenIsSeen) {
   kernels::Routing routing;
   Kernel(x, w, true, false, &routing);
   kernels::Routing broken = routing;
-  broken.token_S = routing.token_S.clone();
+  broken.order_S = routing.order_S.clone();
   const int64_t last = T * K - 1;
-  broken.token_S[0] = routing.token_S[last].item<int64_t>();
-  broken.token_S[last] = routing.token_S[0].item<int64_t>();
-  ASSERT_NE(routing.token_S[0].item<int64_t>(), routing.token_S[last].item<int64_t>());
+  broken.order_S[0] = routing.order_S[last].item<int64_t>();
+  broken.order_S[last] = routing.order_S[0].item<int64_t>();
+  ASSERT_NE(routing.order_S[0].item<int64_t>() / K, routing.order_S[last].item<int64_t>() / K);
   const at::Tensor got = kernels::RoutedExperts({x, &broken, [&](int64_t e, const at::Tensor& xe) {
                                                    const at::Tensor act =
                                                        at::silu(at::matmul(xe, w.gate_EID[e].t())) *
@@ -240,7 +243,9 @@ TEST(RoutedExperts, ReplayedRoutesAreUsed) {
   const at::Tensor other = (routing.experts_Tk + 1).remainder(E);
   kernels::Routing replayed;
   const at::Tensor got = Kernel(x, w, true, false, &replayed, other);
-  EXPECT_TRUE(at::equal(replayed.experts_Tk, other));
+  EXPECT_TRUE(at::equal(replayed.experts_Tk, std::get<0>(other.sort(1))));
+  // The same routes in another order within a token: the same bits.
+  EXPECT_TRUE(at::equal(Kernel(x, w, true, false, nullptr, routing.experts_Tk.flip(1)), computed));
   EXPECT_GT(RelErr(got, computed), 1e-3);
   // The replayed output by the dense form with those choices.
   const at::Tensor want = Dense(x, w, other);

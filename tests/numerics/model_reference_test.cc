@@ -142,7 +142,12 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
     // (default 28) on, when use_sliding_window; an explicit layer_types list says which.
     c.layer_slides.assign(static_cast<size_t>(c.layers), mistral || mixtral);
     if (mistral || mixtral) c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
-    if ((qwen2 || qwen3 || qwen3_moe) && Field<bool>(j, "use_sliding_window", false)) {
+    // Qwen3-MoE's config has no max_window_layers: with use_sliding_window every layer slides.
+    if (qwen3_moe && Field<bool>(j, "use_sliding_window", false)) {
+      c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
+      c.layer_slides.assign(static_cast<size_t>(c.layers), true);
+    }
+    if ((qwen2 || qwen3) && Field<bool>(j, "use_sliding_window", false)) {
       c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
       const int64_t first = Field<int64_t>(j, "max_window_layers", 28);
       for (int64_t l = first; l < c.layers; ++l) c.layer_slides[static_cast<size_t>(l)] = true;

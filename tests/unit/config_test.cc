@@ -82,6 +82,29 @@ TEST(ModelConfig, SparseStepAndDenseLayersChooseTheRoutedLayers) {
   EXPECT_EQ(c->head_dim, 8) << "Qwen3-MoE's head_dim defaults to hidden / heads";
 }
 
+// transformers 5 writes Qwen3-MoE's expert count as num_local_experts; its sliding window (when
+// use_sliding_window) covers every layer, with no max_window_layers.
+TEST(ModelConfig, Transformers5Qwen3MoeKeysParse) {
+  const std::string base = R"({"architectures":["Qwen3MoeForCausalLM"],"vocab_size":10,
+    "hidden_size":16,"intermediate_size":32,"num_hidden_layers":3,"num_attention_heads":2,
+    "num_experts_per_tok":2,"moe_intermediate_size":8,)";
+  auto alias = ParseModelConfig(base + R"("num_local_experts":6})");
+  ASSERT_TRUE(alias.ok()) << alias.status().message();
+  EXPECT_EQ(alias->moe.num_experts, 6);
+  auto both = ParseModelConfig(base + R"("num_local_experts":6,"num_experts":6})");
+  ASSERT_TRUE(both.ok()) << both.status().message();
+  auto disagree = ParseModelConfig(base + R"("num_local_experts":6,"num_experts":4})");
+  EXPECT_NE(disagree.status().message().find("num_local_experts"), std::string::npos);
+  auto sliding = ParseModelConfig(
+      base +
+      R"("num_experts":4,"use_sliding_window":true,"sliding_window":16,"max_window_layers":2})");
+  ASSERT_TRUE(sliding.ok()) << sliding.status().message();
+  for (int64_t l = 0; l < 3; ++l) EXPECT_EQ(sliding->WindowOf(l), 16) << l;
+  auto again = ParseModelConfig(ModelConfigToJson(*sliding));
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  for (int64_t l = 0; l < 3; ++l) EXPECT_EQ(again->WindowOf(l), 16) << l;
+}
+
 TEST(ModelConfig, BadExpertSettingsAreNamed) {
   const std::string base = R"({"architectures":["Qwen3MoeForCausalLM"],"vocab_size":10,
     "hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":2,)";
