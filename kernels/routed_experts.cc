@@ -23,13 +23,16 @@ Routing Route(const RouteParams& p) {
                 "Route: a replayed expert is out of range");
     // p at the chosen experts, ordered as top-k orders them, so that the renormalizing sum adds
     // in the same order (a row that routes itself gets its top-k values back, bit for bit).
-    const at::Tensor chosen_Tk = at::where(replay_Tk >= 0, replay_Tk, e_Tk);
+    const at::Tensor chosen_Tk =
+        at::where((replay_Tk < 0).any(1, /*keepdim=*/true), e_Tk, replay_Tk);
     at::Tensor by_p_Tk;
     std::tie(w_Tk, by_p_Tk) =
         at::sort(p_TE.gather(1, chosen_Tk), /*stable=*/true, /*dim=*/1, /*descending=*/true);
     e_Tk = chosen_Tk.gather(1, by_p_Tk);
   }
-  if (p.normalize) w_Tk = w_Tk / w_Tk.sum(-1, /*keepdim=*/true);
+  // Replayed experts the router gives no probability at all would divide 0 by 0; honest ones
+  // never reach the floor (the sum is at least the largest p, ≥ 1/E).
+  if (p.normalize) w_Tk = w_Tk / w_Tk.sum(-1, /*keepdim=*/true).clamp_min(1e-30);
   // A token's choices in ascending expert order: the order in which Hugging Face adds its
   // experts' outputs, and the order routes are returned and replayed in.
   at::Tensor by_expert_Tk;

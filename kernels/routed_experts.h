@@ -33,7 +33,7 @@ struct RouteParams {
   int64_t top_k = 1;
   bool normalize = false;
   bool wide_weights = false;  // w kept in fp32 (fp64), as Mixtral keeps it
-  // Defined: these choices [T, k] (int64, each in [0, E), or a row of -1: that token's own top-k)
+  // Defined: these choices [T, k] (int64, each in [0, E); a row holding a -1: that token's top-k)
   // are used instead of the top-k (router replay); w is then p at them.
   at::Tensor experts_Tk;
 };

@@ -409,9 +409,9 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
           : BuildRopeTables(c, batch.cu_seqlens, w.embed_VD.options().dtype(dt), past);
   at::Tensor h_TD = at::embedding(w.embed_VD, batch.tokens_T).to(dt);
   // A recomputed layer would record its routes again in the backward: recording is inference's.
-  const RouteIo routes{batch.routes_TRk, options.recompute_layers && options.kv == nullptr
-                                             ? nullptr
-                                             : options.on_routes};
+  const bool recomputes =
+      (options.recompute_layers && options.kv == nullptr) || options.layers != nullptr;
+  const RouteIo routes{batch.routes_TRk, recomputes ? nullptr : options.on_routes};
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const auto index = static_cast<int64_t>(l);

@@ -304,6 +304,8 @@ void SampleEngine::Prefill(const std::vector<Job*>& jobs) {
       const at::Tensor mine = all_TRk.narrow(0, cu[i], cu[i + 1] - cu[i]).contiguous();
       jobs[i]->result.prompt_routed_experts.assign(mine.data_ptr<int64_t>(),
                                                    mine.data_ptr<int64_t>() + mine.numel());
+      jobs[i]->result.routed_layers = all_TRk.size(1);
+      jobs[i]->result.experts_per_token = all_TRk.size(2);
     }
   }
   // Every prompt's next-token logits in one head: its last row.

@@ -103,6 +103,7 @@ struct SampleResult {
   // When asked: [P, R, k] row-major, the experts of each prompt token in each routed layer. A
   // sample's datum prompt + tokens[:-1] replays prompt_routed_experts then its routed_experts.
   std::vector<int64_t> prompt_routed_experts;
+  int64_t routed_layers = 0, experts_per_token = 0;  // R and k, when asked
 };
 
 struct SampleLimits {

@@ -75,6 +75,8 @@ v1::SampleResponse ToProto(const SampleResult& r) {
   }
   out.mutable_prompt_routed_experts()->Add(r.prompt_routed_experts.begin(),
                                            r.prompt_routed_experts.end());
+  out.set_routed_layers(static_cast<int32_t>(r.routed_layers));
+  out.set_experts_per_token(static_cast<int32_t>(r.experts_per_token));
   out.mutable_prompt_logprobs()->Add(r.prompt_logprobs.begin(), r.prompt_logprobs.end());
   for (const TopLogprobs& row : r.topk_prompt_logprobs) {
     TopLogprobsToProto(row, out.add_topk_prompt_logprobs());

@@ -244,6 +244,10 @@ TEST(RoutedExperts, ReplayedRoutesAreUsed) {
   kernels::Routing replayed;
   const at::Tensor got = Kernel(x, w, true, false, &replayed, other);
   EXPECT_TRUE(at::equal(replayed.experts_Tk, std::get<0>(other.sort(1))));
+  // A row holding a -1 routes itself, whatever else it holds.
+  at::Tensor partly = other.clone();
+  partly.select(1, 1).fill_(-1);
+  EXPECT_TRUE(at::equal(Kernel(x, w, true, false, nullptr, partly), computed));
   // The same routes in another order within a token: the same bits.
   EXPECT_TRUE(at::equal(Kernel(x, w, true, false, nullptr, routing.experts_Tk.flip(1)), computed));
   EXPECT_GT(RelErr(got, computed), 1e-3);

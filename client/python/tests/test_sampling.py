@@ -4,13 +4,14 @@ order, seeds repeat, errors name their field."""
 import os
 import re
 import subprocess
+import tempfile
 
 import grpc
 import numpy as np
 import pytest
 
 import tinkerd
-from conftest import REPO, wait_for
+from conftest import REPO, Server, wait_for
 
 PROMPT = [3, 17, 42, 8, 99, 5]
 
@@ -157,3 +158,47 @@ def test_a_cancelled_sample_stream_stops_its_samples(conn, server):
     done = sum(len(d.tokens) for d in sampler.sample_stream(PROMPT, max_tokens=20, num_samples=4))
     assert done == 80
     assert server.metric("tinkerd_sampled_tokens_total") == tokens_before + 80
+
+
+@pytest.fixture(scope="module")
+def moe_server():
+    """tinkerd on a Qwen3-MoE-shaped model written by tools/make_tiny_model."""
+    model = tempfile.TemporaryDirectory(prefix="tinkerd-pytest-moe-")
+    tool = os.environ.get("MAKE_TINY_MODEL", os.path.join(REPO, "build/tools/make_tiny_model"))
+    subprocess.run([tool, f"--out={model.name}", "--family=qwen3_moe"], check=True,
+                   stdout=subprocess.DEVNULL)
+    s = Server(64, f"--base_model={model.name}")
+    yield s
+    s.stop()
+    model.cleanup()
+
+
+def test_sampled_routes_replay_through_the_trainer(moe_server):
+    """Router replay: the routes a sample returns, sent back with its trajectory, give the
+    trainer's own logprobs (the same routes); another expert for one token changes them."""
+    with tinkerd.Connection(moe_server.target, max_attempts=3) as c:
+        trainer = c.create_training_client(lora_rank=4, seed=3)
+        out = c.sampling_client(model_id=trainer.model_id).sample(
+            PROMPT, max_tokens=6, num_samples=2, seed=9, routed_experts=True).result()
+        s = out.sequences[0]
+        routes = out.routes(0)
+        assert routes.shape == (len(PROMPT) + len(s.tokens) - 1, 1, 2)  # 1 routed layer, top 2
+        tokens = PROMPT + list(s.tokens)
+
+        def logprobs(replayed):
+            kw = {"routed_experts": replayed} if replayed is not None else {}
+            d = tinkerd.datum(tokens[:-1], target_tokens=tokens[1:],
+                              weights=np.ones(len(tokens) - 1), **kw)
+            return trainer.forward([d]).result().logprobs[0]
+
+        own = logprobs(None)
+        np.testing.assert_array_equal(logprobs(routes), own)
+        moved = routes.copy()
+        moved[3, 0, 0] = next(e for e in range(8) if e not in moved[3, 0])
+        changed = logprobs(moved)
+        np.testing.assert_array_equal(changed[:3], own[:3])
+        assert changed[3] != own[3]
+        with pytest.raises(tinkerd.TinkerdError) as error:
+            logprobs(routes[:, :, :1])
+        assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "routed_experts" in error.value.message

@@ -26,6 +26,8 @@ class SampledSequence:
     tokens: np.ndarray    # int64 [N]
     logprobs: np.ndarray  # float64 [N]: log p(token | context) under the model, at temperature 1
     stop_reason: str      # "length" (max_tokens) or "stop" (a stop sequence, kept in tokens)
+    # int64 [N - 1, R, k] when routed_experts was asked: the experts of each token fed back
+    routed_experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -33,18 +35,30 @@ class SampleOutput:
     sequences: list[SampledSequence]
     prompt_logprobs: np.ndarray | None  # float64 [P], NaN at 0; when asked
     topk_prompt_logprobs: list[list[tuple[int, float]]] | None  # [P], most likely first
+    prompt_routed_experts: np.ndarray | None = None  # int64 [P, R, k]; when asked
+
+    def routes(self, i: int) -> np.ndarray:
+        """Sample i's trajectory routes, int64 [P + N - 1, R, k]: what a datum of prompt +
+        tokens[:-1] sends as routed_experts (router replay, docs/sampling.md)."""
+        return np.concatenate([self.prompt_routed_experts, self.sequences[i].routed_experts])
 
     @staticmethod
     def from_proto(reply: pb.SampleResponse, prompt_logprobs: bool,
-                   topk: int) -> "SampleOutput":
+                   topk: int, routed_experts: bool = False) -> "SampleOutput":
+        width = (-1, reply.routed_layers, reply.experts_per_token)
+
+        def routes(values):
+            return np.array(values, dtype=np.int64).reshape(width) if routed_experts else None
+
         sequences = [SampledSequence(np.array(s.tokens, dtype=np.int64),
                                      np.array(s.logprobs, dtype=np.float64),
-                                     _STOP_REASONS.get(s.stop_reason, "unspecified"))
+                                     _STOP_REASONS.get(s.stop_reason, "unspecified"),
+                                     routes(s.routed_experts))
                      for s in reply.sequences]
         prompt = np.array(reply.prompt_logprobs, dtype=np.float64) if prompt_logprobs else None
         top = ([list(zip(t.tokens, t.logprobs)) for t in reply.topk_prompt_logprobs]
                if topk > 0 else None)
-        return SampleOutput(sequences, prompt, top)
+        return SampleOutput(sequences, prompt, top, routes(reply.prompt_routed_experts))
 
 
 @dataclasses.dataclass
@@ -117,14 +131,18 @@ class SamplingClient:
     def sample(self, prompt: Sequence[int], *, max_tokens: int, num_samples: int = 1,
                temperature: float | None = None, top_k: int = 0, top_p: float | None = None,
                seed: int | None = None, stop: Iterable[Sequence[int]] = (),
-               prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0):
+               prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+               routed_experts: bool = False):
         """`num_samples` completions of `prompt` sharing its prefill. temperature 0 is greedy;
-        a seed makes the tokens the same on every run. Future of SampleOutput."""
+        a seed makes the tokens the same on every run. `routed_experts` (a mixture of experts):
+        also every token's experts, for router replay (SampleOutput.routes). Future of
+        SampleOutput."""
         request = self._request(prompt, max_tokens, num_samples, temperature, top_k, top_p, seed,
                                 stop, prompt_logprobs, topk_prompt_logprobs)
+        request.routed_experts = routed_experts
         return self.connection.submit_sampling(lambda: SampleOutput.from_proto(
             self.connection.call(self.connection.stub.Sample, request), prompt_logprobs,
-            topk_prompt_logprobs))
+            topk_prompt_logprobs, routed_experts))
 
     def sample_stream(self, prompt: Sequence[int], *, max_tokens: int, num_samples: int = 1,
                       temperature: float | None = None, top_k: int = 0,
