@@ -84,21 +84,23 @@ absl::Status CheckRoutes(size_t i, const TensorData& t, int64_t T, const ModelLi
   const int64_t k = limits.top_k;
   RETURN_IF_ERROR(CheckShape(i, key, t, {T, limits.routed_layers, k}));
   if (t.shape.empty()) return Field(i, key, "must be [T, routed layers, experts per token]");
+  // Where row `row` (a token's k experts in one layer) sits, for the messages.
+  auto at = [&](size_t row) {
+    const auto r = static_cast<int64_t>(row) / k;
+    return absl::StrCat("position ", r / limits.routed_layers, ", routed layer ",
+                        r % limits.routed_layers);
+  };
   for (size_t row = 0; row < t.int64_data.size(); row += static_cast<size_t>(k)) {
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = t.int64_data[row + static_cast<size_t>(j)];
-      const int64_t token = static_cast<int64_t>(row) / (k * limits.routed_layers);
-      const int64_t layer = static_cast<int64_t>(row) / k % limits.routed_layers;
       if (e < 0 || e >= limits.experts) {
-        return Field(i, key,
-                     absl::StrCat("expert ", e, " at position ", token, ", routed layer ", layer,
-                                  " is outside [0, ", limits.experts, ")"));
+        return Field(
+            i, key,
+            absl::StrCat("expert ", e, " at ", at(row), " is outside [0, ", limits.experts, ")"));
       }
       for (int64_t other = 0; other < j; ++other) {
         if (t.int64_data[row + static_cast<size_t>(other)] == e) {
-          return Field(i, key,
-                       absl::StrCat("expert ", e, " appears twice at position ", token,
-                                    ", routed layer ", layer));
+          return Field(i, key, absl::StrCat("expert ", e, " appears twice at ", at(row)));
         }
       }
     }

@@ -123,6 +123,19 @@ bool SharesBase(const Policy& a, const Policy& b) {
          a.weights.Shares(b.weights);
 }
 
+// Every row's experts in each routed layer of one forward (ForwardOptions::on_routes), on the host.
+struct RouteLog {
+  std::vector<at::Tensor> layers_Nk;  // by routed index
+
+  void Attach(ForwardOptions& options) {
+    options.on_routes = [this](int64_t routed, const at::Tensor& experts_Nk) {
+      if (layers_Nk.size() <= static_cast<size_t>(routed)) layers_Nk.resize(routed + 1);
+      layers_Nk[routed] = experts_Nk.cpu();
+    };
+  }
+  at::Tensor Stacked() const { return at::stack(layers_Nk, 1).contiguous(); }  // [N, R, k]
+};
+
 ForwardOptions Options(const Policy& p, const KvStep* kv) {
   return ForwardOptions{
       .recompute_layers = false, .compute_dtype = p.compute_dtype, .rope = p.rope.get(), .kv = kv};
@@ -289,16 +302,11 @@ void SampleEngine::Prefill(const std::vector<Job*>& jobs) {
   ForwardOptions options = Options(pol, &kv);
   const bool routes =
       std::any_of(jobs.begin(), jobs.end(), [](const Job* j) { return j->request.routed_experts; });
-  std::vector<at::Tensor> routes_LTk;  // per routed layer
-  if (routes) {
-    options.on_routes = [&routes_LTk](int64_t routed, const at::Tensor& experts_Tk) {
-      routes_LTk.resize(std::max<size_t>(routes_LTk.size(), routed + 1));
-      routes_LTk[routed] = experts_Tk.cpu();
-    };
-  }
+  RouteLog log;
+  if (routes) log.Attach(options);
   const at::Tensor hidden_TD = ForwardHidden(pol.config, pol.weights, LoraOf(pol), batch, options);
   if (routes) {
-    const at::Tensor all_TRk = at::stack(routes_LTk, 1).contiguous();
+    const at::Tensor all_TRk = log.Stacked();
     for (size_t i = 0; i < jobs.size(); ++i) {
       if (!jobs[i]->request.routed_experts) continue;
       const at::Tensor mine = all_TRk.narrow(0, cu[i], cu[i + 1] - cu[i]).contiguous();
@@ -474,17 +482,12 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   ForwardOptions options = Options(pol, &kv);
   const bool routes = std::any_of(batch.begin(), batch.end(),
                                   [](const auto& b) { return b.first->request.routed_experts; });
-  std::vector<at::Tensor> routes_LSk;  // per routed layer
-  if (routes) {
-    options.on_routes = [&routes_LSk](int64_t routed, const at::Tensor& experts_Sk) {
-      routes_LSk.resize(std::max<size_t>(routes_LSk.size(), routed + 1));
-      routes_LSk[routed] = experts_Sk.cpu();
-    };
-  }
+  RouteLog log;
+  if (routes) log.Attach(options);
   const PackedBatch packed{Tokens(tokens, pol.device), cu_q};
   const at::Tensor hidden_SD = ForwardHidden(pol.config, pol.weights, lora, packed, options);
   // Each fed-back token's experts, appended once the step is sure to be kept (below).
-  const at::Tensor routes_SRk = routes ? at::stack(routes_LSk, 1).contiguous() : at::Tensor();
+  const at::Tensor routes_SRk = routes ? log.Stacked() : at::Tensor();
   const at::Tensor z_SV = Logits(runs, hidden_SD).cpu().contiguous();
   const int64_t V = z_SV.size(1);
   // Every token is chosen (on copies of the generators) before any sample changes, so a failure
