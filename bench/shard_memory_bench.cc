@@ -99,6 +99,14 @@ class CountingCollectives final : public Collectives {
   absl::Status BroadcastBytes(std::string& bytes_, int root) override {
     return inner_->BroadcastBytes(bytes_, root);
   }
+  absl::StatusOr<at::Tensor> AllToAll(const at::Tensor& in_ND,
+                                      const std::vector<int64_t>& send_rows,
+                                      const std::vector<int64_t>& recv_rows) override {
+    return inner_->AllToAll(in_ND, send_rows, recv_rows);
+  }
+  absl::StatusOr<std::shared_ptr<Collectives>> Subgroup(const std::vector<int>& ranks) override {
+    return inner_->Subgroup(ranks);
+  }
   int64_t bytes = 0;
 
  private:

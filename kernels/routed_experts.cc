@@ -50,22 +50,32 @@ Routing Route(const RouteParams& p) {
   return r;
 }
 
+at::Tensor RunSlots(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
+                    const ExpertFn& expert, bool every_expert) {
+  const std::vector<at::Tensor> x_ND = x_SD.split_with_sizes(rows_E);
+  std::vector<at::Tensor> y_ND;
+  for (size_t e = 0; e < rows_E.size(); ++e) {
+    if (rows_E[e] > 0 || every_expert) y_ND.push_back(expert(static_cast<int64_t>(e), x_ND[e]));
+  }
+  // No rows: empty, and still in x's graph, so that a backward reaches whatever produced x_SD
+  // (expert parallelism's exchange, which every rank's backward must run).
+  if (y_ND.empty()) return x_SD * 0;
+  return at::cat(y_ND);
+}
+
 at::Tensor RoutedExperts(const RoutedExpertsParams& p) {
   const Routing& r = *p.routing;
   const int64_t T = p.x_TD.size(0), D = p.x_TD.size(1), k = r.experts_Tk.size(1);
   TORCH_CHECK(r.experts_Tk.size(0) == T, "RoutedExperts: routing is for another batch");
-  if (T == 0) return at::zeros_like(p.x_TD);
+  if (T == 0 && !p.slots) return at::zeros_like(p.x_TD);
   // Each token's row k times, then the slots in expert order: a permutation, so the backward's
   // index_add writes every row once (no colliding adds), and the sum over a token's k copies is
   // the expand's, in a fixed order.
   const at::Tensor x_SD =
       p.x_TD.unsqueeze(1).expand({T, k, D}).reshape({T * k, D}).index_select(0, r.order_S);
-  const std::vector<at::Tensor> x_ND = x_SD.split_with_sizes(r.rows_E);
-  std::vector<at::Tensor> y_ND;
-  for (size_t e = 0; e < r.rows_E.size(); ++e) {
-    if (r.rows_E[e] > 0) y_ND.push_back(p.expert(static_cast<int64_t>(e), x_ND[e]));
-  }
-  const at::Tensor y_TkD = at::cat(y_ND).index_select(0, r.inverse_S).view({T, k, D});
+  const at::Tensor y_SD =
+      p.slots ? p.slots(x_SD, r.rows_E, p.expert) : RunSlots(x_SD, r.rows_E, p.expert);
+  const at::Tensor y_TkD = y_SD.index_select(0, r.inverse_S).view({T, k, D});
   const at::ScalarType dt = p.x_TD.scalar_type();
   // Choice by choice in ascending expert order, each product (in the weights' dtype) cast to x's
   // dtype before it is added, as Hugging Face's index_add into an x-typed sum does.

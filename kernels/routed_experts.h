@@ -52,12 +52,24 @@ Routing Route(const RouteParams& p);
 // expert(e, x_ND) -> [N, D]: expert e on its rows (called only for experts with rows).
 using ExpertFn = std::function<at::Tensor(int64_t expert, const at::Tensor& x_ND)>;
 
+// The outputs [S, D] of the slots x_SD, sorted by expert (rows_E per expert), in that order.
+// Unset: each expert with rows runs here, once, over them. Expert parallelism sends the rows to the
+// ranks holding their experts and brings the outputs back (runner/dist/expert_parallel.h).
+using SlotsFn = std::function<at::Tensor(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
+                                         const ExpertFn& expert)>;
+
 struct RoutedExpertsParams {
   at::Tensor x_TD;
   const Routing* routing = nullptr;
   ExpertFn expert;
+  SlotsFn slots;
 };
 
 at::Tensor RoutedExperts(const RoutedExpertsParams& p);
+
+// SlotsFn's default: `expert` over each expert's rows of x_SD, here; with `every_expert`, also
+// over none (so that the result is in every expert's graph whatever the routing).
+at::Tensor RunSlots(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
+                    const ExpertFn& expert, bool every_expert = false);
 
 }  // namespace tinkerd::kernels

@@ -26,6 +26,7 @@
 #include "runner/checkpoint/state_io.h"
 #include "runner/checkpoint/store.h"
 #include "runner/dist/collectives.h"
+#include "runner/dist/expert_parallel.h"
 #include "runner/joint_call.h"
 #include "runner/model/safetensors.h"
 #include "runner/model/tiny_model.h"
@@ -103,6 +104,9 @@ struct ModelRunner::Impl {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
+  // Under --expert_parallel > 1: which experts this rank holds, and their exchange; `base` then
+  // holds those experts alone.
+  std::unique_ptr<ExpertParallel> experts;
   uint64_t base_fingerprint = 0;
   std::shared_ptr<RopeCache> rope;          // cos/sin rows shared by every model and policy
   std::shared_ptr<const TokenTexts> texts;  // the base's tokenizer, if its directory has one
@@ -145,17 +149,32 @@ struct ModelRunner::Impl {
     return {&model_config, &base, collectives.get(), dtype, device, config.micro_batch_tokens,
             ForwardOptions{.recompute_layers = config.activation_checkpointing,
                            .compute_dtype = dtype,
-                           .rope = rope.get()},
+                           .rope = rope.get(),
+                           .expert_slots = experts ? experts->Slots() : nullptr},
             // On a GPU a call reserves nothing: runner/call_memory.h's estimate is the CPU
             // kernels' (several times what the ~1.1B bench row takes on an H100), and the
             // caching allocator's out-of-memory is the call's RESOURCE_EXHAUSTED there.
-            device.is_cuda() ? nullptr : account.get()};
+            device.is_cuda() ? nullptr : account.get(), experts.get()};
   }
   absl::StatusOr<ModelState*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = models.find(id);
     if (it == models.end())
       return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(id), "'"));
     return &it->second;
+  }
+  // The modules this rank adapts (LoraAdapter::Keep): other ranks' experts are theirs.
+  LoraAdapter::Keep Keep() const {
+    if (experts == nullptr) return nullptr;
+    return [e = experts.get()](const std::string& module) { return e->Keeps(module + "."); };
+  }
+  // What is not built yet for a server whose experts are spread over the ranks.
+  absl::Status AllExperts(const char* what) const {
+    if (experts == nullptr) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": this server spreads each layer's experts over groups of ", experts->size(),
+        " ranks (--expert_parallel), and sampling or exporting from it is not built yet: "
+        "save_state the model, and load that checkpoint into a server run without "
+        "--expert_parallel to sample or export it"));
   }
   // What is not built yet for a full fine-tune whose parameters are sharded (--shard=full).
   static absl::Status Unsharded(const ModelState& t, const char* what) {
@@ -174,7 +193,7 @@ struct ModelRunner::Impl {
     int64_t values = 0;
     if (options.lora) {
       RETURN_IF_ERROR(LoraAdapter::Validate(*options.lora));
-      values = LoraAdapter::CountValues(model_config, *options.lora);
+      values = LoraAdapter::CountValues(model_config, *options.lora, Keep());
     } else {
       for (const auto& [name, w] : base.Named(model_config)) {
         values += w.numel();
@@ -223,6 +242,42 @@ struct ModelRunner::Impl {
   // capacity is config.memory_budget_bytes, or DefaultMemoryBudget().
   std::shared_ptr<MemoryAccount> account;
 
+  // Whether checkpoint `s` fits model `t`. Under expert parallelism each rank checks the tensors
+  // it holds and the count of the others', and drops the others' from `s` (AgreeOnLoad then
+  // makes the outcome every rank's).
+  absl::Status Check(const ModelState& t, LoadedState& s) const {
+    if (t.sharded) return CheckShardedCompatible(t, s);
+    if (experts == nullptr) return CheckCompatible(t, s);
+    int64_t replicated = 0, held = 0;
+    for (const auto& [name, p] : t.params)
+      ++(ExpertParallel::ExpertOf(name) >= 0 ? held : replicated);
+    const auto expected = static_cast<size_t>(replicated + held * experts->size());
+    for (auto* m : {&s.params, &s.exp_avg, &s.exp_avg_sq, &s.grad_sum}) {
+      if (m != &s.grad_sum && m->size() != expected && !m->empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint holds ", m->size(), " tensors where this model has ", expected));
+      }
+      std::erase_if(*m, [&](const auto& kv) { return !experts->Keeps(kv.first); });
+    }
+    absl::Status st =
+        s.params.size() == t.params.size()
+            ? CheckCompatible(t, s)
+            : absl::FailedPreconditionError("checkpoint lacks tensors of this rank's experts");
+    return st;
+  }
+  // Under expert parallelism a load's outcome is every rank's (each checked only its own
+  // experts): the ranks agree on `local`, which every rank reaches whatever failed before it.
+  absl::Status AgreeOnLoad(absl::Status local) const {
+    if (experts == nullptr) return local;
+    bool ok = local.ok();
+    RETURN_IF_ERROR(collectives->AllAgree(ok));
+    if (!ok && local.ok()) {
+      return absl::FailedPreconditionError(
+          "load_state: the checkpoint could not be loaded on another rank (its experts, or its "
+          "read); nothing was loaded");
+    }
+    return local;
+  }
   // Resolves, reads and verifies a training checkpoint in the training dtype.
   // `held` gets the reservation of what the read and its application hold (ReadTrainingState).
   absl::StatusOr<LoadedState> ReadState(const std::string& path, Reservation* held) const;
@@ -252,14 +307,15 @@ namespace {
 // Every rank calls this once, at start-up.
 absl::Status AgreeOnSetup(Collectives& c, const RunnerConfig& config, uint64_t fingerprint) {
   if (c.world_size() == 1) return absl::OkStatus();
-  const std::string mine =
-      absl::StrFormat("base model %016x, compute_dtype %s, shard %s", fingerprint,
-                      ComputeDTypeName(config.compute_dtype), ShardModeName(config.shard));
+  const std::string mine = absl::StrFormat(
+      "base model %016x, compute_dtype %s, shard %s, expert_parallel %d", fingerprint,
+      ComputeDTypeName(config.compute_dtype), ShardModeName(config.shard), config.expert_parallel);
   ASSIGN_OR_RETURN(std::vector<std::string> all, c.AllGatherBytes(mine));
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r] != all[0]) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "runner: every rank must run the same base model, compute dtype and shard mode; rank 0 "
+          "runner: every rank must run the same base model, compute dtype and shard mode, and "
+          "expert_parallel; rank 0 "
           "has ",
           all[0], ", rank ", r, " has ", all[r]));
     }
@@ -340,6 +396,22 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
+    if (config.expert_parallel > 1) {
+      if (impl->model_config.moe.num_experts == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("runner: --expert_parallel=", config.expert_parallel,
+                         " needs a mixture "
+                         "of experts, and ",
+                         impl->model_config.architecture, " has none"));
+      }
+      ASSIGN_OR_RETURN(impl->experts,
+                       ExpertParallel::Create(*impl->collectives, config.expert_parallel,
+                                              impl->model_config.moe.num_experts));
+      impl->experts->DropOthers(impl->base);
+      TLOG_INFO("runner: expert parallel over {} ranks, holding experts [{}, {}) of each layer",
+                impl->experts->size(), impl->experts->first(),
+                impl->experts->first() + impl->experts->count());
+    }
     // Sized once the base model is resident, so that the default leaves it out. The default is
     // the smallest rank's: each rank's own differs with what it happens to hold, and ranks that
     // admitted a model differently would stop the job as diverged. (A --memory_budget_mb set
@@ -409,7 +481,7 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
     if (options.lora) {
       ASSIGN_OR_RETURN(LoraAdapter a,
                        LoraAdapter::Create(impl_->model_config, *options.lora, options.seed,
-                                           train_dtype, impl_->device));
+                                           train_dtype, impl_->device, impl_->Keep()));
       t.params = a.Parameters();
       t.lora = std::move(a);
     } else {
@@ -530,7 +602,8 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> ModelRunner::ForwardBackwardJ
     if (st.ok() && backward) st = impl_->NoOpenStream(calls[i].model_id);
     if (!st.ok()) {
       results[i] = st;
-    } else if ((*t)->lora && !(*t)->sharded && seen.insert(calls[i].model_id).second) {
+    } else if ((*t)->lora && !(*t)->sharded && impl_->experts == nullptr &&
+               seen.insert(calls[i].model_id).second) {
       joint.push_back({*t, calls[i].batch});
       joint_index.push_back(i);
     } else {
@@ -831,19 +904,42 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
     // in runner/dist/collectives.h); a checkpoint holds their sum.
     std::map<std::string, at::Tensor> accumulated;
     if (options.include_accumulated) {
-      std::vector<at::Tensor> sums;
-      for (const auto& [name, g] : t->grad_sum) sums.push_back(g.clone());
-      if (impl_->collectives->world_size() > 1) {
-        RETURN_IF_ERROR(impl_->collectives->AllReduceSumGradients(sums));
+      std::vector<at::Tensor> replicated, held;
+      for (const auto& [name, g] : t->grad_sum) {
+        accumulated[name] = g.clone();
+        const bool expert = impl_->experts && ExpertParallel::ExpertOf(name) >= 0;
+        (expert ? held : replicated).push_back(accumulated[name]);
       }
-      size_t i = 0;
-      for (const auto& [name, g] : t->grad_sum) accumulated[name] = sums[i++];
+      if (impl_->collectives->world_size() > 1) {
+        RETURN_IF_ERROR(impl_->collectives->AllReduceSumGradients(replicated));
+      }
+      if (Collectives* same = impl_->experts ? impl_->experts->replicas() : nullptr) {
+        RETURN_IF_ERROR(same->AllReduceSumGradients(held));
+      }
+    }
+    // Under expert parallelism the checkpoint holds every expert: each group gathers its own
+    // ranks' (every rank takes part), and rank 0 writes them.
+    const ModelState* whole = t;
+    ModelState gathered;
+    if (impl_->experts) {
+      gathered.id = t->id;
+      gathered.options = t->options;
+      gathered.step = t->step;
+      gathered.skipped_steps = t->skipped_steps;
+      gathered.accumulated_tokens = t->accumulated_tokens;
+      gathered.accumulated_sequences = t->accumulated_sequences;
+      ASSIGN_OR_RETURN(gathered.params, impl_->experts->GatherExperts(t->params));
+      ASSIGN_OR_RETURN(gathered.exp_avg, impl_->experts->GatherExperts(t->exp_avg));
+      ASSIGN_OR_RETURN(gathered.exp_avg_sq, impl_->experts->GatherExperts(t->exp_avg_sq));
+      ASSIGN_OR_RETURN(accumulated, impl_->experts->GatherExperts(accumulated));
+      whole = &gathered;
     }
     Collectives& c = *impl_->collectives;
     if (c.rank() != 0) return ReceiveOutcome(c);
     return SendOutcome(c, CommitCheckpoint(path, options.overwrite, [&](const std::string& dir) {
                          return WriteTrainingState(
-                             *t, meta, options.include_accumulated ? &accumulated : nullptr, dir);
+                             *whole, meta, options.include_accumulated ? &accumulated : nullptr,
+                             dir);
                        }));
   });
 }
@@ -855,16 +951,22 @@ namespace {
 // `rank`: replicas put the checkpoint's gradient sum on rank 0 and zeros on the others (see
 // SaveState). Shards take their slice of every whole tensor, the sum included (it is already
 // reduced), so a checkpoint of any world size and sharding loads at any other.
-void ApplyLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer, int rank) {
+// Under expert parallelism (`experts` set) an expert's sum goes to its holder in the first group.
+void ApplyLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer, int rank,
+                      const ExpertParallel* experts) {
   if (t.sharded) return ScatterLoadedState(t, s, with_optimizer);
   at::NoGradGuard no_grad;
+  const bool first_holder =
+      experts == nullptr || experts->replicas() == nullptr || experts->replicas()->rank() == 0;
   std::vector<at::Tensor> avg, avg_sq, sums;  // whole tensors in name order
   for (auto& [name, p] : t.params) {
     p.copy_(s.params.at(name));
     avg.push_back(with_optimizer ? s.exp_avg.at(name) : at::zeros_like(p));
     avg_sq.push_back(with_optimizer ? s.exp_avg_sq.at(name) : at::zeros_like(p));
     auto g = s.grad_sum.find(name);
-    sums.push_back(g != s.grad_sum.end() && (t.shard || rank == 0) ? g->second : at::zeros_like(p));
+    const bool here =
+        experts != nullptr && ExpertParallel::ExpertOf(name) >= 0 ? first_holder : rank == 0;
+    sums.push_back(g != s.grad_sum.end() && (t.shard || here) ? g->second : at::zeros_like(p));
   }
   if (t.shard) {
     t.shard->Scatter(avg, t.shard->exp_avg_C);
@@ -912,10 +1014,10 @@ absl::Status ModelRunner::LoadState(const std::string& model_id, const std::stri
   }
   // Read and check everything before touching the model: a refused load changes nothing.
   Reservation held;
-  ASSIGN_OR_RETURN(LoadedState s, impl_->ReadState(path, &held));
-  RETURN_IF_ERROR(t->sharded ? CheckShardedCompatible(*t, s) : CheckCompatible(*t, s));
+  absl::StatusOr<LoadedState> s = impl_->ReadState(path, &held);
+  RETURN_IF_ERROR(impl_->AgreeOnLoad(s.ok() ? impl_->Check(*t, *s) : s.status()));
   return Guarded("load_state", [&]() -> absl::Status {
-    ApplyLoadedState(*t, s, with_optimizer, impl_->collectives->rank());
+    ApplyLoadedState(*t, *s, with_optimizer, impl_->collectives->rank(), impl_->experts.get());
     return absl::OkStatus();
   });
 }
@@ -929,14 +1031,15 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
     absl::MutexLock lock(&impl_->mu);
     s = impl_->ReadState(path, &held);  // read and verified once, then applied to the new model
   }
-  if (!s.ok()) return s.status();
-  ASSIGN_OR_RETURN(std::string id, CreateModel(s->options, model_id));
+  absl::StatusOr<std::string> created = s.ok() ? CreateModel(s->options, model_id) : s.status();
   absl::MutexLock lock(&impl_->mu);
-  ASSIGN_OR_RETURN(ModelState * t, impl_->Find(id));
-  absl::Status st = t->sharded ? CheckShardedCompatible(*t, *s) : CheckCompatible(*t, *s);
+  absl::StatusOr<ModelState*> t = created.ok() ? impl_->Find(*created) : created.status();
+  absl::Status st = impl_->AgreeOnLoad(t.ok() ? impl_->Check(**t, *s) : t.status());
+  if (!created.ok()) return st;
+  const std::string& id = *created;
   if (st.ok()) {
     st = Guarded("load_state", [&]() -> absl::Status {
-      ApplyLoadedState(*t, *s, with_optimizer, impl_->collectives->rank());
+      ApplyLoadedState(**t, *s, with_optimizer, impl_->collectives->rank(), impl_->experts.get());
       return absl::OkStatus();
     });
   }
@@ -953,6 +1056,7 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   RETURN_IF_ERROR(Impl::Unsharded(*t, "save_weights_for_sampler"));
+  RETURN_IF_ERROR(impl_->AllExperts("save_weights_for_sampler"));
   // A merged export makes each adapted weight as the file reaches it: the largest weight, the
   // adapter's product of its size, and their sum in float32, held at once.
   Reservation held;
@@ -1005,6 +1109,7 @@ BaseWeights FrozenWeights(const BaseWeights& w, bool tied, at::ScalarType dtype,
 absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
     const std::string& model_id) const {
   absl::MutexLock lock(&impl_->mu);
+  RETURN_IF_ERROR(impl_->AllExperts("create_sampler"));
   auto policy = std::make_shared<Policy>();
   policy->config = impl_->model_config;
   policy->compute_dtype = impl_->dtype;
@@ -1050,6 +1155,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
 
 absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
     const std::string& path) const {
+  RETURN_IF_ERROR(impl_->AllExperts("create_sampler"));
   ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
   // The files' tensors are admitted before they are read: in the compute dtype, the files' size
   // times the dtypes' ratio (they are stored in float32 or float64), three times over (an
@@ -1166,6 +1272,12 @@ absl::StatusOr<std::vector<NamedValues>> ModelRunner::Snapshot(const std::string
         out.push_back(std::move(v));
       }
       return out;
+    }
+    // Under expert parallelism every expert's, gathered over the group (a collective).
+    std::map<std::string, at::Tensor> gathered;
+    if (impl_->experts) {
+      ASSIGN_OR_RETURN(gathered, impl_->experts->GatherExperts(*src));
+      src = &gathered;
     }
     for (const auto& [name, tensor] : *src) {
       at::Tensor d = tensor.detach().to(at::kCPU, at::kDouble).contiguous();

@@ -137,7 +137,8 @@ class ModelRunner {
   // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.
   // Under --shard=optimizer, gradients and moments are this rank's slices, each named
   // "<tensor>[begin:end]" by its range in the flattened tensor; so under --shard=full, where the
-  // parameters of a full fine-tune are gathered whole (a collective: every rank calls it).
+  // parameters of a full fine-tune are gathered whole (a collective: every rank calls it). Under
+  // expert parallelism every expert's tensors are gathered (a collective likewise).
   absl::StatusOr<std::vector<NamedValues>> Snapshot(const std::string& model_id,
                                                     StateKind kind) const;
 

@@ -20,6 +20,13 @@ absl::Status RunnerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "runner: memory_budget_bytes must be >= 0 (0: from the memory the process may use)");
   if (auto d = ParseDevice(device); !d.ok()) return d.status();
+  if (expert_parallel < 1)
+    return absl::InvalidArgumentError("runner: expert_parallel must be >= 1");
+  if (expert_parallel > 1 && shard != ShardMode::kNone) {
+    return absl::InvalidArgumentError(
+        "runner: expert_parallel > 1 goes with shard none (sharding a model whose experts are "
+        "spread over the ranks is not built yet)");
+  }
   return absl::OkStatus();
 }
 
@@ -84,10 +91,10 @@ std::string RunnerConfig::DebugString() const {
   return absl::StrFormat(
       "base_model_path=%s device=%s compute_dtype=%s micro_batch_tokens=%d "
       "activation_checkpointing=%s num_threads=%d max_models=%d max_model_bytes=%d "
-      "memory_budget_bytes=%d shard=%s",
+      "memory_budget_bytes=%d shard=%s expert_parallel=%d",
       base_model_path, device, ComputeDTypeName(compute_dtype), micro_batch_tokens,
       activation_checkpointing ? "true" : "false", num_threads, max_models, max_model_bytes,
-      memory_budget_bytes, ShardModeName(shard));
+      memory_budget_bytes, ShardModeName(shard), expert_parallel);
 }
 
 }  // namespace tinkerd

@@ -51,6 +51,10 @@ struct RunnerConfig {
   // needs a CUDA build of LibTorch and a visible GPU; ModelRunner::Create checks both.
   std::string device = "cpu";
   ShardMode shard = ShardMode::kNone;
+  // Expert parallelism (runner/dist/expert_parallel.h): groups of this many ranks split each
+  // routed layer's experts. 1: every rank holds every expert. It must divide the world size and
+  // the model's experts per layer, and (for now) go with shard none.
+  int expert_parallel = 1;
   // Data-parallel hook; null means a single process (world size 1).
   std::shared_ptr<Collectives> collectives;
 

@@ -86,7 +86,7 @@ CallStage::CallStage(const StepContext& ctx, ModelState& model, ResolvedLoss los
 }
 
 absl::Status CallStage::RunIf(absl::Status local, const std::vector<Datum>& data) {
-  if (model_.sharded) {
+  if (InStep()) {
     bool ok = local.ok();
     RETURN_IF_ERROR(ctx_.collectives->AllAgree(ok));
     if (!ok && local.ok()) {
@@ -130,10 +130,11 @@ std::vector<std::vector<int>> CallStage::Plan(const std::vector<Datum>& data) {
   for (std::vector<int>& mb : plan) {
     for (int& j : mb) j = mine[j];  // positions in `mine` -> indices into `data`
   }
-  // Under --shard=full each micro-batch gathers every unit (runner/dist/param_shard.h): the ranks
-  // run as many, the shorter padding with empty ones (one masked token: nothing counted, a zero
-  // gradient).
-  if (model_.sharded) plan.resize(AgreedMicroBatches(c, plan.size()));
+  // Under --shard=full each micro-batch gathers every unit (runner/dist/param_shard.h), and under
+  // expert parallelism each routed layer exchanges tokens (runner/dist/expert_parallel.h): the
+  // ranks run as many, the shorter padding with empty ones (one masked token: nothing counted, a
+  // zero gradient).
+  if (InStep()) plan.resize(AgreedMicroBatches(c, plan.size()));
   if (model_.sharded && backward_ && staged_C_.empty()) {
     // Made here, once every rank has agreed to run (RunIf), not before: a rank failing to make
     // them alone would leave the others waiting in a gather.
@@ -252,8 +253,8 @@ void RunPacked(const PackedPieces& packed) {
     bool valid = false;
     at::Tensor raw = stage.PieceLoss(packed.pieces[p].mb, hidden[p], weights, &valid);
     from.push_back(params.size());
-    // Sharded, every rank runs every backward: its reductions are collectives.
-    if (!backward || !(valid || stage.model_.sharded)) continue;
+    // In step, every rank runs every backward: its reductions and exchanges are collectives.
+    if (!backward || !(valid || stage.InStep())) continue;
     total = total.defined() ? total + raw : raw;
     const std::vector<at::Tensor>& mine = gathered ? rest : stage.params_;
     params.insert(params.end(), mine.begin(), mine.end());
@@ -503,6 +504,12 @@ namespace {
 // tensor, its float64 sum and sum of squares, written exactly (%a). A difference means a rank
 // diverged (a fault, a nondeterministic kernel, another base model): UNAVAILABLE, as for a failed
 // collective, so the server stops serving instead of training on with replicas that disagree.
+// Whether a trainable tensor is an expert's that this rank holds alone in its group (expert
+// parallelism).
+bool IsHeldExpert(const StepContext& ctx, const std::string& name) {
+  return ctx.experts != nullptr && ExpertParallel::ExpertOf(name) >= 0;
+}
+
 // After a step (or a skipped one): the accumulators and counters start again from zero.
 void ClearAccumulated(ModelState& t) {
   at::NoGradGuard no_grad;
@@ -515,10 +522,16 @@ void ClearAccumulated(ModelState& t) {
   t.accumulated_sequences = 0;
 }
 
-absl::Status CompareAcrossRanks(Collectives& c, const ModelState& t) {
-  if (c.world_size() == 1) return absl::OkStatus();
+// Under expert parallelism the replicated tensors are compared over the world and the experts'
+// over the ranks holding them (`experts`: which of the two).
+absl::Status CompareAcrossRanks(const StepContext& ctx, const ModelState& t, bool experts) {
+  Collectives* over = ctx.collectives;
+  if (experts) over = ctx.experts != nullptr ? ctx.experts->replicas() : nullptr;
+  if (over == nullptr || over->world_size() == 1) return absl::OkStatus();
+  Collectives& c = *over;
   std::string digest = absl::StrCat(t.step, "/", t.skipped_steps);
   for (const auto& [name, p] : t.params) {
+    if (IsHeldExpert(ctx, name) != experts) continue;
     const at::Tensor p64 = p.detach().to(at::kDouble);
     absl::StrAppend(&digest, absl::StrFormat(" %a,%a", p64.sum().item<double>(),
                                              p64.square().sum().item<double>()));
@@ -591,8 +604,17 @@ absl::StatusOr<PreparedStep> PrepareOptimStep(const StepContext& ctx, ModelState
     }
   } else {
     for (auto& [name, g] : t.grad_sum) grads.push_back(g.clone());
-    // See Note [Reduce once] in runner/dist/collectives.h.
-    RETURN_IF_ERROR(ctx.collectives->AllReduceSumGradients(grads));
+    // See Note [Reduce once] in runner/dist/collectives.h; under expert parallelism, an expert's
+    // gradient over the ranks holding it (runner/dist/expert_parallel.h).
+    std::vector<at::Tensor> replicated, held;
+    size_t i = 0;
+    for (const auto& [name, g] : t.grad_sum) {
+      (IsHeldExpert(ctx, name) ? held : replicated).push_back(grads[i++]);
+    }
+    RETURN_IF_ERROR(ctx.collectives->AllReduceSumGradients(replicated));
+    if (Collectives* same = ctx.experts != nullptr ? ctx.experts->replicas() : nullptr) {
+      RETURN_IF_ERROR(same->AllReduceSumGradients(held));
+    }
   }
   // With nothing valid accumulated the step is still taken, with a zero gradient, as Tinker does:
   // 0/0 is 0 (every accumulator is exactly 0 then, since masked tokens add nothing), and AdamW's
@@ -600,14 +622,28 @@ absl::StatusOr<PreparedStep> PrepareOptimStep(const StepContext& ctx, ModelState
   if (!grads.empty()) at::_foreach_mul_(grads, denominator > 0 ? 1.0 / denominator : 0.0);
   // One host sync for the norm, not one per parameter; the squares summed in float64 and the
   // parameters added in their order, as a loop over them would. Shards add their partial sums.
+  // Under expert parallelism the experts' squares (`held`) are summed over the group, each
+  // expert's once.
   std::vector<at::Tensor> squares;
   for (const at::Tensor& g : grads) squares.push_back(g.to(at::kDouble).pow(2).sum());
-  std::vector<double> sq{0.0};
+  std::vector<double> sq{0.0}, held{0.0};
   if (!squares.empty()) {
     const at::Tensor squares_P = at::stack(squares).cpu();
-    for (int64_t i = 0; i < squares_P.size(0); ++i) sq[0] += squares_P.data_ptr<double>()[i];
+    // Under expert parallelism grads are t.params' (no --shard goes with it).
+    std::vector<bool> expert(static_cast<size_t>(squares_P.size(0)), false);
+    if (ctx.experts != nullptr) {
+      size_t i = 0;
+      for (const auto& [name, p] : t.params) expert[i++] = IsHeldExpert(ctx, name);
+    }
+    for (int64_t i = 0; i < squares_P.size(0); ++i) {
+      (expert[static_cast<size_t>(i)] ? held : sq)[0] += squares_P.data_ptr<double>()[i];
+    }
   }
   if (t.shard || t.sharded) RETURN_IF_ERROR(ctx.collectives->AllReduceSumDoubles(sq));
+  if (ctx.experts != nullptr) {
+    RETURN_IF_ERROR(ctx.experts->group().AllReduceSumDoubles(held));
+    sq[0] += held[0];
+  }
   OptimStepResult& r = prepared.result;
   r.grad_norm = std::sqrt(sq[0]);
   r.learning_rate = p.learning_rate;
@@ -669,7 +705,8 @@ absl::StatusOr<OptimStepResult> FinishOptimStep(const StepContext& ctx, Prepared
   ClearAccumulated(t);
   t.step = prepared.adam.step;
   r.step = t.step;
-  RETURN_IF_ERROR(CompareAcrossRanks(*ctx.collectives, t));
+  RETURN_IF_ERROR(CompareAcrossRanks(ctx, t, /*experts=*/false));
+  RETURN_IF_ERROR(CompareAcrossRanks(ctx, t, /*experts=*/true));
   return r;
 }
 

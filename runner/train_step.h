@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/adamw.h"
 #include "runner/dist/collectives.h"
+#include "runner/dist/expert_parallel.h"
 #include "runner/loss/loss_spec.h"
 #include "runner/model/config.h"
 #include "runner/model/transformer.h"
@@ -31,6 +32,9 @@ struct StepContext {
   int64_t micro_batch_tokens;
   ForwardOptions forward;            // activation checkpointing
   MemoryAccount* account = nullptr;  // where a call reserves its memory; null: nowhere
+  // Set under --expert_parallel > 1: every call runs in step on every rank (as sharded ones do),
+  // and an optimizer step reduces the experts' gradients over their replicas alone.
+  const ExpertParallel* experts = nullptr;
 };
 
 class CallStage;
@@ -70,8 +74,8 @@ class CallStage {
   // outcome to Commit, which every rank must reach so collectives line up.
   void Run(const std::vector<Datum>& data);
   // Run, unless `local` (this rank's outcome so far) failed; returns the outcome, exceptions
-  // turned into statuses. Under --shard=full the ranks first agree on `local`, so that every rank
-  // runs (and its gathers line up) or none does.
+  // turned into statuses. Under --shard=full and expert parallelism the ranks first agree on
+  // `local`, so that every rank runs (and its collectives line up) or none does.
   absl::Status RunIf(absl::Status local, const std::vector<Datum>& data);
   // Run in two halves, for passes shared with other calls: Plan returns this rank's micro-batches
   // of `data` (indices into it; `data` must outlive their runs) and makes room for its outputs;
@@ -93,6 +97,9 @@ class CallStage {
                        const BaseWeights& weights, bool* valid);
   // Adds one micro-batch's gradients (params_'s order; undefined: not reached) to staged_.
   void Stage(std::vector<at::Tensor> grads);
+  // Whether every rank runs this call's micro-batches in step, each a collective: under
+  // --shard=full and expert parallelism.
+  bool InStep() const { return model_.sharded.has_value() || ctx_.experts != nullptr; }
 
   StepContext ctx_;
   ModelState& model_;

@@ -132,6 +132,10 @@ ABSL_FLAG(std::string, shard, "none",
           "replica), optimizer (the parameters, and 1/N of the gradient sums and AdamW moments) or "
           "full (1/N of a full fine-tune's parameters as well, each layer gathered while it "
           "runs)");
+ABSL_FLAG(int, expert_parallel, 1,
+          "data parallel: groups of this many ranks split each routed layer's experts of a "
+          "mixture-of-experts model, tokens travelling to their experts by all-to-all (must "
+          "divide the ranks and the experts per layer; with --shard=none)");
 ABSL_FLAG(int, collective_timeout_s, 600,
           "data parallel: a collective that takes longer fails and the server turns NOT_SERVING; "
           "must exceed the longest call's compute time");
@@ -209,6 +213,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   rc.shard = *shard;
+  rc.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
   auto device = tinkerd::ParseDevice(rc.device);
   if (!device.ok()) {
     std::fprintf(stderr, "tinkerd: --device: %s\n", std::string(device.status().message()).c_str());

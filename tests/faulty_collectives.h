@@ -28,6 +28,9 @@ struct Faults {
   // Every all-gather keeps this rank's row alone and leaves the others' zero: sharded weights
   // used without the slices the other ranks hold.
   bool gather_own_only = false;
+  // Every all-to-all (expert parallelism's dispatch and return, in the forward and the backward)
+  // delivers the first row this rank sends as zeros: a token dropped on its way to an expert.
+  bool drop_sent_row = false;
 };
 
 class FaultyCollectives : public Collectives {
@@ -82,6 +85,22 @@ class FaultyCollectives : public Collectives {
   }
   absl::Status BroadcastBytes(std::string& bytes, int root) override {
     return inner_->BroadcastBytes(bytes, root);
+  }
+  absl::StatusOr<at::Tensor> AllToAll(const at::Tensor& in_ND,
+                                      const std::vector<int64_t>& send_rows,
+                                      const std::vector<int64_t>& recv_rows) override {
+    if (!faults_.drop_sent_row || in_ND.size(0) == 0) {
+      return inner_->AllToAll(in_ND, send_rows, recv_rows);
+    }
+    at::Tensor dropped_ND = in_ND.clone();
+    dropped_ND[0].zero_();
+    return inner_->AllToAll(dropped_ND, send_rows, recv_rows);
+  }
+  // A group of these ranks breaks as this world does.
+  absl::StatusOr<std::shared_ptr<Collectives>> Subgroup(const std::vector<int>& ranks) override {
+    auto inner = inner_->Subgroup(ranks);
+    if (!inner.ok()) return inner.status();
+    return std::shared_ptr<Collectives>(std::make_shared<FaultyCollectives>(*inner, faults_));
   }
 
   // Faults may change between calls (the runner calls its collectives on one thread at a time).

@@ -7,9 +7,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "runner/util/log.h"
 
 namespace tinkerd {
@@ -19,8 +22,14 @@ namespace {
 class C10dCollectives final : public Collectives {
  public:
   C10dCollectives(const DistConfig& config, C10dOptions options,
+                  c10::intrusive_ptr<c10d::Store> store,
+                  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo,
                   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg)
-      : config_(config), options_(options), pg_(std::move(pg)) {}
+      : config_(config),
+        options_(options),
+        store_(std::move(store)),
+        devices_(gloo->devices),
+        pg_(std::move(pg)) {}
 
   int rank() const override { return config_.rank; }
   int world_size() const override { return config_.world_size; }
@@ -148,6 +157,73 @@ class C10dCollectives final : public Collectives {
     return out;
   }
 
+  // Over Gloo, through host memory, reinterpreted as integers of the element's width: Gloo moves
+  // them as they are, whatever the dtype (bfloat16 included).
+  absl::StatusOr<at::Tensor> AllToAll(const at::Tensor& in_ND,
+                                      const std::vector<int64_t>& send_rows,
+                                      const std::vector<int64_t>& recv_rows) override {
+    at::Tensor out_ND;
+    absl::Status st = Guard("all-to-all", [&] {
+      const int ws = config_.world_size;
+      TORCH_CHECK(
+          static_cast<int>(send_rows.size()) == ws && static_cast<int>(recv_rows.size()) == ws,
+          "all-to-all: one row count per rank");
+      const int64_t received = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+      std::vector<int64_t> shape = in_ND.sizes().vec();
+      shape[0] = received;
+      out_ND = at::empty(shape, in_ND.options());
+      const at::ScalarType bits = Bits(in_ND.scalar_type());
+      at::Tensor send = in_ND.contiguous().cpu().view(bits);
+      at::Tensor recv = at::empty(shape, in_ND.options().device(at::kCPU)).view(bits);
+      // Gloo cannot address an empty buffer: a rank with nothing to send or nothing to receive
+      // sends itself one extra row, which lands at the end of its own part and is dropped.
+      std::vector<int64_t> s = send_rows, r = recv_rows;
+      const int me = config_.rank;
+      const bool pad = send.size(0) == 0 || received == 0;
+      const int64_t at_send = std::accumulate(s.begin(), s.begin() + me + 1, int64_t{0});
+      const int64_t at_recv = std::accumulate(r.begin(), r.begin() + me + 1, int64_t{0});
+      if (pad) {
+        std::vector<int64_t> one_row = shape;
+        one_row[0] = 1;
+        send = at::cat({send.narrow(0, 0, at_send), at::zeros(one_row, send.options()),
+                        send.narrow(0, at_send, send.size(0) - at_send)});
+        shape[0] = received + 1;
+        recv = at::empty(shape, send.options());
+        ++s[me];
+        ++r[me];
+      }
+      pg_->alltoall_base(recv, send, r, s, c10d::AllToAllOptions{})->wait();
+      if (pad) {
+        recv =
+            at::cat({recv.narrow(0, 0, at_recv), recv.narrow(0, at_recv + 1, received - at_recv)});
+      }
+      if (received > 0) out_ND.copy_(recv.view(in_ND.scalar_type()));
+    });
+    if (!st.ok()) return st;
+    return out_ND;
+  }
+
+  absl::StatusOr<std::shared_ptr<Collectives>> Subgroup(const std::vector<int>& ranks) override {
+    std::shared_ptr<Collectives> out;
+    absl::Status st = Guard("subgroup", [&] {
+      const auto me = std::find(ranks.begin(), ranks.end(), config_.rank);
+      TORCH_CHECK(me != ranks.end() && std::is_sorted(ranks.begin(), ranks.end()),
+                  "subgroup: the ranks must be ascending and include this rank");
+      DistConfig config = config_;
+      config.rank = static_cast<int>(me - ranks.begin());
+      config.world_size = static_cast<int>(ranks.size());
+      auto store = c10::make_intrusive<c10d::PrefixStore>(
+          absl::StrCat("group[", absl::StrJoin(ranks, ","), "]/"), store_);
+      auto opts = c10d::ProcessGroupGloo::Options::create(config.timeout);
+      opts->devices = devices_;
+      auto pg =
+          c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, opts);
+      out = std::make_shared<C10dCollectives>(config, C10dOptions{}, store, opts, pg);
+    });
+    if (!st.ok()) return st;
+    return out;
+  }
+
   absl::Status BroadcastBytes(std::string& bytes, int root) override {
     return Guard("byte broadcast", [&] {
       at::Tensor n = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
@@ -193,8 +269,25 @@ class C10dCollectives final : public Collectives {
     if (bucket_N.is_cuda()) bucket_N.copy_(host_N);
   }
 
+  // The integer type of a dtype's width, for moving its bits.
+  static at::ScalarType Bits(at::ScalarType t) {
+    switch (c10::elementSize(t)) {
+      case 1:
+        return at::kByte;
+      case 2:
+        return at::kHalf;  // Gloo has no int16; nothing is computed, so any 2-byte type moves bits
+      case 4:
+        return at::kInt;
+      default:
+        TORCH_CHECK(c10::elementSize(t) == 8, "all-to-all: unsupported dtype ", t);
+        return at::kLong;
+    }
+  }
+
   DistConfig config_;
   C10dOptions options_;
+  c10::intrusive_ptr<c10d::Store> store_;  // the rendezvous, for subgroups
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices_;  // the interface, likewise
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
 #ifdef USE_C10D_NCCL
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_;  // gradients of CUDA runs; null on CPU runs
@@ -225,7 +318,7 @@ absl::StatusOr<std::shared_ptr<Collectives>> MakeC10dCollectives(const DistConfi
                                 : c10d::ProcessGroupGloo::createDefaultDevice());
     auto pg =
         c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, opts);
-    auto collectives = std::make_shared<C10dCollectives>(config, options, pg);
+    auto collectives = std::make_shared<C10dCollectives>(config, options, store, opts, pg);
     if (options.cuda_gradients) {
 #ifdef USE_C10D_NCCL
       // NCCL creates its communicator for the device of the first tensor it reduces (this

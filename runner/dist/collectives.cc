@@ -23,6 +23,13 @@ class LocalCollectives final : public Collectives {
     return std::vector<std::string>{mine};
   }
   absl::Status BroadcastBytes(std::string&, int) override { return absl::OkStatus(); }
+  absl::StatusOr<at::Tensor> AllToAll(const at::Tensor& in_ND, const std::vector<int64_t>&,
+                                      const std::vector<int64_t>&) override {
+    return in_ND.clone();
+  }
+  absl::StatusOr<std::shared_ptr<Collectives>> Subgroup(const std::vector<int>&) override {
+    return MakeLocalCollectives();
+  }
 };
 
 }  // namespace

@@ -42,6 +42,17 @@ class Collectives {
   virtual absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine) = 0;
   // Rank `root`'s bytes on every rank (rank 0 dispatching requests to the others).
   virtual absl::Status BroadcastBytes(std::string& bytes, int root) = 0;
+  // Rows of in_ND to every rank and from every rank (expert parallelism's dispatch): the first
+  // send_rows[0] rows go to rank 0, the next send_rows[1] to rank 1, ...; the result holds
+  // recv_rows[0] rows from rank 0, then recv_rows[1] from rank 1, ... (each rank's recv_rows[r]
+  // is rank r's send_rows for it). Bits travel unchanged, in any dtype.
+  virtual absl::StatusOr<at::Tensor> AllToAll(const at::Tensor& in_ND,
+                                              const std::vector<int64_t>& send_rows,
+                                              const std::vector<int64_t>& recv_rows) = 0;
+  // The ranks `ranks` (ascending, this rank among them) as a world of their own, numbered by
+  // their position in `ranks`. Every member calls it with the same list; a list is made a group
+  // once per process.
+  virtual absl::StatusOr<std::shared_ptr<Collectives>> Subgroup(const std::vector<int>& ranks) = 0;
 };
 
 // World size 1.

@@ -54,20 +54,24 @@ std::vector<LoraAdapter::Module> LoraAdapter::Modules(const ModelConfig& c,
   return out;
 }
 
-int64_t LoraAdapter::CountValues(const ModelConfig& config, const LoraConfig& lora) {
+int64_t LoraAdapter::CountValues(const ModelConfig& config, const LoraConfig& lora,
+                                 const Keep& keep) {
   int64_t n = 0;
-  for (const Module& m : Modules(config, lora)) n += lora.rank * (m.in + m.out);
+  for (const Module& m : Modules(config, lora)) {
+    if (!keep || keep(m.name)) n += lora.rank * (m.in + m.out);
+  }
   return n;
 }
 
 absl::StatusOr<LoraAdapter> LoraAdapter::Create(const ModelConfig& c, const LoraConfig& lora,
                                                 uint64_t seed, at::ScalarType dtype,
-                                                at::Device device) {
+                                                at::Device device, const Keep& keep) {
   if (absl::Status st = Validate(lora); !st.ok()) return st;
   LoraAdapter a;
   a.scale_ = lora.alpha / static_cast<double>(lora.rank);
   const int64_t r = lora.rank;
   for (const Module& m : Modules(c, lora)) {
+    if (keep && !keep(m.name)) continue;
     at::Tensor A = at::empty({r, m.in}, at::kDouble);
     double* p = A.data_ptr<double>();
     SplitMix64 g(MixSeed(seed, m.name.c_str()));

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -22,15 +23,20 @@ struct LoraPair {
 
 class LoraAdapter {
  public:
+  // Which modules a rank holds (expert parallelism: not other ranks' experts); null: all.
+  using Keep = std::function<bool(const std::string& module)>;
   // Adapts q,k,v,o (train_attn), gate,up,down (train_mlp: each expert's, where a layer routes;
-  // never the router) and lm_head (train_unembed).
+  // never the router) and lm_head (train_unembed); of those, the ones `keep` keeps. A pair's
+  // values depend on the seed and its module's name alone.
   static absl::StatusOr<LoraAdapter> Create(const ModelConfig& config, const LoraConfig& lora,
-                                            uint64_t seed, at::ScalarType dtype, at::Device device);
+                                            uint64_t seed, at::ScalarType dtype, at::Device device,
+                                            const Keep& keep = nullptr);
   // INVALID_ARGUMENT naming the field when `lora` cannot make an adapter.
   static absl::Status Validate(const LoraConfig& lora);
   // Trainable values the adapter would hold, counted without allocating (admission control).
   // `lora` must be valid.
-  static int64_t CountValues(const ModelConfig& config, const LoraConfig& lora);
+  static int64_t CountValues(const ModelConfig& config, const LoraConfig& lora,
+                             const Keep& keep = nullptr);
 
   // The pair adapting `module` (an HF module path such as "model.layers.3.self_attn.q_proj"),
   // or null when that module is not adapted.

@@ -56,10 +56,12 @@ at::Tensor Mlp(const at::Tensor& x_ND, const at::Tensor& gate, const at::Tensor&
   return Linear(Proj(kernels::SwiGLU(gate_NI, up_NI), down, none, lora, module + names[2]));
 }
 
-// A forward's router replay and recording (PackedBatch::routes_TRk, ForwardOptions::on_routes).
+// A forward's router replay and recording (PackedBatch::routes_TRk, ForwardOptions::on_routes),
+// and where its experts run (ForwardOptions::expert_slots).
 struct RouteIo {
   at::Tensor replay_TRk;
   std::function<void(int64_t routed, const at::Tensor& experts_Tk)> record;
+  kernels::SlotsFn slots;
 };
 
 // The routed MLP (kernels/routed_experts.h), the rows' experts given by replay_Tk where it is
@@ -69,8 +71,10 @@ struct RouteIo {
 // computes what it would alone.
 at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& lora,
                      const std::string& p, const at::Tensor& replay_Tk, const at::Tensor& x_TD,
-                     at::Tensor* chosen_Tk) {
+                     const kernels::SlotsFn& slots, at::Tensor* chosen_Tk) {
   if (!lora.runs.empty()) {
+    // Run by run, a run of no rows skipped: not a collective every rank takes part in alike.
+    TORCH_CHECK(!slots, "RoutedMlp: experts spread over ranks route the batch whole");
     std::vector<int64_t> rows;
     for (const auto& [adapter, n] : lora.runs) rows.push_back(n);
     std::vector<at::Tensor> out = x_TD.split_with_sizes(rows);
@@ -82,7 +86,8 @@ at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& 
         chosen[i] = at::empty({0, m.top_k}, x_TD.options().dtype(at::kLong));
         continue;
       }
-      out[i] = RoutedMlp(m, L, Adapters(lora.runs[i].first), p, replay[i], out[i], &chosen[i]);
+      out[i] =
+          RoutedMlp(m, L, Adapters(lora.runs[i].first), p, replay[i], out[i], slots, &chosen[i]);
     }
     if (chosen_Tk != nullptr) *chosen_Tk = at::cat(chosen);
     return at::cat(out);
@@ -97,11 +102,13 @@ at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& 
   const kernels::Routing routing = kernels::Route(route);
   if (chosen_Tk != nullptr) *chosen_Tk = routing.experts_Tk;
   const std::array<std::string, 3> names{m.names.gate, m.names.up, m.names.down};
-  return kernels::RoutedExperts({x_TD, &routing, [&](int64_t e, const at::Tensor& x_ND) {
+  return kernels::RoutedExperts({x_TD, &routing,
+                                 [&](int64_t e, const at::Tensor& x_ND) {
                                    const ExpertWeights& W = L.experts[static_cast<size_t>(e)];
                                    return Mlp(x_ND, W.gate_ID, W.up_ID, W.down_DI, lora,
                                               p + m.names.Expert(e), names);
-                                 }});
+                                 },
+                                 slots});
 }
 
 // One decoder layer on the residual stream h_TD: h + attn(norm(h)), then + mlp(norm(·)).
@@ -159,7 +166,7 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   at::Tensor chosen_Tk;
   const at::Tensor mlp_TD = RoutedMlp(
       c.moe, L, lora, p, routes.replay_TRk.defined() ? routes.replay_TRk.select(1, routed) : none,
-      x_TD, routes.record ? &chosen_Tk : nullptr);
+      x_TD, routes.slots, routes.record ? &chosen_Tk : nullptr);
   if (routes.record) routes.record(routed, chosen_Tk);
   return out_TD + mlp_TD;
 }
@@ -411,7 +418,8 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
   // A recomputed layer would record its routes again in the backward: recording is inference's.
   const bool recomputes =
       (options.recompute_layers && options.kv == nullptr) || options.layers != nullptr;
-  const RouteIo routes{batch.routes_TRk, recomputes ? nullptr : options.on_routes};
+  const RouteIo routes{batch.routes_TRk, recomputes ? nullptr : options.on_routes,
+                       options.expert_slots};
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const auto index = static_cast<int64_t>(l);

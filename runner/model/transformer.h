@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/routed_experts.h"
 #include "runner/model/config.h"
 #include "runner/model/lora.h"
 #include "runner/model/rope.h"
@@ -129,6 +130,9 @@ struct ForwardOptions {
   // Set: called with each routed layer's routed index and every row's experts there, [T, k]
   // int64 (what a sampler returns for router replay).
   std::function<void(int64_t routed, const at::Tensor& experts_Tk)> on_routes = nullptr;
+  // Set: where each routed layer's experts run (expert parallelism, runner/dist/expert_parallel.h:
+  // a collective, so every rank runs its forwards in step); unset: here.
+  kernels::SlotsFn expert_slots = nullptr;
 };
 
 // The LoRA adapters a forward applies: one for every row (null: none, the base model or full

@@ -98,8 +98,11 @@ Sampling::Sampling(Ops* ops, ModelRunner* runner, Scheduler* scheduler, Sampling
       config_(config),
       engine_(std::make_unique<SampleEngine>(config.engine)),
       loader_(config.max_queued_loads) {
+  // The base's policy shares its tensors; it fails only where sampling is not built (experts
+  // spread over the ranks), which every request for it then reports.
   auto base = runner_->FreezePolicy("");
-  base_ = base.ok() ? *base : nullptr;  // the base's policy shares its tensors: it cannot fail
+  base_ = base.ok() ? *base : nullptr;
+  base_status_ = base.status();
   scheduler_->SetBackground([this] { return engine_->Step(); });
   expirer_ = std::thread([this] {
     const absl::Duration every =
@@ -415,7 +418,7 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
     return then(policy);
   }
   if (model_id.empty()) {
-    if (base_ == nullptr) return then(absl::InternalError("the base model's policy is missing"));
+    if (base_ == nullptr) return then(base_status_);
     return then(base_);
   }
   if (absl::Status st = ops_->CheckOwner(model_id, tenant); !st.ok()) return then(st);

@@ -126,6 +126,7 @@ class Sampling {
   const SamplingConfig config_;
   std::unique_ptr<SampleEngine> engine_;
   std::shared_ptr<const Policy> base_;
+  absl::Status base_status_;  // why base_ is null, if it is
   absl::Mutex mu_;
   std::map<std::string, Sampler> samplers_ ABSL_GUARDED_BY(mu_);
   // Samples each tenant has in the engine (config_.max_samples_per_tenant); its own lock, taken

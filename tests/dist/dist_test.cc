@@ -1,7 +1,8 @@
 // Data parallelism on real processes over Gloo (loopback): 2 and 3 ranks, replicas or with the
 // optimizer state sharded over 1 to 4, must end where one process ends, for every loss and
 // reduction mode, LoRA and full fine-tuning, with calls, streams, packing, top-K targets, unequal
-// lengths and a rank that gets no datum. Deliberately broken reductions must be caught.
+// lengths and a rank that gets no datum; so must experts spread over the ranks. Deliberately
+// broken reductions and dispatches must be caught.
 //
 // Tolerance: the runs differ only in how float64 sums are grouped (per rank, then all-reduced).
 // As in accumulation_test.cc, that moves gradients by ~1e-11 relative; through two AdamW steps of
@@ -110,8 +111,8 @@ TEST_F(DataParallel, SharedPassesOfSeveralModelsEqualOneProcess) {
 
 // A mixture of experts (Mixtral's layout) under data parallelism: its experts' adapters (LoRA)
 // and, fully sharded, every expert and router weight end at 2 ranks where one process ends. Every
-// rank routes its own tokens; the experts' gradients are reduced like any other. (Expert
-// parallelism, experts spread over ranks, is not built yet.)
+// rank routes its own tokens; the experts' gradients are reduced like any other. (Experts spread
+// over the ranks: ExpertParallelEqualsOneProcess.)
 TEST_F(DataParallel, AMixtureOfExpertsAtTwoRanksEqualsOneProcess) {
   TempDir moe;
   const std::string model = WriteModel(moe, TinyConfig("mixtral"));
@@ -125,6 +126,79 @@ TEST_F(DataParallel, AMixtureOfExpertsAtTwoRanksEqualsOneProcess) {
     ASSERT_EQ(two.size(), one.size());
     EXPECT_LE(MaxAbsDiff(two, one), kTol) << (flags.empty() ? "lora" : "full, sharded");
   }
+}
+
+// Expert parallelism (runner/dist/expert_parallel.h): a Mixtral layout of 4 experts per layer
+// spread over groups of E ranks, each rank holding 4 / E of them and its tokens travelling to them
+// by all-to-all, ends where one process holding every expert ends: E = 2 and 4 (one group), and
+// E = 2 at 4 ranks (two groups, each expert's gradient reduced over its two holders), for LoRA
+// models in every reduction mode (each expert's adapter on its holder alone) and a full fine-tune
+// (each expert's weights there), with calls that leave ranks only padding. The sums group
+// otherwise than one process's: kTol. Every rank reports every expert (gathered), so all agree.
+TEST_F(DataParallel, ExpertParallelEqualsOneProcess) {
+  TempDir moe;
+  const std::string model = WriteModel(moe, TinyConfig("mixtral"));
+  const auto one = RunRanks(model, moe.Sub("one"), 1)[0];
+  ASSERT_GT(one.size(), 100u);
+  for (const auto& [world, E] : {std::pair{2, 2}, std::pair{4, 4}, std::pair{4, 2}}) {
+    const auto ranks = RunRanks(model, moe.Sub(absl::StrCat("ep", world, E)), world,
+                                {absl::StrCat("--expert_parallel=", E)});
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(ranks[r].size(), one.size()) << "world " << world << " E " << E << " rank " << r;
+      EXPECT_LE(MaxAbsDiff(ranks[r], one), kTol)
+          << "world " << world << " E " << E << " rank " << r;
+      EXPECT_EQ(ranks[r], ranks[0]) << "world " << world << " E " << E << " rank " << r;
+    }
+  }
+}
+
+// The broken control: every all-to-all delivers the first row a rank sends as zeros (one token's
+// slot dropped on its way to its expert, and its gradient on the way back).
+TEST_F(DataParallel, AnExpertParallelDispatchThatDropsATokenIsCaught) {
+  TempDir moe;
+  const std::string model = WriteModel(moe, TinyConfig("mixtral"));
+  const auto one = RunRanks(model, moe.Sub("one"), 1, {"--scenario=train_full"})[0];
+  const auto dropped =
+      RunRanks(model, moe.Sub("drop"), 2,
+               {"--scenario=train_full", "--expert_parallel=2", "--broken=drop_sent_row"})[0];
+  ASSERT_EQ(dropped.size(), one.size());
+  EXPECT_GT(MaxAbsDiff(dropped, one), 1e3 * kTol);
+}
+
+// An expert-parallel full fine-tune's checkpoint holds every expert: saved mid-accumulation at
+// 2 ranks with E = 2, it resumes at 1 process holding every expert, and at 4 ranks with E = 2
+// (two groups: the accumulated expert gradients go to their first holders); a checkpoint of one
+// process resumes at E = 2 likewise. The control: a resume without the moments ends elsewhere.
+TEST_F(DataParallel, AnExpertParallelCheckpointResumesWithAnyExperts) {
+  constexpr double kResumeTol = 1e-12;
+  TempDir moe;
+  const std::string model = WriteModel(moe, TinyConfig("mixtral"));
+  const std::string ckpt = moe.Sub("ep_ckpt"), one_ckpt = moe.Sub("one_ckpt");
+  const std::vector<std::string> full{"--full_model", "--checkpoint=" + ckpt};
+  auto with = [](std::vector<std::string> flags, std::vector<std::string> more) {
+    flags.insert(flags.end(), more.begin(), more.end());
+    return flags;
+  };
+  const auto saved = RunRanks(model, moe.Sub("save2"), 2,
+                              with(full, {"--expert_parallel=2", "--scenario=save"}))[0];
+  ASSERT_GT(saved.size(), 100u);
+  const auto one = RunRanks(model, moe.Sub("load1"), 1, with(full, {"--scenario=load"}))[0];
+  const auto four = RunRanks(model, moe.Sub("load4"), 4,
+                             with(full, {"--expert_parallel=2", "--scenario=load"}))[0];
+  RunRanks(model, moe.Sub("save1"), 1,
+           {"--full_model", "--scenario=save", "--checkpoint=" + one_ckpt});
+  const auto from_one =
+      RunRanks(model, moe.Sub("load2"), 2,
+               {"--expert_parallel=2", "--scenario=load", "--checkpoint=" + one_ckpt})[0];
+  for (const auto* resumed : {&one, &four, &from_one}) {
+    ASSERT_EQ(resumed->size(), saved.size());
+    EXPECT_LE(MaxAbsDiff(*resumed, saved), kResumeTol);
+  }
+  const auto fresh =
+      RunRanks(model, moe.Sub("fresh2"), 2,
+               with(full, {"--expert_parallel=2", "--scenario=load_without_optimizer"}))[0];
+  ASSERT_EQ(fresh.size(), saved.size());
+  EXPECT_GT(MaxAbsDiff(fresh, saved), 1e3 * kResumeTol);
 }
 
 TEST_F(DataParallel, ForgettingTheWorldSizeFactorIsCaught) {

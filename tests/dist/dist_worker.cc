@@ -4,7 +4,9 @@
 // --out.<rank>, so the test can compare world sizes.
 //   dist_worker --model_dir=D --out=F [--shard=none|optimizer|full]
 //       [--scenario=train|save|load|load_without_optimizer --checkpoint=PATH]
-//       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1|gather_own_only]
+//       [--expert_parallel=E]
+//       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1|gather_own_only|
+//                 drop_sent_row]
 // train: LoRA models in every reduction mode and a full fine-tune, two steps each.
 // save: one step, then a call left accumulated is saved with the accumulation to --checkpoint,
 //       and the run goes on (one more call, one step); load: the same continuation from that
@@ -26,6 +28,7 @@
 ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
 ABSL_FLAG(std::string, shard, "none", "none, optimizer or full (RunnerConfig::shard)");
+ABSL_FLAG(int, expert_parallel, 1, "RunnerConfig::expert_parallel");
 ABSL_FLAG(std::string, scenario, "train",
           "train, train_full (the full fine-tune alone), save, load or load_without_optimizer");
 ABSL_FLAG(bool, full_model, false, "save: a full fine-tune instead of a LoRA model");
@@ -52,6 +55,7 @@ int Run() {
   faults.reduce_twice = broken == "reduce_twice";
   faults.gather_own_only = broken == "gather_own_only";
   if (broken == "diverge_rank1" && dist->rank == 1) faults.perturb_at_reduction = 0;
+  faults.drop_sent_row = broken == "drop_sent_row";
   auto collectives = std::make_shared<FaultyCollectives>(*c10d, faults);
   RunnerConfig rc;
   rc.base_model_path = absl::GetFlag(FLAGS_model_dir);
@@ -62,6 +66,7 @@ int Run() {
   auto shard = ParseShardMode(absl::GetFlag(FLAGS_shard));
   if (!shard.ok()) return 2;
   rc.shard = *shard;
+  rc.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
   auto runner = ModelRunner::Create(rc);
   if (!runner.ok()) {
     const std::string why(runner.status().message());

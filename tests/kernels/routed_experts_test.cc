@@ -112,7 +112,8 @@ at::Tensor Kernel(const at::Tensor& x_TD, const Experts& w, bool normalize, bool
   const kernels::Routing routing = kernels::Route(rp);
   if (routing_out != nullptr) *routing_out = routing;
   return kernels::RoutedExperts(
-      {x_TD, &routing, [&](int64_t e, const at::Tensor& x_ND) {
+      {x_TD, &routing,
+       [&](int64_t e, const at::Tensor& x_ND) {
          if (linear_kernel) {
            const at::Tensor gate = Product(x_ND, w.gate_EID[e]), up = Product(x_ND, w.up_EID[e]);
            return Product(kernels::SwiGLU(gate, up), w.down_EDI[e]);
@@ -120,7 +121,8 @@ at::Tensor Kernel(const at::Tensor& x_TD, const Experts& w, bool normalize, bool
          const at::Tensor act =
              at::silu(at::matmul(x_ND, w.gate_EID[e].t())) * at::matmul(x_ND, w.up_EID[e].t());
          return at::matmul(act, w.down_EDI[e].t());
-       }});
+       },
+       /*slots=*/nullptr});
 }
 
 // Σ_e mask_e·w_e·expert_e(x): every expert over every token, masked by the choices experts_Tk
@@ -223,12 +225,14 @@ TEST(RoutedExperts, AMisroutedTokenIsSeen) {
   broken.order_S[0] = routing.order_S[last].item<int64_t>();
   broken.order_S[last] = routing.order_S[0].item<int64_t>();
   ASSERT_NE(routing.order_S[0].item<int64_t>() / K, routing.order_S[last].item<int64_t>() / K);
-  const at::Tensor got = kernels::RoutedExperts({x, &broken, [&](int64_t e, const at::Tensor& xe) {
+  const at::Tensor got = kernels::RoutedExperts({x, &broken,
+                                                 [&](int64_t e, const at::Tensor& xe) {
                                                    const at::Tensor act =
                                                        at::silu(at::matmul(xe, w.gate_EID[e].t())) *
                                                        at::matmul(xe, w.up_EID[e].t());
                                                    return at::matmul(act, w.down_EDI[e].t());
-                                                 }});
+                                                 },
+                                                 /*slots=*/nullptr});
   EXPECT_GT(RelErr(got, want), 1e-3);
 }
 

@@ -1,0 +1,191 @@
+#include "runner/dist/expert_parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <stdexcept>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace tinkerd {
+namespace {
+
+at::Tensor OrThrow(absl::StatusOr<at::Tensor> t) {
+  if (!t.ok()) throw std::runtime_error(std::string(t.status().message()));
+  return *std::move(t);
+}
+
+// The all-to-all as an autograd op: its backward is the all-to-all of the gradients the other way
+// (what a rank received, it sends back to where it came from).
+struct AllToAllFn : public torch::autograd::Function<AllToAllFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_ND,
+                            Collectives* c, const std::vector<int64_t>& send,
+                            const std::vector<int64_t>& recv) {
+    ctx->saved_data["c"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(c));
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    at::Tensor out = OrThrow(c->AllToAll(x_ND, send, recv));
+    ctx->saved_data["out"] = at::empty({1}, out.options()).expand(out.sizes());  // its shape
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* c = reinterpret_cast<Collectives*>(static_cast<intptr_t>(ctx->saved_data["c"].toInt()));
+    const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector();
+    const std::vector<int64_t> recv = ctx->saved_data["recv"].toIntVector();
+    // Every rank sends back, whether or not its outputs were used.
+    const at::Tensor g =
+        grads[0].defined() ? grads[0] : at::zeros_like(ctx->saved_data["out"].toTensor());
+    return {OrThrow(c->AllToAll(g, recv, send)), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+constexpr absl::string_view kExperts = ".experts.";
+
+// `name` with its expert number replaced by `e` (ExpertOf(name) >= 0).
+std::string WithExpert(absl::string_view name, int64_t e) {
+  const size_t at = name.find(kExperts) + kExperts.size();
+  const size_t end = name.find('.', at);
+  return absl::StrCat(name.substr(0, at), e, name.substr(end));
+}
+
+}  // namespace
+
+int64_t ExpertParallel::ExpertOf(absl::string_view name) {
+  const size_t at = name.find(kExperts);
+  if (at == absl::string_view::npos) return -1;
+  const size_t begin = at + kExperts.size();
+  const size_t end = name.find('.', begin);
+  int64_t e = -1;
+  if (end == absl::string_view::npos || !absl::SimpleAtoi(name.substr(begin, end - begin), &e)) {
+    return -1;
+  }
+  return e;
+}
+
+absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(Collectives& world, int size,
+                                                                       int64_t num_experts) {
+  const int W = world.world_size();
+  if (size < 1 || W % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--expert_parallel=", size, " must divide the world size ", W, " (WORLD_SIZE)"));
+  }
+  if (num_experts % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--expert_parallel=", size,
+                                                   " must divide the model's ", num_experts,
+                                                   " experts per layer"));
+  }
+  const int r = world.rank(), block = r % size;
+  std::vector<int> group(static_cast<size_t>(size));
+  std::iota(group.begin(), group.end(), r - block);
+  std::vector<int> replicas;
+  for (int q = block; q < W; q += size) replicas.push_back(q);
+  auto g = world.Subgroup(group);
+  if (!g.ok()) return g.status();
+  std::shared_ptr<Collectives> same;
+  if (replicas.size() > 1) {
+    auto s = world.Subgroup(replicas);
+    if (!s.ok()) return s.status();
+    same = *std::move(s);
+  }
+  const int64_t count = num_experts / size;
+  return std::unique_ptr<ExpertParallel>(
+      new ExpertParallel(*std::move(g), std::move(same), block * count, count));
+}
+
+kernels::SlotsFn ExpertParallel::Slots() const {
+  return [this](const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
+                const kernels::ExpertFn& expert) { return Exchange(x_SD, rows_E, expert); };
+}
+
+at::Tensor ExpertParallel::Exchange(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
+                                    const kernels::ExpertFn& expert) const {
+  Collectives& c = *group_;
+  const int G = c.world_size();
+  const auto E = static_cast<int64_t>(rows_E.size());
+  TORCH_CHECK(E == G * count_, "expert parallelism: ", E, " experts over ", G, " ranks of ",
+              count_);
+  // Every rank's slots per expert, so that each knows what it sends, receives, and from whom.
+  at::Tensor all_GE = at::empty({G, E}, at::kLong);
+  const at::Tensor mine_E = at::tensor(rows_E, at::kLong);
+  if (auto st = c.AllGather(mine_E, all_GE); !st.ok()) {
+    throw std::runtime_error(std::string(st.message()));
+  }
+  const int64_t* all = all_GE.data_ptr<int64_t>();
+  auto rows = [&](int64_t g, int64_t e) { return all[g * E + e]; };
+  std::vector<int64_t> send(G, 0), recv(G, 0);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < count_; ++j) {
+      send[g] += rows_E[g * count_ + j];
+      recv[g] += rows(g, first_ + j);
+    }
+  }
+  const at::Tensor x_RD = AllToAllFn::apply(x_SD, group_.get(), send, recv);
+  // Received source by source, each source's rows by expert; regrouped expert by expert (sources
+  // in rank order within an expert) to run each expert once.
+  std::vector<int64_t> by_expert, rows_n(count_, 0);
+  std::vector<int64_t> from(G, 0);  // where source g's rows begin in x_RD
+  for (int64_t g = 1; g < G; ++g) from[g] = from[g - 1] + recv[g - 1];
+  for (int64_t j = 0; j < count_; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      int64_t offset = from[g];
+      for (int64_t i = 0; i < j; ++i) offset += rows(g, first_ + i);
+      for (int64_t i = 0; i < rows(g, first_ + j); ++i) by_expert.push_back(offset + i);
+      rows_n[j] += rows(g, first_ + j);
+    }
+  }
+  const auto R = static_cast<int64_t>(by_expert.size());
+  const at::Tensor order_R = at::tensor(by_expert, at::kLong).to(x_SD.device());
+  const at::Tensor inverse_R = at::empty_like(order_R);
+  inverse_R.index_put_({order_R}, at::arange(R, order_R.options()));
+  // Under autograd every held expert runs, rows or none: the return exchange's backward is then
+  // in every rank's graph whenever the experts train (LoRA on them, or full fine-tuning), whatever
+  // the routing sent where; a rank that received nothing would otherwise skip the collective its
+  // group waits in.
+  const at::Tensor y_RD =
+      kernels::RunSlots(
+          x_RD.index_select(0, order_R), rows_n,
+          [&](int64_t j, const at::Tensor& x_ND) { return expert(first_ + j, x_ND); },
+          /*every_expert=*/at::GradMode::is_enabled())
+          .index_select(0, inverse_R);
+  return AllToAllFn::apply(y_RD, group_.get(), recv, send);
+}
+
+void ExpertParallel::DropOthers(BaseWeights& w) const {
+  for (LayerWeights& L : w.layers) {
+    for (size_t e = 0; e < L.experts.size(); ++e) {
+      if (!Holds(static_cast<int64_t>(e))) L.experts[e] = ExpertWeights{};
+    }
+  }
+}
+
+absl::StatusOr<std::map<std::string, at::Tensor>> ExpertParallel::GatherExperts(
+    const std::map<std::string, at::Tensor>& kept) const {
+  // By name with the expert numbered within its block: the same order on every rank of the group.
+  std::map<std::string, const at::Tensor*> by_slot;
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, t] : kept) {
+    const int64_t e = ExpertOf(name);
+    if (e < 0) {
+      out[name] = t;
+    } else {
+      by_slot[WithExpert(name, e - first_)] = &t;
+    }
+  }
+  const int G = group_->world_size();
+  for (const auto& [slot, t] : by_slot) {
+    const at::Tensor flat_K = t->detach().contiguous().view(-1);
+    at::Tensor all_GK = at::empty({G, flat_K.numel()}, flat_K.options());
+    if (auto st = group_->AllGather(flat_K, all_GK); !st.ok()) return st;
+    const int64_t j = ExpertOf(slot);
+    for (int g = 0; g < G; ++g) {
+      out[WithExpert(slot, g * count_ + j)] = all_GK[g].view(t->sizes());
+    }
+  }
+  return out;
+}
+
+}  // namespace tinkerd

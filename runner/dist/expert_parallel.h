@@ -1,0 +1,86 @@
+// Expert parallelism (--expert_parallel=E): the world is cut into groups of E consecutive ranks,
+// and within a group rank r holds block r % E of every routed layer's experts (num_experts / E
+// consecutive ones), base weights, adapters and optimizer state alike, and no other expert.
+// Attention, norms, embeddings and routers stay replicated, and every rank still trains on its
+// own share of the datums (data parallelism over the whole world).
+//
+// A routed layer routes each rank's own tokens, then Exchange carries the (token, choice) slots by
+// all-to-all to the rank holding their expert, runs the experts there over what every rank of the
+// group sent them, and carries the outputs back; the backward runs the same exchanges in reverse.
+// No slot is ever dropped: a rank receives at most the group's slots for its own experts, at most
+// E · micro_batch_tokens · min(top_k, num_experts / E) rows per layer, the memory bound of a
+// micro-batch's exchanged activations. Every exchange is a collective over the group, so its
+// ranks run their forwards in step, as many micro-batches each (runner/train_step.cc pads, as
+// under --shard=full).
+//
+// Gradients (Note [Reduce once] in collectives.h): an expert's gradient on its holder is already
+// the sum over its group's tokens; the W / E ranks holding the same block in different groups
+// (the replicas) sum theirs once per step, and every other gradient is summed over the world as
+// before. The squared norm adds each block once: the replicated part, plus the experts' part
+// summed over the group.
+//
+// Shape suffixes: S this rank's slots, sorted by expert; R slots received; D hidden; E experts;
+// G ranks of the group.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/routed_experts.h"
+#include "runner/dist/collectives.h"
+#include "runner/model/transformer.h"
+
+namespace tinkerd {
+
+class ExpertParallel {
+ public:
+  // A collective over `world` (it makes the groups): every rank calls it once, with the same
+  // arguments. INVALID_ARGUMENT unless `size` divides both the world size and num_experts.
+  static absl::StatusOr<std::unique_ptr<ExpertParallel>> Create(Collectives& world, int size,
+                                                                int64_t num_experts);
+
+  int size() const { return group_->world_size(); }  // E
+  int64_t first() const { return first_; }           // this rank's experts: [first, first + count)
+  int64_t count() const { return count_; }
+  bool Holds(int64_t expert) const { return expert >= first_ && expert < first_ + count_; }
+  // The expert a tensor belongs to, from its Hugging Face name (".experts.<e>."), or -1.
+  static int64_t ExpertOf(absl::string_view name);
+  // Whether this rank keeps a tensor of that name: any but another rank's expert's.
+  bool Keeps(absl::string_view name) const {
+    const int64_t e = ExpertOf(name);
+    return e < 0 || Holds(e);
+  }
+
+  Collectives& group() const { return *group_; }
+  Collectives* replicas() const { return replicas_.get(); }  // null with one group
+
+  // The routed layers' exchange (kernels::SlotsFn), in the forward and through autograd.
+  kernels::SlotsFn Slots() const;
+  // Drops other ranks' experts from `w` (their tensors become undefined).
+  void DropOthers(BaseWeights& w) const;
+  // Every expert's tensors, on every rank of the group: `kept` (this rank's, by name; other names
+  // are returned as they are) gathered over the group under their own experts' names. A
+  // collective; every rank of the group passes tensors of the same names, experts renumbered.
+  absl::StatusOr<std::map<std::string, at::Tensor>> GatherExperts(
+      const std::map<std::string, at::Tensor>& kept) const;
+
+ private:
+  ExpertParallel(std::shared_ptr<Collectives> group, std::shared_ptr<Collectives> replicas,
+                 int64_t first, int64_t count)
+      : group_(std::move(group)), replicas_(std::move(replicas)), first_(first), count_(count) {}
+
+  at::Tensor Exchange(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
+                      const kernels::ExpertFn& expert) const;
+
+  std::shared_ptr<Collectives> group_, replicas_;
+  int64_t first_, count_;
+};
+
+}  // namespace tinkerd
