@@ -24,6 +24,10 @@ struct CallShape {
   // --shard=full: values gathered whole at once (the rest of the model and its largest layer),
   // held as weights and, in a backward, as their gradients, in the training dtype.
   int64_t gathered_values = 0;
+  // Expert parallelism: the ranks of a group (runner/dist/expert_parallel.h). A rank may receive
+  // every slot of theirs that routes to its experts, so its routed layers hold up to this many
+  // times its own slots' rows more.
+  int64_t expert_group = 1;
 };
 
 // Per token and decoder layer a backward keeps the layer's inputs to each op: two norms' outputs,

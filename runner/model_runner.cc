@@ -560,7 +560,11 @@ absl::StatusOr<ModelInfo> ModelRunner::GetInfo(const std::string& model_id) cons
   info.accumulated_tokens = t->accumulated_tokens;
   info.accumulated_sequences = t->accumulated_sequences;
   info.skipped_steps = t->skipped_steps;
-  for (const auto& [n, p] : t->params) info.trainable_parameters += p.numel();
+  // The whole model's: under expert parallelism every rank of a group holds as many experts.
+  for (const auto& [n, p] : t->params) {
+    const bool expert = impl_->experts && ExpertParallel::ExpertOf(n) >= 0;
+    info.trainable_parameters += p.numel() * (expert ? impl_->experts->size() : 1);
+  }
   if (t->sharded) info.trainable_parameters = t->sharded->values();
   info.vocab_size = impl_->model_config.vocab_size;
   info.max_context_length = impl_->model_config.max_position_embeddings;
@@ -888,14 +892,34 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
   CheckpointMeta meta{options.last_seq_id, impl_->base_fingerprint, impl_->config.base_model_path,
                       impl_->dtype == at::kDouble ? "float64" : "float32"};
   // Files are written a tensor at a time (SaveSafetensorsFile); what a save holds beside the model
-  // is the copy of its gradient sum it reduces over the ranks and saves.
+  // is the copy of its gradient sum it reduces over the ranks and saves and, under expert
+  // parallelism, the other ranks' experts it gathers (parameters, moments and sums). The ranks
+  // agree on the reservation, so that one refusing does not leave the others in a collective.
   Reservation held;
-  if (options.include_accumulated && !t->shard && !t->sharded) {
-    int64_t bytes = 0;
-    for (const auto& [name, g] : t->grad_sum) bytes += static_cast<int64_t>(g.nbytes());
-    ASSIGN_OR_RETURN(held, impl_->account->Reserve(
-                               bytes, "save_state: a copy of the gradient sum while it is saved",
-                               ". Retry later, or save after optim_step"));
+  if (!t->shard && !t->sharded) {
+    int64_t bytes = 0, experts = 0;
+    for (const auto& [name, p] : t->params) {
+      const int64_t n = static_cast<int64_t>(p.numel()) * at::elementSize(impl_->TrainDType());
+      if (options.include_accumulated) bytes += n;
+      if (impl_->experts && ExpertParallel::ExpertOf(name) >= 0) experts += n;
+    }
+    if (impl_->experts) {
+      bytes += experts * (impl_->experts->size() - 1) * (options.include_accumulated ? 4 : 3);
+    }
+    absl::StatusOr<Reservation> reserved = impl_->account->Reserve(
+        bytes,
+        impl_->experts ? "save_state: a copy of the gradient sum and the experts gathered from the "
+                         "other ranks while they are saved"
+                       : "save_state: a copy of the gradient sum while it is saved",
+        ". Retry later, or save after optim_step");
+    bool ok = reserved.ok();
+    if (impl_->collectives->world_size() > 1) RETURN_IF_ERROR(impl_->collectives->AllAgree(ok));
+    if (!reserved.ok()) return reserved.status();
+    if (!ok) {
+      return absl::ResourceExhaustedError(
+          "save_state: another rank could not reserve the save's copies; retry later");
+    }
+    held = *std::move(reserved);
   }
   return Guarded("save_state", [&]() -> absl::Status {
     if (t->shard) return SaveSharded(*impl_->collectives, *t, meta, path, options);

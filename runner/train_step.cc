@@ -57,14 +57,15 @@ at::Tensor GatherInt(const std::vector<Datum>& data, const std::vector<int>& mb,
       .to(device, at::kLong, /*non_blocking=*/false, /*copy=*/true);
 }
 
+// A failed collective (UNAVAILABLE) stays one through the exception (ThrowStatus).
 template <typename T>
 T OrThrow(absl::StatusOr<T> v) {
-  if (!v.ok()) throw std::runtime_error(std::string(v.status().message()));
+  if (!v.ok()) ThrowStatus(v.status());
   return *std::move(v);
 }
 
 void OrThrow(const absl::Status& st) {
-  if (!st.ok()) throw std::runtime_error(std::string(st.message()));
+  if (!st.ok()) ThrowStatus(st);
 }
 
 // The number of micro-batches every rank runs under --shard=full: the most any rank planned.
@@ -478,6 +479,7 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
     }
     call.gathered_values = model.sharded->units()[0].state.layout.total() + largest;
   }
+  if (ctx.experts != nullptr) call.expert_group = ctx.experts->size();
   // A refusal is the call's result in its model's order, as any failure is.
   return ctx.account->Reserve(
       CallBytes(*ctx.config, call),

@@ -9,12 +9,13 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "runner/util/exception_status.h"
 
 namespace tinkerd {
 namespace {
 
 at::Tensor OrThrow(absl::StatusOr<at::Tensor> t) {
-  if (!t.ok()) throw std::runtime_error(std::string(t.status().message()));
+  if (!t.ok()) ThrowStatus(t.status());
   return *std::move(t);
 }
 
@@ -111,9 +112,7 @@ at::Tensor ExpertParallel::Exchange(const at::Tensor& x_SD, const std::vector<in
   // Every rank's slots per expert, so that each knows what it sends, receives, and from whom.
   at::Tensor all_GE = at::empty({G, E}, at::kLong);
   const at::Tensor mine_E = at::tensor(rows_E, at::kLong);
-  if (auto st = c.AllGather(mine_E, all_GE); !st.ok()) {
-    throw std::runtime_error(std::string(st.message()));
-  }
+  if (auto st = c.AllGather(mine_E, all_GE); !st.ok()) ThrowStatus(st);
   const int64_t* all = all_GE.data_ptr<int64_t>();
   auto rows = [&](int64_t g, int64_t e) { return all[g * E + e]; };
   std::vector<int64_t> send(G, 0), recv(G, 0);

@@ -3,15 +3,24 @@
 #include <c10/util/Exception.h>
 
 #include <new>
+#include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace tinkerd {
 
+void ThrowStatus(const absl::Status& st) {
+  if (st.code() == absl::StatusCode::kUnavailable)
+    throw CollectiveFailure(std::string(st.message()));
+  throw std::runtime_error(std::string(st.message()));
+}
+
 absl::Status ExceptionStatus(const char* what, std::exception_ptr e) {
   try {
     std::rethrow_exception(e);
+  } catch (const CollectiveFailure& x) {
+    return absl::UnavailableError(absl::StrCat(what, ": ", x.what()));
   } catch (const c10::OutOfMemoryError& x) {  // a GPU allocator out of memory
     return absl::ResourceExhaustedError(
         absl::StrCat(what, ": out of device memory: ", x.what_without_backtrace()));

@@ -152,6 +152,23 @@ TEST_F(DataParallel, ExpertParallelEqualsOneProcess) {
   }
 }
 
+// LoRA models that adapt the experts alone: nothing below a layer's experts trains, so a rank
+// whose experts receive no rows (4 experts over 4 ranks, calls that leave ranks only a padding
+// token) must still run the return exchange's backward its group waits in. They end where one
+// process ends, as above.
+TEST_F(DataParallel, ExpertParallelAdaptersOnExpertsAloneEqualOneProcess) {
+  TempDir moe;
+  const std::string model = WriteModel(moe, TinyConfig("mixtral"));
+  const auto one = RunRanks(model, moe.Sub("one"), 1, {"--lora_attn=false"})[0];
+  ASSERT_GT(one.size(), 100u);
+  const auto ranks =
+      RunRanks(model, moe.Sub("ep44"), 4, {"--lora_attn=false", "--expert_parallel=4"});
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_EQ(ranks[r].size(), one.size()) << "rank " << r;
+    EXPECT_LE(MaxAbsDiff(ranks[r], one), kTol) << "rank " << r;
+  }
+}
+
 // The broken control: every all-to-all delivers the first row a rank sends as zeros (one token's
 // slot dropped on its way to its expert, and its gradient on the way back).
 TEST_F(DataParallel, AnExpertParallelDispatchThatDropsATokenIsCaught) {

@@ -4,7 +4,7 @@
 // --out.<rank>, so the test can compare world sizes.
 //   dist_worker --model_dir=D --out=F [--shard=none|optimizer|full]
 //       [--scenario=train|save|load|load_without_optimizer --checkpoint=PATH]
-//       [--expert_parallel=E]
+//       [--expert_parallel=E] [--lora_attn=false]
 //       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1|gather_own_only|
 //                 drop_sent_row]
 // train: LoRA models in every reduction mode and a full fine-tune, two steps each.
@@ -29,6 +29,8 @@ ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
 ABSL_FLAG(std::string, shard, "none", "none, optimizer or full (RunnerConfig::shard)");
 ABSL_FLAG(int, expert_parallel, 1, "RunnerConfig::expert_parallel");
+ABSL_FLAG(bool, lora_attn, true,
+          "the LoRA models adapt attention and the head too (false: the MLPs, or experts, alone)");
 ABSL_FLAG(std::string, scenario, "train",
           "train, train_full (the full fine-tune alone), save, load or load_without_optimizer");
 ABSL_FLAG(bool, full_model, false, "save: a full fine-tune instead of a LoRA model");
@@ -131,7 +133,8 @@ int Run() {
   };
   CreateModelOptions lora;
   lora.seed = 3;
-  lora.lora = LoraConfig{4, 8, true, true, true};
+  const bool attn = absl::GetFlag(FLAGS_lora_attn);
+  lora.lora = LoraConfig{4, 8, attn, true, attn};
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
   const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint);
   if (scenario == "train" || scenario == "train_full") {
