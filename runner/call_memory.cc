@@ -9,14 +9,19 @@ int64_t CallBytes(const ModelConfig& c, const CallShape& call) {
   // A routed layer holds each token's k experts' intermediates, its k gathered inputs and outputs
   // (counted as intermediates too, D ≤ I in published models) and its router's probabilities.
   // Under expert parallelism its own k slots are sent away and returned (their inputs and
-  // outputs), and it may receive and run up to group · k slots per token of its own.
+  // outputs), and it may receive and run up to group · min(k, its experts) slots per token of its
+  // own (every rank of the group sending all of its tokens' choices of its experts).
   const int64_t group = std::max<int64_t>(call.expert_group, 1);
-  const int64_t slots = group > 1 ? (group + 1) : 1;
-  const int64_t I = std::max(
-      c.intermediate_size,
-      c.moe.num_experts == 0
-          ? 0
-          : slots * c.moe.top_k * (c.moe.expert_intermediate_size + 2 * D) + c.moe.num_experts);
+  int64_t routed = 0;
+  if (c.moe.num_experts > 0) {
+    const int64_t expert_rows = c.moe.expert_intermediate_size + 2 * D;
+    routed =
+        c.moe.num_experts +
+        (group == 1 ? c.moe.top_k * expert_rows
+                    : c.moe.top_k * 2 * D +
+                          group * std::min(c.moe.top_k, c.moe.num_experts / group) * expert_rows);
+  }
+  const int64_t I = std::max(c.intermediate_size, routed);
   const int64_t Hd = c.num_attention_heads * c.head_dim, Kd = c.num_key_value_heads * c.head_dim;
   const int64_t layer = 2 * (6 * D + 3 * Hd + 3 * Kd + 3 * I);
   const int64_t kept = !call.backward ? layer : call.checkpointing ? L * D + layer : L * layer;

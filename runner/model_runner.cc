@@ -302,6 +302,23 @@ ModelLimits ModelRunner::limits() const {
 
 namespace {
 
+// Under --expert_parallel > 1, the experts this rank holds (ExpertParallel::BlockOf); null
+// otherwise. INVALID_ARGUMENT for a model without experts, or an E that does not divide.
+absl::StatusOr<std::function<bool(int64_t)>> HeldExperts(const RunnerConfig& config,
+                                                         const ModelConfig& model,
+                                                         const Collectives& c) {
+  if (config.expert_parallel == 1) return nullptr;
+  if (model.moe.num_experts == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("runner: --expert_parallel=", config.expert_parallel,
+                     " needs a mixture of experts, and ", model.architecture, " has none"));
+  }
+  ASSIGN_OR_RETURN(const ExpertParallel::Block b,
+                   ExpertParallel::BlockOf(c.rank(), c.world_size(), config.expert_parallel,
+                                           model.moe.num_experts));
+  return [b](int64_t e) { return e >= b.first && e < b.first + b.count; };
+}
+
 // Data-parallel ranks must hold the same base model in the same dtype and split training state
 // the same way: ranks that differ in --shard would issue different collectives and never line up.
 // Every rank calls this once, at start-up.
@@ -355,9 +372,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     // the budget is sized from what the process holds.
     const int blas_calls = PreallocateBlasBuffers();
     TensorMap tensors;
+    std::function<bool(int64_t expert)> holds;  // under expert parallelism: this rank's experts
     if (config.base_model_path == kEmbeddedDefaultModel) {
       TinyModelSpec spec{DefaultDemoConfig()};
       impl->model_config = spec.config;
+      ASSIGN_OR_RETURN(holds, HeldExperts(config, impl->model_config, *impl->collectives));
       ASSIGN_OR_RETURN(tensors, GenerateTinyWeights(spec));
       for (auto& [name, t] : tensors) t = t.to(impl->dtype);
     } else {
@@ -379,7 +398,16 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
                          ParseGenerationEos(gen_text, impl->model_config.vocab_size));
         if (!eos.empty()) impl->model_config.eos_token_ids = std::move(eos);
       }
-      ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype));
+      // A rank reads only its own experts of the base (runner/dist/expert_parallel.h).
+      ASSIGN_OR_RETURN(holds, HeldExperts(config, impl->model_config, *impl->collectives));
+      TensorFilter keep;
+      if (holds) {
+        keep = [&holds](const std::string& name) {
+          const int64_t e = ExpertParallel::ExpertOf(name);
+          return e < 0 || holds(e);
+        };
+      }
+      ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype, keep));
       // Only stop strings need it: a model without one (or with one tinkerd cannot read) still
       // trains and samples, and a request with stop strings is refused naming why.
       absl::StatusOr<TokenTexts> texts = TokenTexts::Load(config.base_model_path);
@@ -393,21 +421,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     }
     // Loaded (or generated) on the host, then moved once; everything else follows the weights.
     for (auto& [name, t] : tensors) t = t.to(impl->device);
-    ASSIGN_OR_RETURN(impl->base, BaseWeightsFromTensors(impl->model_config, std::move(tensors)));
+    ASSIGN_OR_RETURN(impl->base,
+                     BaseWeightsFromTensors(impl->model_config, std::move(tensors), holds));
     impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
-    if (config.expert_parallel > 1) {
-      if (impl->model_config.moe.num_experts == 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("runner: --expert_parallel=", config.expert_parallel,
-                         " needs a mixture "
-                         "of experts, and ",
-                         impl->model_config.architecture, " has none"));
-      }
+    if (holds) {
       ASSIGN_OR_RETURN(impl->experts,
                        ExpertParallel::Create(*impl->collectives, config.expert_parallel,
                                               impl->model_config.moe.num_experts));
-      impl->experts->DropOthers(impl->base);
       TLOG_INFO("runner: expert parallel over {} ranks, holding experts [{}, {}) of each layer",
                 impl->experts->size(), impl->experts->first(),
                 impl->experts->first() + impl->experts->count());
@@ -904,7 +925,8 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
       if (impl_->experts && ExpertParallel::ExpertOf(name) >= 0) experts += n;
     }
     if (impl_->experts) {
-      bytes += experts * (impl_->experts->size() - 1) * (options.include_accumulated ? 4 : 3);
+      // GatherExperts holds every rank's experts of the group, its own included, per state.
+      bytes += experts * impl_->experts->size() * (options.include_accumulated ? 4 : 3);
     }
     absl::StatusOr<Reservation> reserved = impl_->account->Reserve(
         bytes,

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "runner/util/exception_status.h"
+#include "runner/util/status_macros.h"
 
 namespace tinkerd {
 namespace {
@@ -67,18 +68,25 @@ int64_t ExpertParallel::ExpertOf(absl::string_view name) {
   return e;
 }
 
-absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(Collectives& world, int size,
-                                                                       int64_t num_experts) {
-  const int W = world.world_size();
-  if (size < 1 || W % size != 0) {
+absl::StatusOr<ExpertParallel::Block> ExpertParallel::BlockOf(int rank, int world, int size,
+                                                              int64_t num_experts) {
+  if (size < 1 || world % size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--expert_parallel=", size, " must divide the world size ", W, " (WORLD_SIZE)"));
+        "--expert_parallel=", size, " must divide the world size ", world, " (WORLD_SIZE)"));
   }
-  if (num_experts % size != 0) {
+  if (num_experts < 1 || num_experts % size != 0) {
     return absl::InvalidArgumentError(absl::StrCat("--expert_parallel=", size,
                                                    " must divide the model's ", num_experts,
                                                    " experts per layer"));
   }
+  const int64_t count = num_experts / size;
+  return Block{(rank % size) * count, count};
+}
+
+absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(Collectives& world, int size,
+                                                                       int64_t num_experts) {
+  const int W = world.world_size();
+  ASSIGN_OR_RETURN(const Block held, BlockOf(world.rank(), W, size, num_experts));
   const int r = world.rank(), block = r % size;
   std::vector<int> group(static_cast<size_t>(size));
   std::iota(group.begin(), group.end(), r - block);
@@ -92,9 +100,8 @@ absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(Collectiv
     if (!s.ok()) return s.status();
     same = *std::move(s);
   }
-  const int64_t count = num_experts / size;
   return std::unique_ptr<ExpertParallel>(
-      new ExpertParallel(*std::move(g), std::move(same), block * count, count));
+      new ExpertParallel(*std::move(g), std::move(same), held.first, held.count));
 }
 
 kernels::SlotsFn ExpertParallel::Slots() const {
@@ -151,14 +158,6 @@ at::Tensor ExpertParallel::Exchange(const at::Tensor& x_SD, const std::vector<in
           /*every_expert=*/at::GradMode::is_enabled())
           .index_select(0, inverse_R);
   return AllToAllFn::apply(y_RD, group_.get(), recv, send);
-}
-
-void ExpertParallel::DropOthers(BaseWeights& w) const {
-  for (LayerWeights& L : w.layers) {
-    for (size_t e = 0; e < L.experts.size(); ++e) {
-      if (!Holds(static_cast<int64_t>(e))) L.experts[e] = ExpertWeights{};
-    }
-  }
 }
 
 absl::StatusOr<std::map<std::string, at::Tensor>> ExpertParallel::GatherExperts(

@@ -8,10 +8,10 @@
 // all-to-all to the rank holding their expert, runs the experts there over what every rank of the
 // group sent them, and carries the outputs back; the backward runs the same exchanges in reverse.
 // No slot is ever dropped: a rank receives at most the group's slots for its own experts, at most
-// E · micro_batch_tokens · min(top_k, num_experts / E) rows per layer, the memory bound of a
-// micro-batch's exchanged activations. Every exchange is a collective over the group, so its
-// ranks run their forwards in step, as many micro-batches each (runner/train_step.cc pads, as
-// under --shard=full).
+// E · T · min(top_k, num_experts / E) rows per layer (T: micro_batch_tokens, or a longer datum's,
+// which runs alone), the memory bound of a micro-batch's exchanged activations. Every exchange is a
+// collective over the group, so its ranks run their forwards in step, as many micro-batches each
+// (runner/train_step.cc pads, as under --shard=full).
 //
 // Gradients (Note [Reduce once] in collectives.h): an expert's gradient on its holder is already
 // the sum over its group's tokens; the W / E ranks holding the same block in different groups
@@ -45,6 +45,12 @@ class ExpertParallel {
   // arguments. INVALID_ARGUMENT unless `size` divides both the world size and num_experts.
   static absl::StatusOr<std::unique_ptr<ExpertParallel>> Create(Collectives& world, int size,
                                                                 int64_t num_experts);
+  // The experts rank `rank` of `world` ranks holds, [first, first + count), computed alone (before
+  // any collective: what a rank reads of the base model). INVALID_ARGUMENT as for Create.
+  struct Block {
+    int64_t first, count;
+  };
+  static absl::StatusOr<Block> BlockOf(int rank, int world, int size, int64_t num_experts);
 
   int size() const { return group_->world_size(); }  // E
   int64_t first() const { return first_; }           // this rank's experts: [first, first + count)
@@ -63,8 +69,6 @@ class ExpertParallel {
 
   // The routed layers' exchange (kernels::SlotsFn), in the forward and through autograd.
   kernels::SlotsFn Slots() const;
-  // Drops other ranks' experts from `w` (their tensors become undefined).
-  void DropOthers(BaseWeights& w) const;
   // Every expert's tensors, on every rank of the group: `kept` (this rank's, by name; other names
   // are returned as they are) gathered over the group under their own experts' names. A
   // collective; every rank of the group passes tensors of the same names, experts renumbered.

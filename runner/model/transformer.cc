@@ -298,7 +298,8 @@ LayerWeights LayerWeights::FromAll(std::vector<at::Tensor> fields) {
   return L;
 }
 
-absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& c, TensorMap m) {
+absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& c, TensorMap m,
+                                                   const std::function<bool(int64_t)>& holds) {
   const int64_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const int64_t qo = c.num_attention_heads * c.head_dim;
   const int64_t kvo = c.num_key_value_heads * c.head_dim;
@@ -337,6 +338,7 @@ absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& c, TensorM
       RETURN_IF_ERROR(take(p + moe.names.Router() + ".weight", {moe.num_experts, D}, &L.router_ED));
       L.experts.resize(static_cast<size_t>(moe.num_experts));
       for (int64_t e = 0; e < moe.num_experts; ++e) {
+        if (holds && !holds(e)) continue;
         const std::string q = p + moe.names.Expert(e);
         ExpertWeights& W = L.experts[static_cast<size_t>(e)];
         RETURN_IF_ERROR(take(q + moe.names.gate + ".weight", {Ie, D}, &W.gate_ID));

@@ -65,7 +65,11 @@ struct BaseWeights {
 };
 
 // Takes tensors out of `tensors` (HF names), checking every name and shape against the config.
-absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& config, TensorMap tensors);
+// `holds` (expert parallelism): the experts this process holds; the others' tensors need not be
+// there and are left undefined. Null: every expert.
+absl::StatusOr<BaseWeights> BaseWeightsFromTensors(
+    const ModelConfig& config, TensorMap tensors,
+    const std::function<bool(int64_t expert)>& holds = nullptr);
 
 struct PackedBatch {
   at::Tensor tokens_T;              // int64

@@ -33,11 +33,12 @@ absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::str
 }
 
 absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype,
-                                              FileDigest* digest) {
+                                              FileDigest* digest, const TensorFilter& keep) {
   ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file,
                    SafetensorsReader::Open(path, /*digest=*/digest != nullptr));
   TensorMap out;
   for (const SafetensorsEntry& e : file->header().entries) {
+    if (keep && !keep(e.name)) continue;
     ASSIGN_OR_RETURN(at::ScalarType st, ScalarTypeOf(e.dtype));
     // Straight from the file into the tensor: only one tensor is ever held in a second dtype.
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(st));
@@ -50,7 +51,8 @@ absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::Scala
   return out;
 }
 
-absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype) {
+absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype,
+                                             const TensorFilter& keep) {
   namespace fs = std::filesystem;
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   const fs::path single = fs::path(dir) / "model.safetensors";
@@ -76,7 +78,8 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
     TensorMap all;
     for (const std::string& f : files) {
       ASSIGN_OR_RETURN(TensorMap part,
-                       LoadSafetensorsFile((fs::path(dir) / f).string(), float_dtype));
+                       LoadSafetensorsFile((fs::path(dir) / f).string(), float_dtype,
+                                           /*digest=*/nullptr, keep));
       for (auto& [name, t] : part) {
         if (!all.emplace(name, t).second) {
           return absl::InvalidArgumentError(
@@ -85,14 +88,16 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
       }
     }
     for (const auto& [name, f] : expected) {
-      if (!all.count(name)) {
+      if ((!keep || keep(name)) && !all.count(name)) {
         return absl::InvalidArgumentError(
             absl::StrCat("index names ", name, " in ", f, " but the shard lacks it"));
       }
     }
     return all;
   }
-  if (fs::exists(single, ec)) return LoadSafetensorsFile(single.string(), float_dtype);
+  if (fs::exists(single, ec)) {
+    return LoadSafetensorsFile(single.string(), float_dtype, /*digest=*/nullptr, keep);
+  }
   return absl::NotFoundError(
       absl::StrCat(dir, ": neither model.safetensors nor model.safetensors.index.json"));
 }

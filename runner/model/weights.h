@@ -15,14 +15,19 @@ namespace tinkerd {
 
 using TensorMap = std::map<std::string, at::Tensor>;
 
-// Loads every tensor of a model directory: model.safetensors, or the shards named by
-// model.safetensors.index.json. Float tensors are converted to `float_dtype`.
-absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype);
+// Which tensors a load reads, by name (expert parallelism: not other ranks' experts); null: all.
+using TensorFilter = std::function<bool(const std::string& name)>;
 
-// Loads one safetensors file, a tensor at a time (the file is never held whole), and its digest
-// when `digest` is set.
+// Loads every tensor of a model directory (that `keep` keeps): model.safetensors, or the shards
+// named by model.safetensors.index.json. Float tensors are converted to `float_dtype`.
+absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype,
+                                             const TensorFilter& keep = nullptr);
+
+// Loads one safetensors file, a tensor at a time (the file is never held whole; a tensor `keep`
+// leaves out is never read), and its digest when `digest` is set.
 absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype,
-                                              FileDigest* digest = nullptr);
+                                              FileDigest* digest = nullptr,
+                                              const TensorFilter& keep = nullptr);
 
 // The dtype and the safetensors dtype of a stored dtype name: "float32", "bfloat16", "float16" or
 // "float64".
