@@ -950,18 +950,9 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
     // in runner/dist/collectives.h); a checkpoint holds their sum.
     std::map<std::string, at::Tensor> accumulated;
     if (options.include_accumulated) {
-      std::vector<at::Tensor> replicated, held;
-      for (const auto& [name, g] : t->grad_sum) {
-        accumulated[name] = g.clone();
-        const bool expert = impl_->experts && ExpertParallel::ExpertOf(name) >= 0;
-        (expert ? held : replicated).push_back(accumulated[name]);
-      }
-      if (impl_->collectives->world_size() > 1) {
-        RETURN_IF_ERROR(impl_->collectives->AllReduceSumGradients(replicated));
-      }
-      if (Collectives* same = impl_->experts ? impl_->experts->replicas() : nullptr) {
-        RETURN_IF_ERROR(same->AllReduceSumGradients(held));
-      }
+      std::vector<at::Tensor> sums;
+      for (const auto& [name, g] : t->grad_sum) sums.push_back(accumulated[name] = g.clone());
+      RETURN_IF_ERROR(ReduceGradients(impl_->Context(), t->grad_sum, sums));
     }
     // Under expert parallelism the checkpoint holds every expert: each group gathers its own
     // ranks' (every rank takes part), and rank 0 writes them.

@@ -506,12 +506,6 @@ namespace {
 // tensor, its float64 sum and sum of squares, written exactly (%a). A difference means a rank
 // diverged (a fault, a nondeterministic kernel, another base model): UNAVAILABLE, as for a failed
 // collective, so the server stops serving instead of training on with replicas that disagree.
-// Whether a trainable tensor is an expert's that this rank holds alone in its group (expert
-// parallelism).
-bool IsHeldExpert(const StepContext& ctx, const std::string& name) {
-  return ctx.experts != nullptr && ExpertParallel::ExpertOf(name) >= 0;
-}
-
 // After a step (or a skipped one): the accumulators and counters start again from zero.
 void ClearAccumulated(ModelState& t) {
   at::NoGradGuard no_grad;
@@ -525,7 +519,7 @@ void ClearAccumulated(ModelState& t) {
 }
 
 // Under expert parallelism the replicated tensors are compared over the world and the experts'
-// over the ranks holding them (`experts`: which of the two).
+// over the ranks holding them (`experts`: which of the two). See ClearAccumulated's comment.
 absl::Status CompareAcrossRanks(const StepContext& ctx, const ModelState& t, bool experts) {
   Collectives* over = ctx.collectives;
   if (experts) over = ctx.experts != nullptr ? ctx.experts->replicas() : nullptr;
@@ -550,6 +544,24 @@ absl::Status CompareAcrossRanks(const StepContext& ctx, const ModelState& t, boo
 }
 
 }  // namespace
+
+bool IsHeldExpert(const StepContext& ctx, const std::string& name) {
+  return ctx.experts != nullptr && ExpertParallel::ExpertOf(name) >= 0;
+}
+
+absl::Status ReduceGradients(const StepContext& ctx, const std::map<std::string, at::Tensor>& names,
+                             std::vector<at::Tensor>& grads) {
+  std::vector<at::Tensor> replicated, held;  // the same tensors as `grads`, reduced in place
+  size_t i = 0;
+  for (const auto& [name, g] : names) {
+    (IsHeldExpert(ctx, name) ? held : replicated).push_back(grads[i++]);
+  }
+  RETURN_IF_ERROR(ctx.collectives->AllReduceSumGradients(replicated));
+  if (Collectives* same = ctx.experts != nullptr ? ctx.experts->replicas() : nullptr) {
+    RETURN_IF_ERROR(same->AllReduceSumGradients(held));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<PreparedStep> PrepareOptimStep(const StepContext& ctx, ModelState& t,
                                               const AdamParams& p) {
@@ -606,17 +618,7 @@ absl::StatusOr<PreparedStep> PrepareOptimStep(const StepContext& ctx, ModelState
     }
   } else {
     for (auto& [name, g] : t.grad_sum) grads.push_back(g.clone());
-    // See Note [Reduce once] in runner/dist/collectives.h; under expert parallelism, an expert's
-    // gradient over the ranks holding it (runner/dist/expert_parallel.h).
-    std::vector<at::Tensor> replicated, held;
-    size_t i = 0;
-    for (const auto& [name, g] : t.grad_sum) {
-      (IsHeldExpert(ctx, name) ? held : replicated).push_back(grads[i++]);
-    }
-    RETURN_IF_ERROR(ctx.collectives->AllReduceSumGradients(replicated));
-    if (Collectives* same = ctx.experts != nullptr ? ctx.experts->replicas() : nullptr) {
-      RETURN_IF_ERROR(same->AllReduceSumGradients(held));
-    }
+    RETURN_IF_ERROR(ReduceGradients(ctx, t.grad_sum, grads));
   }
   // With nothing valid accumulated the step is still taken, with a zero gradient, as Tinker does:
   // 0/0 is 0 (every accumulator is exactly 0 then, since masked tokens add nothing), and AdamW's

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,16 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
 absl::StatusOr<ForwardBackwardResult> RunForward(const StepContext& ctx, ModelState& model,
                                                  const std::vector<Datum>& data,
                                                  const ResolvedLoss& loss, bool backward);
+
+// Whether a trainable tensor is an expert's that this rank holds alone in its group (expert
+// parallelism, runner/dist/expert_parallel.h).
+bool IsHeldExpert(const StepContext& ctx, const std::string& name);
+
+// Sums a replica's accumulated gradients `grads` (in the order of `names`' keys) in place over the
+// ranks that share them (Note [Reduce once] in runner/dist/collectives.h): every rank for the
+// replicated tensors, and under expert parallelism an expert's holders for its. Collectives.
+absl::Status ReduceGradients(const StepContext& ctx, const std::map<std::string, at::Tensor>& names,
+                             std::vector<at::Tensor>& grads);
 
 // Normalize, reduce, clip, AdamW, clear. See ModelRunner::OptimStep.
 absl::StatusOr<OptimStepResult> ApplyOptimStep(const StepContext& ctx, ModelState& model,

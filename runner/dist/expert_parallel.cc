@@ -133,14 +133,14 @@ at::Tensor ExpertParallel::Exchange(const at::Tensor& x_SD, const std::vector<in
   // Received source by source, each source's rows by expert; regrouped expert by expert (sources
   // in rank order within an expert) to run each expert once.
   std::vector<int64_t> by_expert, rows_n(count_, 0);
-  std::vector<int64_t> from(G, 0);  // where source g's rows begin in x_RD
-  for (int64_t g = 1; g < G; ++g) from[g] = from[g - 1] + recv[g - 1];
+  std::vector<int64_t> next(G, 0);  // where source g's rows for the next expert begin in x_RD
+  for (int64_t g = 1; g < G; ++g) next[g] = next[g - 1] + recv[g - 1];
   for (int64_t j = 0; j < count_; ++j) {
     for (int64_t g = 0; g < G; ++g) {
-      int64_t offset = from[g];
-      for (int64_t i = 0; i < j; ++i) offset += rows(g, first_ + i);
-      for (int64_t i = 0; i < rows(g, first_ + j); ++i) by_expert.push_back(offset + i);
-      rows_n[j] += rows(g, first_ + j);
+      const int64_t n = rows(g, first_ + j);
+      for (int64_t i = 0; i < n; ++i) by_expert.push_back(next[g] + i);
+      next[g] += n;
+      rows_n[j] += n;
     }
   }
   const auto R = static_cast<int64_t>(by_expert.size());
