@@ -11,6 +11,7 @@ Routing Route(const RouteParams& p) {
   const at::ScalarType wide = p.logits_TE.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor p_TE = at::softmax(p.logits_TE.to(wide), -1);
   Routing r;
+  r.probs_TE = p_TE;
   at::Tensor w_Tk, e_Tk;  // by descending p
   std::tie(w_Tk, e_Tk) = at::topk(p_TE, p.top_k, -1, /*largest=*/true, /*sorted=*/true);
   if (p.experts_Tk.defined()) {

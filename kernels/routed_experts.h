@@ -40,6 +40,7 @@ struct RouteParams {
 
 // A token's choices in ascending expert order.
 struct Routing {
+  at::Tensor probs_TE;          // p, in fp32 (fp64); differentiable in the logits
   at::Tensor weights_Tk;        // w (see wide_weights); differentiable in the logits
   at::Tensor experts_Tk;        // e, int64
   at::Tensor order_S;           // the slots t·k + j sorted by expert (stably)

@@ -1,10 +1,23 @@
 #include "runner/batch.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace tinkerd {
+
+absl::Status CheckLossForModel(const ResolvedLoss& loss, const ModelLimits& limits) {
+  if (loss.router_aux_loss_coef != 0 && limits.routed_layers == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss_fn_config[\"", kRouterAuxLossCoef,
+                     "\"]: the base model routes no layer (it is not a mixture of experts), so "
+                     "it has no router loss"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Batch> Batch::Check(std::vector<Datum> data, ResolvedLoss loss,
                                    const ModelLimits& limits) {
   if (loss.spec == nullptr) return absl::InvalidArgumentError("loss_fn: not resolved");
+  if (absl::Status st = CheckLossForModel(loss, limits); !st.ok()) return st;
   if (absl::Status st = ValidateData(data, *loss.spec, limits); !st.ok()) return st;
   return Batch(std::move(data), std::move(loss));
 }
@@ -18,7 +31,7 @@ absl::StatusOr<Batch> Batch::Check(std::vector<Datum> data, const std::string& l
 }
 
 absl::Status Batch::Append(Batch&& more) {
-  if (more.loss_.spec != loss_.spec || more.loss_.config != loss_.config) {
+  if (!(more.loss_ == loss_)) {
     return absl::InvalidArgumentError("loss_fn: a batch appended to one of another loss");
   }
   // Both are non-empty (Check refuses an empty batch) and each shares one target shape.

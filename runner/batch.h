@@ -12,6 +12,10 @@
 
 namespace tinkerd {
 
+// InvalidArgument, naming the key, for a loss the model cannot compute: the router's loss on a
+// dense model. Part of Check; a stream checks it when it begins, before its first datum.
+absl::Status CheckLossForModel(const ResolvedLoss& loss, const ModelLimits& limits);
+
 class Batch {
  public:
   // ValidateData's checks of `data` against `loss` and the model's limits.

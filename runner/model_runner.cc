@@ -628,6 +628,7 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> ModelRunner::ForwardBackwardJ
     if (!st.ok()) {
       results[i] = st;
     } else if ((*t)->lora && !(*t)->sharded && impl_->experts == nullptr &&
+               calls[i].batch->loss().router_aux_loss_coef == 0 &&
                seen.insert(calls[i].model_id).second) {
       joint.push_back({*t, calls[i].batch});
       joint_index.push_back(i);
@@ -724,6 +725,7 @@ absl::StatusOr<int64_t> ModelRunner::BeginStream(
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
   RETURN_IF_ERROR(impl_->NoOpenStream(model_id));
   ASSIGN_OR_RETURN(ResolvedLoss loss, ResolveLoss(loss_fn, loss_fn_config));
+  RETURN_IF_ERROR(CheckLossForModel(loss, limits()));
   // Its staged gradient, reserved where calls reserve theirs (the CPU's account).
   absl::StatusOr<Reservation> gradient = Reservation();
   if (MemoryAccount* account = impl_->Context().account) {
@@ -765,7 +767,7 @@ absl::Status ModelRunner::StreamAppend(int64_t stream_id, Batch batch) {
   if (it == impl_->streams.end()) return absl::NotFoundError("stream: unknown or closed stream");
   Impl::Stream& s = it->second;
   RETURN_IF_ERROR(s.failed);
-  if (batch.loss().spec != s.loss.spec || batch.loss().config != s.loss.config) {
+  if (!(batch.loss() == s.loss)) {
     return absl::InvalidArgumentError("loss_fn: not the loss the stream began with");
   }
   std::vector<Datum> data = std::move(batch).TakeData();

@@ -18,6 +18,7 @@
 #include "kernels/logprob_head.h"
 #include "runner/call_memory.h"
 #include "runner/loss/losses.h"
+#include "runner/loss/router_aux.h"
 #include "runner/packing/karmarkar_karp.h"
 #include "runner/packing/micro_batch.h"
 #include "runner/util/exception_status.h"
@@ -237,6 +238,21 @@ void RunPacked(const PackedPieces& packed) {
     };
     forward.layers = &source;
   }
+  // The router's loss is counted per datum (runner/loss/router_aux.h); its gradient comes in
+  // through hooks on the routers' probabilities.
+  std::optional<RouterAux> aux;
+  for (const Piece& piece : packed.pieces) {
+    TORCH_CHECK(packed.pieces.size() == 1 || piece.stage->loss_.router_aux_loss_coef == 0,
+                "the router's loss runs in a call's own passes");
+  }
+  if (const double coef = first.loss_.router_aux_loss_coef; coef > 0) {
+    const MoeConfig& moe = ctx.config->moe;
+    aux.emplace(coef, moe.num_experts, moe.RoutedLayers(), packed.batch.cu_seqlens);
+    forward.on_router = [&aux](int64_t routed, const at::Tensor& probs_TE,
+                               const at::Tensor& experts_Tk) {
+      aux->Observe(routed, probs_TE, experts_Tk);
+    };
+  }
   const BaseWeights& weights = gathered ? *gathered : WeightsOf(ctx, first.model_);
   const at::Tensor hidden_TD =
       ForwardHidden(*ctx.config, weights, packed.adapters, packed.batch, forward);
@@ -252,7 +268,12 @@ void RunPacked(const PackedPieces& packed) {
   for (size_t p = 0; p < packed.pieces.size(); ++p) {
     CallStage& stage = *packed.pieces[p].stage;
     bool valid = false;
-    at::Tensor raw = stage.PieceLoss(packed.pieces[p].mb, hidden[p], weights, &valid);
+    std::vector<double> weight_S;
+    at::Tensor raw = stage.PieceLoss(packed.pieces[p].mb, hidden[p], weights, &valid, &weight_S);
+    if (aux) {
+      aux->SetWeights(std::move(weight_S));
+      stage.aux_sum_ += aux->Value();
+    }
     from.push_back(params.size());
     // In step, every rank runs every backward: its reductions and exchanges are collectives.
     if (!backward || !(valid || stage.InStep())) continue;
@@ -279,7 +300,8 @@ void RunPacked(const PackedPieces& packed) {
 // ---- TRAINING SECTION END ----
 
 at::Tensor CallStage::PieceLoss(const std::vector<int>& mb, const at::Tensor& hidden_TD,
-                                const BaseWeights& weights, bool* valid) {
+                                const BaseWeights& weights, bool* valid,
+                                std::vector<double>* weight_S) {
   const std::vector<Datum>& data = *data_;
   // Loss inputs, masks and per-token losses are fp32 (fp64 in fp64 runs) whatever the compute
   // dtype: the logprob head returns them in that precision.
@@ -320,12 +342,16 @@ at::Tensor CallStage::PieceLoss(const std::vector<int>& mb, const at::Tensor& hi
     valid_sequences_ += (n_i > 0);
     *valid = *valid || n_i > 0;
     const double s = seq_token_mean && n_i > 0 ? 1.0 / static_cast<double>(n_i) : 1.0;
+    weight_S->push_back(static_cast<double>(n_i) * s);
     for (bool b : v) {
       mask.push_back(b ? 1.0 : 0.0);
       scale.push_back(b ? s : 0.0);
     }
   }
-  if (pad) mask = scale = {0.0};
+  if (pad) {
+    mask = scale = {0.0};
+    *weight_S = {0.0};
+  }
   const int64_t T = static_cast<int64_t>(mask.size());
   at::Tensor keep_T = at::from_blob(mask.data(), {T}, at::kDouble).ne(0).to(ctx_.device);
   at::Tensor scale_T = at::from_blob(scale.data(), {T}, at::kDouble)
@@ -396,7 +422,7 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
   }
   std::vector<int64_t> counts{valid_tokens_, valid_sequences_, clipped_tokens_};
   if (auto st = c.AllReduceSumCounts(counts); !st.ok()) return st;
-  std::vector<double> sums{loss_sum_};
+  std::vector<double> sums{loss_sum_, aux_sum_};
   if (auto st = c.AllReduceSumDoubles(sums); !st.ok()) return st;
   ForwardBackwardResult result = std::move(result_);
   if (c.world_size() > 1) {
@@ -424,6 +450,7 @@ absl::StatusOr<ForwardBackwardResult> CallStage::Commit(const absl::Status& loca
     }
   }
   result.metrics["loss:sum"] = sums[0];
+  if (loss_.router_aux_loss_coef > 0) result.metrics["router_aux_loss:sum"] = sums[1];
   result.metrics["num_tokens:sum"] = static_cast<double>(counts[0]);
   result.metrics["num_sequences:sum"] = static_cast<double>(counts[1]);
   if (loss_.spec->config.count("clip_low_threshold")) {

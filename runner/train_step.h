@@ -93,9 +93,9 @@ class CallStage {
 
   // The piece's raw summed loss (a scalar in the graph) from its rows `hidden_TD` of the
   // micro-batch's final hidden states; records its counts and outputs. `*valid`: whether any of
-  // its tokens counts.
+  // its tokens counts; `*weight_S`: each datum's weight Σ_t m_t·s_t (1/N_i or 1 per valid token).
   at::Tensor PieceLoss(const std::vector<int>& mb, const at::Tensor& hidden_TD,
-                       const BaseWeights& weights, bool* valid);
+                       const BaseWeights& weights, bool* valid, std::vector<double>* weight_S);
   // Adds one micro-batch's gradients (params_'s order; undefined: not reached) to staged_.
   void Stage(std::vector<at::Tensor> grads);
   // Whether every rank runs this call's micro-batches in step, each a collective: under
@@ -114,6 +114,7 @@ class CallStage {
   std::vector<at::Tensor> staged_C_;
   ForwardBackwardResult result_;
   double loss_sum_ = 0;
+  double aux_sum_ = 0;  // the router's loss (runner/loss/router_aux.h)
   int64_t valid_tokens_ = 0, valid_sequences_ = 0, clipped_tokens_ = 0;
   std::vector<size_t> owned_;  // indices into result_.outputs computed on this rank
   // The data planned last (Plan) and where its outputs begin in result_.outputs.

@@ -49,18 +49,25 @@ absl::StatusOr<ResolvedLoss> ResolveLoss(const std::string& name,
   }
   ResolvedLoss r{spec, {}};
   for (const auto& [key, value] : config) {
-    if (!spec->config.count(key)) {
+    if (!spec->config.count(key) && key != kRouterAuxLossCoef) {
       std::vector<std::string> keys;
       for (const auto& [k, v] : spec->config) keys.push_back(k);
-      return absl::InvalidArgumentError(
-          absl::StrCat("loss_fn_config: key '", Echo(key), "' is not a parameter of ", name,
-                       keys.empty() ? " (it takes none)"
-                                    : absl::StrCat(" (expected ", absl::StrJoin(keys, ", "), ")")));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "loss_fn_config: key '", Echo(key), "' is not a parameter of ", name,
+          keys.empty() ? " (it takes none" : absl::StrCat(" (expected ", absl::StrJoin(keys, ", ")),
+          "; every loss also takes ", kRouterAuxLossCoef, " on a mixture of experts)"));
     }
     if (!std::isfinite(value)) {
       return absl::InvalidArgumentError(
           absl::StrCat("loss_fn_config: '", Echo(key), "' must be finite"));
     }
+  }
+  if (auto it = config.find(kRouterAuxLossCoef); it != config.end()) {
+    if (it->second < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("loss_fn_config: ", kRouterAuxLossCoef, " must be >= 0, got ", it->second));
+    }
+    r.router_aux_loss_coef = it->second;
   }
   for (const auto& [key, def] : spec->config) {
     auto it = config.find(key);

@@ -26,14 +26,24 @@ struct LossSpec {
 const std::vector<LossSpec>& AllLossSpecs();
 const LossSpec* FindLossSpec(const std::string& name);
 
+// The config key every loss takes on a mixture of experts: the coefficient of the router's
+// auxiliary load-balancing loss (runner/loss/router_aux.h), Hugging Face's name for it. Default 0
+// (not computed).
+inline constexpr char kRouterAuxLossCoef[] = "router_aux_loss_coef";
+
 // A loss with its config filled in from defaults and checked.
 struct ResolvedLoss {
   const LossSpec* spec = nullptr;
-  std::map<std::string, double> config;
+  std::map<std::string, double> config;  // the loss's own keys
+  double router_aux_loss_coef = 0;
+
+  bool operator==(const ResolvedLoss& o) const {
+    return spec == o.spec && config == o.config && router_aux_loss_coef == o.router_aux_loss_coef;
+  }
 };
 
-// InvalidArgument for an unknown loss, an unknown or missing config key, a non-finite value, or
-// clip thresholds out of order.
+// InvalidArgument for an unknown loss, an unknown or missing config key, a non-finite value, clip
+// thresholds out of order, or a negative router_aux_loss_coef.
 absl::StatusOr<ResolvedLoss> ResolveLoss(const std::string& name,
                                          const std::map<std::string, double>& config);
 

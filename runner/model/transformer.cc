@@ -62,19 +62,22 @@ struct RouteIo {
   at::Tensor replay_TRk;
   std::function<void(int64_t routed, const at::Tensor& experts_Tk)> record;
   kernels::SlotsFn slots;
+  std::function<void(int64_t routed, const at::Tensor& probs_TE, const at::Tensor& experts_Tk)>
+      observe;
 };
 
 // The routed MLP (kernels/routed_experts.h), the rows' experts given by replay_Tk where it is
-// defined (a row of -1 routes itself), and `chosen_Tk` (when set) receiving the experts used. Rows
-// in runs (Adapters::runs) route run by run, each with its adapter as `all`: a run's tokens meet
-// only their own model's expert adapters, in products over that run's rows alone, so a call
-// computes what it would alone.
+// defined (a row of -1 routes itself), `chosen_Tk` (when set) receiving the experts used and
+// `probs_TE` (when set; not with runs) the router's probabilities. Rows in runs (Adapters::runs)
+// route run by run, each with its adapter as `all`: a run's tokens meet only their own model's
+// expert adapters, in products over that run's rows alone, so a call computes what it would alone.
 at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& lora,
                      const std::string& p, const at::Tensor& replay_Tk, const at::Tensor& x_TD,
-                     const kernels::SlotsFn& slots, at::Tensor* chosen_Tk) {
+                     const kernels::SlotsFn& slots, at::Tensor* chosen_Tk, at::Tensor* probs_TE) {
   if (!lora.runs.empty()) {
     // Run by run, a run of no rows skipped: not a collective every rank takes part in alike.
     TORCH_CHECK(!slots, "RoutedMlp: experts spread over ranks route the batch whole");
+    TORCH_CHECK(probs_TE == nullptr, "RoutedMlp: the router's loss takes one model's rows");
     std::vector<int64_t> rows;
     for (const auto& [adapter, n] : lora.runs) rows.push_back(n);
     std::vector<at::Tensor> out = x_TD.split_with_sizes(rows);
@@ -86,8 +89,8 @@ at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& 
         chosen[i] = at::empty({0, m.top_k}, x_TD.options().dtype(at::kLong));
         continue;
       }
-      out[i] =
-          RoutedMlp(m, L, Adapters(lora.runs[i].first), p, replay[i], out[i], slots, &chosen[i]);
+      out[i] = RoutedMlp(m, L, Adapters(lora.runs[i].first), p, replay[i], out[i], slots,
+                         &chosen[i], nullptr);
     }
     if (chosen_Tk != nullptr) *chosen_Tk = at::cat(chosen);
     return at::cat(out);
@@ -101,6 +104,7 @@ at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& 
   route.experts_Tk = replay_Tk;
   const kernels::Routing routing = kernels::Route(route);
   if (chosen_Tk != nullptr) *chosen_Tk = routing.experts_Tk;
+  if (probs_TE != nullptr) *probs_TE = routing.probs_TE;
   const std::array<std::string, 3> names{m.names.gate, m.names.up, m.names.down};
   return kernels::RoutedExperts({x_TD, &routing,
                                  [&](int64_t e, const at::Tensor& x_ND) {
@@ -163,11 +167,13 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
                         {"gate_proj", "up_proj", "down_proj"});
   }
   const int64_t routed = c.moe.RoutedIndex(layer);
-  at::Tensor chosen_Tk;
+  at::Tensor chosen_Tk, probs_TE;
   const at::Tensor mlp_TD = RoutedMlp(
       c.moe, L, lora, p, routes.replay_TRk.defined() ? routes.replay_TRk.select(1, routed) : none,
-      x_TD, routes.slots, routes.record ? &chosen_Tk : nullptr);
+      x_TD, routes.slots, routes.record || routes.observe ? &chosen_Tk : nullptr,
+      routes.observe ? &probs_TE : nullptr);
   if (routes.record) routes.record(routed, chosen_Tk);
+  if (routes.observe) routes.observe(routed, probs_TE, chosen_Tk);
   return out_TD + mlp_TD;
 }
 
@@ -421,7 +427,7 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
   const bool recomputes =
       (options.recompute_layers && options.kv == nullptr) || options.layers != nullptr;
   const RouteIo routes{batch.routes_TRk, recomputes ? nullptr : options.on_routes,
-                       options.expert_slots};
+                       options.expert_slots, options.on_router};
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const auto index = static_cast<int64_t>(l);

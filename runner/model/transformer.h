@@ -134,6 +134,12 @@ struct ForwardOptions {
   // Set: called with each routed layer's routed index and every row's experts there, [T, k]
   // int64 (what a sampler returns for router replay).
   std::function<void(int64_t routed, const at::Tensor& experts_Tk)> on_routes = nullptr;
+  // Set: called in each routed layer's forward with its routed index, the router's probabilities
+  // p_TE (fp32, fp64 in fp64 runs; in the graph when grad mode is on) and every row's experts
+  // [T, k] (the router's auxiliary loss, runner/loss/router_aux.h). Unlike on_routes it is called
+  // again when a recomputed layer reruns in the backward, with that rerun's p.
+  std::function<void(int64_t routed, const at::Tensor& probs_TE, const at::Tensor& experts_Tk)>
+      on_router = nullptr;
   // Set: where each routed layer's experts run (expert parallelism, runner/dist/expert_parallel.h:
   // a collective, so every rank runs its forwards in step); unset: here.
   kernels::SlotsFn expert_slots = nullptr;

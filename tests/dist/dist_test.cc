@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "runner/dist/dist_config.h"
 #include "tests/test_util.h"
 
@@ -116,15 +117,17 @@ TEST_F(DataParallel, SharedPassesOfSeveralModelsEqualOneProcess) {
 TEST_F(DataParallel, AMixtureOfExpertsAtTwoRanksEqualsOneProcess) {
   TempDir moe;
   const std::string model = WriteModel(moe, TinyConfig("mixtral"));
+  // The third: with the router's auxiliary loss, its layers recomputed from gathered weights.
   for (const std::vector<std::string>& flags :
-       {std::vector<std::string>{}, std::vector<std::string>{"--scenario=train_full"}}) {
+       {std::vector<std::string>{}, std::vector<std::string>{"--scenario=train_full"},
+        std::vector<std::string>{"--scenario=train_full", "--router_aux_loss_coef=0.5"}}) {
     const auto one = RunRanks(model, moe.Sub(absl::StrCat("one", flags.size())), 1, flags)[0];
     std::vector<std::string> sharded = flags;
     if (!flags.empty()) sharded.push_back("--shard=full");
     const auto two = RunRanks(model, moe.Sub(absl::StrCat("two", flags.size())), 2, sharded)[0];
     ASSERT_GT(one.size(), 100u);
     ASSERT_EQ(two.size(), one.size());
-    EXPECT_LE(MaxAbsDiff(two, one), kTol) << (flags.empty() ? "lora" : "full, sharded");
+    EXPECT_LE(MaxAbsDiff(two, one), kTol) << absl::StrJoin(flags, " ");
   }
 }
 
@@ -149,6 +152,22 @@ TEST_F(DataParallel, ExpertParallelEqualsOneProcess) {
           << "world " << world << " E " << E << " rank " << r;
       EXPECT_EQ(ranks[r], ranks[0]) << "world " << world << " E " << E << " rank " << r;
     }
+  }
+}
+
+// The router's auxiliary loss (runner/loss/router_aux.h) on every call, streams included: each
+// datum's routers are its own rank's, so expert parallelism changes nothing but the grouping of
+// sums. E = 2 at 2 ranks, with one process as the reference; its reported value is compared too.
+TEST_F(DataParallel, ExpertParallelWithTheRoutersLossEqualsOneProcess) {
+  TempDir moe;
+  const std::string model = WriteModel(moe, TinyConfig("mixtral"));
+  const std::string aux = "--router_aux_loss_coef=0.5";
+  const auto one = RunRanks(model, moe.Sub("one"), 1, {aux})[0];
+  ASSERT_GT(one.size(), 100u);
+  const auto ranks = RunRanks(model, moe.Sub("ep22"), 2, {aux, "--expert_parallel=2"});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(ranks[r].size(), one.size()) << "rank " << r;
+    EXPECT_LE(MaxAbsDiff(ranks[r], one), kTol) << "rank " << r;
   }
 }
 

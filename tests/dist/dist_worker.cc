@@ -29,6 +29,8 @@ ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
 ABSL_FLAG(std::string, shard, "none", "none, optimizer or full (RunnerConfig::shard)");
 ABSL_FLAG(int, expert_parallel, 1, "RunnerConfig::expert_parallel");
+ABSL_FLAG(double, router_aux_loss_coef, 0,
+          "every call's loss_fn_config router_aux_loss_coef (a mixture of experts)");
 ABSL_FLAG(bool, lora_attn, true,
           "the LoRA models adapt attention and the head too (false: the MLPs, or experts, alone)");
 ABSL_FLAG(std::string, scenario, "train",
@@ -89,9 +91,13 @@ int Run() {
   // One step's calls: every loss, strongly unequal lengths, calls with fewer datums than ranks,
   // top-K cross-entropy targets, and a stream fed in three chunks, packed under the budget as it
   // fills.
+  const double aux = absl::GetFlag(FLAGS_router_aux_loss_coef);
+  std::map<std::string, double> aux_cfg;
+  if (aux > 0) aux_cfg["router_aux_loss_coef"] = aux;
   auto record = [&](const absl::StatusOr<ForwardBackwardResult>& fb) {
     check(fb.status());
     out.push_back(fb->metrics.at("loss:sum"));
+    if (aux > 0) out.push_back(fb->metrics.at("router_aux_loss:sum"));
     out.push_back(fb->outputs.back().logprobs.back());  // outputs gathered in datum order
   };
   auto calls = [&](const std::string& id, SplitMix64& g) {
@@ -101,12 +107,12 @@ int Run() {
                                                                {{4, 22}, "dro"},
                                                                {{7, 3}, "cispo"},
                                                                {{11, 5, 2}, "gspo"}}) {
-      std::map<std::string, double> cfg;
+      std::map<std::string, double> cfg = aux_cfg;
       if (loss == "dro") cfg["beta"] = 0.2;
       record(r.ForwardBackward(id, RandomData(g, lengths, loss, 128), loss, cfg));
     }
-    record(r.ForwardBackward(id, RandomTopKData(g, {6, 14}, 3, 128), "cross_entropy", {}));
-    auto sid = r.BeginStream(id, "importance_sampling", {});
+    record(r.ForwardBackward(id, RandomTopKData(g, {6, 14}, 3, 128), "cross_entropy", aux_cfg));
+    auto sid = r.BeginStream(id, "importance_sampling", aux_cfg);
     check(sid.status());
     for (const auto& chunk :
          {std::vector<int>{6, 11}, std::vector<int>{1}, std::vector<int>{13, 2, 8}}) {
@@ -115,6 +121,7 @@ int Run() {
     auto fs = r.FinishStream(*sid);
     check(fs.status());
     out.push_back(fs->metrics.at("loss:sum"));
+    if (aux > 0) out.push_back(fs->metrics.at("router_aux_loss:sum"));
   };
   auto step = [&](const std::string& id) {
     auto os = r.OptimStep(id, adam);

@@ -224,6 +224,28 @@ TEST(JointCall, OneCallsFailureIsItsOwn) {
             3 * static_cast<int64_t>(results[0]->metrics.at("num_tokens:sum")));
 }
 
+// Calls that set the router's auxiliary loss (runner/loss/router_aux.h, counted per pass over one
+// call's datums) are not joined: each runs alone and gets what it gets alone, bitwise, while the
+// calls without it still share their passes.
+TEST(JointCall, CallsWithTheRoutersLossRunAlone) {
+  TempDir dir;
+  auto r = MakeRunner(WriteModel(dir, TinyConfig("qwen3_moe")), ComputeDType::kFloat64, 32);
+  const std::string a = WarmModel(*r, kTenants[0], 1), b = WarmModel(*r, kTenants[0], 1);
+  const std::string c = WarmModel(*r, kTenants[0], 1);
+  SplitMix64 g(5);
+  const auto data = RandomData(g, {12, 5, 9}, "cross_entropy", 128);
+  auto aux = Batch::Check(data, "cross_entropy", {{"router_aux_loss_coef", 0.1}}, r->limits());
+  ASSERT_TRUE(aux.ok()) << aux.status().message();
+  auto results = r->ForwardBackwardJoint({{a, &*aux}, {b, &*aux}}, true);
+  ASSERT_TRUE(results[0].ok()) << results[0].status().message();
+  ASSERT_TRUE(results[1].ok()) << results[1].status().message();
+  ASSERT_TRUE(r->ForwardBackward(c, *aux).ok());
+  const auto alone = Flat(Snap(*r, c, StateKind::kGrads));
+  EXPECT_EQ(Flat(Snap(*r, a, StateKind::kGrads)), alone);
+  EXPECT_EQ(Flat(Snap(*r, b, StateKind::kGrads)), alone);
+  EXPECT_GT(results[0]->metrics.at("router_aux_loss:sum"), 0);
+}
+
 // The passes keep every call's micro-batches in order, one per call per pass, within the budget.
 TEST(JointCall, PassesKeepOrderAndBudget) {
   const std::vector<std::vector<int64_t>> tokens = {{10, 30, 5}, {40}, {20, 20}, {}};

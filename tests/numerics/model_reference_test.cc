@@ -633,9 +633,18 @@ double Silu(double x) {
   return x / (1.0 + std::exp(-x));
 }
 
-// log p(targets[t] | tokens[0..t]) for one sequence, alone, starting at position 0.
+// What a sequence's routers did, summed over its routed layers: per expert, how many (token,
+// choice) slots picked it, and the sum of its router probability over the tokens.
+struct RouterTally {
+  Vec picked_X, prob_X;  // X: experts
+  int64_t routed_layers = 0;
+};
+
+// log p(targets[t] | tokens[0..t]) for one sequence, alone, starting at position 0; `tally`
+// (optional) receives its routers' picks and probabilities.
 Vec ReferenceLogprobs(const RefModel& m, const std::vector<int64_t>& tokens,
-                      const std::vector<int64_t>& targets, const Variant& variant = {}) {
+                      const std::vector<int64_t>& targets, const Variant& variant = {},
+                      RouterTally* tally = nullptr) {
   const RefConfig& c = m.c;
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t D = c.hidden, H = c.heads, G = c.kv_heads, E = c.head_dim;
@@ -644,8 +653,10 @@ Vec ReferenceLogprobs(const RefModel& m, const std::vector<int64_t>& tokens,
   std::vector<Vec> h_TD(T);
   for (int64_t t = 0; t < T; ++t) h_TD[t] = Slice(m.embed_VD.w, tokens[t] * D, D);
 
+  if (tally != nullptr) *tally = {Vec(c.experts, 0.0), Vec(c.experts, 0.0), 0};
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const RefLayer& layer = m.layers[l];
+    if (tally != nullptr && !layer.experts.empty()) ++tally->routed_layers;
     const bool slides = variant.window_every_layer || c.layer_slides[l];
     const int64_t window = variant.ignore_sliding_window || !slides ? 0 : c.sliding_window;
     std::vector<std::vector<Vec>> q_THE(T, std::vector<Vec>(H));
@@ -728,6 +739,10 @@ Vec ReferenceLogprobs(const RefModel& m, const std::vector<int64_t>& tokens,
           if (best < 0 || p_X[e] > p_X[best]) best = e;
         }
         picked.push_back(best);
+      }
+      if (tally != nullptr) {
+        for (int64_t e : picked) tally->picked_X[e] += 1;
+        for (int64_t e = 0; e < c.experts; ++e) tally->prob_X[e] += p_X[e];
       }
       double kept = 0;
       for (int64_t e : picked) kept += p_X[e];
@@ -1088,8 +1103,10 @@ struct Scenario {
   std::map<std::string, double> metrics;
 };
 
-// Writes the case's checkpoint, loads it into the reference, and runs the runner's Forward on it.
-void RunScenario(const Case& c, Scenario* s) {
+// Writes the case's checkpoint, loads it into the reference, and runs the runner's Forward on it
+// (with the router's auxiliary loss at `router_aux_loss_coef`, for a model of `reduction`).
+void RunScenario(const Case& c, Scenario* s, double router_aux_loss_coef = 0,
+                 LossReduction reduction = LossReduction::kTokenMean) {
   ModelConfig config = TinyConfig(c.family);
   c.tweak(config);
   s->dir = std::make_unique<TempDir>(c.name);
@@ -1148,10 +1165,15 @@ void RunScenario(const Case& c, Scenario* s) {
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner = ModelRunner::Create(runner_config);
   ASSERT_TRUE(runner.ok()) << runner.status().message();
   // A LoRA adapter starts with B = 0, so the adapted model is exactly the base model.
-  absl::StatusOr<std::string> model_id = (*runner)->CreateModel(CreateModelOptions{});
+  CreateModelOptions options;
+  options.loss_reduction = reduction;
+  absl::StatusOr<std::string> model_id = (*runner)->CreateModel(options);
   ASSERT_TRUE(model_id.ok()) << model_id.status().message();
-  absl::StatusOr<ForwardBackwardResult> result =
-      (*runner)->Forward(*model_id, s->data, "cross_entropy", {});
+  absl::StatusOr<ForwardBackwardResult> result = (*runner)->Forward(
+      *model_id, s->data, "cross_entropy",
+      router_aux_loss_coef > 0
+          ? std::map<std::string, double>{{"router_aux_loss_coef", router_aux_loss_coef}}
+          : std::map<std::string, double>{});
   ASSERT_TRUE(result.ok()) << result.status().message();
   ASSERT_EQ(result->outputs.size(), s->data.size());
   for (size_t i = 0; i < s->data.size(); ++i) {
@@ -1216,6 +1238,54 @@ INSTANTIATE_TEST_SUITE_P(Families, ModelReferenceTest, ::testing::ValuesIn(AllCa
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.name;
                          });
+
+// The router's auxiliary loss (runner/loss/router_aux.h) is Hugging Face's load_balancing_loss_func
+// on each datum alone, E·Σ_e (c_e / (L·T))·(P_e / (L·T)) with c_e the picks and P_e the summed
+// probabilities over the datum's T tokens and L routed layers, weighted by the datum's valid
+// tokens (all T here: every weight is 1) under token_mean, and by 1 under seq_mean_token_mean.
+// Both sides are float64 sums of a few hundred terms of order 1: 1e-12 relative. Control: the same
+// formula over the whole batch at once (Hugging Face's batched form), which a split cannot
+// reproduce.
+TEST(RouterAuxLoss, TheRunnersValueIsTheReferencesPerDatumFormula) {
+  for (const auto& [name, reduction] :
+       {std::pair{"Qwen3MoeUnnormalizedTied", LossReduction::kTokenMean},
+        std::pair{"MixtralSlidingWindow4Bf16TwoShards", LossReduction::kTokenMean},
+        std::pair{"Qwen3MoeDenseLayer1", LossReduction::kSeqMeanTokenMean}}) {
+    const double alpha = 0.25;
+    const bool per_sequence = reduction == LossReduction::kSeqMeanTokenMean;
+    Scenario s;
+    ASSERT_NO_FATAL_FAILURE(RunScenario(FindCase(name), &s, alpha, reduction));
+    const int64_t E = s.model.c.experts;
+    double per_datum = 0;
+    RouterTally batch{Vec(E, 0.0), Vec(E, 0.0), 0};
+    double batch_rows = 0, batch_tokens = 0;
+    for (const Datum& d : s.data) {
+      RouterTally t;
+      ReferenceLogprobs(s.model, d.tokens, Targets(d), {}, &t);
+      ASSERT_GT(t.routed_layers, 0) << name;
+      const double T = static_cast<double>(d.tokens.size());
+      const double rows = static_cast<double>(t.routed_layers) * T;
+      double aux = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        aux += (t.picked_X[e] / rows) * (t.prob_X[e] / rows);
+        batch.picked_X[e] += t.picked_X[e];
+        batch.prob_X[e] += t.prob_X[e];
+      }
+      per_datum += alpha * (per_sequence ? 1.0 : T) * static_cast<double>(E) * aux;
+      batch_rows += rows;
+      batch_tokens += per_sequence ? 1.0 : T;
+    }
+    double batch_aux = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      batch_aux += (batch.picked_X[e] / batch_rows) * (batch.prob_X[e] / batch_rows);
+    }
+    const double batchwide = alpha * batch_tokens * static_cast<double>(E) * batch_aux;
+    const auto got = s.metrics.find("router_aux_loss:sum");
+    ASSERT_NE(got, s.metrics.end()) << name;
+    EXPECT_NEAR(got->second, per_datum, 1e-12 * per_datum) << name;
+    EXPECT_GT(std::abs(batchwide - per_datum), 1e-4 * per_datum) << name << ": the control";
+  }
+}
 
 // Sensitivity controls: a reference with one deliberate mistake must miss the runner by far more
 // than the tolerance, or the agreement above would prove little. 1000 tolerances is ~2e-3 in

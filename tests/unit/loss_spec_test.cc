@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 namespace tinkerd {
 namespace {
 
@@ -33,6 +35,8 @@ TEST(LossSpec, BadNamesAndKeysAreInvalidArgument) {
       {"dro", {{"beta", -1}}, "beta must be >= 0"},
       {"ppo", {{"clip_low_threshold", 1.5}}, "clip_low_threshold <= clip_high_threshold"},
       {"ppo", {{"clip_high_threshold", NAN}}, "finite"},
+      {"cross_entropy", {{"router_aux_loss_coef", -0.01}}, "router_aux_loss_coef must be >= 0"},
+      {"gspo", {{"router_aux_loss_coef", INFINITY}}, "finite"},
   };
   for (const Case& c : cases) {
     auto r = ResolveLoss(c.loss, c.cfg);
@@ -40,6 +44,20 @@ TEST(LossSpec, BadNamesAndKeysAreInvalidArgument) {
     EXPECT_NE(r.status().message().find(c.expect), absl::string_view::npos)
         << c.expect << " vs " << r.status().message();
   }
+}
+
+// The router's loss is every loss's key, kept apart from the loss's own config (which the
+// per-token losses read), 0 unless set.
+TEST(LossSpec, EveryLossTakesTheRoutersCoefficient) {
+  for (const LossSpec& spec : AllLossSpecs()) {
+    std::map<std::string, double> cfg{{"router_aux_loss_coef", 0.01}};
+    if (spec.name == "dro") cfg["beta"] = 0.1;
+    auto r = ResolveLoss(spec.name, cfg);
+    ASSERT_TRUE(r.ok()) << spec.name << ": " << r.status().message();
+    EXPECT_EQ(r->router_aux_loss_coef, 0.01) << spec.name;
+    EXPECT_EQ(r->config.count("router_aux_loss_coef"), 0u) << spec.name;
+  }
+  EXPECT_EQ(ResolveLoss("ppo", {})->router_aux_loss_coef, 0);
 }
 
 }  // namespace
