@@ -7,16 +7,17 @@ namespace tinkerd {
 int64_t CallBytes(const ModelConfig& c, const CallShape& call) {
   const int64_t D = c.hidden_size, L = c.num_hidden_layers;
   // A routed layer holds each token's k experts' intermediates, its k gathered inputs and outputs
-  // (counted as intermediates too, D ≤ I in published models) and its router's probabilities.
-  // Under expert parallelism its own k slots are sent away and returned (their inputs and
-  // outputs), and it may receive and run up to group · min(k, its experts) slots per token of its
-  // own (every rank of the group sending all of its tokens' choices of its experts).
+  // (counted as intermediates too, D ≤ I in published models), its router's probabilities and a
+  // shared expert's intermediates (Qwen2-MoE). Under expert parallelism its own k slots are sent
+  // away and returned (their inputs and outputs), and it may receive and run up to group · min(k,
+  // its experts) slots per token of its own (every rank of the group sending all of its tokens'
+  // choices of its experts).
   const int64_t group = std::max<int64_t>(call.expert_group, 1);
   int64_t routed = 0;
   if (c.moe.num_experts > 0) {
     const int64_t expert_rows = c.moe.expert_intermediate_size + 2 * D;
     routed =
-        c.moe.num_experts +
+        c.moe.num_experts + c.moe.shared_expert_intermediate_size +
         (group == 1 ? c.moe.top_k * expert_rows
                     : c.moe.top_k * 2 * D +
                           group * std::min(c.moe.top_k, c.moe.num_experts / group) * expert_rows);

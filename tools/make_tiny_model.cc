@@ -8,8 +8,9 @@
 #include "runner/tokenizer/tiny_tokenizer.h"
 
 ABSL_FLAG(std::string, out, "", "output directory (created)");
-ABSL_FLAG(std::string, family, "llama",
-          "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, or 'demo' for the default model");
+ABSL_FLAG(
+    std::string, family, "llama",
+    "llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, or 'demo' for the default model");
 ABSL_FLAG(std::string, dtype, "float32", "stored dtype: float32, bfloat16, float16");
 ABSL_FLAG(int, shards, 1, "number of safetensors shards");
 ABSL_FLAG(uint64_t, seed, 0, "weight seed");

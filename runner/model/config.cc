@@ -272,7 +272,8 @@ absl::Status ReadEos(const json& j, int64_t vocab, std::vector<int64_t>* out) {
   return absl::OkStatus();
 }
 
-// The routed MLP of Qwen3MoeForCausalLM and MixtralForCausalLM, with their config classes'
+// The routed MLP of Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM, with their
+// config classes'
 // defaults for absent keys. The router's auxiliary loss keys (output_router_logits,
 // router_aux_loss_coef) do not change the forward and are not read: Tinker's losses are the ones
 // a client asks for.
@@ -294,11 +295,21 @@ absl::Status ParseMoe(const json& j, ModelConfig* c) {
       return Bad("router_jitter_noise other than 0 is not supported (it makes routing random)");
     }
     m.layer_routes.assign(n, true);
-  } else if (c->architecture == "Qwen3MoeForCausalLM") {
+  } else if (c->architecture == "Qwen3MoeForCausalLM" || c->architecture == "Qwen2MoeForCausalLM") {
+    // One layout, Qwen2-MoE's with a shared expert beside the routed ones (and other defaults).
+    const bool qwen2 = c->architecture == "Qwen2MoeForCausalLM";
     m.names = {"mlp", "gate", "gate_proj", "up_proj", "down_proj"};
-    m.num_experts = 128;
-    m.top_k = 8;
-    m.expert_intermediate_size = 768;
+    m.num_experts = qwen2 ? 60 : 128;
+    m.top_k = qwen2 ? 4 : 8;
+    m.expert_intermediate_size = qwen2 ? 1408 : 768;
+    if (qwen2) {
+      m.shared_expert_intermediate_size = 5632;
+      RETURN_IF_ERROR(ReadNumber(j, "shared_expert_intermediate_size",
+                                 &m.shared_expert_intermediate_size, false));
+      if (m.shared_expert_intermediate_size <= 0) {
+        return Bad("shared_expert_intermediate_size must be positive");
+      }
+    }
     int64_t step = 1;
     // transformers 5 writes the count as num_local_experts (an alias of num_experts).
     RETURN_IF_ERROR(ReadNumber(j, "num_experts", &m.num_experts, false));
@@ -388,6 +399,9 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
   } else if (a == "Qwen3ForCausalLM") {
     if (c.model_type.empty()) c.model_type = "qwen3";
     c.qk_norm = true;
+  } else if (a == "Qwen2MoeForCausalLM") {
+    if (c.model_type.empty()) c.model_type = "qwen2_moe";
+    c.attention_bias = true;  // transformers 5 names it qkv_bias
   } else if (a == "Qwen3MoeForCausalLM") {
     if (c.model_type.empty()) c.model_type = "qwen3_moe";
     c.qk_norm = true;
@@ -396,8 +410,8 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
   } else {
     return Bad(absl::StrCat("architecture '", a,
                             "' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
-                            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
-                            "MixtralForCausalLM)"));
+                            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
+                            "Qwen3MoeForCausalLM, MixtralForCausalLM)"));
   }
   if (auto st = ReadNumber(j, "vocab_size", &c.vocab_size, true); !st.ok()) return st;
   if (auto st = ReadNumber(j, "hidden_size", &c.hidden_size, true); !st.ok()) return st;
@@ -419,7 +433,9 @@ absl::StatusOr<ModelConfig> ParseImpl(const json& j) {
     return st;
   if (auto st = ReadNumber(j, "rms_norm_eps", &c.rms_norm_eps, false); !st.ok()) return st;
   if (auto st = ReadBool(j, "tie_word_embeddings", &c.tie_word_embeddings); !st.ok()) return st;
-  if (c.architecture != "Qwen2ForCausalLM") {
+  if (c.architecture == "Qwen2MoeForCausalLM") {
+    if (auto st = ReadBool(j, "qkv_bias", &c.attention_bias); !st.ok()) return st;
+  } else if (c.architecture != "Qwen2ForCausalLM") {
     if (auto st = ReadBool(j, "attention_bias", &c.attention_bias); !st.ok()) return st;
   }
   if (auto st = RefuseUnsupportedMath(j); !st.ok()) return st;
@@ -502,7 +518,11 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   j["rope_theta"] = c.rope_theta;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["hidden_act"] = "silu";
-  if (c.model_type != "qwen2") j["attention_bias"] = c.attention_bias;
+  if (c.model_type == "qwen2_moe") {
+    j["qkv_bias"] = c.attention_bias;
+  } else if (c.model_type != "qwen2") {
+    j["attention_bias"] = c.attention_bias;
+  }
   if (c.sliding_window > 0) {
     j["sliding_window"] = c.sliding_window;
     if (c.model_type == "qwen3_moe") {
@@ -529,7 +549,10 @@ std::string ModelConfigToJson(const ModelConfig& c) {
     j["num_local_experts"] = m.num_experts;
     j["num_experts_per_tok"] = m.top_k;
     j["router_jitter_noise"] = 0.0;
-  } else if (c.architecture == "Qwen3MoeForCausalLM") {
+  } else if (c.architecture == "Qwen3MoeForCausalLM" || c.architecture == "Qwen2MoeForCausalLM") {
+    if (m.shared_expert_intermediate_size > 0) {
+      j["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size;
+    }
     j["num_experts"] = m.num_experts;
     j["num_experts_per_tok"] = m.top_k;
     j["moe_intermediate_size"] = m.expert_intermediate_size;
@@ -596,8 +619,10 @@ std::string ModelConfig::DebugString() const {
          (moe.num_experts == 0
               ? ""
               : absl::StrFormat(
-                    " experts=%d top_k=%d expert_inter=%d norm_topk=%d routed_layers=%d",
-                    moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.norm_topk_prob,
+                    " experts=%d top_k=%d expert_inter=%d shared_inter=%d norm_topk=%d "
+                    "routed_layers=%d",
+                    moe.num_experts, moe.top_k, moe.expert_intermediate_size,
+                    moe.shared_expert_intermediate_size, moe.norm_topk_prob,
                     std::count(moe.layer_routes.begin(), moe.layer_routes.end(), true)));
 }
 

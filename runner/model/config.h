@@ -24,8 +24,10 @@ struct RopeScaling {
 };
 
 // Where a mixture-of-experts family keeps its router and experts, by Hugging Face name within a
-// layer: `<block>.<router>.weight` [E, D] and `<block>.experts.<e>.<gate|up|down>.weight`. A new
-// family with this router and SwiGLU experts is a new entry of these names, not a new decoder.
+// layer: `<block>.<router>.weight` [E, D] and `<block>.experts.<e>.<gate|up|down>.weight`, and a
+// shared expert where the family has one (Qwen2-MoE): `<block>.shared_expert.<gate|up|down>.weight`
+// and its gate `<block>.shared_expert_gate.weight` [1, D]. A new family with this router and
+// SwiGLU experts is a new entry of these names, not a new decoder.
 struct MoeNames {
   std::string block;           // "mlp" (Qwen3-MoE), "block_sparse_moe" (Mixtral)
   std::string router;          // "gate"
@@ -34,15 +36,21 @@ struct MoeNames {
   // "<block>.experts.<e>." and "<block>.<router>".
   std::string Expert(int64_t e) const;
   std::string Router() const { return block + "." + router; }
+  // "<block>.shared_expert." and "<block>.shared_expert_gate".
+  std::string SharedExpert() const { return block + ".shared_expert."; }
+  std::string SharedGate() const { return block + ".shared_expert_gate"; }
 };
 
 // The routed MLP (kernels/routed_experts.h): a softmax router picks top_k of num_experts SwiGLU
 // experts per token, their outputs weighted by the picked probabilities (renormalized to sum to 1
-// when norm_topk_prob). num_experts 0: a dense model.
+// when norm_topk_prob); with a shared expert (Qwen2-MoE), every token also goes through one more
+// SwiGLU whose output is scaled by sigmoid(shared_expert_gate·x) and added. num_experts 0: a dense
+// model.
 struct MoeConfig {
   int64_t num_experts = 0;
   int64_t top_k = 0;
-  int64_t expert_intermediate_size = 0;  // each expert's I
+  int64_t expert_intermediate_size = 0;         // each expert's I
+  int64_t shared_expert_intermediate_size = 0;  // the shared expert's I; 0: none
   bool norm_topk_prob = false;
   bool wide_weights = false;       // the weights multiply in fp32, not the compute dtype (Mixtral)
   std::vector<bool> layer_routes;  // per layer: routed (true) or the dense MLP (Qwen3-MoE's
@@ -57,7 +65,7 @@ struct MoeConfig {
 
 struct ModelConfig {
   std::string architecture;  // "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", ...
-  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"
+  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", ...
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;

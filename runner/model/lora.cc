@@ -39,6 +39,12 @@ std::vector<LoraAdapter::Module> LoraAdapter::Modules(const ModelConfig& c,
       // Each expert's own pair, under the names PEFT gives per-expert linears.
       const MoeNames& n = c.moe.names;
       const int64_t Ie = c.moe.expert_intermediate_size;
+      if (const int64_t Is = c.moe.shared_expert_intermediate_size; Is > 0) {
+        // The shared expert like a dense MLP; its sigmoid gate, like the router, is not adapted.
+        out.push_back({p + n.SharedExpert() + n.gate, D, Is});
+        out.push_back({p + n.SharedExpert() + n.up, D, Is});
+        out.push_back({p + n.SharedExpert() + n.down, Is, D});
+      }
       for (int64_t e = 0; e < c.moe.num_experts; ++e) {
         out.push_back({p + n.Expert(e) + n.gate, D, Ie});
         out.push_back({p + n.Expert(e) + n.up, D, Ie});

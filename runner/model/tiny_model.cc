@@ -78,6 +78,15 @@ absl::StatusOr<TensorMap> GenerateWeights(const TinyModelSpec& spec, at::ScalarT
       // rounding would flip, nor so peaked that only the first choice counts.
       add(p + m.names.Router() + ".weight", {m.num_experts, D}, 0,
           std::max(s, 1.0 / std::sqrt(static_cast<double>(D))));
+      if (const int64_t Is = m.shared_expert_intermediate_size; Is > 0) {
+        const std::string q = p + m.names.SharedExpert();
+        add(q + m.names.gate + ".weight", {Is, D}, 0, s);
+        add(q + m.names.up + ".weight", {Is, D}, 0, s);
+        add(q + m.names.down + ".weight", {D, Is}, 0, s);
+        // Gate logits of order 1, so that sigmoid's slope, not its saturation, is tested.
+        add(p + m.names.SharedGate() + ".weight", {1, D}, 0,
+            std::max(s, 1.0 / std::sqrt(static_cast<double>(D))));
+      }
       for (int64_t e = 0; e < m.num_experts; ++e) {
         const std::string q = p + m.names.Expert(e);
         add(q + m.names.gate + ".weight", {Ie, D}, 0, s);
@@ -133,6 +142,21 @@ ModelConfig TinyConfig(const std::string& family) {
     c.moe.expert_intermediate_size = 16;
     c.moe.norm_topk_prob = true;
     c.moe.layer_routes = {true, false};
+  } else if (family == "qwen2_moe") {
+    // Four experts, two per token, not renormalized (Qwen2-MoE's default), and a shared expert
+    // of its own width; layer 0 keeps the dense MLP. Every width is a multiple of 16: on the CPU a
+    // bf16 product over 24 was measured to round a row differently with the row count, which
+    // would break the sampler's bitwise identity with Forward (docs/sampling.md) in the test.
+    c.architecture = "Qwen2MoeForCausalLM";
+    c.model_type = "qwen2_moe";
+    c.attention_bias = true;
+    c.rope_theta = 1000000.0;
+    c.moe.num_experts = 4;
+    c.moe.top_k = 2;
+    c.moe.expert_intermediate_size = 16;
+    c.moe.shared_expert_intermediate_size = 32;
+    c.moe.norm_topk_prob = false;
+    c.moe.layer_routes = {false, true};
   } else if (family == "mixtral") {
     // Four experts, two per token, in every layer.
     c.architecture = "MixtralForCausalLM";

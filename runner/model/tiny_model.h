@@ -9,7 +9,8 @@
 //   routed layers instead: model.layers.{i}.mlp.gate.weight [E, D] and
 //   model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight (Qwen3-MoE), or
 //   model.layers.{i}.block_sparse_moe.gate.weight and .block_sparse_moe.experts.{e}.w{1,3,2}.weight
-//   (Mixtral)
+//   (Mixtral); Qwen2-MoE adds model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight and
+//   model.layers.{i}.mlp.shared_expert_gate.weight [1, D]
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,9 +33,10 @@ struct TinyModelSpec {
   double init_std = 0.02;                // normal(0, init_std) for matrices; norms ~ 1 ± 0.1
 };
 
-// A ready-made config of the given family: "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"
-// (8 experts, top 2, layer 1 dense) or "mixtral" (4 experts, top 2). Small sizes (vocab 128,
-// hidden 32, 2 layers, 4 heads / 2 kv heads, head_dim 8).
+// A ready-made config of the given family: "llama", "mistral", "qwen2", "qwen3", "qwen2_moe" (4
+// experts, top 2, a shared expert, layer 0 dense), "qwen3_moe" (8 experts, top 2, layer 1 dense)
+// or "mixtral" (4 experts, top 2). Small sizes (vocab 128, hidden 32, 2 layers, 4 heads / 2 kv
+// heads, head_dim 8).
 ModelConfig TinyConfig(const std::string& family);
 
 // The embedded default model of the server and demo: a Llama-style model of 3.2M parameters.

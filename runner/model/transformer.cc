@@ -174,7 +174,14 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
       routes.observe ? &probs_TE : nullptr);
   if (routes.record) routes.record(routed, chosen_Tk);
   if (routes.observe) routes.observe(routed, probs_TE, chosen_Tk);
-  return out_TD + mlp_TD;
+  if (!L.shared_gate_1D.defined()) return out_TD + mlp_TD;
+  // Qwen2-MoE's shared expert, which every token meets, added after the routed ones.
+  const at::Tensor shared_TD =
+      Mlp(x_TD, L.shared.gate_ID, L.shared.up_ID, L.shared.down_DI, lora,
+          p + c.moe.names.SharedExpert(), {c.moe.names.gate, c.moe.names.up, c.moe.names.down});
+  const at::Tensor gate_T1 =
+      at::sigmoid(Linear(Proj(x_TD, L.shared_gate_1D, none, Adapters(), "")));
+  return out_TD + (mlp_TD + gate_T1 * shared_TD);
 }
 
 // The trainable tensors a layer reads: its LoRA pairs, or its own weights under full fine-tuning.
@@ -189,6 +196,9 @@ std::vector<at::Tensor> LayerParams(const MoeNames& moe, const LayerWeights& L,
   std::vector<std::string> modules{"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                    "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
                                    "mlp.down_proj"};
+  for (const std::string* name : {&moe.gate, &moe.up, &moe.down}) {
+    modules.push_back(moe.SharedExpert() + *name);
+  }
   for (size_t e = 0; e < L.experts.size(); ++e) {
     for (const std::string* name : {&moe.gate, &moe.up, &moe.down}) {
       modules.push_back(moe.Expert(static_cast<int64_t>(e)) + *name);
@@ -239,28 +249,26 @@ absl::Status Expect(const TensorMap& m, const std::string& name, std::vector<int
   return absl::OkStatus();
 }
 
-constexpr std::array<const char*, 15> kFixedNames = {"input_layernorm.weight",
-                                                     "post_attention_layernorm.weight",
-                                                     "self_attn.q_proj.weight",
-                                                     "self_attn.k_proj.weight",
-                                                     "self_attn.v_proj.weight",
-                                                     "self_attn.o_proj.weight",
-                                                     "self_attn.q_proj.bias",
-                                                     "self_attn.k_proj.bias",
-                                                     "self_attn.v_proj.bias",
-                                                     "self_attn.q_norm.weight",
-                                                     "self_attn.k_norm.weight",
-                                                     "mlp.gate_proj.weight",
-                                                     "mlp.up_proj.weight",
-                                                     "mlp.down_proj.weight",
-                                                     nullptr /* the router: named by the family */};
+// A layer's fields by name: these, then the family's router and shared expert (kFamilyFields of
+// them), then the experts.
+constexpr size_t kFamilyFields = 5;
+constexpr std::array<const char*, 14> kFixedNames = {
+    "input_layernorm.weight",  "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_proj.bias",   "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias",   "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",      "mlp.down_proj.weight"};
 
 // LayerWeights::All for either constness.
 template <typename Layer, typename Ptr>
 std::vector<Ptr> AllOf(Layer& L) {
-  std::vector<Ptr> out{&L.input_norm_D, &L.post_norm_D, &L.q_proj,  &L.k_proj,    &L.v_proj,
-                       &L.o_proj,       &L.q_bias,      &L.k_bias,  &L.v_bias,    &L.q_norm_d,
-                       &L.k_norm_d,     &L.gate_proj,   &L.up_proj, &L.down_proj, &L.router_ED};
+  std::vector<Ptr> out{&L.input_norm_D, &L.post_norm_D,    &L.q_proj,        &L.k_proj,
+                       &L.v_proj,       &L.o_proj,         &L.q_bias,        &L.k_bias,
+                       &L.v_bias,       &L.q_norm_d,       &L.k_norm_d,      &L.gate_proj,
+                       &L.up_proj,      &L.down_proj,      &L.router_ED,     &L.shared.gate_ID,
+                       &L.shared.up_ID, &L.shared.down_DI, &L.shared_gate_1D};
   for (auto& e : L.experts) {
     out.push_back(&e.gate_ID);
     out.push_back(&e.up_ID);
@@ -279,8 +287,12 @@ std::vector<at::Tensor*> LayerWeights::All() {
 }
 
 std::vector<std::string> LayerWeights::Names(const MoeNames& moe) const {
-  std::vector<std::string> out(kFixedNames.begin(), kFixedNames.end() - 1);
+  std::vector<std::string> out(kFixedNames.begin(), kFixedNames.end());
   out.push_back(moe.Router() + ".weight");
+  for (const std::string* name : {&moe.gate, &moe.up, &moe.down}) {
+    out.push_back(moe.SharedExpert() + *name + ".weight");
+  }
+  out.push_back(moe.SharedGate() + ".weight");
   for (size_t e = 0; e < experts.size(); ++e) {
     for (const std::string* name : {&moe.gate, &moe.up, &moe.down}) {
       out.push_back(moe.Expert(static_cast<int64_t>(e)) + *name + ".weight");
@@ -296,9 +308,10 @@ LayerWeights LayerWeights::Shaped(size_t experts) {
 }
 
 LayerWeights LayerWeights::FromAll(std::vector<at::Tensor> fields) {
-  TORCH_CHECK(fields.size() >= kFixedNames.size() && (fields.size() - kFixedNames.size()) % 3 == 0,
+  const size_t fixed = kFixedNames.size() + kFamilyFields;
+  TORCH_CHECK(fields.size() >= fixed && (fields.size() - fixed) % 3 == 0,
               "LayerWeights::FromAll: ", fields.size(), " fields");
-  LayerWeights L = Shaped((fields.size() - kFixedNames.size()) / 3);
+  LayerWeights L = Shaped((fields.size() - fixed) / 3);
   const auto all = L.All();
   for (size_t f = 0; f < all.size(); ++f) *all[f] = std::move(fields[f]);
   return L;
@@ -342,6 +355,13 @@ absl::StatusOr<BaseWeights> BaseWeightsFromTensors(const ModelConfig& c, TensorM
       const MoeConfig& moe = c.moe;
       const int64_t Ie = moe.expert_intermediate_size;
       RETURN_IF_ERROR(take(p + moe.names.Router() + ".weight", {moe.num_experts, D}, &L.router_ED));
+      if (const int64_t Is = moe.shared_expert_intermediate_size; Is > 0) {
+        const std::string q = p + moe.names.SharedExpert();
+        RETURN_IF_ERROR(take(q + moe.names.gate + ".weight", {Is, D}, &L.shared.gate_ID));
+        RETURN_IF_ERROR(take(q + moe.names.up + ".weight", {Is, D}, &L.shared.up_ID));
+        RETURN_IF_ERROR(take(q + moe.names.down + ".weight", {D, Is}, &L.shared.down_DI));
+        RETURN_IF_ERROR(take(p + moe.names.SharedGate() + ".weight", {1, D}, &L.shared_gate_1D));
+      }
       L.experts.resize(static_cast<size_t>(moe.num_experts));
       for (int64_t e = 0; e < moe.num_experts; ++e) {
         if (holds && !holds(e)) continue;

@@ -39,7 +39,11 @@ struct LayerWeights {
   at::Tensor q_norm_d, k_norm_d;              // undefined unless qk_norm
   at::Tensor gate_proj, up_proj, down_proj;   // undefined where the layer routes
   at::Tensor router_ED;                       // defined where the layer routes
-  std::vector<ExpertWeights> experts;         // as many as the config's experts where it routes
+  // Defined where the layer routes and the family has a shared expert (Qwen2-MoE): its SwiGLU
+  // and its gate [1, D].
+  ExpertWeights shared;
+  at::Tensor shared_gate_1D;
+  std::vector<ExpertWeights> experts;  // as many as the config's experts where it routes
 
   // Every field above, defined or not, expert by expert at the end; Names gives each one's
   // Hugging Face name in the layer, and FromAll reverses All.

@@ -158,9 +158,10 @@ TEST_F(DataParallel, ExpertParallelEqualsOneProcess) {
 // The router's auxiliary loss (runner/loss/router_aux.h) on every call, streams included: each
 // datum's routers are its own rank's, so expert parallelism changes nothing but the grouping of
 // sums. E = 2 at 2 ranks, with one process as the reference; its reported value is compared too.
+// Qwen2-MoE: its shared expert, which every token meets, is every rank's, like attention.
 TEST_F(DataParallel, ExpertParallelWithTheRoutersLossEqualsOneProcess) {
   TempDir moe;
-  const std::string model = WriteModel(moe, TinyConfig("mixtral"));
+  const std::string model = WriteModel(moe, TinyConfig("qwen2_moe"));
   const std::string aux = "--router_aux_loss_coef=0.5";
   const auto one = RunRanks(model, moe.Sub("one"), 1, {aux})[0];
   ASSERT_GT(one.size(), 100u);

@@ -323,8 +323,9 @@ TEST(FullFineTuning, SplitEqualsCombined) {
   EXPECT_GT(r->GetInfo(*a)->trainable_parameters, 20000);  // every base weight is trainable
 }
 
-// Mixtures of experts (Qwen3-MoE with a dense layer, Mixtral): the experts' own adapters (LoRA on
-// every expert's gate, up and down) or every expert and router weight (full fine-tuning)
+// Mixtures of experts (Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE with its shared expert):
+// the experts' own adapters (LoRA on every expert's gate, up and down) or every expert and router
+// weight (full fine-tuning)
 // accumulate exactly under any split into calls and micro-batches: routing is per token, so a
 // token meets the same experts however the batch is cut. Control: the split missing one datum.
 struct MoeCase {
@@ -374,17 +375,21 @@ TEST_P(MoeSplitVsCombined, ExpertGradientsIndependentOfTheSplit) {
   // Every expert of every routed layer learned: each one's tensors have a non-zero gradient,
   // and the router's too under full fine-tuning.
   const ModelConfig config = TinyConfig(c.family);
-  int64_t experts_seen = 0, router_seen = 0;
+  int64_t experts_seen = 0, router_seen = 0, shared_seen = 0;
   for (const NamedValues& n : grads) {
     const bool nonzero = MaxAbs(n.values) > 0;
     if (n.name.find(".experts.") != std::string::npos) experts_seen += nonzero;
     if (n.name.find(config.moe.names.Router() + ".") != std::string::npos) router_seen += nonzero;
+    if (n.name.find(".shared_expert") != std::string::npos) shared_seen += nonzero;
   }
   const int64_t routed =
       std::count(config.moe.layer_routes.begin(), config.moe.layer_routes.end(), true);
-  // Per expert: gate, up, down, each a weight (full) or an A and a B (LoRA).
+  // Per expert: gate, up, down, each a weight (full) or an A and a B (LoRA); the shared expert
+  // (Qwen2-MoE) likewise, and its gate's weight under full fine-tuning.
   EXPECT_EQ(experts_seen, routed * config.moe.num_experts * (c.full ? 3 : 6));
   EXPECT_EQ(router_seen, c.full ? routed : 0);
+  EXPECT_EQ(shared_seen,
+            config.moe.shared_expert_intermediate_size > 0 ? routed * (c.full ? 4 : 6) : 0);
 
   auto s1 = whole->OptimStep(*a, AdamParams{});
   auto s2 = cut->OptimStep(*b, AdamParams{});
@@ -397,7 +402,8 @@ TEST_P(MoeSplitVsCombined, ExpertGradientsIndependentOfTheSplit) {
 
 INSTANTIATE_TEST_SUITE_P(Families, MoeSplitVsCombined,
                          ::testing::Values(MoeCase{"qwen3_moe", false}, MoeCase{"qwen3_moe", true},
-                                           MoeCase{"mixtral", false}, MoeCase{"mixtral", true}),
+                                           MoeCase{"mixtral", false}, MoeCase{"mixtral", true},
+                                           MoeCase{"qwen2_moe", false}, MoeCase{"qwen2_moe", true}),
                          [](const auto& info) {
                            return info.param.family + (info.param.full ? "_full" : "_lora");
                          });

@@ -82,10 +82,11 @@ struct RefConfig {
   int64_t sliding_window = 0;      // 0: full causal attention
   std::vector<bool> layer_slides;  // which layers use the window; one entry per layer
   RefRope rope;
-  // Mixtures of experts (Qwen3-MoE, Mixtral); experts = 0 for the dense families.
+  // Mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral); experts = 0 for the dense families.
   int64_t experts = 0, top_k = 0, expert_intermediate = 0;
-  bool renormalize = false;        // the k picked probabilities divided by their sum
-  std::vector<bool> layer_routes;  // one entry per layer
+  int64_t shared_intermediate = 0;  // Qwen2-MoE's shared expert; 0: none
+  bool renormalize = false;         // the k picked probabilities divided by their sum
+  std::vector<bool> layer_routes;   // one entry per layer
   std::string moe_block, expert_gate, expert_up, expert_down;  // Hugging Face names
 };
 
@@ -110,8 +111,9 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
     const bool qwen2 = c.architecture == "Qwen2ForCausalLM";
     const bool qwen3 = c.architecture == "Qwen3ForCausalLM";
     const bool qwen3_moe = c.architecture == "Qwen3MoeForCausalLM";
+    const bool qwen2_moe = c.architecture == "Qwen2MoeForCausalLM";
     const bool mixtral = c.architecture == "MixtralForCausalLM";
-    if (!(llama || mistral || qwen2 || qwen3 || qwen3_moe || mixtral)) {
+    if (!(llama || mistral || qwen2 || qwen3 || qwen3_moe || qwen2_moe || mixtral)) {
       return absl::InvalidArgumentError(
           absl::StrCat("reference: architecture ", c.architecture, " is not modelled"));
     }
@@ -135,8 +137,11 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
     if (rope_block.is_object())
       c.rope_theta = Field<double>(rope_block, "rope_theta", c.rope_theta);
     c.tie_word_embeddings = Field<bool>(j, "tie_word_embeddings", false);
-    // Qwen2's q/k/v projections carry a bias unconditionally; the others follow attention_bias.
-    c.qkv_bias = qwen2 ? true : Field<bool>(j, "attention_bias", false);
+    // Qwen2's q/k/v projections carry a bias unconditionally, Qwen2-MoE's unless qkv_bias says
+    // otherwise; the others follow attention_bias.
+    c.qkv_bias = qwen2       ? true
+                 : qwen2_moe ? Field<bool>(j, "qkv_bias", true)
+                             : Field<bool>(j, "attention_bias", false);
     c.qk_norm = qwen3 || qwen3_moe;
     // Mistral and Mixtral window every layer. Qwen2/3 window the layers from max_window_layers
     // (default 28) on, when use_sliding_window; an explicit layer_types list says which.
@@ -147,7 +152,7 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
       c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
       c.layer_slides.assign(static_cast<size_t>(c.layers), true);
     }
-    if ((qwen2 || qwen3) && Field<bool>(j, "use_sliding_window", false)) {
+    if ((qwen2 || qwen3 || qwen2_moe) && Field<bool>(j, "use_sliding_window", false)) {
       c.sliding_window = Field<int64_t>(j, "sliding_window", 0);
       const int64_t first = Field<int64_t>(j, "max_window_layers", 28);
       for (int64_t l = first; l < c.layers; ++l) c.layer_slides[static_cast<size_t>(l)] = true;
@@ -172,10 +177,14 @@ absl::StatusOr<RefConfig> ParseRefConfig(const std::string& text) {
       c.expert_up = "w3";
       c.expert_down = "w2";
     }
-    if (qwen3_moe) {
-      c.experts = Field<int64_t>(j, "num_experts", 128);
-      c.top_k = Field<int64_t>(j, "num_experts_per_tok", 8);
-      c.expert_intermediate = Field<int64_t>(j, "moe_intermediate_size", 768);
+    if (qwen3_moe || qwen2_moe) {
+      // Qwen2MoeConfig's defaults differ from Qwen3MoeConfig's, and it adds the shared expert.
+      c.experts = Field<int64_t>(j, "num_experts", qwen2_moe ? 60 : 128);
+      c.top_k = Field<int64_t>(j, "num_experts_per_tok", qwen2_moe ? 4 : 8);
+      c.expert_intermediate = Field<int64_t>(j, "moe_intermediate_size", qwen2_moe ? 1408 : 768);
+      if (qwen2_moe) {
+        c.shared_intermediate = Field<int64_t>(j, "shared_expert_intermediate_size", 5632);
+      }
       c.renormalize = Field<bool>(j, "norm_topk_prob", false);
       const int64_t step = Field<int64_t>(j, "decoder_sparse_step", 1);
       const std::vector<int64_t> dense =
@@ -402,6 +411,8 @@ struct RefLayer {
   RefMatrix gate, up, down;    // gate, up: [I, D]  down: [D, I]; empty where the layer routes
   RefMatrix router;            // [experts, D] where the layer routes
   std::vector<std::array<RefMatrix, 3>> experts;  // each one's gate, up [I', D] and down [D, I']
+  std::array<RefMatrix, 3> shared;  // the shared expert's gate, up [I'', D], down [D, I'']
+  RefMatrix shared_gate;            // [1, D]; empty without a shared expert
 };
 
 struct RefModel {
@@ -492,6 +503,12 @@ absl::StatusOr<RefModel> BuildModel(Checkpoint ck) {
                                  take.Matrix(x + c.expert_up + ".weight", Ie, D),
                                  take.Matrix(x + c.expert_down + ".weight", D, Ie)});
       }
+      if (const int64_t Is = c.shared_intermediate; Is > 0) {
+        layer.shared = {take.Matrix(b + "shared_expert.gate_proj.weight", Is, D),
+                        take.Matrix(b + "shared_expert.up_proj.weight", Is, D),
+                        take.Matrix(b + "shared_expert.down_proj.weight", D, Is)};
+        layer.shared_gate = take.Matrix(b + "shared_expert_gate.weight", 1, D);
+      }
     } else {
       layer.gate = take.Matrix(p + "mlp.gate_proj.weight", I, D);
       layer.up = take.Matrix(p + "mlp.up_proj.weight", I, D);
@@ -519,6 +536,7 @@ struct Variant {
   bool window_every_layer = false;    // Qwen's max_window_layers / layer_types ignored
   bool skip_renormalization = false;  // the picked probabilities used as they are
   bool first_choice_only = false;     // one expert per token, whatever num_experts_per_tok says
+  bool skip_shared_expert = false;    // Qwen2-MoE's shared expert left out
 };
 
 struct Rotary {
@@ -753,6 +771,13 @@ Vec ReferenceLogprobs(const RefModel& m, const std::vector<int64_t>& tokens,
         const Vec out_D = swiglu(gate, up, down, x_D);
         for (int64_t d = 0; d < D; ++d) h_TD[t][d] += weight * out_D[d];
       }
+      // Qwen2-MoE: every token also through the shared expert, scaled by its sigmoid gate.
+      if (!layer.shared_gate.w.empty() && !variant.skip_shared_expert) {
+        const double logit = Linear(layer.shared_gate, x_D)[0];
+        const double scale = 1.0 / (1.0 + std::exp(-logit));
+        const Vec out_D = swiglu(layer.shared[0], layer.shared[1], layer.shared[2], x_D);
+        for (int64_t d = 0; d < D; ++d) h_TD[t][d] += scale * out_D[d];
+      }
     }
   }
 
@@ -830,7 +855,7 @@ void ToTransformers5(json& j) {
   j["dtype"] = j["torch_dtype"];
   j.erase("torch_dtype");
   const std::string type = j["model_type"].get<std::string>();
-  if ((type == "qwen2" || type == "qwen3") && !j.contains("layer_types")) {
+  if ((type == "qwen2" || type == "qwen3" || type == "qwen2_moe") && !j.contains("layer_types")) {
     const bool sliding = j.value("use_sliding_window", false);
     const int64_t first = j.value("max_window_layers", int64_t{28});
     json types = json::array();
@@ -884,9 +909,13 @@ void Qwen2SlidingFromLayer1(ModelConfig& m) {
   m.layer_slides = {false, true};
 }
 
-constexpr const char* kTransformers5Twins[] = {
-    "LlamaTheta500kLlama3Rope", "Qwen2BiasYarnRope",  "Qwen3QkNormTied",
-    "MistralSlidingWindow4",    "LlamaBf16TwoShards", "Qwen2SlidingFromLayer1"};
+constexpr const char* kTransformers5Twins[] = {"LlamaTheta500kLlama3Rope",
+                                               "Qwen2BiasYarnRope",
+                                               "Qwen3QkNormTied",
+                                               "MistralSlidingWindow4",
+                                               "LlamaBf16TwoShards",
+                                               "Qwen2SlidingFromLayer1",
+                                               "Qwen2MoeSharedExpertSlidingFromLayer1"};
 
 const Case& FindCaseIn(const std::vector<Case>& cases, const std::string& name) {
   for (const Case& c : cases) {
@@ -1045,6 +1074,21 @@ std::vector<Case> AllCases() {
            .want_tied = true,
            .want_qk_norm = true,
            .want_routed_layers = 2},
+      // Four experts, two per token, not renormalized, a shared expert beside them (its output
+      // scaled by a sigmoid gate); layer 0 is dense; sliding from layer 1 on.
+      Case{.name = "Qwen2MoeSharedExpertSlidingFromLayer1",
+           .family = "qwen2_moe",
+           .tweak =
+               [none](ModelConfig& m) {
+                 m.rope_scaling = none;
+                 m.sliding_window = 4;
+                 m.layer_slides = {false, true};
+               },
+           .seed = 25,
+           .want_qkv_bias = true,
+           .want_sliding_window = 4,
+           .want_sliding_layers = 1,
+           .want_routed_layers = 1},
       Case{.name = "MixtralSlidingWindow4Bf16TwoShards",
            .family = "mixtral",
            .tweak =
@@ -1329,6 +1373,11 @@ TEST(ModelReferenceControl, WindowingEveryQwenLayerIsDetected) {
 
 TEST(ModelReferenceControl, IgnoringTopKRenormalizationIsDetected) {
   ExpectMistakeDetected("Qwen3MoeDenseLayer1", Variant{.skip_renormalization = true});
+}
+
+TEST(ModelReferenceControl, LeavingOutTheSharedExpertIsDetected) {
+  ExpectMistakeDetected("Qwen2MoeSharedExpertSlidingFromLayer1",
+                        Variant{.skip_shared_expert = true});
 }
 
 TEST(ModelReferenceControl, RoutingToOneExpertIsDetected) {

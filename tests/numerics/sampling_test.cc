@@ -1340,6 +1340,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, SamplingPrecisionTest,
                                            Precision{ComputeDType::kFloat32, true},
                                            Precision{ComputeDType::kBFloat16, true},
                                            Precision{ComputeDType::kFloat32, false, "qwen3_moe"},
+                                           Precision{ComputeDType::kBFloat16, false, "qwen2_moe"},
                                            Precision{ComputeDType::kBFloat16, false, "mixtral"}),
                          [](const auto& info) {
                            return std::string(ComputeDTypeName(info.param.dtype)) +

@@ -26,16 +26,19 @@ TEST(ModelConfig, EveryFamilyRoundTrips) {
 }
 
 TEST(ModelConfig, MixturesOfExpertsRoundTrip) {
-  for (const char* family : {"qwen3_moe", "mixtral"}) {
+  for (const char* family : {"qwen2_moe", "qwen3_moe", "mixtral"}) {
     const ModelConfig c = TinyConfig(family);
     auto parsed = ParseModelConfig(ModelConfigToJson(c));
     ASSERT_TRUE(parsed.ok()) << family << ": " << parsed.status().message();
     EXPECT_EQ(parsed->moe.num_experts, c.moe.num_experts);
     EXPECT_EQ(parsed->moe.top_k, 2);
     EXPECT_EQ(parsed->moe.expert_intermediate_size, c.moe.expert_intermediate_size);
-    EXPECT_TRUE(parsed->moe.norm_topk_prob);
+    EXPECT_EQ(parsed->moe.shared_expert_intermediate_size,
+              std::string(family) == "qwen2_moe" ? 32 : 0);
+    EXPECT_EQ(parsed->moe.norm_topk_prob, std::string(family) != "qwen2_moe");
     EXPECT_EQ(parsed->moe.layer_routes, c.moe.layer_routes);
     EXPECT_EQ(parsed->qk_norm, std::string(family) == "qwen3_moe");
+    EXPECT_EQ(parsed->attention_bias, std::string(family) == "qwen2_moe");
   }
   EXPECT_EQ(TinyConfig("qwen3_moe").moe.layer_routes, (std::vector<bool>{true, false}));
   EXPECT_EQ(TinyConfig("mixtral").moe.names.Expert(3), "block_sparse_moe.experts.3.");
@@ -69,6 +72,25 @@ TEST(ModelConfig, PublishedMixturesOfExpertsParse) {
   EXPECT_TRUE(mixtral->moe.norm_topk_prob);
   EXPECT_EQ(mixtral->head_dim, 128);
   EXPECT_EQ(mixtral->sliding_window, 0);
+  // Qwen1.5-MoE-A2.7B's: 60 experts, 4 per token, unnormalized, a shared expert of 5632.
+  auto qwen2 =
+      ParseModelConfig(R"({"architectures":["Qwen2MoeForCausalLM"],"model_type":"qwen2_moe",
+    "vocab_size":151936,"hidden_size":2048,"intermediate_size":5632,"num_hidden_layers":24,
+    "num_attention_heads":16,"num_key_value_heads":16,"moe_intermediate_size":1408,
+    "shared_expert_intermediate_size":5632,"num_experts":60,"num_experts_per_tok":4,
+    "norm_topk_prob":false,"decoder_sparse_step":1,"output_router_logits":false,
+    "router_aux_loss_coef":0.001,"rope_theta":1000000.0,"rms_norm_eps":1e-06,
+    "sliding_window":32768,"use_sliding_window":false,"max_window_layers":21,
+    "tie_word_embeddings":false,"hidden_act":"silu","max_position_embeddings":8192})");
+  ASSERT_TRUE(qwen2.ok()) << qwen2.status().message();
+  EXPECT_EQ(qwen2->moe.num_experts, 60);
+  EXPECT_EQ(qwen2->moe.top_k, 4);
+  EXPECT_EQ(qwen2->moe.shared_expert_intermediate_size, 5632);
+  EXPECT_FALSE(qwen2->moe.norm_topk_prob);
+  EXPECT_TRUE(qwen2->attention_bias);
+  EXPECT_EQ(qwen2->sliding_window, 0);
+  EXPECT_EQ(qwen2->moe.names.SharedGate(), "mlp.shared_expert_gate");
+  EXPECT_EQ(std::count(qwen2->moe.layer_routes.begin(), qwen2->moe.layer_routes.end(), true), 24);
 }
 
 TEST(ModelConfig, SparseStepAndDenseLayersChooseTheRoutedLayers) {
