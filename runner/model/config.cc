@@ -518,7 +518,7 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   j["rope_theta"] = c.rope_theta;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["hidden_act"] = "silu";
-  if (c.model_type == "qwen2_moe") {
+  if (c.architecture == "Qwen2MoeForCausalLM") {  // the parser's choice, by architecture
     j["qkv_bias"] = c.attention_bias;
   } else if (c.model_type != "qwen2") {
     j["attention_bias"] = c.attention_bias;

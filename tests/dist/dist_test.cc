@@ -158,17 +158,20 @@ TEST_F(DataParallel, ExpertParallelEqualsOneProcess) {
 // The router's auxiliary loss (runner/loss/router_aux.h) on every call, streams included: each
 // datum's routers are its own rank's, so expert parallelism changes nothing but the grouping of
 // sums. E = 2 at 2 ranks, with one process as the reference; its reported value is compared too.
-// Qwen2-MoE: its shared expert, which every token meets, is every rank's, like attention.
+// Mixtral, and Qwen2-MoE, whose shared expert, which every token meets, is every rank's, like
+// attention.
 TEST_F(DataParallel, ExpertParallelWithTheRoutersLossEqualsOneProcess) {
-  TempDir moe;
-  const std::string model = WriteModel(moe, TinyConfig("qwen2_moe"));
-  const std::string aux = "--router_aux_loss_coef=0.5";
-  const auto one = RunRanks(model, moe.Sub("one"), 1, {aux})[0];
-  ASSERT_GT(one.size(), 100u);
-  const auto ranks = RunRanks(model, moe.Sub("ep22"), 2, {aux, "--expert_parallel=2"});
-  for (int r = 0; r < 2; ++r) {
-    ASSERT_EQ(ranks[r].size(), one.size()) << "rank " << r;
-    EXPECT_LE(MaxAbsDiff(ranks[r], one), kTol) << "rank " << r;
+  for (const char* family : {"mixtral", "qwen2_moe"}) {
+    TempDir moe;
+    const std::string model = WriteModel(moe, TinyConfig(family));
+    const std::string aux = "--router_aux_loss_coef=0.5";
+    const auto one = RunRanks(model, moe.Sub("one"), 1, {aux})[0];
+    ASSERT_GT(one.size(), 100u) << family;
+    const auto ranks = RunRanks(model, moe.Sub("ep22"), 2, {aux, "--expert_parallel=2"});
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(ranks[r].size(), one.size()) << family << " rank " << r;
+      EXPECT_LE(MaxAbsDiff(ranks[r], one), kTol) << family << " rank " << r;
+    }
   }
 }
 

@@ -233,7 +233,8 @@ TEST(RouterAuxModel, GradientIsTheCentralDifferenceOfTheReportedLoss) {
 // Split into calls, micro-batches of 24 tokens and recomputed layers against one call in one
 // micro-batch: the accumulated gradients and the summed loss agree to float64 rounding
 // (accumulation_test.cc's bound), for a LoRA model under seq_mean_token_mean and a full fine-tune
-// under token_mean, Qwen3-MoE and Mixtral. Control: the same calls without the loss end far away,
+// under token_mean, Qwen3-MoE, Mixtral and Qwen2-MoE (its shared expert's adapters recomputed
+// with their layer). Control: the same calls without the loss end far away,
 // so the agreement covers its gradient.
 struct SplitCase {
   std::string family;
@@ -284,13 +285,11 @@ TEST_P(RouterAuxSplit, AccumulatesExactlyUnderAnySplit) {
             1e3 * kRelTol * scale);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, RouterAuxSplit,
-                         ::testing::Values(SplitCase{"qwen3_moe", false},
-                                           SplitCase{"qwen3_moe", true},
-                                           SplitCase{"mixtral", false}),
-                         [](const auto& info) {
-                           return info.param.family + (info.param.full ? "_full" : "_lora");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Families, RouterAuxSplit,
+    ::testing::Values(SplitCase{"qwen3_moe", false}, SplitCase{"qwen3_moe", true},
+                      SplitCase{"mixtral", false}, SplitCase{"qwen2_moe", false}),
+    [](const auto& info) { return info.param.family + (info.param.full ? "_full" : "_lora"); });
 
 // A dense model has no router: the key is refused by name, in a call and when a stream begins,
 // and a negative coefficient anywhere.
