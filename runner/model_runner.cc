@@ -278,9 +278,11 @@ struct ModelRunner::Impl {
     }
     return local;
   }
-  // Resolves, reads and verifies a training checkpoint in the training dtype.
+  // Resolves, reads and verifies a training checkpoint in the training dtype, for `into` when it
+  // is known: a sharded model's rank reads only its slices (SlicesOf).
   // `held` gets the reservation of what the read and its application hold (ReadTrainingState).
-  absl::StatusOr<LoadedState> ReadState(const std::string& path, Reservation* held) const;
+  absl::StatusOr<LoadedState> ReadState(const std::string& path, Reservation* held,
+                                        const ModelState* into = nullptr) const;
   ModelLimits Limits() const {
     return {model_config.vocab_size, model_config.max_position_embeddings,
             texts != nullptr,        model_config.moe.num_experts,
@@ -1028,17 +1030,22 @@ void ApplyLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer, 
 
 }  // namespace
 
-absl::StatusOr<LoadedState> ModelRunner::Impl::ReadState(const std::string& path,
-                                                         Reservation* held) const {
+absl::StatusOr<LoadedState> ModelRunner::Impl::ReadState(const std::string& path, Reservation* held,
+                                                         const ModelState* into) const {
   ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
   const at::ScalarType train = dtype == at::kDouble ? at::kDouble : at::kFloat;
   return Guarded("load_state", [&]() -> absl::StatusOr<LoadedState> {
-    return ReadTrainingState(dir, base_fingerprint, train, [&](int64_t bytes) -> absl::Status {
-      ASSIGN_OR_RETURN(*held,
-                       account->Reserve(bytes, "load_state: the checkpoint's tensors while read",
-                                        ". Delete a model, or retry later"));
-      return absl::OkStatus();
-    });
+    std::optional<ReadSlices> slices;
+    if (into != nullptr && into->sharded) slices = SlicesOf(*into, train);
+    return ReadTrainingState(
+        dir, base_fingerprint, train,
+        [&](int64_t bytes) -> absl::Status {
+          ASSIGN_OR_RETURN(
+              *held, account->Reserve(bytes, "load_state: the checkpoint's tensors while read",
+                                      ". Delete a model, or retry later"));
+          return absl::OkStatus();
+        },
+        slices ? &*slices : nullptr);
   });
 }
 
@@ -1053,7 +1060,7 @@ absl::Status ModelRunner::LoadState(const std::string& model_id, const std::stri
   }
   // Read and check everything before touching the model: a refused load changes nothing.
   Reservation held;
-  absl::StatusOr<LoadedState> s = impl_->ReadState(path, &held);
+  absl::StatusOr<LoadedState> s = impl_->ReadState(path, &held, t);
   RETURN_IF_ERROR(impl_->AgreeOnLoad(s.ok() ? impl_->Check(*t, *s) : s.status()));
   return Guarded("load_state", [&]() -> absl::Status {
     ApplyLoadedState(*t, *s, with_optimizer, impl_->collectives->rank(), impl_->experts.get());
@@ -1066,14 +1073,28 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
                                                               const std::string& model_id) {
   absl::StatusOr<LoadedState> s;
   Reservation held;
-  {
-    absl::MutexLock lock(&impl_->mu);
-    s = impl_->ReadState(path, &held);  // read and verified once, then applied to the new model
+  // A full fine-tune under --shard=full is made first, so that each rank reads only its slices
+  // into it; anything else is read and verified once, then applied to the new model.
+  bool sharded = false;
+  absl::StatusOr<CreateModelOptions> options = absl::UnknownError("not read");
+  if (impl_->config.shard == ShardMode::kFull) {
+    absl::StatusOr<std::string> dir = ResolveCheckpoint(path);
+    options = dir.ok() ? ReadCheckpointOptions(*dir) : dir.status();
+    sharded = options.ok() && !options->lora;
   }
-  absl::StatusOr<std::string> created = s.ok() ? CreateModel(s->options, model_id) : s.status();
+  if (!sharded) {
+    absl::MutexLock lock(&impl_->mu);
+    s = impl_->ReadState(path, &held);
+    options = s.ok() ? absl::StatusOr<CreateModelOptions>(s->options) : s.status();
+  }
+  absl::StatusOr<std::string> created =
+      options.ok() ? CreateModel(*options, model_id) : options.status();
   absl::MutexLock lock(&impl_->mu);
   absl::StatusOr<ModelState*> t = created.ok() ? impl_->Find(*created) : created.status();
-  absl::Status st = impl_->AgreeOnLoad(t.ok() ? impl_->Check(**t, *s) : t.status());
+  if (sharded && t.ok()) s = impl_->ReadState(path, &held, *t);
+  absl::Status st = impl_->AgreeOnLoad(!t.ok()   ? t.status()
+                                       : !s.ok() ? s.status()
+                                                 : impl_->Check(**t, *s));
   if (!created.ok()) return st;
   const std::string& id = *created;
   if (st.ok()) {

@@ -156,6 +156,46 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
   return WriteManifest(t, meta, accumulated, std::move(m), dir);
 }
 
+namespace {
+
+// This rank's part of tensor i of unit u: where its slice of the unit's flat space meets the
+// tensor (one stretch, or none: empty).
+at::Tensor PartOf(const ShardedUnit& u, size_t i, const at::Tensor& whole) {
+  const ShardLayout& layout = u.state.layout;
+  for (const ShardLayout::Piece& p :
+       layout.Pieces(layout.begin(layout.rank()), layout.end(layout.rank()))) {
+    if (p.tensor == i) return whole.reshape({-1}).narrow(0, p.tensor_offset, p.length).clone();
+  }
+  return at::empty({0}, whole.options());
+}
+
+}  // namespace
+
+ReadSlices SlicesOf(const ModelState& t, at::ScalarType dtype) {
+  std::map<std::string, std::pair<size_t, size_t>> where;  // name -> (unit, index)
+  int64_t largest = 0;
+  const std::vector<ShardedUnit>& units = t.sharded->units();
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (size_t i = 0; i < units[u].names.size(); ++i) {
+      where[units[u].names[i]] = {u, i};
+      int64_t n = 1;
+      for (int64_t d : units[u].shapes[i]) n *= d;
+      largest = std::max(largest, n);
+    }
+  }
+  ReadSlices r;
+  r.fraction = 1.0 / t.sharded->units().front().state.layout.world_size();
+  r.largest_bytes = largest * static_cast<int64_t>(at::elementSize(dtype));
+  r.take = [&units, where = std::move(where)](const std::string& name, const at::Tensor& whole) {
+    const auto it = where.find(name);
+    if (it == where.end()) return at::Tensor();
+    const ShardedUnit& u = units[it->second.first];
+    if (whole.sizes().vec() != u.shapes[it->second.second]) return at::Tensor();
+    return PartOf(u, it->second.second, whole);
+  };
+  return r;
+}
+
 absl::Status CheckShardedCompatible(const ModelState& t, const LoadedState& s) {
   if (s.options.lora) {
     return absl::FailedPreconditionError(
@@ -164,9 +204,12 @@ absl::Status CheckShardedCompatible(const ModelState& t, const LoadedState& s) {
   size_t n = 0;
   for (const ShardedUnit& u : t.sharded->units()) {
     for (size_t i = 0; i < u.names.size(); ++i, ++n) {
-      for (const auto* m : {&s.params, &s.exp_avg, &s.exp_avg_sq}) {
+      for (const auto* m : {&s.params, &s.exp_avg, &s.exp_avg_sq, &s.grad_sum}) {
         auto it = m->find(u.names[i]);
-        if (it == m->end() || it->second.sizes().vec() != u.shapes[i]) {
+        // Read in parts, a tensor of another shape came back undefined (SlicesOf).
+        const bool fits = it != m->end() && it->second.defined() &&
+                          (s.sliced || it->second.sizes().vec() == u.shapes[i]);
+        if (!fits && (m != &s.grad_sum || it != m->end())) {
           return absl::FailedPreconditionError(
               absl::StrCat("checkpoint lacks ", u.names[i], " or its shape differs"));
         }
@@ -179,22 +222,57 @@ absl::Status CheckShardedCompatible(const ModelState& t, const LoadedState& s) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A read in parts (SlicesOf): each tensor's part straight into its place in the slices; zeros
+// where nothing was read.
+void PutParts(ShardedUnit& u, const LoadedState& s, bool with_optimizer) {
+  const ShardLayout& layout = u.state.layout;
+  for (const ShardLayout::Piece& p :
+       layout.Pieces(layout.begin(layout.rank()), layout.end(layout.rank()))) {
+    auto put = [&](const std::map<std::string, at::Tensor>& from, bool read, at::Tensor& to_C) {
+      const auto it = from.find(u.names[p.tensor]);
+      at::Tensor into = to_C.narrow(0, p.offset, p.length);
+      if (read && it != from.end()) {
+        into.copy_(it->second);
+      } else {
+        into.zero_();
+      }
+    };
+    put(s.params, true, u.param_C);
+    put(s.exp_avg, with_optimizer, u.state.exp_avg_C);
+    put(s.exp_avg_sq, with_optimizer, u.state.exp_avg_sq_C);
+    put(s.grad_sum, true, u.state.grad_sum_C);
+  }
+}
+
+// A whole read: this rank's slices of the whole tensors.
+void PutWhole(ShardedUnit& u, const LoadedState& s, bool with_optimizer) {
+  std::vector<at::Tensor> params, avg, avg_sq, sums;  // whole, in the unit's order
+  for (const std::string& name : u.names) {
+    const at::Tensor& p = s.params.at(name);
+    params.push_back(p);
+    avg.push_back(with_optimizer ? s.exp_avg.at(name) : at::zeros_like(p));
+    avg_sq.push_back(with_optimizer ? s.exp_avg_sq.at(name) : at::zeros_like(p));
+    auto g = s.grad_sum.find(name);
+    sums.push_back(g != s.grad_sum.end() ? g->second : at::zeros_like(p));
+  }
+  u.state.Scatter(params, u.param_C);
+  u.state.Scatter(avg, u.state.exp_avg_C);
+  u.state.Scatter(avg_sq, u.state.exp_avg_sq_C);
+  u.state.Scatter(sums, u.state.grad_sum_C);
+}
+
+}  // namespace
+
 void ScatterLoadedState(ModelState& t, const LoadedState& s, bool with_optimizer) {
   at::NoGradGuard no_grad;
   for (ShardedUnit& u : t.sharded->units()) {
-    std::vector<at::Tensor> params, avg, avg_sq, sums;  // whole, in the unit's order
-    for (const std::string& name : u.names) {
-      const at::Tensor& p = s.params.at(name);
-      params.push_back(p);
-      avg.push_back(with_optimizer ? s.exp_avg.at(name) : at::zeros_like(p));
-      avg_sq.push_back(with_optimizer ? s.exp_avg_sq.at(name) : at::zeros_like(p));
-      auto g = s.grad_sum.find(name);
-      sums.push_back(g != s.grad_sum.end() ? g->second : at::zeros_like(p));
+    if (s.sliced) {
+      PutParts(u, s, with_optimizer);
+    } else {
+      PutWhole(u, s, with_optimizer);
     }
-    u.state.Scatter(params, u.param_C);
-    u.state.Scatter(avg, u.state.exp_avg_C);
-    u.state.Scatter(avg_sq, u.state.exp_avg_sq_C);
-    u.state.Scatter(sums, u.state.grad_sum_C);
   }
   t.step = with_optimizer ? s.step : 0;
   t.skipped_steps = with_optimizer ? s.skipped_steps : 0;

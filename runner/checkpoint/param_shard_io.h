@@ -5,8 +5,9 @@
 //
 // A save gathers every tensor whole, one unit at a time, in each file's order: a collective that
 // every rank runs in the same sequence whatever happens to rank 0's files (rank 0 alone writes,
-// streaming, and holds at most one unit whole). A load reads the whole checkpoint on every rank
-// (state_io.h) and each rank keeps its slices.
+// streaming, and holds at most one unit whole). A load reads the checkpoint on every rank, a
+// tensor at a time, and each rank keeps only its slice of each (SlicesOf), so that it holds 1/W
+// of the checkpoint and one tensor whole, not the whole checkpoint.
 #pragma once
 
 #include <string>
@@ -25,8 +26,11 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
                                         const CheckpointMeta& meta, bool accumulated,
                                         const std::string& dir);
 
-// Checks that `s` holds every tensor of `t` with its shape, and nothing else: FAILED_PRECONDITION
-// otherwise.
+// How this rank reads a checkpoint into `t` (ReadTrainingState): each tensor's part in its slice.
+ReadSlices SlicesOf(const ModelState& t, at::ScalarType dtype);
+
+// Checks that `s` (whole, or read by SlicesOf) holds every tensor of `t` with its shape, and
+// nothing else: FAILED_PRECONDITION otherwise.
 absl::Status CheckShardedCompatible(const ModelState& t, const LoadedState& s);
 // Takes this rank's slices of `s` (the gradient sum, already the global one, too); moments and
 // step from zero without `with_optimizer`.

@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -131,9 +132,19 @@ absl::Status WriteShardedTrainingState(const ModelState& t, const CheckpointMeta
   return WriteParamsAndManifest(t, meta, accumulated, std::move(m), dir);
 }
 
+absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir) {
+  auto text = ReadFileToString(Join(dir, "manifest.json"));
+  if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
+  auto m = ParseTrainingManifest(*text);
+  if (!m.ok())
+    return absl::Status(m.status().code(),
+                        absl::StrCat("checkpoint ", dir, ": ", m.status().message()));
+  return m->options;
+}
+
 absl::StatusOr<LoadedState> ReadTrainingState(
     const std::string& dir, uint64_t base_fingerprint, at::ScalarType dtype,
-    const std::function<absl::Status(int64_t bytes)>& admit) {
+    const std::function<absl::Status(int64_t bytes)>& admit, const ReadSlices* slices) {
   auto text = ReadFileToString(Join(dir, "manifest.json"));
   if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
   auto m = ParseTrainingManifest(*text);
@@ -151,11 +162,15 @@ absl::StatusOr<LoadedState> ReadTrainingState(
   ASSIGN_OR_RETURN(auto stored, StoredType(m->training_dtype));
   const double ratio = std::max(1.0, static_cast<double>(at::elementSize(dtype)) /
                                          static_cast<double>(at::elementSize(stored.first)));
-  double held = 0;  // a forged manifest's sizes may overflow any integer
-  for (const auto& [name, digest] : m->files)
-    held += 2.0 * ratio * static_cast<double>(digest.bytes);
+  // A sharded model keeps its parts (at most `fraction` of each tensor) beside one whole tensor.
+  if (m->shards > 0) slices = nullptr;
+  const double kept = slices != nullptr ? slices->fraction : 1.0;
+  double held = slices != nullptr ? static_cast<double>(slices->largest_bytes) : 0.0;
+  for (const auto& [name, digest] : m->files)  // a forged manifest's sizes may overflow any integer
+    held += 2.0 * ratio * kept * static_cast<double>(digest.bytes);
   RETURN_IF_ERROR(admit(static_cast<int64_t>(std::min(held, 0x1p62))));
   LoadedState s;
+  s.sliced = slices != nullptr;
   s.options = m->options;
   s.step = m->step;
   s.skipped_steps = m->skipped_steps;
@@ -176,7 +191,21 @@ absl::StatusOr<LoadedState> ReadTrainingState(
                                    " bytes where the manifest says ", digest->second.bytes, ")"));
     }
     FileDigest read;
-    auto tensors = LoadSafetensorsFile(Join(dir, name), dtype, &read);
+    TensorTransform take;
+    if (slices != nullptr) {
+      // Optimizer files name a moment by its parameter's name after "exp_avg." or "exp_avg_sq.".
+      take = [slices](const std::string& key, const at::Tensor& whole) {
+        std::string param = key;
+        for (const char* prefix : {"exp_avg_sq.", "exp_avg."}) {
+          if (param.rfind(prefix, 0) == 0) {
+            param = param.substr(std::strlen(prefix));
+            break;
+          }
+        }
+        return slices->take(param, whole);
+      };
+    }
+    auto tensors = LoadSafetensorsFile(Join(dir, name), dtype, &read, nullptr, take);
     if (!tensors.ok() && tensors.status().code() == absl::StatusCode::kNotFound) {
       return DataLoss(dir, absl::StrCat(name, " is missing"));
     }

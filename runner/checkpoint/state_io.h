@@ -58,16 +58,33 @@ struct LoadedState {
   int64_t last_seq_id = 0;
   std::map<std::string, at::Tensor> params, exp_avg, exp_avg_sq, grad_sum;  // grad_sum may be empty
   int64_t accumulated_tokens = 0, accumulated_sequences = 0;
+  // Read in parts (ReadSlices): the maps above hold what `take` kept of each tensor.
+  bool sliced = false;
 };
 
+// How a sharded model reads a checkpoint (--shard=full, runner/checkpoint/param_shard_io.h):
+// `take(name, whole)` keeps its part of each tensor (by parameter name; undefined where the name
+// or the shape is not the model's) as the tensor is read, at most `fraction` of it, so that a
+// rank never holds more than one tensor whole (at most `largest_bytes` in the read's dtype)
+// beside its parts.
+struct ReadSlices {
+  TensorTransform take;
+  double fraction = 1;
+  int64_t largest_bytes = 0;
+};
+
+// The manifest of a checkpoint: what a model made from it must be.
+absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir);
+
 // Reads and verifies a checkpoint (format, checksums, base fingerprint). Tensors come back in
-// `dtype`. Corrupt or truncated files are DATA_LOSS; another base model is FAILED_PRECONDITION.
-// Once the manifest is read and before any tensor file is, `admit` gets the bytes the read and
-// its caller's use of the result may hold at most (ReadBytes below); its error is returned, with
-// nothing read.
+// `dtype`, whole, or in parts with `slices` (not from a checkpoint of --shard=optimizer, whose
+// files are flat slices of every tensor: those are read whole). Corrupt or truncated files are
+// DATA_LOSS; another base model is FAILED_PRECONDITION. Once the manifest is read and before any
+// tensor file is, `admit` gets the bytes the read and its caller's use of the result may hold at
+// most; its error is returned, with nothing read.
 absl::StatusOr<LoadedState> ReadTrainingState(
     const std::string& dir, uint64_t base_fingerprint, at::ScalarType dtype,
-    const std::function<absl::Status(int64_t bytes)>& admit);
+    const std::function<absl::Status(int64_t bytes)>& admit, const ReadSlices* slices = nullptr);
 
 // Checks that `s` fits `t` (same adapter layout and shapes): FAILED_PRECONDITION otherwise.
 absl::Status CheckCompatible(const ModelState& t, const LoadedState& s);

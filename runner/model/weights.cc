@@ -33,7 +33,8 @@ absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::str
 }
 
 absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype,
-                                              FileDigest* digest, const TensorFilter& keep) {
+                                              FileDigest* digest, const TensorFilter& keep,
+                                              const TensorTransform& take) {
   ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file,
                    SafetensorsReader::Open(path, /*digest=*/digest != nullptr));
   TensorMap out;
@@ -44,7 +45,7 @@ absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::Scala
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(st));
     RETURN_IF_ERROR(file->Read(e, static_cast<char*>(t.data_ptr())));
     if (at::isFloatingType(st)) t = t.to(float_dtype);
-    out[e.name] = t;
+    out[e.name] = take ? take(e.name, t) : t;
   }
   ASSIGN_OR_RETURN(FileDigest whole, file->Finish());
   if (digest != nullptr) *digest = whole;

@@ -23,11 +23,15 @@ using TensorFilter = std::function<bool(const std::string& name)>;
 absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype,
                                              const TensorFilter& keep = nullptr);
 
+using TensorTransform = std::function<at::Tensor(const std::string& name, const at::Tensor& t)>;
+
 // Loads one safetensors file, a tensor at a time (the file is never held whole; a tensor `keep`
-// leaves out is never read), and its digest when `digest` is set.
+// leaves out is never read), and its digest when `digest` is set. With `take`, each tensor is
+// kept as take(name, tensor) (a sharded model's slice of it), so that one is held whole at a time.
 absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::ScalarType float_dtype,
                                               FileDigest* digest = nullptr,
-                                              const TensorFilter& keep = nullptr);
+                                              const TensorFilter& keep = nullptr,
+                                              const TensorTransform& take = nullptr);
 
 // The dtype and the safetensors dtype of a stored dtype name: "float32", "bfloat16", "float16" or
 // "float64".
@@ -37,7 +41,6 @@ absl::StatusOr<std::pair<at::ScalarType, std::string>> StoredType(const std::str
 // "bfloat16", "float16" or "float64") one at a time; the digest of the file written. With
 // `transform`, each tensor is written as transform(name, tensor) (same shape), made when its turn
 // comes: one transformed tensor is held at a time.
-using TensorTransform = std::function<at::Tensor(const std::string& name, const at::Tensor& t)>;
 absl::StatusOr<FileDigest> SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,
                                                const std::string& stored_dtype,
                                                const TensorTransform& transform = nullptr);

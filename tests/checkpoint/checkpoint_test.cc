@@ -8,6 +8,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "runner/checkpoint/param_shard_io.h"
+#include "runner/checkpoint/state_io.h"
 #include "runner/checkpoint/store.h"
 #include "runner/model/safetensors.h"
 #include "runner/model/weights.h"
@@ -489,6 +491,90 @@ TEST(CheckpointFilesDeathTest, ASaveAndALoadHoldNoCopyOfTheWholeFile) {
   EXPECT_EXIT(
       SaveAndLoadUnderALimit(/*whole_file=*/true),
       [](int status) { return !WIFEXITED(status) || WEXITSTATUS(status) != 0; }, "");
+}
+
+// A sharded full fine-tune (--shard=full) reads a checkpoint in parts: each of W = 4 ranks keeps
+// only its slice of each tensor as the tensor is read (SlicesOf), and ends with exactly the slices
+// a whole read would have given it (params, moments and accumulated sums, bitwise), having
+// admitted about a quarter of the bytes. A tensor of another shape, or one the model lacks, is
+// kept as nothing, and the load is refused.
+TEST(ShardedLoad, EachRankReadsOnlyItsSlicesOfTheCheckpoint) {
+  TempDir dir;
+  const ModelConfig config = TinyConfig("qwen3");
+  const std::string model = WriteModel(dir, config);
+  auto r = MakeRunner(model);
+  CreateModelOptions full;
+  full.lora.reset();
+  const std::string id = *r->CreateModel(full);
+  SplitMix64 g(3);
+  ASSERT_TRUE(
+      r->ForwardBackward(id, RandomData(g, {7, 12}, "cross_entropy", 128), "cross_entropy", {})
+          .ok());
+  ASSERT_TRUE(r->OptimStep(id, AdamParams{}).ok());
+  ASSERT_TRUE(
+      r->ForwardBackward(id, RandomData(g, {9}, "cross_entropy", 128), "cross_entropy", {}).ok());
+  SaveStateOptions with;
+  with.include_accumulated = true;
+  const std::string ckpt = dir.Sub("c/full");
+  ASSERT_TRUE(r->SaveState(id, ckpt, with).ok());
+  std::ifstream manifest(ckpt + "/manifest.json");
+  const uint64_t fingerprint =
+      std::stoull(nlohmann::json::parse(manifest)["base_fingerprint"].get<std::string>());
+
+  auto tensors = LoadSafetensorsDir(model, at::kDouble);
+  ASSERT_TRUE(tensors.ok()) << tensors.status().message();
+  auto base = BaseWeightsFromTensors(config, *tensors);
+  ASSERT_TRUE(base.ok()) << base.status().message();
+  const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
+  for (int rank = 0; rank < 4; ++rank) {
+    ModelState whole_read, part_read;
+    whole_read.sharded.emplace(*base, config, 4, rank, f64);
+    part_read.sharded.emplace(*base, config, 4, rank, f64);
+    int64_t whole_bytes = 0, part_bytes = 0;
+    auto whole = ReadTrainingState(ckpt, fingerprint, at::kDouble, [&](int64_t b) {
+      whole_bytes = b;
+      return absl::OkStatus();
+    });
+    const ReadSlices slices = SlicesOf(part_read, at::kDouble);
+    auto parts = ReadTrainingState(
+        ckpt, fingerprint, at::kDouble,
+        [&](int64_t b) {
+          part_bytes = b;
+          return absl::OkStatus();
+        },
+        &slices);
+    ASSERT_TRUE(whole.ok() && parts.ok()) << parts.status().message();
+    ASSERT_TRUE(CheckShardedCompatible(whole_read, *whole).ok());
+    ASSERT_TRUE(CheckShardedCompatible(part_read, *parts).ok());
+    int64_t kept = 0, owned = 0;
+    for (const auto& [name, t] : parts->params) kept += t.numel();
+    for (const ShardedUnit& u : part_read.sharded->units()) owned += u.param_C.numel();
+    EXPECT_LE(kept, owned) << "rank " << rank;  // the last rank's slices may be short of C
+    EXPECT_LT(part_bytes, whole_bytes / 2) << "rank " << rank;
+    ScatterLoadedState(whole_read, *whole, true);
+    ScatterLoadedState(part_read, *parts, true);
+    for (size_t u = 0; u < part_read.sharded->units().size(); ++u) {
+      const ShardedUnit &a = whole_read.sharded->units()[u], &b = part_read.sharded->units()[u];
+      EXPECT_TRUE(at::equal(a.param_C, b.param_C)) << "rank " << rank << " unit " << u;
+      EXPECT_TRUE(at::equal(a.state.exp_avg_C, b.state.exp_avg_C));
+      EXPECT_TRUE(at::equal(a.state.exp_avg_sq_C, b.state.exp_avg_sq_C));
+      EXPECT_TRUE(at::equal(a.state.grad_sum_C, b.state.grad_sum_C));
+    }
+    EXPECT_EQ(part_read.accumulated_tokens, whole_read.accumulated_tokens);
+    EXPECT_GT(part_read.accumulated_tokens, 0);
+  }
+  // The controls: what is not the model's is kept as nothing, and such a read is refused.
+  ModelState other;
+  other.sharded.emplace(*base, config, 4, 1, f64);
+  const ReadSlices slices = SlicesOf(other, at::kDouble);
+  EXPECT_FALSE(slices.take("model.layers.0.mlp.nothing.weight", at::zeros({4})).defined());
+  EXPECT_FALSE(slices.take("model.norm.weight", at::zeros({config.hidden_size + 1})).defined());
+  EXPECT_TRUE(slices.take("model.norm.weight", at::zeros({config.hidden_size})).defined());
+  auto parts = ReadTrainingState(
+      ckpt, fingerprint, at::kDouble, [](int64_t) { return absl::OkStatus(); }, &slices);
+  ASSERT_TRUE(parts.ok());
+  parts->params["model.norm.weight"] = at::Tensor();
+  EXPECT_EQ(CheckShardedCompatible(other, *parts).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace
