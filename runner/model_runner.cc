@@ -1036,7 +1036,7 @@ absl::StatusOr<LoadedState> ModelRunner::Impl::ReadState(const std::string& path
   const at::ScalarType train = dtype == at::kDouble ? at::kDouble : at::kFloat;
   return Guarded("load_state", [&]() -> absl::StatusOr<LoadedState> {
     std::optional<ReadSlices> slices;
-    if (into != nullptr && into->sharded) slices = SlicesOf(*into, train);
+    if (into != nullptr && into->sharded) slices = SlicesOf(*into);
     return ReadTrainingState(
         dir, base_fingerprint, train,
         [&](int64_t bytes) -> absl::Status {
@@ -1073,13 +1073,14 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
                                                               const std::string& model_id) {
   absl::StatusOr<LoadedState> s;
   Reservation held;
-  // A full fine-tune under --shard=full is made first, so that each rank reads only its slices
-  // into it; anything else is read and verified once, then applied to the new model.
+  // A full fine-tune under --shard=full is made first, from its manifest, so that each rank
+  // reads only its slices into it (a corrupt file is then found after the model was admitted);
+  // anything else is read and verified once, then applied to the new model.
   bool sharded = false;
   absl::StatusOr<CreateModelOptions> options = absl::UnknownError("not read");
   if (impl_->config.shard == ShardMode::kFull) {
     absl::StatusOr<std::string> dir = ResolveCheckpoint(path);
-    options = dir.ok() ? ReadCheckpointOptions(*dir) : dir.status();
+    options = dir.ok() ? ReadCheckpointOptions(*dir, impl_->base_fingerprint) : dir.status();
     sharded = options.ok() && !options->lora;
   }
   if (!sharded) {
@@ -1091,7 +1092,13 @@ absl::StatusOr<std::string> ModelRunner::CreateModelFromState(const std::string&
       options.ok() ? CreateModel(*options, model_id) : options.status();
   absl::MutexLock lock(&impl_->mu);
   absl::StatusOr<ModelState*> t = created.ok() ? impl_->Find(*created) : created.status();
-  if (sharded && t.ok()) s = impl_->ReadState(path, &held, *t);
+  if (sharded && t.ok()) {
+    s = impl_->ReadState(path, &held, *t);
+    if (s.ok() &&
+        (s->options.lora.has_value() || s->options.loss_reduction != options->loss_reduction)) {
+      s = absl::FailedPreconditionError("load_state: the checkpoint changed while it was read");
+    }
+  }
   absl::Status st = impl_->AgreeOnLoad(!t.ok()   ? t.status()
                                        : !s.ok() ? s.status()
                                                  : impl_->Check(**t, *s));

@@ -171,7 +171,7 @@ at::Tensor PartOf(const ShardedUnit& u, size_t i, const at::Tensor& whole) {
 
 }  // namespace
 
-ReadSlices SlicesOf(const ModelState& t, at::ScalarType dtype) {
+ReadSlices SlicesOf(const ModelState& t) {
   std::map<std::string, std::pair<size_t, size_t>> where;  // name -> (unit, index)
   int64_t largest = 0;
   const std::vector<ShardedUnit>& units = t.sharded->units();
@@ -185,7 +185,7 @@ ReadSlices SlicesOf(const ModelState& t, at::ScalarType dtype) {
   }
   ReadSlices r;
   r.fraction = 1.0 / t.sharded->units().front().state.layout.world_size();
-  r.largest_bytes = largest * static_cast<int64_t>(at::elementSize(dtype));
+  r.largest_values = largest;
   r.take = [&units, where = std::move(where)](const std::string& name, const at::Tensor& whole) {
     const auto it = where.find(name);
     if (it == where.end()) return at::Tensor();

@@ -27,7 +27,7 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
                                         const std::string& dir);
 
 // How this rank reads a checkpoint into `t` (ReadTrainingState): each tensor's part in its slice.
-ReadSlices SlicesOf(const ModelState& t, at::ScalarType dtype);
+ReadSlices SlicesOf(const ModelState& t);
 
 // Checks that `s` (whole, or read by SlicesOf) holds every tensor of `t` with its shape, and
 // nothing else: FAILED_PRECONDITION otherwise.

@@ -132,13 +132,18 @@ absl::Status WriteShardedTrainingState(const ModelState& t, const CheckpointMeta
   return WriteParamsAndManifest(t, meta, accumulated, std::move(m), dir);
 }
 
-absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir) {
+absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir,
+                                                         uint64_t base_fingerprint) {
   auto text = ReadFileToString(Join(dir, "manifest.json"));
   if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
   auto m = ParseTrainingManifest(*text);
   if (!m.ok())
     return absl::Status(m.status().code(),
                         absl::StrCat("checkpoint ", dir, ": ", m.status().message()));
+  if (m->base_fingerprint != base_fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", dir, " was trained on another base model (", m->base_model, ")"));
+  }
   return m->options;
 }
 
@@ -162,12 +167,18 @@ absl::StatusOr<LoadedState> ReadTrainingState(
   ASSIGN_OR_RETURN(auto stored, StoredType(m->training_dtype));
   const double ratio = std::max(1.0, static_cast<double>(at::elementSize(dtype)) /
                                          static_cast<double>(at::elementSize(stored.first)));
-  // A sharded model keeps its parts (at most `fraction` of each tensor) beside one whole tensor.
+  // A sharded model keeps its parts (`fraction` of the files) beside one whole tensor, read in the
+  // stored dtype and converted; it puts them in place with no zeros beside them.
   if (m->shards > 0) slices = nullptr;
-  const double kept = slices != nullptr ? slices->fraction : 1.0;
-  double held = slices != nullptr ? static_cast<double>(slices->largest_bytes) : 0.0;
-  for (const auto& [name, digest] : m->files)  // a forged manifest's sizes may overflow any integer
-    held += 2.0 * ratio * kept * static_cast<double>(digest.bytes);
+  double held = 0;  // a forged manifest's sizes may overflow any integer
+  for (const auto& [name, digest] : m->files) {
+    held +=
+        (slices != nullptr ? slices->fraction : 2.0) * ratio * static_cast<double>(digest.bytes);
+  }
+  if (slices != nullptr) {
+    held += static_cast<double>(slices->largest_values) *
+            static_cast<double>(at::elementSize(stored.first) + at::elementSize(dtype));
+  }
   RETURN_IF_ERROR(admit(static_cast<int64_t>(std::min(held, 0x1p62))));
   LoadedState s;
   s.sliced = slices != nullptr;

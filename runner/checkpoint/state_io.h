@@ -64,17 +64,19 @@ struct LoadedState {
 
 // How a sharded model reads a checkpoint (--shard=full, runner/checkpoint/param_shard_io.h):
 // `take(name, whole)` keeps its part of each tensor (by parameter name; undefined where the name
-// or the shape is not the model's) as the tensor is read, at most `fraction` of it, so that a
-// rank never holds more than one tensor whole (at most `largest_bytes` in the read's dtype)
-// beside its parts.
+// or the shape is not the model's) as the tensor is read, `fraction` of the checkpoint in all (a
+// part may be a small tensor whole), so that a rank holds one tensor whole (at most
+// `largest_values` values, in the stored and the read dtype at once) beside its parts.
 struct ReadSlices {
   TensorTransform take;
   double fraction = 1;
-  int64_t largest_bytes = 0;
+  int64_t largest_values = 0;
 };
 
-// The manifest of a checkpoint: what a model made from it must be.
-absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir);
+// The manifest of a checkpoint: what a model made from it must be. FAILED_PRECONDITION for
+// another base model, as ReadTrainingState.
+absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir,
+                                                         uint64_t base_fingerprint);
 
 // Reads and verifies a checkpoint (format, checksums, base fingerprint). Tensors come back in
 // `dtype`, whole, or in parts with `slices` (not from a checkpoint of --shard=optimizer, whose
