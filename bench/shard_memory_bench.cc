@@ -11,7 +11,10 @@
 //          (state plus a step's transients: activations, the staged gradient, collectives);
 //   step:  the median step (forward_backward of the batch + optim_step) on rank 0;
 //   collective: the bytes rank 0 handed per step to the collectives that scale with the model
-//          (world size 1 hands them too: its collectives are the identity).
+//          (world size 1 hands them too: its collectives are the identity);
+//   resume: the resident set's peak while a second model is made from a checkpoint of the first
+//          (CreateModelFromState, with the moments), above what it was before: the new model's
+//          state plus what the read holds (a sharded model reads its slices only).
 // Not part of the test suite: it asserts nothing beyond "every call succeeded".
 #include <malloc.h>
 #include <sys/wait.h>
@@ -177,9 +180,22 @@ int RunRank(const std::string& shard_name) {
       static_cast<double>(counting->bytes) / (1 << 20) / absl::GetFlag(FLAGS_steps);
   std::sort(step_s.begin(), step_s.end());
   const double peak = PeakRssSinceResetMB() - before;
+
+  const std::string checkpoint =
+      absl::StrCat(absl::GetFlag(FLAGS_out_dir), "/ckpt.", dist->world_size, ".", shard_name);
+  SaveStateOptions overwrite;
+  overwrite.overwrite = true;
+  if (auto st = r.SaveState(*id, checkpoint, overwrite); !st.ok()) return Fail("save_state", st);
+  malloc_trim(0);
+  const double before_resume = RssMB();
+  ResetPeakRss();
+  auto resumed = r.CreateModelFromState(checkpoint, /*with_optimizer=*/true);
+  if (!resumed.ok()) return Fail("create_model_from_state", resumed.status());
+  const double resume = PeakRssSinceResetMB() - before_resume;
+
   std::ofstream out(ResultPath(dist->world_size, shard_name, dist->rank));
   out << state << " " << peak << " " << step_s[step_s.size() / 2] << " " << collective_mb_per_step
-      << "\n";
+      << " " << resume << "\n";
   return out.good() ? 0 : 1;
 }
 
@@ -227,8 +243,9 @@ int Drive(char* self) {
   if (auto st = WriteTinyModel(ModelDir(), spec); !st.ok()) return Fail("write model", st);
   std::printf("model: %s\n", spec.config.DebugString().c_str());
   std::printf(
-      "| ranks | shard | state per rank MB | peak per rank MB | step s | collective MB |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|\n");
+      "| ranks | shard | state per rank MB | peak per rank MB | step s | collective MB | resume "
+      "peak per rank MB |\n");
+  std::printf("|---:|---|---:|---:|---:|---:|---:|\n");
   for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_worlds), ',')) {
     int world = 0;
     if (!absl::SimpleAtoi(w, &world) || world < 1) return 2;
@@ -238,20 +255,21 @@ int Drive(char* self) {
                      shard.c_str());
         return 1;
       }
-      double state = 0, peak = 0, step = 0, traffic = 0;
+      double state = 0, peak = 0, step = 0, traffic = 0, resume = 0;
       for (int rank = 0; rank < world; ++rank) {
         std::ifstream in(ResultPath(world, shard, rank));
-        double s = 0, p = 0, t = 0, c = 0;
-        in >> s >> p >> t >> c;
+        double s = 0, p = 0, t = 0, c = 0, l = 0;
+        in >> s >> p >> t >> c >> l;
         state = std::max(state, s);
         peak = std::max(peak, p);
+        resume = std::max(resume, l);
         if (rank == 0) {
           step = t;
           traffic = c;
         }
       }
-      std::printf("| %d | %s | %.0f | %.0f | %.2f | %.0f |\n", world, shard.c_str(), state, peak,
-                  step, traffic);
+      std::printf("| %d | %s | %.0f | %.0f | %.2f | %.0f | %.0f |\n", world, shard.c_str(), state,
+                  peak, step, traffic, resume);
       std::fflush(stdout);
     }
   }
