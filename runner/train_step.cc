@@ -210,6 +210,20 @@ PackedPieces Pack(std::vector<Piece> pieces) {
   return packed;
 }
 
+// The router's auxiliary loss of a packed micro-batch (runner/loss/router_aux.h), when its call
+// asks for it: a call's own passes only.
+std::optional<RouterAux> RouterLoss(const PackedPieces& packed) {
+  const CallStage& first = *packed.pieces.front().stage;
+  for (const Piece& piece : packed.pieces) {
+    TORCH_CHECK(packed.pieces.size() == 1 || piece.stage->loss().router_aux_loss_coef == 0,
+                "the router's loss runs in a call's own passes");
+  }
+  const double coef = first.loss().router_aux_loss_coef;
+  if (coef == 0) return std::nullopt;
+  const MoeConfig& moe = first.context().config->moe;
+  return RouterAux(coef, moe.num_experts, moe.RoutedLayers(), packed.batch.cu_seqlens);
+}
+
 // ---- TRAINING SECTION BEGIN: one packed micro-batch ----
 void RunPacked(const PackedPieces& packed) {
   CallStage& first = *packed.pieces.front().stage;
@@ -238,21 +252,9 @@ void RunPacked(const PackedPieces& packed) {
     };
     forward.layers = &source;
   }
-  // The router's loss is counted per datum (runner/loss/router_aux.h); its gradient comes in
-  // through hooks on the routers' probabilities.
-  std::optional<RouterAux> aux;
-  for (const Piece& piece : packed.pieces) {
-    TORCH_CHECK(packed.pieces.size() == 1 || piece.stage->loss_.router_aux_loss_coef == 0,
-                "the router's loss runs in a call's own passes");
-  }
-  if (const double coef = first.loss_.router_aux_loss_coef; coef > 0) {
-    const MoeConfig& moe = ctx.config->moe;
-    aux.emplace(coef, moe.num_experts, moe.RoutedLayers(), packed.batch.cu_seqlens);
-    forward.on_router = [&aux](int64_t routed, const at::Tensor& probs_TE,
-                               const at::Tensor& experts_Tk) {
-      aux->Observe(routed, probs_TE, experts_Tk);
-    };
-  }
+  // The router's loss, per datum; its gradient comes in through hooks on the routers' p.
+  std::optional<RouterAux> aux = RouterLoss(packed);
+  if (aux) forward.on_router = aux->observer();
   const BaseWeights& weights = gathered ? *gathered : WeightsOf(ctx, first.model_);
   const at::Tensor hidden_TD =
       ForwardHidden(*ctx.config, weights, packed.adapters, packed.batch, forward);

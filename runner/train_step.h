@@ -86,6 +86,8 @@ class CallStage {
   // gathers per-datum outputs, and only if every rank succeeded adds the staged gradient.
   absl::StatusOr<ForwardBackwardResult> Commit(const absl::Status& local);
   const std::string& model_id() const { return model_.id; }
+  const ResolvedLoss& loss() const { return loss_; }
+  const StepContext& context() const { return ctx_; }
 
  private:
   friend PackedPieces Pack(std::vector<Piece> pieces);

@@ -84,9 +84,11 @@ inline std::unique_ptr<ModelRunner> MakeRunner(const std::string& model_dir,
                                                ComputeDType dtype = ComputeDType::kFloat64,
                                                int64_t micro_batch_tokens = 4096,
                                                ShardMode shard = ShardMode::kNone,
-                                               int64_t memory_budget_bytes = 0) {
+                                               int64_t memory_budget_bytes = 0,
+                                               bool activation_checkpointing = false) {
   RunnerConfig rc;
   rc.memory_budget_bytes = memory_budget_bytes;  // 0: the default
+  rc.activation_checkpointing = activation_checkpointing;
   rc.base_model_path = model_dir;
   rc.compute_dtype = dtype;
   rc.micro_batch_tokens = micro_batch_tokens;

@@ -132,8 +132,10 @@ absl::Status WriteShardedTrainingState(const ModelState& t, const CheckpointMeta
   return WriteParamsAndManifest(t, meta, accumulated, std::move(m), dir);
 }
 
-absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir,
-                                                         uint64_t base_fingerprint) {
+namespace {
+
+// A checkpoint's manifest, refused (FAILED_PRECONDITION) when it was trained on another base.
+absl::StatusOr<TrainingManifest> ReadManifest(const std::string& dir, uint64_t base_fingerprint) {
   auto text = ReadFileToString(Join(dir, "manifest.json"));
   if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
   auto m = ParseTrainingManifest(*text);
@@ -144,22 +146,22 @@ absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir,
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", dir, " was trained on another base model (", m->base_model, ")"));
   }
-  return m->options;
+  return m;
+}
+
+}  // namespace
+
+absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir,
+                                                         uint64_t base_fingerprint) {
+  ASSIGN_OR_RETURN(TrainingManifest m, ReadManifest(dir, base_fingerprint));
+  return m.options;
 }
 
 absl::StatusOr<LoadedState> ReadTrainingState(
     const std::string& dir, uint64_t base_fingerprint, at::ScalarType dtype,
     const std::function<absl::Status(int64_t bytes)>& admit, const ReadSlices* slices) {
-  auto text = ReadFileToString(Join(dir, "manifest.json"));
-  if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
-  auto m = ParseTrainingManifest(*text);
-  if (!m.ok())
-    return absl::Status(m.status().code(),
-                        absl::StrCat("checkpoint ", dir, ": ", m.status().message()));
-  if (m->base_fingerprint != base_fingerprint) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", dir, " was trained on another base model (", m->base_model, ")"));
-  }
+  absl::StatusOr<TrainingManifest> m = ReadManifest(dir, base_fingerprint);
+  if (!m.ok()) return m.status();
   // The tensors, in `dtype`, are as large as the files that hold them times the ratio of the two
   // dtypes; held twice at most: the slices of a sharded checkpoint beside the whole tensors they
   // are joined into, or (ApplyLoadedState) whole tensors beside the zeros a load without the

@@ -52,8 +52,16 @@ RouterAux::RouterAux(double coef, int64_t experts, int64_t routed_layers,
   c.seen.assign(static_cast<size_t>(routed_layers), false);
 }
 
-void RouterAux::Observe(int64_t routed, const at::Tensor& probs_TE, const at::Tensor& experts_Tk) {
-  Counts& c = *counts_;
+RouterAux::Observer RouterAux::observer() const {
+  return
+      [counts = counts_](int64_t routed, const at::Tensor& probs_TE, const at::Tensor& experts_Tk) {
+        ObserveInto(counts, routed, probs_TE, experts_Tk);
+      };
+}
+
+void RouterAux::ObserveInto(const std::shared_ptr<Counts>& counts, int64_t routed,
+                            const at::Tensor& probs_TE, const at::Tensor& experts_Tk) {
+  Counts& c = *counts;
   if (!c.sequence_T.defined()) {
     std::vector<int64_t> lengths;
     for (int64_t s = 0; s < c.Sequences(); ++s)
@@ -76,7 +84,7 @@ void RouterAux::Observe(int64_t routed, const at::Tensor& probs_TE, const at::Te
         at::ones({experts_Tk.numel()}, c.c_SE.options()), /*accumulate=*/true);
   }
   if (probs_TE.requires_grad()) {
-    probs_TE.register_hook([counts = counts_](const at::Tensor& grad_TE) -> at::Tensor {
+    probs_TE.register_hook([counts](const at::Tensor& grad_TE) -> at::Tensor {
       if (!grad_TE.defined()) return grad_TE;
       return grad_TE + counts->Gradient(grad_TE);
     });

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -29,8 +30,13 @@ class RouterAux {
   // One micro-batch: its sequences (one per datum) by cu_seqlens [S+1].
   RouterAux(double coef, int64_t experts, int64_t routed_layers, std::vector<int64_t> cu_seqlens);
 
-  // ForwardOptions::on_router.
-  void Observe(int64_t routed, const at::Tensor& probs_TE, const at::Tensor& experts_Tk);
+  using Observer =
+      std::function<void(int64_t routed, const at::Tensor& probs_TE, const at::Tensor& experts_Tk)>;
+  // What ForwardOptions::on_router calls; it may outlive this.
+  Observer observer() const;
+  void Observe(int64_t routed, const at::Tensor& probs_TE, const at::Tensor& experts_Tk) {
+    observer()(routed, probs_TE, experts_Tk);
+  }
   // Each sequence's M_d, known once the loss has read its masks; before the backward.
   void SetWeights(std::vector<double> weight_S);
   // Σ_d α·M_d·aux_d, the term whose gradient the backward adds; after the forward.
@@ -38,7 +44,9 @@ class RouterAux {
 
  private:
   struct Counts;
-  std::shared_ptr<Counts> counts_;  // shared with the hooks, which may outlive this
+  static void ObserveInto(const std::shared_ptr<Counts>& counts, int64_t routed,
+                          const at::Tensor& probs_TE, const at::Tensor& experts_Tk);
+  std::shared_ptr<Counts> counts_;  // shared with the observer and the hooks
 };
 
 }  // namespace tinkerd

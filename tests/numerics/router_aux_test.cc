@@ -122,15 +122,8 @@ ModelConfig TwoRoutedLayers(const std::string& family) {
 
 std::unique_ptr<ModelRunner> Runner(const std::string& dir, int64_t micro_batch_tokens,
                                     bool checkpointing) {
-  RunnerConfig rc;
-  rc.base_model_path = dir;
-  rc.compute_dtype = ComputeDType::kFloat64;
-  rc.micro_batch_tokens = micro_batch_tokens;
-  rc.activation_checkpointing = checkpointing;
-  rc.device = TestDevice();
-  auto r = ModelRunner::Create(rc);
-  EXPECT_TRUE(r.ok()) << r.status().message();
-  return r.ok() ? std::move(*r) : nullptr;
+  return MakeRunner(dir, ComputeDType::kFloat64, micro_batch_tokens, ShardMode::kNone, 0,
+                    checkpointing);
 }
 
 // Writes `weights` (float64 by HF name) as one float32 safetensors file beside `config_from`'s
