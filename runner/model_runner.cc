@@ -918,26 +918,37 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
                       impl_->dtype == at::kDouble ? "float64" : "float32"};
   // Files are written a tensor at a time (SaveSafetensorsFile); what a save holds beside the model
   // is the copy of its gradient sum it reduces over the ranks and saves and, under expert
-  // parallelism, the other ranks' experts it gathers (parameters, moments and sums). The ranks
-  // agree on the reservation, so that one refusing does not leave the others in a collective.
+  // parallelism, the other ranks' experts it gathers (parameters, moments and sums); a sharded
+  // model's save gathers one unit whole at a time on every rank. The ranks agree on the
+  // reservation, so that one refusing does not leave the others in a collective.
   Reservation held;
-  if (!t->shard && !t->sharded) {
+  if (!t->shard) {
+    const int64_t elem = static_cast<int64_t>(at::elementSize(impl_->TrainDType()));
     int64_t bytes = 0, experts = 0;
-    for (const auto& [name, p] : t->params) {
-      const int64_t n = static_cast<int64_t>(p.numel()) * at::elementSize(impl_->TrainDType());
-      if (options.include_accumulated) bytes += n;
-      if (impl_->experts && ExpertParallel::ExpertOf(name) >= 0) experts += n;
+    std::string what = "save_state: a copy of the gradient sum while it is saved";
+    if (t->sharded) {
+      // The largest unit whole, and the all-gather's bucket (at most 64 MiB) beside it.
+      for (const ShardedUnit& u : t->sharded->units()) {
+        bytes = std::max(bytes, u.param_C.numel() * impl_->collectives->world_size() * elem);
+      }
+      bytes += std::min<int64_t>(bytes, int64_t{64} << 20);
+      what = "save_state: the largest unit of the sharded model, gathered whole while it is saved";
+    } else {
+      for (const auto& [name, p] : t->params) {
+        const int64_t n = static_cast<int64_t>(p.numel()) * elem;
+        if (options.include_accumulated) bytes += n;
+        if (impl_->experts && ExpertParallel::ExpertOf(name) >= 0) experts += n;
+      }
     }
     if (impl_->experts) {
       // GatherExperts holds every rank's experts of the group, its own included, per state.
       bytes += experts * impl_->experts->size() * (options.include_accumulated ? 4 : 3);
+      what =
+          "save_state: a copy of the gradient sum and the experts gathered from the other ranks "
+          "while they are saved";
     }
-    absl::StatusOr<Reservation> reserved = impl_->account->Reserve(
-        bytes,
-        impl_->experts ? "save_state: a copy of the gradient sum and the experts gathered from the "
-                         "other ranks while they are saved"
-                       : "save_state: a copy of the gradient sum while it is saved",
-        ". Retry later, or save after optim_step");
+    absl::StatusOr<Reservation> reserved =
+        impl_->account->Reserve(bytes, what, ". Retry later, or save after optim_step");
     bool ok = reserved.ok();
     if (impl_->collectives->world_size() > 1) RETURN_IF_ERROR(impl_->collectives->AllAgree(ok));
     if (!reserved.ok()) return reserved.status();

@@ -580,5 +580,31 @@ TEST(ShardedLoad, EachRankReadsOnlyItsSlicesOfTheCheckpoint) {
   EXPECT_EQ(CheckShardedCompatible(other, *parts).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A sharded model's save gathers each unit whole on every rank in turn: it reserves the largest
+// unit (and the gather's bucket) first, and a save refused for memory writes nothing and holds
+// nothing after.
+TEST(ShardedSave, TheUnitGatheredWholeIsReserved) {
+  TempDir dir;
+  auto r = MakeRunner(WriteModel(dir, TinyConfig("qwen3")), ComputeDType::kFloat64, 4096,
+                      ShardMode::kFull);
+  CreateModelOptions full;
+  full.lora.reset();
+  const std::string id = *r->CreateModel(full);
+  const std::shared_ptr<MemoryAccount> account = r->memory_account();
+  const int64_t held = account->reserved();
+  {
+    auto all = account->Reserve(account->capacity() - held, "the test", "");
+    ASSERT_TRUE(all.ok()) << all.status();
+    const absl::Status refused = r->SaveState(id, dir.Sub("c/s"), {});
+    EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+    EXPECT_NE(refused.message().find("save_state: the largest unit"), std::string::npos) << refused;
+    EXPECT_FALSE(fs::exists(dir.Sub("c/s")));
+  }
+  EXPECT_EQ(account->reserved(), held) << "a refusal holds nothing";
+  ASSERT_TRUE(r->SaveState(id, dir.Sub("c/s"), {}).ok());
+  EXPECT_TRUE(fs::exists(dir.Sub("c/s/manifest.json")));
+  EXPECT_EQ(account->reserved(), held) << "a save holds its unit only while it runs";
+}
+
 }  // namespace
 }  // namespace tinkerd::testing
