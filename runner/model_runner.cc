@@ -176,14 +176,30 @@ struct ModelRunner::Impl {
         "save_state the model, and load that checkpoint into a server run without "
         "--expert_parallel to sample or export it"));
   }
-  // What is not built yet for a full fine-tune whose parameters are sharded (--shard=full).
-  static absl::Status Unsharded(const ModelState& t, const char* what) {
-    if (!t.sharded) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": model ", t.id,
-        " holds its parameters in slices over the ranks (--shard=full), and exporting or "
-        "sampling such a model is not built yet: save_state it, and load that checkpoint into a "
-        "server run with --shard=optimizer to export or sample it"));
+  // What a rank holds while a sharded model is gathered a unit at a time: the largest unit whole,
+  // and the all-gather's bucket (at most 64 MiB) beside it.
+  int64_t GatherBytes(const ParamShard& s) const {
+    const int64_t elem = static_cast<int64_t>(at::elementSize(TrainDType()));
+    int64_t bytes = 0;
+    for (const ShardedUnit& u : s.units()) {
+      bytes = std::max(bytes, u.state.layout.chunk() * collectives->world_size() * elem);
+    }
+    return bytes + std::min<int64_t>(bytes, int64_t{64} << 20);
+  }
+  // `bytes` reserved on every rank before a collective that needs them, and agreed, so that one
+  // rank refusing leaves no other waiting in the collective: all refuse, or none does.
+  absl::StatusOr<Reservation> ReserveOnEveryRank(int64_t bytes, const std::string& what,
+                                                 const std::string& hint,
+                                                 absl::string_view op) const {
+    absl::StatusOr<Reservation> reserved = account->Reserve(bytes, what, hint);
+    bool ok = reserved.ok();
+    if (collectives->world_size() > 1) RETURN_IF_ERROR(collectives->AllAgree(ok));
+    if (!reserved.ok()) return reserved.status();
+    if (!ok) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(op, ": another rank could not reserve its memory for it; retry later"));
+    }
+    return reserved;
   }
   // Memory a model's trainable state would take, counted before anything is allocated: each
   // trainable value is held four times (the parameter, its gradient sum, AdamW's two moments) in
@@ -818,7 +834,7 @@ absl::Status ReceiveOutcome(Collectives& c) {
   std::string outcome;
   RETURN_IF_ERROR(c.BroadcastBytes(outcome, 0));
   if (outcome == "ok") return absl::OkStatus();
-  return absl::AbortedError(absl::StrCat("save_state on rank 0: ", outcome));
+  return absl::AbortedError(absl::StrCat("on rank 0: ", outcome));
 }
 
 // A save every rank takes part in: rank 0 commits the checkpoint, running `first` in the
@@ -832,7 +848,7 @@ absl::Status SaveOnEveryRank(Collectives& c, const std::string& path, bool overw
   if (c.rank() != 0) {
     std::string dir;
     RETURN_IF_ERROR(c.BroadcastBytes(dir, 0));
-    if (dir.empty()) return absl::AbortedError("save_state: rank 0 did not start the checkpoint");
+    if (dir.empty()) return absl::AbortedError("rank 0 did not start the checkpoint");
     const absl::Status done = others(dir);
     RETURN_IF_ERROR(ReceiveOutcome(c));
     return done;
@@ -927,11 +943,7 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
     int64_t bytes = 0, experts = 0;
     std::string what = "save_state: a copy of the gradient sum while it is saved";
     if (t->sharded) {
-      // The largest unit whole, and the all-gather's bucket (at most 64 MiB) beside it.
-      for (const ShardedUnit& u : t->sharded->units()) {
-        bytes = std::max(bytes, u.param_C.numel() * impl_->collectives->world_size() * elem);
-      }
-      bytes += std::min<int64_t>(bytes, int64_t{64} << 20);
+      bytes = impl_->GatherBytes(*t->sharded);
       what = "save_state: the largest unit of the sharded model, gathered whole while it is saved";
     } else {
       for (const auto& [name, p] : t->params) {
@@ -947,16 +959,9 @@ absl::Status ModelRunner::SaveState(const std::string& model_id, const std::stri
           "save_state: a copy of the gradient sum and the experts gathered from the other ranks "
           "while they are saved";
     }
-    absl::StatusOr<Reservation> reserved =
-        impl_->account->Reserve(bytes, what, ". Retry later, or save after optim_step");
-    bool ok = reserved.ok();
-    if (impl_->collectives->world_size() > 1) RETURN_IF_ERROR(impl_->collectives->AllAgree(ok));
-    if (!reserved.ok()) return reserved.status();
-    if (!ok) {
-      return absl::ResourceExhaustedError(
-          "save_state: another rank could not reserve the save's copies; retry later");
-    }
-    held = *std::move(reserved);
+    ASSIGN_OR_RETURN(
+        held, impl_->ReserveOnEveryRank(bytes, what, ". Retry later, or save after optim_step",
+                                        "save_state"));
   }
   return Guarded("save_state", [&]() -> absl::Status {
     if (t->shard) return SaveSharded(*impl_->collectives, *t, meta, path, options);
@@ -1133,8 +1138,31 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
                                                 bool overwrite) {
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
-  RETURN_IF_ERROR(Impl::Unsharded(*t, "save_weights_for_sampler"));
   RETURN_IF_ERROR(impl_->AllExperts("save_weights_for_sampler"));
+  if (t->sharded) {
+    // Every rank gathers the parameters a unit at a time, and rank 0 streams them into the file.
+    if (!merged) {
+      return absl::FailedPreconditionError(
+          "a full fine-tune has no adapter; export it merged instead");
+    }
+    ASSIGN_OR_RETURN(
+        Reservation gathering,
+        impl_->ReserveOnEveryRank(
+            impl_->GatherBytes(*t->sharded),
+            "save_weights_for_sampler: the largest unit of the sharded model, gathered whole",
+            ". Retry later", "save_weights_for_sampler"));
+    Collectives& c = *impl_->collectives;
+    return Guarded("save_weights_for_sampler", [&] {
+      return SaveOnEveryRank(
+          c, path, overwrite,
+          [&](const std::string& dir) {
+            return WriteGatheredMergedModel(c, *t, impl_->model_config, dir);
+          },
+          [&](const std::string&) {
+            return WriteGatheredMergedModel(c, *t, impl_->model_config, "");
+          });
+    });
+  }
   // A merged export makes each adapted weight as the file reaches it: the largest weight, the
   // adapter's product of its size, and their sum in float32, held at once.
   Reservation held;
@@ -1200,7 +1228,38 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
     return std::shared_ptr<const Policy>(std::move(policy));
   }
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
-  RETURN_IF_ERROR(Impl::Unsharded(*t, "create_sampler"));
+  if (t->sharded) {
+    // Every rank gathers the parameters a unit at a time (ParamShard::GatherWhole); rank 0 keeps
+    // them in the compute dtype, and its outcome is every rank's. The ranks agree before the first
+    // gather that each has room for a unit whole, and rank 0 for the copy as well (held in the
+    // account for the policy's life at world size 1 only, as every policy: Policy::memory).
+    Collectives& c = *impl_->collectives;
+    const bool keep = c.rank() == 0;
+    const int64_t copy_bytes =
+        t->sharded->values() * static_cast<int64_t>(at::elementSize(impl_->dtype));
+    ASSIGN_OR_RETURN(policy->memory, impl_->ReservePolicy(copy_bytes));
+    const bool copy_unheld = keep && c.world_size() > 1;
+    ASSIGN_OR_RETURN(
+        Reservation gathering,
+        impl_->ReserveOnEveryRank(
+            impl_->GatherBytes(*t->sharded) + (copy_unheld ? copy_bytes : 0),
+            copy_unheld ? "create_sampler: the sampler's copy of the sharded model, and its "
+                          "largest unit gathered whole"
+                        : "create_sampler: the largest unit of the sharded model, gathered whole",
+            ". Delete samplers or models, or retry later", "create_sampler"));
+    absl::StatusOr<BaseWeights> w =
+        Guarded("create_sampler", [&] { return t->sharded->GatherWhole(c, impl_->dtype, keep); });
+    if (!keep) {
+      RETURN_IF_ERROR(w.status());
+      RETURN_IF_ERROR(ReceiveOutcome(c));
+      return nullptr;
+    }
+    RETURN_IF_ERROR(SendOutcome(c, w.status()));
+    policy->step = t->step;
+    policy->weights = *std::move(w);
+    policy->bytes = copy_bytes;
+    return std::shared_ptr<const Policy>(std::move(policy));
+  }
   // The copy is admitted before it is made.
   int64_t copy_bytes = 0;
   const int64_t element = static_cast<int64_t>(at::elementSize(impl_->dtype));
@@ -1229,6 +1288,12 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
     }
     return std::shared_ptr<const Policy>(std::move(policy));
   });
+}
+
+bool ModelRunner::Gathers(const std::string& model_id) const {
+  absl::MutexLock lock(&impl_->mu);
+  absl::StatusOr<ModelState*> t = impl_->Find(model_id);
+  return t.ok() && (*t)->sharded.has_value();
 }
 
 absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(

@@ -123,13 +123,19 @@ class ModelRunner {
   // too (an old model's checkpoints stay its own), and telling nothing of how many models exist.
   static absl::StatusOr<std::string> NewModelId();
   // For samplers: a PEFT adapter directory, or (merged) full weights in Hugging Face layout that
-  // ModelRunner::Create loads as a base model.
+  // ModelRunner::Create loads as a base model. For a model whose parameters are sharded
+  // (Gathers), every rank calls it in the same order, and rank 0 writes.
   absl::Status SaveWeightsForSampler(const std::string& model_id, const std::string& path,
                                      bool merged, bool overwrite);
 
   // The weights a sampler reads (runner/sample/policy.h): the model's as they are now, copied so
-  // that later training does not change them; `model_id` empty: the base model.
+  // that later training does not change them; `model_id` empty: the base model. For a model
+  // whose parameters are sharded (Gathers), every rank calls it in the same order; rank 0 gets
+  // the whole copy and the others, which only take part in the gathers, null.
   absl::StatusOr<std::shared_ptr<const Policy>> FreezePolicy(const std::string& model_id) const;
+  // Whether the model's parameters are spread over the ranks (a full fine-tune under
+  // --shard=full), so that exporting or freezing it is a collective; false for no such model.
+  bool Gathers(const std::string& model_id) const;
   // The weights of a SaveWeightsForSampler export at `path` (either layout), to sample from.
   // Takes no lock: callable from any thread while training runs.
   absl::StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path) const;

@@ -117,8 +117,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
       sampling_config.engine.kv_cache_bytes = half;
     }
   }
-  s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), s->runner_.get(), s->scheduler_.get(),
-                                            sampling_config);
+  s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), s->replicated_.get(),
+                                            s->scheduler_.get(), sampling_config);
   s->service_ =
       std::make_unique<TinkerdService>(s->ops_.get(), s->sampling_.get(), config.api_keys);
 

@@ -110,24 +110,28 @@ class GatherSequence {
   std::vector<at::Tensor> held_;
 };
 
-// One file of gathered tensors; `dir` empty: gather only. Every rank runs all the gathers.
+// One file of gathered tensors, `path` (empty: gather only). Every rank runs all the gathers.
 absl::StatusOr<FileDigest> WriteFile(Collectives& c, const ParamShard& shard,
                                      const std::vector<std::pair<std::string, Part>>& parts,
-                                     const std::string& dtype, const std::string& dir,
-                                     const std::string& name) {
+                                     const std::string& dtype, const std::string& path) {
   GatherSequence gathers(c, shard, parts);
   absl::StatusOr<FileDigest> written = FileDigest{};  // what the ranks that only gather return
-  if (!dir.empty()) {
+  if (!path.empty()) {
     try {
       written = SaveSafetensorsFile(
-          (std::filesystem::path(dir) / name).string(), gathers.Placeholders(), dtype,
+          path, gathers.Placeholders(), dtype,
           [&](const std::string& n, const at::Tensor&) { return gathers.Take(n); });
     } catch (const std::exception& e) {
-      written = absl::InternalError(absl::StrCat("save_state: ", name, ": ", e.what()));
+      written = absl::InternalError(
+          absl::StrCat(std::filesystem::path(path).filename().string(), ": ", e.what()));
     }
   }
   RETURN_IF_ERROR(gathers.Drain());
   return written;
+}
+
+std::string DtypeOf(const ParamShard& shard) {
+  return shard.units().front().param_C.scalar_type() == at::kDouble ? "float64" : "float32";
 }
 
 }  // namespace
@@ -143,17 +147,33 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
   TrainingManifest m;
   absl::Status first;  // rank 0's first failure; the gathers go on regardless
   for (const auto& [name, parts] : files) {
-    absl::StatusOr<FileDigest> d =
-        WriteFile(c, shard, parts, meta.training_dtype, first.ok() ? dir : "", name);
+    const std::string path =
+        first.ok() && !dir.empty() ? (std::filesystem::path(dir) / name).string() : "";
+    absl::StatusOr<FileDigest> d = WriteFile(c, shard, parts, meta.training_dtype, path);
     if (d.ok()) {
       m.files[name] = *d;
     } else if (first.ok()) {
-      first = d.status();
+      first = absl::Status(d.status().code(), absl::StrCat("save_state: ", d.status().message()));
     }
   }
   RETURN_IF_ERROR(first);
   if (dir.empty()) return absl::OkStatus();
   return WriteManifest(t, meta, accumulated, std::move(m), dir);
+}
+
+absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
+                                      const ModelConfig& config, const std::string& dir) {
+  const std::vector<std::pair<std::string, Part>> params = {{"", Part::kParams}};
+  if (dir.empty()) return WriteFile(c, *t.sharded, params, DtypeOf(*t.sharded), "").status();
+  bool gathered = false;
+  absl::Status st = WriteMergedExport(t, config, dir, [&](const std::string& file) {
+    gathered = true;
+    return WriteFile(c, *t.sharded, params, DtypeOf(*t.sharded), file);
+  });
+  // config.json could not be written: the others gather all the same.
+  if (!gathered)
+    RETURN_IF_ERROR(WriteFile(c, *t.sharded, params, DtypeOf(*t.sharded), "").status());
+  return st;
 }
 
 namespace {

@@ -26,6 +26,12 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
                                         const CheckpointMeta& meta, bool accumulated,
                                         const std::string& dir);
 
+// A merged sampler export (WriteMergedExport's files) of the model's parameters, gathered as
+// WriteGatheredTrainingState gathers them: rank 0 passes the directory it is committing, the
+// others "".
+absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
+                                      const ModelConfig& config, const std::string& dir);
+
 // How this rank reads a checkpoint into `t` (ReadTrainingState): each tensor's part in its slice.
 ReadSlices SlicesOf(const ModelState& t);
 

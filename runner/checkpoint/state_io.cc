@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "runner/checkpoint/manifest.h"
 #include "runner/checkpoint/store.h"
+#include "runner/dist/shard.h"
 #include "runner/model/safetensors.h"
 #include "runner/model/weights.h"
 #include "runner/util/status_macros.h"
@@ -170,16 +172,26 @@ absl::StatusOr<LoadedState> ReadTrainingState(
   const double ratio = std::max(1.0, static_cast<double>(at::elementSize(dtype)) /
                                          static_cast<double>(at::elementSize(stored.first)));
   // A sharded model keeps its parts (`fraction` of the files) beside one whole tensor, read in the
-  // stored dtype and converted; it puts them in place with no zeros beside them.
-  if (m->shards > 0) slices = nullptr;
+  // stored dtype and converted; it puts them in place with no zeros beside them. From a
+  // checkpoint of --shard=optimizer it also holds one key of one rank's file (a flat stretch of
+  // every tensor), and beside it a tensor whole per key of the file (one may span two files).
   double held = 0;  // a forged manifest's sizes may overflow any integer
+  double largest_key = 0;  // of a rank's file: an optimizer file holds two keys, the others one
   for (const auto& [name, digest] : m->files) {
     held +=
         (slices != nullptr ? slices->fraction : 2.0) * ratio * static_cast<double>(digest.bytes);
+    if (name != "params.safetensors") {
+      largest_key = std::max(largest_key, static_cast<double>(digest.bytes) /
+                                              (name.rfind("optimizer", 0) == 0 ? 2 : 1));
+    }
   }
   if (slices != nullptr) {
     held += static_cast<double>(slices->largest_values) *
             static_cast<double>(at::elementSize(stored.first) + at::elementSize(dtype));
+    if (m->shards > 0) {
+      held += ratio * largest_key +
+              2.0 * static_cast<double>(slices->largest_values * at::elementSize(dtype));
+    }
   }
   RETURN_IF_ERROR(admit(static_cast<int64_t>(std::min(held, 0x1p62))));
   LoadedState s;
@@ -188,7 +200,10 @@ absl::StatusOr<LoadedState> ReadTrainingState(
   s.step = m->step;
   s.skipped_steps = m->skipped_steps;
   s.last_seq_id = m->last_seq_id;
-  auto load = [&](const std::string& name) -> absl::StatusOr<std::map<std::string, at::Tensor>> {
+  // Reads file `name` a tensor at a time, each kept as take(key, tensor) (null: whole).
+  auto load =
+      [&](const std::string& name,
+          const TensorTransform& take) -> absl::StatusOr<std::map<std::string, at::Tensor>> {
     auto digest = m->files.find(name);
     if (digest == m->files.end())
       return DataLoss(dir, absl::StrCat(name, " is not in the manifest"));
@@ -204,20 +219,6 @@ absl::StatusOr<LoadedState> ReadTrainingState(
                                    " bytes where the manifest says ", digest->second.bytes, ")"));
     }
     FileDigest read;
-    TensorTransform take;
-    if (slices != nullptr) {
-      // Optimizer files name a moment by its parameter's name after "exp_avg." or "exp_avg_sq.".
-      take = [slices](const std::string& key, const at::Tensor& whole) {
-        std::string param = key;
-        for (const char* prefix : {"exp_avg_sq.", "exp_avg."}) {
-          if (param.rfind(prefix, 0) == 0) {
-            param = param.substr(std::strlen(prefix));
-            break;
-          }
-        }
-        return slices->take(param, whole);
-      };
-    }
     auto tensors = LoadSafetensorsFile(Join(dir, name), dtype, &read, nullptr, take);
     if (!tensors.ok() && tensors.status().code() == absl::StatusCode::kNotFound) {
       return DataLoss(dir, absl::StrCat(name, " is missing"));
@@ -229,36 +230,98 @@ absl::StatusOr<LoadedState> ReadTrainingState(
     }
     return tensors;
   };
-  ASSIGN_OR_RETURN(s.params, load("params.safetensors"));
+  // Read in parts: a parameter's (or its sum's) part by its name, a moment's by its parameter's
+  // (optimizer files name it after "exp_avg." or "exp_avg_sq."). The parameters' whole shapes
+  // are noted as they pass: a checkpoint of --shard=optimizer is cut by them.
+  std::map<std::string, std::vector<int64_t>> shapes;
+  TensorTransform part, moment_part;
+  if (slices != nullptr) {
+    part = [slices](const std::string& name, const at::Tensor& whole) {
+      return slices->take(name, whole);
+    };
+    moment_part = [slices](const std::string& key, const at::Tensor& whole) {
+      std::string param = key;
+      for (const char* prefix : {"exp_avg_sq.", "exp_avg."}) {
+        if (param.rfind(prefix, 0) == 0) {
+          param = param.substr(std::strlen(prefix));
+          break;
+        }
+      }
+      return slices->take(param, whole);
+    };
+  }
+  ASSIGN_OR_RETURN(s.params,
+                   load(
+                       "params.safetensors",
+                       slices == nullptr ? TensorTransform()
+                                         : [&](const std::string& name, const at::Tensor& whole) {
+                                             shapes[name] = whole.sizes().vec();
+                                             return part(name, whole);
+                                           }));
+  if (slices == nullptr) {
+    for (const auto& [name, p] : s.params) shapes[name] = p.sizes().vec();
+  }
   if (m->shards > 0) {
     // Rank r's file holds [begin(r), end(r)) of the flat space of the parameters in name order
     // (runner/dist/shard.h) under the world size it was saved at; concatenated, the files are the
     // whole flat vectors, cut back at the tensors here. So any world size loads it.
+    std::vector<std::string> names;
     std::vector<int64_t> numels;
-    for (const auto& [name, p] : s.params) numels.push_back(p.numel());
-    // One kind's files, each read once: per key, the whole tensors by name.
+    for (const auto& [name, shape] : shapes) {
+      names.push_back(name);
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      numels.push_back(n);
+    }
+    const ShardLayout layout(numels, m->shards, 0);
+    // One kind's files, each read once: per key, the tensors by name, whole, or this rank's
+    // parts of them (each file's stretch cut at the tensors as it is read, a tensor that spans
+    // two files put together whole first).
     auto join = [&](const std::string& kind, const std::vector<std::string>& keys)
         -> absl::StatusOr<std::vector<std::map<std::string, at::Tensor>>> {
-      std::vector<std::vector<at::Tensor>> slices(keys.size());
+      std::vector<std::map<std::string, at::Tensor>> out(keys.size());
+      std::vector<std::vector<at::Tensor>> flats(keys.size());  // whole reads: the files' stretches
+      std::vector<at::Tensor> spanning(keys.size());  // parts: the tensor begun in an earlier file
       for (int r = 0; r < m->shards; ++r) {
         const std::string name = ShardFileName(kind, r, m->shards);
-        ASSIGN_OR_RETURN(auto file, load(name));
-        const int64_t owned = ShardLayout(numels, m->shards, r).owned();
+        const int64_t begin = layout.begin(r), owned = layout.end(r) - begin;
+        std::vector<bool> seen(keys.size());
+        TensorTransform cut = [&](const std::string& key, const at::Tensor& flat) -> at::Tensor {
+          const size_t k = std::find(keys.begin(), keys.end(), key) - keys.begin();
+          if (k == keys.size() || flat.dim() != 1 || flat.numel() != owned) return at::Tensor();
+          seen[k] = true;
+          if (slices == nullptr) {
+            flats[k].push_back(flat);
+            return at::Tensor();
+          }
+          for (const ShardLayout::Piece& p : layout.Pieces(begin, begin + owned)) {
+            at::Tensor piece = flat.narrow(0, p.offset, p.length);
+            if (p.length < numels[p.tensor]) {
+              if (p.tensor_offset == 0) spanning[k] = at::empty({numels[p.tensor]}, flat.options());
+              if (!spanning[k].defined()) continue;  // begun in a file that lacked the key
+              spanning[k].narrow(0, p.tensor_offset, p.length).copy_(piece);
+              if (p.tensor_offset + p.length < numels[p.tensor]) continue;
+              piece = std::move(spanning[k]);
+              spanning[k] = at::Tensor();
+            }
+            at::Tensor kept = slices->take(names[p.tensor], piece.view(shapes[names[p.tensor]]));
+            if (kept.defined()) out[k][names[p.tensor]] = std::move(kept);
+          }
+          return at::Tensor();
+        };
+        RETURN_IF_ERROR(load(name, cut).status());
         for (size_t k = 0; k < keys.size(); ++k) {
-          auto it = file.find(keys[k]);
-          if (it == file.end() || it->second.dim() != 1 || it->second.numel() != owned) {
+          if (!seen[k]) {
             return DataLoss(dir, absl::StrCat(name, " lacks ", keys[k], " of ", owned, " values"));
           }
-          slices[k].push_back(it->second);
         }
       }
-      std::vector<std::map<std::string, at::Tensor>> out(keys.size());
+      if (slices != nullptr) return out;
       for (size_t k = 0; k < keys.size(); ++k) {
-        const at::Tensor flat_N = at::cat(slices[k]);
-        int64_t offset = 0;
-        for (const auto& [name, p] : s.params) {
-          out[k][name] = flat_N.narrow(0, offset, p.numel()).view(p.sizes());
-          offset += p.numel();
+        const at::Tensor flat_N = at::cat(flats[k]);
+        for (size_t i = 0; i < names.size(); ++i) {
+          out[k][names[i]] =
+              flat_N.narrow(0, layout.tensor_begin(i), numels[i]).view(shapes[names[i]]);
         }
       }
       return out;
@@ -271,7 +334,7 @@ absl::StatusOr<LoadedState> ReadTrainingState(
       s.grad_sum = std::move(sums[0]);
     }
   } else {
-    ASSIGN_OR_RETURN(auto moments, load("optimizer.safetensors"));
+    ASSIGN_OR_RETURN(auto moments, load("optimizer.safetensors", moment_part));
     for (auto& [k, v] : moments) {
       if (k.rfind("exp_avg_sq.", 0) == 0) {
         s.exp_avg_sq[k.substr(11)] = v;
@@ -280,7 +343,7 @@ absl::StatusOr<LoadedState> ReadTrainingState(
       }
     }
     if (m->accumulated) {
-      ASSIGN_OR_RETURN(s.grad_sum, load("accumulators.safetensors"));
+      ASSIGN_OR_RETURN(s.grad_sum, load("accumulators.safetensors", part));
     }
   }
   if (m->accumulated) {
@@ -383,11 +446,19 @@ absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
       return tensor + at::mm(p->B_Or, p->A_rI).to(tensor.scalar_type()) * scale;
     };
   }
-  out.torch_dtype = "float32";
-  RETURN_IF_ERROR(WriteFileAtomically(Join(dir, "config.json"), ModelConfigToJson(out)));
   const std::string dtype =
       t.params.begin()->second.scalar_type() == at::kDouble ? "float64" : "float32";
-  RETURN_IF_ERROR(SaveSafetensorsFile(Join(dir, "model.safetensors"), w, dtype, merge).status());
+  return WriteMergedExport(t, std::move(out), dir, [&](const std::string& file) {
+    return SaveSafetensorsFile(file, w, dtype, merge);
+  });
+}
+
+absl::Status WriteMergedExport(
+    const ModelState& t, ModelConfig config, const std::string& dir,
+    const std::function<absl::StatusOr<FileDigest>(const std::string& file)>& weights) {
+  config.torch_dtype = "float32";
+  RETURN_IF_ERROR(WriteFileAtomically(Join(dir, "config.json"), ModelConfigToJson(config)));
+  RETURN_IF_ERROR(weights(Join(dir, "model.safetensors")).status());
   json m = {{"format", "tinkerd-checkpoint"},
             {"format_version", kCheckpointFormatVersion},
             {"kind", "sampler"},

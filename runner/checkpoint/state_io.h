@@ -79,8 +79,9 @@ absl::StatusOr<CreateModelOptions> ReadCheckpointOptions(const std::string& dir,
                                                          uint64_t base_fingerprint);
 
 // Reads and verifies a checkpoint (format, checksums, base fingerprint). Tensors come back in
-// `dtype`, whole, or in parts with `slices` (not from a checkpoint of --shard=optimizer, whose
-// files are flat slices of every tensor: those are read whole). Corrupt or truncated files are
+// `dtype`, whole, or in parts with `slices` (from a checkpoint of --shard=optimizer, whose files
+// are flat stretches of every tensor, each stretch is cut at the tensors as it is read, and a
+// tensor that spans two files is put together whole first). Corrupt or truncated files are
 // DATA_LOSS; another base model is FAILED_PRECONDITION. Once the manifest is read and before any
 // tensor file is, `admit` gets the bytes the read and its caller's use of the result may hold at
 // most; its error is returned, with nothing read.
@@ -98,6 +99,12 @@ absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model
 // Full weights in Hugging Face layout with the adapter merged in; loadable as a base model.
 absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
                               const BaseWeights& base, const std::string& dir);
+// A merged export's files around its weights: config.json (`config`, which says float32 whatever
+// the files' `dtype`), the tensors `weights` writes into the file it is given (model.safetensors),
+// and the manifest. Each step runs only when the one before it succeeded.
+absl::Status WriteMergedExport(
+    const ModelState& t, ModelConfig config, const std::string& dir,
+    const std::function<absl::StatusOr<FileDigest>(const std::string& file)>& weights);
 
 // A sampler export read back, to sample from: a PEFT adapter on the base model, or merged full
 // weights (with their own config: tying may differ from the base's).

@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <exception>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -98,6 +99,43 @@ absl::StatusOr<LayerWeights> ParamShard::GatherLayer(Collectives& c, int64_t lay
   const std::vector<size_t>& fields = fields_.at(layer);
   for (size_t i = 0; i < fields.size(); ++i) *all[fields[i]] = std::move(tensors[i]);
   return L;
+}
+
+absl::StatusOr<BaseWeights> ParamShard::GatherWhole(Collectives& c, at::ScalarType dtype,
+                                                    bool keep) const {
+  at::NoGradGuard no_grad;
+  // A gathered tensor is fresh (ShardedUnit::Gather), so one already in `dtype` is kept as is.
+  // A cast that fails (no memory for the copy) drops what was kept, and the gathers go on: the
+  // other ranks are in them.
+  absl::Status kept;
+  BaseWeights w;
+  auto cast = [&](at::Tensor& t) {
+    if (!keep || !t.defined()) return;
+    try {
+      t = t.to(dtype);
+    } catch (const std::exception& e) {
+      kept = absl::ResourceExhaustedError(
+          absl::StrCat("no memory for the gathered copy of the model: ", e.what()));
+      keep = false;
+      w = BaseWeights();
+    }
+  };
+  {
+    ASSIGN_OR_RETURN(BaseWeights rest, GatherRest(c));
+    if (keep) w = std::move(rest);
+    cast(w.embed_VD);
+    cast(w.final_norm_D);
+    if (keep) w.lm_head_VD = tied_ ? w.embed_VD : w.lm_head_VD;
+    cast(w.lm_head_VD);
+  }
+  for (size_t l = 0; l + 1 < units_.size(); ++l) {
+    ASSIGN_OR_RETURN(LayerWeights L, GatherLayer(c, static_cast<int64_t>(l)));
+    if (!keep) continue;
+    for (at::Tensor* t : L.All()) cast(*t);
+    if (keep) w.layers[l] = std::move(L);
+  }
+  RETURN_IF_ERROR(kept);
+  return w;
 }
 
 std::vector<at::Tensor> ParamShard::RestTensors(const BaseWeights& w) const {

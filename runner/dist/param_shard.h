@@ -63,6 +63,10 @@ class ParamShard {
   // The rest whole, as BaseWeights with `layers` empty placeholders (LayerSource supplies them).
   absl::StatusOr<BaseWeights> GatherRest(Collectives& c) const;
   absl::StatusOr<LayerWeights> GatherLayer(Collectives& c, int64_t layer) const;
+  // The whole model in `dtype`, a unit at a time (every rank runs the same gathers); each unit is
+  // cast as it arrives, so a rank holds the result and one unit in the training dtype. `keep`
+  // false: the gathers only, and empty weights (the ranks that keep no copy).
+  absl::StatusOr<BaseWeights> GatherWhole(Collectives& c, at::ScalarType dtype, bool keep) const;
   // Tensors of the rest (GatherRest's) and of a layer in their unit's order; undefined fields
   // (biases and q/k norms a model lacks) are left out, as the units leave them out.
   std::vector<at::Tensor> RestTensors(const BaseWeights& w) const;

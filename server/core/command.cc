@@ -138,6 +138,16 @@ absl::StatusOr<CommandResult> Execute(ModelRunner* r, Command cmd) {
     case C::kSaveState:
       RETURN_IF_ERROR(RunSave(r, w.save_state()));
       return out;
+    case C::kExportWeights: {
+      const auto& e = w.export_weights();
+      RETURN_IF_ERROR(
+          r->SaveWeightsForSampler(e.model_id(), e.fs_path(), /*merged=*/true, e.overwrite()));
+      return out;
+    }
+    case C::kFreezePolicy: {
+      ASSIGN_OR_RETURN(out.policy, r->FreezePolicy(w.freeze_policy()));
+      return out;
+    }
     case C::kPing:
     case C::kShutdown:
     case C::OP_NOT_SET:

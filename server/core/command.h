@@ -6,6 +6,7 @@
 // then runs it through Execute, so rank 0 and the followers share one dispatch.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "runner/batch.h"
 #include "runner/model_runner.h"
+#include "runner/sample/policy.h"
 #include "tinkerd/v1/internal.pb.h"
 
 namespace tinkerd {
@@ -34,6 +36,7 @@ struct CommandResult {
   // A joint command's: one per call, in order (the command itself succeeds when they ran).
   std::vector<absl::StatusOr<ForwardBackwardResult>> joint;
   std::vector<absl::StatusOr<OptimStepResult>> joint_steps;  // likewise, joint_steps
+  std::shared_ptr<const Policy> policy;                      // freeze_policy (rank 0's)
 };
 
 // A follower's decoding of a command rank 0 broadcast: the batch of a datum-carrying command is

@@ -174,6 +174,29 @@ absl::Status ReplicatedRunner::SaveState(const std::string& model_id, const std:
   return Replicate(std::move(c)).status();
 }
 
+absl::Status ReplicatedRunner::SaveWeightsForSampler(const std::string& model_id,
+                                                     const std::string& fs_path, bool merged,
+                                                     bool overwrite) {
+  if (world_size() == 1 || !merged || !runner_->Gathers(model_id)) {
+    return runner_->SaveWeightsForSampler(model_id, fs_path, merged, overwrite);
+  }
+  v1::internal::Command c;
+  auto* e = c.mutable_export_weights();
+  e->set_model_id(model_id);
+  e->set_fs_path(fs_path);
+  e->set_overwrite(overwrite);
+  return Replicate(std::move(c)).status();
+}
+
+absl::StatusOr<std::shared_ptr<const Policy>> ReplicatedRunner::FreezePolicy(
+    const std::string& model_id) {
+  if (world_size() == 1 || !runner_->Gathers(model_id)) return runner_->FreezePolicy(model_id);
+  v1::internal::Command c;
+  c.set_freeze_policy(model_id);
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
+  return std::move(r.policy);
+}
+
 absl::StatusOr<std::string> ReplicatedRunner::CreateModelFromState(const std::string& fs_path,
                                                                    bool with_optimizer) {
   v1::internal::Command c;

@@ -55,6 +55,11 @@ class ReplicatedRunner {
   absl::Status LoadState(const std::string& model_id, const std::string& fs_path,
                          bool with_optimizer);
   absl::StatusOr<std::string> CreateModelFromState(const std::string& fs_path, bool with_optimizer);
+  // A sampler export, and a sampler's copy of a model's weights: on rank 0 alone, or, for a model
+  // whose parameters are sharded (ModelRunner::Gathers), gathered by every rank for rank 0.
+  absl::Status SaveWeightsForSampler(const std::string& model_id, const std::string& fs_path,
+                                     bool merged, bool overwrite);
+  absl::StatusOr<std::shared_ptr<const Policy>> FreezePolicy(const std::string& model_id);
   // Heartbeat; a no-op at world size 1.
   absl::Status Ping();
   // Tells the other ranks to exit. Call once, after the last request.

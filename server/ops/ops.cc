@@ -648,15 +648,15 @@ void Ops::SaveWeightsForSampler(const std::string& tenant, v1::SaveWeightsForSam
   const CheckpointPath path{req.model_id(), "sampler_weights", req.name()};
   const std::string fs = path.Fs(TenantRoot(tenant));
   const std::string tenant_root = TenantRoot(tenant), root = checkpoint_root_;
-  ModelRunner* local = runner_->local();
+  ReplicatedRunner* runner = runner_;
   auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(std::move(req));
   SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
       request->model_id(), request->seq_id(), "SaveWeightsForSampler", PayloadHash(*request),
-      [invalid, local, request, fs, path, tenant_root,
+      [invalid, runner, request, fs, path, tenant_root,
        root]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
-        if (auto st = local->SaveWeightsForSampler(request->model_id(), fs, request->merged(),
-                                                   request->overwrite());
+        if (auto st = runner->SaveWeightsForSampler(request->model_id(), fs, request->merged(),
+                                                    request->overwrite());
             !st.ok())
           return HidePaths(st, tenant_root, root);
         v1::RetrieveResultResponse out;

@@ -13,6 +13,7 @@
 #include "runner/util/log.h"
 #include "runner/util/status_macros.h"
 #include "server/core/convert.h"
+#include "server/core/replicated_runner.h"
 #include "server/core/scheduler.h"
 
 namespace tinkerd {
@@ -91,7 +92,7 @@ v1::SampleResponse ToProto(const SampleResult& r) {
 
 }  // namespace
 
-Sampling::Sampling(Ops* ops, ModelRunner* runner, Scheduler* scheduler, SamplingConfig config)
+Sampling::Sampling(Ops* ops, ReplicatedRunner* runner, Scheduler* scheduler, SamplingConfig config)
     : ops_(ops),
       runner_(runner),
       scheduler_(scheduler),
@@ -191,17 +192,19 @@ void Sampling::PublishLocked() {
 absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
                                                const v1::CreateSamplerRequest& req,
                                                const std::string& checkpoint_dir, bool inflight) {
-  ModelRunner* runner = runner_;
+  ReplicatedRunner* runner = runner_;
   auto make = [&] {
     return checkpoint_dir.empty() ? runner->FreezePolicy(req.model_id())
-                                  : runner->LoadPolicy(checkpoint_dir);
+                                  : runner->local()->LoadPolicy(checkpoint_dir);
   };
   absl::StatusOr<std::shared_ptr<const Policy>> policy = make();
   // The copy is reserved in the memory account before it is made: where there is no room, the
   // tenant's least recently used samplers go first, one at a time, as EvictFor would have made
   // them go for the new one (an RL loop makes a sampler every step). A policy that running
-  // samples still hold frees its memory only once they finish.
-  while (!policy.ok() && policy.status().code() == absl::StatusCode::kResourceExhausted) {
+  // samples still hold frees its memory only once they finish. Under data parallelism policies
+  // hold nothing in the account (Policy::memory), so deleting samplers would make no room there.
+  while (runner->world_size() == 1 && !policy.ok() &&
+         policy.status().code() == absl::StatusCode::kResourceExhausted) {
     std::shared_ptr<const Policy> evicted;
     {
       absl::MutexLock lock(&mu_);

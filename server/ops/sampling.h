@@ -23,7 +23,7 @@
 
 namespace tinkerd {
 
-class ModelRunner;
+class ReplicatedRunner;
 class SampleEngine;
 class Scheduler;
 struct Policy;
@@ -47,9 +47,10 @@ struct SamplingConfig {
 
 class Sampling {
  public:
-  // Registers the engine's steps with the scheduler (before it starts). `runner` is this rank's
-  // own (rank 0 samples alone); Ops answers for ownership, limits and checkpoint paths.
-  Sampling(Ops* ops, ModelRunner* runner, Scheduler* scheduler, SamplingConfig config);
+  // Registers the engine's steps with the scheduler (before it starts). Rank 0 samples alone,
+  // from copies `runner` freezes (gathered by every rank where a model is sharded) or reads; Ops
+  // answers for ownership, limits and checkpoint paths.
+  Sampling(Ops* ops, ReplicatedRunner* runner, Scheduler* scheduler, SamplingConfig config);
   ~Sampling();
   // Fails what is admitted and stops the idle expiry: call once the scheduler has stopped.
   void Stop();
@@ -121,7 +122,7 @@ class Sampling {
   void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Ops* ops_;
-  ModelRunner* runner_;
+  ReplicatedRunner* runner_;
   Scheduler* scheduler_;
   const SamplingConfig config_;
   std::unique_ptr<SampleEngine> engine_;

@@ -170,12 +170,23 @@ TEST(Checkpoint, BadCheckpointsAreRefusedAndChangeNothing) {
   EXPECT_EQ(Flat(Snap(*r, target, StateKind::kParams)), Flat(Snap(*r, src, StateKind::kParams)));
 }
 
-// What is not built for a fully sharded full fine-tune (--shard=full) is refused by name and
-// changes nothing: a sampler's copy of its weights and an export. Its training checkpoint (the
-// gathered, unsharded layout) loads into replicas and steps as the sharded one does, to rounding
-// (one process here; the multi-rank resumes are in tests/dist/dist_test.cc). The control: the same
-// requests of a model sharded as --shard=optimizer succeed.
-TEST(Checkpoint, AFullyShardedModelSavesAndRefusesWhatIsNotBuiltByName) {
+// Tensors by name, flattened in name order as Flat(Snap(...)) flattens a model's parameters.
+std::vector<double> FlatTensors(const std::map<std::string, at::Tensor>& named) {
+  std::vector<double> v;
+  for (const auto& [name, t] : named) {
+    const at::Tensor d = t.to(at::kDouble).contiguous();
+    v.insert(v.end(), d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+  }
+  return v;
+}
+
+// A fully sharded full fine-tune (--shard=full; one process here, the ranks' gathers are in
+// tests/dist/dist_server_test.cc) freezes a sampler's copy of its weights and exports them merged,
+// both gathered a unit at a time: bitwise its parameters (float64), and the copy stays as it was
+// while the model steps on (the control: the parameters it no longer equals). An adapter export
+// of it is refused by name and writes nothing. Its training checkpoint (the gathered, unsharded
+// layout) loads into replicas and steps as the sharded one does, to rounding.
+TEST(Checkpoint, AFullyShardedModelSamplesExportsAndSaves) {
   TempDir dir;
   const std::string model = WriteModel(dir, TinyConfig("llama"));
   auto full = MakeRunner(model, ComputeDType::kFloat64, 4096, ShardMode::kFull);
@@ -183,15 +194,34 @@ TEST(Checkpoint, AFullyShardedModelSavesAndRefusesWhatIsNotBuiltByName) {
   fine_tune.lora.reset();
   const std::string a = *full->CreateModel(fine_tune);
   Step(*full, a, 0);
+  EXPECT_TRUE(full->Gathers(a));
   const auto before = Flat(Snap(*full, a, StateKind::kParams));
-  for (const absl::Status& st :
-       {full->FreezePolicy(a).status(),
-        full->SaveWeightsForSampler(a, dir.Sub("s/merged"), /*merged=*/true, false)}) {
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st.message();
-    EXPECT_NE(st.message().find("--shard=full"), absl::string_view::npos) << st.message();
-  }
-  EXPECT_EQ(Flat(Snap(*full, a, StateKind::kParams)), before);
-  EXPECT_FALSE(fs::exists(dir.Sub("s/merged")));
+  auto policy = full->FreezePolicy(a);
+  ASSERT_TRUE(policy.ok()) << policy.status().message();
+  ASSERT_NE(*policy, nullptr);
+  const ModelConfig config = TinyConfig("llama");
+  EXPECT_EQ(FlatTensors((*policy)->weights.Named(config)), before);
+  EXPECT_EQ((*policy)->step, 1);
+
+  ASSERT_TRUE(full->SaveWeightsForSampler(a, dir.Sub("s/merged"), /*merged=*/true, false).ok());
+  const std::string merged = *ResolveCheckpoint(dir.Sub("s/merged"));
+  auto file = LoadSafetensorsFile(merged + "/model.safetensors", at::kDouble);
+  ASSERT_TRUE(file.ok()) << file.status().message();
+  EXPECT_EQ(FlatTensors(*file), before);
+  auto loaded = full->LoadPolicy(dir.Sub("s/merged"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().message();
+  EXPECT_EQ(FlatTensors((*loaded)->weights.Named(config)), before);
+
+  const absl::Status peft = full->SaveWeightsForSampler(a, dir.Sub("s/peft"), false, false);
+  EXPECT_EQ(peft.code(), absl::StatusCode::kFailedPrecondition) << peft.message();
+  EXPECT_NE(peft.message().find("merged"), absl::string_view::npos) << peft.message();
+  EXPECT_FALSE(fs::exists(dir.Sub("s/peft")));
+
+  Step(*full, a, 1);
+  const auto stepped = Flat(Snap(*full, a, StateKind::kParams));
+  EXPECT_NE(stepped, before);
+  EXPECT_EQ(FlatTensors((*policy)->weights.Named(config)), before);
+  EXPECT_EQ(FlatTensors(full->FreezePolicy(a).value()->weights.Named(config)), stepped);
 
   ASSERT_TRUE(full->SaveState(a, dir.Sub("c/full"), SaveStateOptions()).ok());
   const std::string saved = *ResolveCheckpoint(dir.Sub("c/full"));
@@ -200,17 +230,13 @@ TEST(Checkpoint, AFullyShardedModelSavesAndRefusesWhatIsNotBuiltByName) {
   auto replicas = MakeRunner(model);
   auto b = replicas->CreateModelFromState(dir.Sub("c/full"), /*with_optimizer=*/true);
   ASSERT_TRUE(b.ok()) << b.status().message();
-  EXPECT_EQ(Flat(Snap(*replicas, *b, StateKind::kParams)), before);
-  Step(*full, a, 1);
-  Step(*replicas, *b, 1);
+  EXPECT_FALSE(replicas->Gathers(*b));
+  EXPECT_EQ(Flat(Snap(*replicas, *b, StateKind::kParams)), stepped);
+  Step(*full, a, 2);
+  Step(*replicas, *b, 2);
   EXPECT_LE(MaxAbsDiff(Flat(Snap(*replicas, *b, StateKind::kParams)),
                        Flat(Snap(*full, a, StateKind::kParams))),
             1e-12);
-
-  auto sharded = MakeRunner(model, ComputeDType::kFloat64, 4096, ShardMode::kOptimizer);
-  const std::string c = *sharded->CreateModel(fine_tune);
-  EXPECT_TRUE(sharded->FreezePolicy(c).ok());
-  EXPECT_TRUE(sharded->SaveWeightsForSampler(c, dir.Sub("s/control"), true, false).ok());
 }
 
 // A checkpoint of sharded optimizer state (one process here, so one shard: the multi-rank
@@ -496,7 +522,8 @@ TEST(CheckpointFilesDeathTest, ASaveAndALoadHoldNoCopyOfTheWholeFile) {
 // A sharded full fine-tune (--shard=full) reads a checkpoint in parts: each of W = 3 or 4 ranks
 // keeps only its slice of each tensor as the tensor is read (SlicesOf), and ends with exactly the
 // slices a whole read would have given it (params, moments and accumulated sums, bitwise; at W = 3
-// the slices cut tensors unevenly), having admitted well under half the bytes. A tensor of another
+// the slices cut tensors unevenly), having admitted well under half the bytes; from a replica's
+// checkpoint and from one of --shard=optimizer alike. A tensor of another
 // shape, or one the model lacks, is kept as nothing, and the load is refused.
 TEST(ShardedLoad, EachRankReadsOnlyItsSlicesOfTheCheckpoint) {
   TempDir dir;
@@ -520,15 +547,27 @@ TEST(ShardedLoad, EachRankReadsOnlyItsSlicesOfTheCheckpoint) {
   std::ifstream manifest(ckpt + "/manifest.json");
   const uint64_t fingerprint =
       std::stoull(nlohmann::json::parse(manifest)["base_fingerprint"].get<std::string>());
+  // The same state in the layout of --shard=optimizer (per-rank files of flat stretches; one
+  // process here: tests/dist/dist_test.cc cuts them at N = 4).
+  auto o = MakeRunner(model, ComputeDType::kFloat64, 4096, ShardMode::kOptimizer);
+  const std::string from_optimizer = dir.Sub("c/optimizer");
+  {
+    auto copy = o->CreateModelFromState(ckpt, /*with_optimizer=*/true);
+    ASSERT_TRUE(copy.ok()) << copy.status().message();
+    ASSERT_TRUE(o->SaveState(*copy, from_optimizer, with).ok());
+    ASSERT_TRUE(fs::exists(*ResolveCheckpoint(from_optimizer) + "/optimizer-0-of-1.safetensors"));
+  }
 
   auto tensors = LoadSafetensorsDir(model, at::kDouble);
   ASSERT_TRUE(tensors.ok()) << tensors.status().message();
   auto base = BaseWeightsFromTensors(config, *tensors);
   ASSERT_TRUE(base.ok()) << base.status().message();
   const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
-  for (const auto& [world, rank] :
-       {std::pair{3, 0}, std::pair{3, 1}, std::pair{3, 2}, std::pair{4, 0}, std::pair{4, 1},
-        std::pair{4, 2}, std::pair{4, 3}}) {
+  for (const auto& [world, rank, ckpt] :
+       {std::tuple{3, 0, ckpt}, std::tuple{3, 1, ckpt}, std::tuple{3, 2, ckpt},
+        std::tuple{4, 0, ckpt}, std::tuple{4, 1, ckpt}, std::tuple{4, 2, ckpt},
+        std::tuple{4, 3, ckpt}, std::tuple{3, 1, from_optimizer},
+        std::tuple{4, 3, from_optimizer}}) {
     ModelState whole_read, part_read;
     whole_read.sharded.emplace(*base, config, world, rank, f64);
     part_read.sharded.emplace(*base, config, world, rank, f64);
@@ -599,11 +638,41 @@ TEST(ShardedSave, TheUnitGatheredWholeIsReserved) {
     EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
     EXPECT_NE(refused.message().find("save_state: the largest unit"), std::string::npos) << refused;
     EXPECT_FALSE(fs::exists(dir.Sub("c/s")));
+    // A merged export and a sampler's copy gather the same way, and are refused alike.
+    const absl::Status exported = r->SaveWeightsForSampler(id, dir.Sub("s/m"), true, false);
+    EXPECT_EQ(exported.code(), absl::StatusCode::kResourceExhausted) << exported;
+    EXPECT_NE(exported.message().find("save_weights_for_sampler: the largest unit"),
+              std::string::npos)
+        << exported;
+    EXPECT_FALSE(fs::exists(dir.Sub("s/m")));
+    const absl::Status frozen = r->FreezePolicy(id).status();
+    EXPECT_EQ(frozen.code(), absl::StatusCode::kResourceExhausted) << frozen;
+    EXPECT_NE(frozen.message().find("create_sampler"), std::string::npos) << frozen;
   }
   EXPECT_EQ(account->reserved(), held) << "a refusal holds nothing";
   ASSERT_TRUE(r->SaveState(id, dir.Sub("c/s"), {}).ok());
   EXPECT_TRUE(fs::exists(dir.Sub("c/s/manifest.json")));
   EXPECT_EQ(account->reserved(), held) << "a save holds its unit only while it runs";
+  ASSERT_TRUE(r->SaveWeightsForSampler(id, dir.Sub("s/m"), true, false).ok());
+  EXPECT_EQ(account->reserved(), held);
+  int64_t copy = 0;
+  {
+    auto policy = r->FreezePolicy(id);
+    ASSERT_TRUE(policy.ok()) << policy.status();
+    copy = (*policy)->bytes;
+    EXPECT_EQ(account->reserved(), held + copy) << "the copy, held while it lives";
+  }
+  EXPECT_EQ(account->reserved(), held);
+  {
+    // Room for the copy, not for the unit gathered beside it.
+    auto most = account->Reserve(account->capacity() - held - copy - 1, "the test", "");
+    ASSERT_TRUE(most.ok()) << most.status();
+    const absl::Status frozen = r->FreezePolicy(id).status();
+    EXPECT_EQ(frozen.code(), absl::StatusCode::kResourceExhausted) << frozen;
+    EXPECT_NE(frozen.message().find("create_sampler: the largest unit"), std::string::npos)
+        << frozen;
+  }
+  EXPECT_EQ(account->reserved(), held);
 }
 
 }  // namespace

@@ -328,5 +328,129 @@ TEST(DataParallelJob, KilledRankMakesServerUnhealthyWithinBound) {
   ExitCode(job);
 }
 
+// A fully sharded full fine-tune at three ranks (uneven shards) samples and exports through the
+// server: its sampler's copy and its merged export are gathered from every rank's slices. A
+// sampled token's logprob is what the trainer (sharded) computes for it, to float32 rounding on
+// the wire; the export, loaded as a sampler, samples the same tokens with the same logprobs. The
+// control: the untrained base's logprobs of those tokens are far outside that bound, so a sampler
+// frozen from the wrong weights could not pass.
+TEST(DataParallelServerSharded, AFullyShardedModelSamplesAndExportsAtThreeRanks) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("llama"));
+  Job job = StartJob({"--nproc=3", "--base_model=" + model, "--compute_dtype=float64",
+                      "--micro_batch_tokens=16", "--checkpoint_root=" + dir.Sub("checkpoints"),
+                      "--shard=full"});
+  ASSERT_GT(job.port, 0);
+  client::ClientOptions o;
+  o.target = "127.0.0.1:" + std::to_string(job.port);
+  auto conn = client::Connection::Create(o);
+  auto create = [&] {
+    v1::CreateModelRequest req;
+    req.set_full_finetune(true);
+    auto info = conn->CreateModel(req);
+    EXPECT_TRUE(info.ok()) << info.status().message();
+    return info.ok() ? info->model_id() : "";
+  };
+  const std::string trained = create(), base = create();
+  auto tc = conn->Attach(trained);
+  SplitMix64 g(21);
+  v1::LossFn ce;
+  ce.set_name("cross_entropy");
+  ASSERT_TRUE(tc->ForwardBackward(Wire(RandomData(g, {9, 31, 4, 17}, "cross_entropy", 128)), ce)
+                  .get()
+                  .ok());
+  v1::AdamParams adam;
+  adam.set_learning_rate(5e-2);
+  ASSERT_TRUE(tc->OptimStep(adam).get().ok());
+
+  const std::vector<int64_t> prompt = {5, 17, 2, 99, 41, 8};
+  auto sample = [&](const std::string& model_id, const std::string& sampler_id) {
+    v1::SampleRequest req;
+    req.set_model_id(model_id);
+    req.set_sampler_id(sampler_id);
+    for (int64_t t : prompt)
+      req.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(t);
+    req.set_num_samples(1);
+    req.mutable_sampling_params()->set_max_tokens(10);
+    req.mutable_sampling_params()->set_seed(3);
+    v1::SampleResponse out;
+    grpc::ClientContext ctx;
+    const grpc::Status st = conn->stub().Sample(&ctx, req, &out);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return out;
+  };
+  const v1::SampleResponse frozen = sample(trained, "");
+  ASSERT_EQ(frozen.sequences_size(), 1);
+  const v1::SampledSequence& s = frozen.sequences(0);
+  ASSERT_EQ(s.tokens_size(), 10);
+
+  // The trainer's logprobs of prompt + completion, on the trained model and on the base.
+  std::vector<int64_t> all = prompt;
+  all.insert(all.end(), s.tokens().begin(), s.tokens().end());
+  Datum d;
+  d.tokens.assign(all.begin(), all.end() - 1);
+  d.loss_fn_inputs["target_tokens"] = TensorData::Int64({all.begin() + 1, all.end()});
+  d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
+  auto forward = [&](const std::string& model_id, int64_t seq_id) {
+    auto out = conn->Attach(model_id, seq_id)->Forward(Wire({d}), ce).get();
+    EXPECT_TRUE(out.ok()) << out.status().message();
+    return out.ok() ? client::ToFloats(out->outputs(0).logprobs()) : std::vector<float>{};
+  };
+  const std::vector<float> trainer = forward(trained, 3), untrained = forward(base, 1);
+  ASSERT_EQ(trainer.size(), all.size() - 1);
+  double off_base = 0;
+  for (int t = 0; t < s.tokens_size(); ++t) {
+    const double want = trainer[prompt.size() - 1 + t];
+    // float64 model, float32 on the Forward wire: within float32 rounding.
+    EXPECT_NEAR(s.logprobs(t), want, 1e-6 * std::max(1.0, std::abs(want))) << t;
+    off_base = std::max(off_base, std::abs(s.logprobs(t) - untrained[prompt.size() - 1 + t]));
+  }
+  EXPECT_GT(off_base, 1e-3);
+
+  // The merged export, gathered for rank 0's file, loads as a sampler that samples the same.
+  v1::SaveWeightsForSamplerRequest save;
+  save.set_model_id(trained);
+  save.set_seq_id(4);
+  save.set_name("merged");
+  save.set_merged(true);
+  v1::SaveWeightsForSamplerResponse saved;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status st = conn->stub().SaveWeightsForSampler(&ctx, save, &saved);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  // An adapter export of a full fine-tune is refused (on rank 0 alone: no rank gathers).
+  {
+    v1::SaveWeightsForSamplerRequest peft = save;
+    peft.set_seq_id(5);
+    peft.set_name("peft");
+    peft.set_merged(false);
+    v1::SaveWeightsForSamplerResponse refused;
+    grpc::ClientContext ctx;
+    const grpc::Status st = conn->stub().SaveWeightsForSampler(&ctx, peft, &refused);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  }
+  v1::CreateSamplerRequest load;
+  load.set_path(saved.path());
+  v1::SamplerInfo loaded;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status st = conn->stub().CreateSampler(&ctx, load, &loaded);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  const v1::SampleResponse exported = sample("", loaded.sampler_id());
+  ASSERT_EQ(exported.sequences_size(), 1);
+  EXPECT_EQ(std::vector<int64_t>(exported.sequences(0).tokens().begin(),
+                                 exported.sequences(0).tokens().end()),
+            std::vector<int64_t>(s.tokens().begin(), s.tokens().end()));
+  EXPECT_EQ(std::vector<double>(exported.sequences(0).logprobs().begin(),
+                                exported.sequences(0).logprobs().end()),
+            std::vector<double>(s.logprobs().begin(), s.logprobs().end()));
+  // Freezing and exporting changed nothing, and the job still runs commands on every rank.
+  EXPECT_EQ(forward(trained, 6), trainer);
+  kill(job.pid, SIGTERM);
+  EXPECT_EQ(ExitCode(job), 0);
+}
+
 }  // namespace
 }  // namespace tinkerd::testing

@@ -326,8 +326,9 @@ TEST_F(DataParallel, FullyShardedParametersEqualOneProcess) {
 // A fully sharded full fine-tune's checkpoint is gathered into the unsharded layout: saved
 // mid-accumulation at W = 4, it resumes bitwise at W = 4 (each rank takes back exactly its
 // slices), and within kResumeTol (AShardedCheckpointResumesAtAnyWorldSize's) at W = 2 sharded and
-// at W = 1 as a replica; a replica's checkpoint resumes sharded at W = 2 likewise. The control: a
-// resume without the moments ends elsewhere.
+// at W = 1 as a replica; a replica's checkpoint resumes sharded at W = 2 likewise, and one of
+// --shard=optimizer saved at W = 4 at W = 3. The control: a resume without the moments ends
+// elsewhere.
 TEST_F(DataParallel, AFullyShardedCheckpointResumesAtAnyWorldSize) {
   constexpr double kResumeTol = 1e-12;
   const std::string ckpt = dir_->Sub("full_ckpt"), replica_ckpt = dir_->Sub("replica_ckpt");
@@ -355,6 +356,17 @@ TEST_F(DataParallel, AFullyShardedCheckpointResumesAtAnyWorldSize) {
     ASSERT_EQ(resumed->size(), saved.size());
     EXPECT_LE(MaxAbsDiff(*resumed, saved), kResumeTol);
   }
+  // A checkpoint of sharded optimizer state (flat per-rank files, cut at N = 4 where tensors
+  // span files) resumes under --shard=full at N = 3, each rank reading its slices in parts.
+  const std::string opt_ckpt = dir_->Sub("opt_full_ckpt");
+  const auto opt_saved = RunRanks(
+      *model_, dir_->Sub("osave4"), 4,
+      {"--shard=optimizer", "--full_model", "--scenario=save", "--checkpoint=" + opt_ckpt})[0];
+  const auto from_optimizer =
+      RunRanks(*model_, dir_->Sub("oload3"), 3,
+               with(full, {"--scenario=load", "--checkpoint=" + opt_ckpt}))[0];
+  ASSERT_EQ(from_optimizer.size(), opt_saved.size());
+  EXPECT_LE(MaxAbsDiff(from_optimizer, opt_saved), kResumeTol);
   const auto fresh =
       RunRanks(*model_, dir_->Sub("ffresh2"), 2,
                with(full, {"--scenario=load_without_optimizer", "--checkpoint=" + ckpt}))[0];
