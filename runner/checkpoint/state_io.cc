@@ -175,7 +175,7 @@ absl::StatusOr<LoadedState> ReadTrainingState(
   // stored dtype and converted; it puts them in place with no zeros beside them. From a
   // checkpoint of --shard=optimizer it also holds one key of one rank's file (a flat stretch of
   // every tensor), and beside it a tensor whole per key of the file (one may span two files).
-  double held = 0;  // a forged manifest's sizes may overflow any integer
+  double held = 0;         // a forged manifest's sizes may overflow any integer
   double largest_key = 0;  // of a rank's file: an optimizer file holds two keys, the others one
   for (const auto& [name, digest] : m->files) {
     held +=
@@ -189,7 +189,11 @@ absl::StatusOr<LoadedState> ReadTrainingState(
     held += static_cast<double>(slices->largest_values) *
             static_cast<double>(at::elementSize(stored.first) + at::elementSize(dtype));
     if (m->shards > 0) {
-      held += ratio * largest_key +
+      // A key read in another dtype is held as stored and as converted at once
+      // (LoadSafetensorsFile).
+      const double converted = static_cast<double>(at::elementSize(dtype)) /
+                               static_cast<double>(at::elementSize(stored.first));
+      held += (stored.first == dtype ? 1.0 : 1.0 + converted) * largest_key +
               2.0 * static_cast<double>(slices->largest_values * at::elementSize(dtype));
     }
   }
@@ -295,6 +299,8 @@ absl::StatusOr<LoadedState> ReadTrainingState(
             return at::Tensor();
           }
           for (const ShardLayout::Piece& p : layout.Pieces(begin, begin + owned)) {
+            // Larger than any tensor of the model: refused (CheckShardedCompatible), never built.
+            if (numels[p.tensor] > slices->largest_values) continue;
             at::Tensor piece = flat.narrow(0, p.offset, p.length);
             if (p.length < numels[p.tensor]) {
               if (p.tensor_offset == 0) spanning[k] = at::empty({numels[p.tensor]}, flat.options());
@@ -316,7 +322,17 @@ absl::StatusOr<LoadedState> ReadTrainingState(
           }
         }
       }
-      if (slices != nullptr) return out;
+      if (slices != nullptr) {
+        // Empty tensors lie in no file's stretch.
+        for (size_t i = 0; i < names.size(); ++i) {
+          if (numels[i] != 0) continue;
+          for (size_t k = 0; k < keys.size(); ++k) {
+            at::Tensor kept = slices->take(names[i], at::empty(shapes[names[i]], at::dtype(dtype)));
+            if (kept.defined()) out[k][names[i]] = std::move(kept);
+          }
+        }
+        return out;
+      }
       for (size_t k = 0; k < keys.size(); ++k) {
         const at::Tensor flat_N = at::cat(flats[k]);
         for (size_t i = 0; i < names.size(); ++i) {

@@ -557,28 +557,67 @@ TEST(ShardedLoad, EachRankReadsOnlyItsSlicesOfTheCheckpoint) {
     ASSERT_TRUE(o->SaveState(*copy, from_optimizer, with).ok());
     ASSERT_TRUE(fs::exists(*ResolveCheckpoint(from_optimizer) + "/optimizer-0-of-1.safetensors"));
   }
+  // And as 64 ranks would have saved it: their stretches cut most tensors across several files.
+  const std::string from_64 = dir.Sub("c/optimizer64");
+  {
+    auto whole =
+        ReadTrainingState(ckpt, fingerprint, at::kDouble, [](int64_t) { return absl::OkStatus(); });
+    ASSERT_TRUE(whole.ok()) << whole.status().message();
+    ModelState t;
+    t.id = id;
+    t.options = whole->options;
+    t.params = whole->params;
+    t.step = whole->step;
+    t.accumulated_tokens = whole->accumulated_tokens;
+    t.accumulated_sequences = whole->accumulated_sequences;
+    std::vector<int64_t> numels;
+    std::vector<at::Tensor> params, avg, avg_sq, sums;
+    for (const auto& [name, p] : t.params) {
+      numels.push_back(p.numel());
+      params.push_back(p);
+      avg.push_back(whole->exp_avg.at(name));
+      avg_sq.push_back(whole->exp_avg_sq.at(name));
+      sums.push_back(whole->grad_sum.at(name));
+    }
+    fs::create_directories(from_64);
+    std::map<std::string, FileDigest> files;
+    for (int rank = 0; rank < 64; ++rank) {
+      OptimizerShard shard(ShardLayout(numels, 64, rank), at::TensorOptions().dtype(at::kDouble));
+      shard.Scatter(avg, shard.exp_avg_C);
+      shard.Scatter(avg_sq, shard.exp_avg_sq_C);
+      shard.Scatter(sums, shard.grad_sum_C);
+      auto written = WriteStateShard(shard, /*accumulated=*/true, "float64", from_64);
+      ASSERT_TRUE(written.ok()) << written.status().message();
+      files.insert(written->begin(), written->end());
+    }
+    const CheckpointMeta meta{0, fingerprint, model, "float64"};
+    ASSERT_TRUE(WriteShardedTrainingState(t, meta, true, 64, files, from_64).ok());
+    // Its largest tensor spans at least three files.
+    ASSERT_GT(*std::max_element(numels.begin(), numels.end()),
+              2 * ShardLayout(numels, 64, 0).chunk());
+  }
 
   auto tensors = LoadSafetensorsDir(model, at::kDouble);
   ASSERT_TRUE(tensors.ok()) << tensors.status().message();
   auto base = BaseWeightsFromTensors(config, *tensors);
   ASSERT_TRUE(base.ok()) << base.status().message();
   const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
-  for (const auto& [world, rank, ckpt] :
+  for (const auto& [world, rank, read] :
        {std::tuple{3, 0, ckpt}, std::tuple{3, 1, ckpt}, std::tuple{3, 2, ckpt},
         std::tuple{4, 0, ckpt}, std::tuple{4, 1, ckpt}, std::tuple{4, 2, ckpt},
-        std::tuple{4, 3, ckpt}, std::tuple{3, 1, from_optimizer},
-        std::tuple{4, 3, from_optimizer}}) {
+        std::tuple{4, 3, ckpt}, std::tuple{3, 1, from_optimizer}, std::tuple{4, 3, from_optimizer},
+        std::tuple{3, 0, from_64}, std::tuple{3, 2, from_64}, std::tuple{4, 1, from_64}}) {
     ModelState whole_read, part_read;
     whole_read.sharded.emplace(*base, config, world, rank, f64);
     part_read.sharded.emplace(*base, config, world, rank, f64);
     int64_t whole_bytes = 0, part_bytes = 0;
-    auto whole = ReadTrainingState(ckpt, fingerprint, at::kDouble, [&](int64_t b) {
+    auto whole = ReadTrainingState(read, fingerprint, at::kDouble, [&](int64_t b) {
       whole_bytes = b;
       return absl::OkStatus();
     });
     const ReadSlices slices = SlicesOf(part_read);
     auto parts = ReadTrainingState(
-        ckpt, fingerprint, at::kDouble,
+        read, fingerprint, at::kDouble,
         [&](int64_t b) {
           part_bytes = b;
           return absl::OkStatus();
