@@ -177,14 +177,18 @@ struct ModelRunner::Impl {
         "--expert_parallel to sample or export it"));
   }
   // What a rank holds while a sharded model is gathered a unit at a time: the largest unit whole,
-  // and the all-gather's bucket (at most 64 MiB) beside it.
+  // and beside it the all-gather's staging: its bucket (at most 64 MiB) twice (Gloo stages a flat
+  // copy of it) and the rank's own row of it.
   int64_t GatherBytes(const ParamShard& s) const {
     const int64_t elem = static_cast<int64_t>(at::elementSize(TrainDType()));
+    const int64_t W = collectives->world_size(), bucket = int64_t{64} << 20;
     int64_t bytes = 0;
     for (const ShardedUnit& u : s.units()) {
-      bytes = std::max(bytes, u.state.layout.chunk() * collectives->world_size() * elem);
+      const int64_t whole = u.state.layout.chunk() * W * elem;
+      bytes =
+          std::max(bytes, whole + 2 * std::min(whole, bucket) + std::min(whole / W, bucket / W));
     }
-    return bytes + std::min<int64_t>(bytes, int64_t{64} << 20);
+    return bytes;
   }
   // `bytes` reserved on every rank before a collective that needs them, and agreed, so that one
   // rank refusing leaves no other waiting in the collective: all refuse, or none does.

@@ -65,6 +65,7 @@ class FaultyCollectives : public Collectives {
     return st;
   }
   absl::Status AllGather(const at::Tensor& in_K, at::Tensor& out_WK) override {
+    gathered_values += out_WK.numel();
     absl::Status st = inner_->AllGather(in_K, out_WK);
     if (st.ok() && faults_.gather_own_only) {
       out_WK.zero_();
@@ -105,6 +106,9 @@ class FaultyCollectives : public Collectives {
 
   // Faults may change between calls (the runner calls its collectives on one thread at a time).
   Faults& faults() { return faults_; }
+
+  // Values every all-gather has delivered so far (out_WK's), faults or not.
+  int64_t gathered_values = 0;
 
  private:
   std::shared_ptr<Collectives> inner_;

@@ -2,8 +2,10 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -32,10 +34,13 @@ const at::Tensor& SliceOf(const ShardedUnit& u, Part p) {
   return u.param_C;
 }
 
-// The gathers behind one file, in the file's order (by name, as SafetensorsWriter writes), the
-// same sequence on every rank. Rank 0 takes each tensor as the writer reaches it; whatever part
-// of the sequence it did not run (its write stopped early), and the whole of it on the other
-// ranks, Drain runs.
+// The gathers behind one file, a unit at a time in the order the file first needs each (its
+// tensors by name, as SafetensorsWriter writes them), the same sequence on every rank. A gathered
+// tensor is held until the writer takes it, and dropped then, so each unit is gathered once per
+// file even where its tensors are not adjacent there (the rest's head and embedding sort first,
+// its norm last), and a rank holds at most one unit whole. Rank 0 takes each tensor as the writer
+// reaches it; whatever part of the sequence it did not run (its write stopped early), and the
+// whole of it on the other ranks, Drain runs.
 class GatherSequence {
  public:
   // `parts`: each part's name prefix in the file ("exp_avg." …) and slice.
@@ -50,9 +55,9 @@ class GatherSequence {
         }
       }
     }
+    std::set<std::pair<size_t, Part>> seen;
     for (const auto& [name, e] : entries_) {
-      if (order_.empty() || order_.back() != std::pair{e.unit, e.part})
-        order_.emplace_back(e.unit, e.part);
+      if (seen.insert({e.unit, e.part}).second) order_.emplace_back(e.unit, e.part);
     }
   }
 
@@ -66,21 +71,26 @@ class GatherSequence {
     return m;
   }
 
-  // The tensor `name` whole; throws when a gather fails or the writer strays from the order.
+  // The tensor `name` whole, once; throws when a gather fails or the writer strays from the
+  // order.
   at::Tensor Take(const std::string& name) {
     const Entry& e = entries_.at(name);
-    if (next_ == 0 || order_[next_ - 1] != std::pair{e.unit, e.part}) {
+    auto held = held_.find({e.unit, e.part});
+    if (held == held_.end()) {
       if (next_ >= order_.size() || order_[next_] != std::pair{e.unit, e.part}) {
-        throw std::logic_error(absl::StrCat("save_state: ", name, " out of the gathers' order"));
+        throw std::logic_error(absl::StrCat(name, " out of the gathers' order"));
       }
-      Next();
+      held = Next();
     }
-    return held_[e.index];
+    at::Tensor t = std::move(held->second[e.index]);
+    if (!t.defined()) throw std::logic_error(absl::StrCat(name, " taken twice"));
+    held->second[e.index] = at::Tensor();
+    return t;
   }
 
   absl::Status Drain() {
     try {
-      while (next_ < order_.size()) Next();
+      while (next_ < order_.size()) held_.erase(Next());
     } catch (const std::exception& e) {
       return absl::UnavailableError(e.what());
     }
@@ -93,13 +103,19 @@ class GatherSequence {
     size_t unit, index;
     Part part;
   };
-  void Next() {
+  using Held = std::map<std::pair<size_t, Part>, std::vector<at::Tensor>>;
+  Held::iterator Next() {
     const auto [unit, part] = order_[next_++];
     const ShardedUnit& u = shard_.units()[unit];
-    held_.clear();  // one unit whole at a time
+    // A unit the writer has taken every tensor of holds nothing: dropped before the next gather.
+    for (auto it = held_.begin(); it != held_.end();) {
+      const bool empty = std::none_of(it->second.begin(), it->second.end(),
+                                      [](const at::Tensor& t) { return t.defined(); });
+      it = empty ? held_.erase(it) : std::next(it);
+    }
     absl::StatusOr<std::vector<at::Tensor>> whole = u.Gather(c_, SliceOf(u, part));
     if (!whole.ok()) throw std::runtime_error(std::string(whole.status().message()));
-    held_ = *std::move(whole);
+    return held_.insert_or_assign({unit, part}, *std::move(whole)).first;
   }
 
   Collectives& c_;
@@ -107,7 +123,7 @@ class GatherSequence {
   std::map<std::string, Entry> entries_;
   std::vector<std::pair<size_t, Part>> order_;
   size_t next_ = 0;
-  std::vector<at::Tensor> held_;
+  Held held_;
 };
 
 // One file of gathered tensors, `path` (empty: gather only). Every rank runs all the gathers.

@@ -94,8 +94,15 @@ class C10dCollectives final : public Collectives {
 #endif
       std::vector<at::Tensor> input{in_K.to(at::kCPU).contiguous()};
       std::vector<std::vector<at::Tensor>> outputs(1);
-      for (int r = 0; r < config_.world_size; ++r) outputs[0].push_back(at::empty_like(input[0]));
+      // A host result takes the rows straight into its own rows (Gloo stages a flat copy of its
+      // own): one bucket fewer held, and no copy after.
+      const bool into = out_WK.device().is_cpu() && out_WK.is_contiguous() &&
+                        out_WK.scalar_type() == input[0].scalar_type();
+      for (int r = 0; r < config_.world_size; ++r) {
+        outputs[0].push_back(into ? out_WK[r] : at::empty_like(input[0]));
+      }
       pg_->allgather(outputs, input)->wait();
+      if (into) return;
       for (int r = 0; r < config_.world_size; ++r) out_WK[r].copy_(outputs[0][r]);
     });
   }

@@ -14,6 +14,7 @@
 #include "runner/model/safetensors.h"
 #include "runner/model/weights.h"
 #include "runner/sample/policy.h"
+#include "tests/faulty_collectives.h"
 #include "tests/test_util.h"
 
 namespace tinkerd::testing {
@@ -659,9 +660,9 @@ TEST(ShardedLoad, EachRankReadsOnlyItsSlicesOfTheCheckpoint) {
 }
 
 // A sharded model's save gathers each unit whole on every rank in turn: it reserves the largest
-// unit (and the gather's bucket) first, and a save refused for memory writes nothing and holds
-// nothing after.
-TEST(ShardedSave, TheUnitGatheredWholeIsReserved) {
+// unit (and the gather's staging) first, and a save refused for memory writes nothing and holds
+// nothing after; a merged export and a sampler's copy reserve alike.
+TEST(ShardedSave, WhatIsGatheredWholeIsReserved) {
   TempDir dir;
   auto r = MakeRunner(WriteModel(dir, TinyConfig("qwen3")), ComputeDType::kFloat64, 4096,
                       ShardMode::kFull);
@@ -712,6 +713,36 @@ TEST(ShardedSave, TheUnitGatheredWholeIsReserved) {
         << frozen;
   }
   EXPECT_EQ(account->reserved(), held);
+}
+
+// Each unit is gathered once per file: the rest (embedding, norm and head), whose tensors are not
+// adjacent in a file (the head and embedding sort first, the norm last), is held until the norm is
+// written rather than gathered again. A save without the gradient sums so gathers every value
+// three times (the parameters and two moments), a merged export once.
+TEST(ShardedSave, EachUnitIsGatheredOncePerFile) {
+  TempDir dir;
+  RunnerConfig rc;
+  rc.base_model_path = WriteModel(dir, TinyConfig("llama"));
+  rc.compute_dtype = ComputeDType::kFloat64;
+  rc.shard = ShardMode::kFull;
+  rc.device = TestDevice();
+  auto counting = std::make_shared<FaultyCollectives>(MakeLocalCollectives(), Faults{});
+  rc.collectives = counting;
+  auto r = ModelRunner::Create(rc);
+  ASSERT_TRUE(r.ok()) << r.status();
+  CreateModelOptions full;
+  full.lora.reset();
+  const std::string id = *(*r)->CreateModel(full);
+  int64_t values = 0;
+  for (const NamedValues& n : Snap(**r, id, StateKind::kParams)) values += std::ssize(n.values);
+  ASSERT_GT(values, 0);
+
+  counting->gathered_values = 0;
+  ASSERT_TRUE((*r)->SaveState(id, dir.Sub("c/s"), {}).ok());
+  EXPECT_EQ(counting->gathered_values, 3 * values);
+  counting->gathered_values = 0;
+  ASSERT_TRUE((*r)->SaveWeightsForSampler(id, dir.Sub("s/m"), /*merged=*/true, false).ok());
+  EXPECT_EQ(counting->gathered_values, values);
 }
 
 }  // namespace
