@@ -14,7 +14,13 @@
 //          (world size 1 hands them too: its collectives are the identity);
 //   resume: the resident set's peak while a second model is made from a checkpoint of the first
 //          (CreateModelFromState, with the moments), above what it was before: the new model's
-//          state plus what the read holds (a sharded model reads its slices only).
+//          state plus what the read holds (a sharded model reads its slices only);
+//   save:  the resident set's peak while the model is saved (SaveState, the moments with it),
+//          above what it was before, the largest over ranks;
+//   freeze: a sampler's copy of the model (FreezePolicy, on every rank as the server's command
+//          runs it): the resident set's peak above what it was before, on rank 0 (which keeps
+//          the copy) and the largest on the others (a sharded model's gathers only), and rank 0's
+//          time.
 // Not part of the test suite: it asserts nothing beyond "every call succeeded".
 #include <malloc.h>
 #include <sys/wait.h>
@@ -32,6 +38,7 @@
 #include "absl/flags/reflection.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/rss.h"
 #include "runner/dist/c10d_collectives.h"
@@ -185,17 +192,33 @@ int RunRank(const std::string& shard_name) {
       absl::StrCat(absl::GetFlag(FLAGS_out_dir), "/ckpt.", dist->world_size, ".", shard_name);
   SaveStateOptions overwrite;
   overwrite.overwrite = true;
+  malloc_trim(0);
+  const double before_save = RssMB();
+  ResetPeakRss();
   if (auto st = r.SaveState(*id, checkpoint, overwrite); !st.ok()) return Fail("save_state", st);
+  const double save = PeakRssSinceResetMB() - before_save;
   malloc_trim(0);
   const double before_resume = RssMB();
   ResetPeakRss();
   auto resumed = r.CreateModelFromState(checkpoint, /*with_optimizer=*/true);
   if (!resumed.ok()) return Fail("create_model_from_state", resumed.status());
   const double resume = PeakRssSinceResetMB() - before_resume;
+  if (auto st = r.DeleteModel(*resumed); !st.ok()) return Fail("delete_model", st);
+
+  // Every rank freezes, as the server's replicated command has them: a sharded model's copy is
+  // gathered for rank 0 (the others take part and keep nothing); a replica's is rank 0's own.
+  malloc_trim(0);
+  const double before_freeze = RssMB();
+  ResetPeakRss();
+  const auto f0 = Clock::now();
+  auto policy = r.FreezePolicy(*id);
+  if (!policy.ok()) return Fail("freeze", policy.status());
+  const double freeze_s = std::chrono::duration<double>(Clock::now() - f0).count();
+  const double freeze = PeakRssSinceResetMB() - before_freeze;
 
   std::ofstream out(ResultPath(dist->world_size, shard_name, dist->rank));
   out << state << " " << peak << " " << step_s[step_s.size() / 2] << " " << collective_mb_per_step
-      << " " << resume << "\n";
+      << " " << resume << " " << freeze << " " << freeze_s << " " << save << "\n";
   return out.good() ? 0 : 1;
 }
 
@@ -244,8 +267,9 @@ int Drive(char* self) {
   std::printf("model: %s\n", spec.config.DebugString().c_str());
   std::printf(
       "| ranks | shard | state per rank MB | peak per rank MB | step s | collective MB | resume "
+      "peak per rank MB | sampler freeze: rank 0 peak MB | other ranks' peak MB | freeze s | save "
       "peak per rank MB |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|---:|\n");
+  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_worlds), ',')) {
     int world = 0;
     if (!absl::SimpleAtoi(w, &world) || world < 1) return 2;
@@ -255,21 +279,29 @@ int Drive(char* self) {
                      shard.c_str());
         return 1;
       }
-      double state = 0, peak = 0, step = 0, traffic = 0, resume = 0;
+      double state = 0, peak = 0, step = 0, traffic = 0, resume = 0, freeze0 = 0, freeze_others = 0,
+             freeze_s = 0, save = 0;
       for (int rank = 0; rank < world; ++rank) {
         std::ifstream in(ResultPath(world, shard, rank));
-        double s = 0, p = 0, t = 0, c = 0, l = 0;
-        in >> s >> p >> t >> c >> l;
+        double s = 0, p = 0, t = 0, c = 0, l = 0, f = 0, fs = 0, v = 0;
+        in >> s >> p >> t >> c >> l >> f >> fs >> v;
         state = std::max(state, s);
         peak = std::max(peak, p);
         resume = std::max(resume, l);
+        save = std::max(save, v);
         if (rank == 0) {
           step = t;
           traffic = c;
+          freeze0 = f;
+          freeze_s = fs;
+        } else {
+          freeze_others = std::max(freeze_others, f);
         }
       }
-      std::printf("| %d | %s | %.0f | %.0f | %.2f | %.0f | %.0f |\n", world, shard.c_str(), state,
-                  peak, step, traffic, resume);
+      const std::string others = world > 1 ? absl::StrFormat("%.0f", freeze_others) : "-";
+      std::printf("| %d | %s | %.0f | %.0f | %.2f | %.0f | %.0f | %.0f | %s | %.2f | %.0f |\n",
+                  world, shard.c_str(), state, peak, step, traffic, resume, freeze0, others.c_str(),
+                  freeze_s, save);
       std::fflush(stdout);
     }
   }
