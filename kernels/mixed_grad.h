@@ -15,7 +15,9 @@
 // - dx is a row's own, by RowProduct. LibTorch's bf16 CPU product rounds a·b differently with the
 //   number of rows of a when b is a plain [K, M] matrix (small products take another kernel), and
 //   not when b is the transpose of a contiguous [M, K] one, the forward's x·Wᵀ (measured on
-//   LibTorch 1.13: every row count 1-300, offsets 0 and 7, shapes from 4×32 to 2048×2048).
+//   LibTorch 1.13: every row count 1-300, offsets 0 and 7, shapes from 4×32 to 2048×2048, every
+//   dimension a multiple of 16; on a Sapphire Rapids Xeon a product with a dimension of 24 rounded
+//   differently with the row count, so the claim is for such shapes only).
 // - dw and db sum over rows, the tokens of a micro-batch: WideProduct forms them from
 //   compute-dtype values and never rounds them to the compute dtype. A product of two bf16 values
 //   is exact in fp32 (8-bit significands, a 16-bit product), so a weight's gradient is an fp32 sum
