@@ -8,6 +8,7 @@
 
 #include "runner/dist/c10d_collectives.h"
 #include "runner/dist/dist_config.h"
+#include "runner/sample/policy.h"
 #include "server/core/convert.h"
 #include "server/core/replicated_runner.h"
 #include "tests/e2e/e2e_util.h"
@@ -18,7 +19,8 @@ namespace {
 
 struct RankOptions {
   Faults faults;
-  int64_t memory_budget_bytes = 0;  // 0: half the machine's memory
+  int64_t memory_budget_bytes = 0;     // 0: half the machine's memory
+  ShardMode shard = ShardMode::kNone;  // rank 0 takes rank 1's: the ranks must agree
 };
 
 std::unique_ptr<ModelRunner> MakeRank(const std::string& model, DistConfig dist,
@@ -31,6 +33,7 @@ std::unique_ptr<ModelRunner> MakeRank(const std::string& model, DistConfig dist,
   rc.compute_dtype = ComputeDType::kFloat64;
   rc.num_threads = 1;
   rc.memory_budget_bytes = o.memory_budget_bytes;
+  rc.shard = o.shard;
   rc.collectives = std::make_shared<FaultyCollectives>(*c10d, o.faults);
   auto r = ModelRunner::Create(rc);
   EXPECT_TRUE(r.ok()) << r.status().message();
@@ -56,7 +59,9 @@ class TwoRanks {
             ReplicatedRunner::FollowerLoop(runner1_.get(), runner1_->config().collectives.get());
       });
     });
-    runner0_ = MakeRank(model, dist, {});
+    RankOptions rank0;
+    rank0.shard = rank1.shard;
+    runner0_ = MakeRank(model, dist, rank0);
     follower.join();
     if (runner0_ != nullptr) {
       replicated_ =
@@ -170,6 +175,49 @@ TEST_F(InProcess, AFollowerThatFailsACommandStopsTheJob) {
   EXPECT_EQ(follower.code(), absl::StatusCode::kDataLoss) << follower;
   EXPECT_NE(std::string(follower.message()).find("RESOURCE_EXHAUSTED"), std::string::npos)
       << follower;
+}
+
+// A sharded full fine-tune's sampler copy is gathered by both ranks for rank 0, which alone keeps
+// it. Where rank 0 has no room for the copy (the test fills its memory account) while rank 1 has
+// room for the unit it gathers, the ranks agree to refuse before any gather: RESOURCE_EXHAUSTED
+// naming the copy, and the job serves on. The control: once the room is back, the same freeze
+// succeeds and equals the first.
+TEST_F(InProcess, AFreezeRankZeroHasNoRoomForIsRefusedOnBothRanksAndTheJobServesOn) {
+  RankOptions rank1;
+  rank1.shard = ShardMode::kFull;
+  TwoRanks job(*model_, rank1);
+  ASSERT_TRUE(job.ok());
+  v1::CreateModelRequest create;
+  create.set_full_finetune(true);
+  auto id = job.rank0().CreateModel(create);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(job.rank0().local()->Gathers(*id));
+  auto first = job.rank0().FreezePolicy(*id);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_NE(*first, nullptr);
+  const int64_t copy = (*first)->bytes;
+  ASSERT_GT(copy, 0);
+  MemoryAccount& account = *job.rank0().local()->memory_account();
+  {
+    auto most = account.Reserve(account.capacity() - account.reserved() - copy / 2, "the test", "");
+    ASSERT_TRUE(most.ok()) << most.status();
+    auto refused = job.rank0().FreezePolicy(*id);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+    EXPECT_NE(refused.status().message().find("the sampler's copy"), std::string::npos)
+        << refused.status();
+    EXPECT_TRUE(job.rank0().healthy());
+    EXPECT_TRUE(job.rank0().Ping().ok());
+  }
+  SplitMix64 g(3);
+  auto fb = ForwardBackward(job.rank0(), *id, g, job.rank0().local()->limits());
+  EXPECT_TRUE(fb.ok()) << fb.status();
+  auto again = job.rank0().FreezePolicy(*id);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_NE(*again, nullptr);
+  EXPECT_TRUE(at::equal((*again)->weights.embed_VD, (*first)->weights.embed_VD));
+  EXPECT_TRUE(at::equal((*again)->weights.layers.back().down_proj,
+                        (*first)->weights.layers.back().down_proj));
+  EXPECT_TRUE(job.rank0().healthy());
 }
 
 }  // namespace
