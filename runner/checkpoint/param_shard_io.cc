@@ -179,16 +179,18 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
 
 absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
                                       const ModelConfig& config, const std::string& dir) {
-  const std::vector<std::pair<std::string, Part>> params = {{"", Part::kParams}};
-  if (dir.empty()) return WriteFile(c, *t.sharded, params, DtypeOf(*t.sharded), "").status();
+  // The parameters' file at `path` ("": gather only), in the training dtype.
+  auto params = [&](const std::string& path) {
+    return WriteFile(c, *t.sharded, {{"", Part::kParams}}, DtypeOf(*t.sharded), path);
+  };
+  if (dir.empty()) return params("").status();
   bool gathered = false;
   absl::Status st = WriteMergedExport(t, config, dir, [&](const std::string& file) {
     gathered = true;
-    return WriteFile(c, *t.sharded, params, DtypeOf(*t.sharded), file);
+    return params(file);
   });
   // config.json could not be written: the others gather all the same.
-  if (!gathered)
-    RETURN_IF_ERROR(WriteFile(c, *t.sharded, params, DtypeOf(*t.sharded), "").status());
+  if (!gathered) RETURN_IF_ERROR(params("").status());
   return st;
 }
 

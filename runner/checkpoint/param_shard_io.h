@@ -5,9 +5,10 @@
 //
 // A save gathers every tensor whole, a unit at a time, in each file's order: a collective that
 // every rank runs in the same sequence whatever happens to rank 0's files (rank 0 alone writes,
-// streaming, and every rank holds at most one unit whole, and gathers each once per file). A load reads the checkpoint on every
-// rank, a tensor at a time, and each rank keeps only its slice of each (SlicesOf), so that it holds
-// 1/W of the checkpoint and one tensor whole, not the whole checkpoint.
+// streaming, and every rank holds at most one unit whole, and gathers each once per file). A load
+// reads the checkpoint on every rank, a tensor at a time, and each rank keeps only its slice of
+// each (SlicesOf), so that it holds 1/W of the checkpoint and one tensor whole, not the whole
+// checkpoint.
 #pragma once
 
 #include <string>
