@@ -259,8 +259,9 @@ struct ModelRunner::Impl {
   }
   MemoryLimit memory_limit;  // what the process may use, and which bound says so
   // Models' state, training calls and (through the server's engine) samples reserve here; its
-  // capacity is config.memory_budget_bytes, or DefaultMemoryBudget().
+  // capacity is config.memory_budget_bytes, or DefaultMemoryBudget(); or config.account's.
   std::shared_ptr<MemoryAccount> account;
+  Reservation base_memory;  // the base's weights, in a shared config.account
 
   // Whether checkpoint `s` fits model `t`. Under expert parallelism each rank checks the tensors
   // it holds and the count of the others', and drops the others' from `s` (AgreeOnLoad then
@@ -314,6 +315,9 @@ ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelRunner::~ModelRunner() = default;
 const RunnerConfig& ModelRunner::config() const {
   return impl_->config;
+}
+uint64_t ModelRunner::base_fingerprint() const {
+  return impl_->base_fingerprint;
 }
 std::shared_ptr<MemoryAccount> ModelRunner::memory_account() const {
   return impl_->account;
@@ -464,10 +468,26 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
     defaults[impl->collectives->rank()] =
         DefaultMemoryBudget(impl->memory_limit, impl->device.is_cuda());
     if (W > 1) RETURN_IF_ERROR(impl->collectives->AllReduceSumCounts(defaults));
-    impl->account = MemoryAccount::Create(config.memory_budget_bytes > 0
-                                              ? config.memory_budget_bytes
-                                              : *std::min_element(defaults.begin(), defaults.end()),
-                                          "--memory_budget_mb");
+    if (config.account != nullptr) {
+      // Another base's budget: sized once that base was resident, it leaves out that base alone,
+      // so this one's weights are held in it.
+      impl->account = config.account;
+      int64_t bytes = 0;
+      std::set<const void*> counted;  // tied embeddings are one tensor under two names
+      for (const auto& [name, w] : impl->base.Named(impl->model_config)) {
+        if (counted.insert(w.data_ptr()).second) bytes += static_cast<int64_t>(w.nbytes());
+      }
+      ASSIGN_OR_RETURN(
+          impl->base_memory,
+          impl->account->Reserve(
+              bytes, absl::StrCat("the base model ", config.base_model_path, "'s weights"),
+              ". Raise --memory_budget_mb, or serve fewer bases"));
+    } else {
+      impl->account = MemoryAccount::Create(
+          config.memory_budget_bytes > 0 ? config.memory_budget_bytes
+                                         : *std::min_element(defaults.begin(), defaults.end()),
+          "--memory_budget_mb");
+    }
     impl->rope = std::make_shared<RopeCache>(
         impl->model_config, at::TensorOptions().dtype(impl->dtype).device(impl->device));
     // See util/cpu_environment.h.
@@ -1160,10 +1180,12 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
       return SaveOnEveryRank(
           c, path, overwrite,
           [&](const std::string& dir) {
-            return WriteGatheredMergedModel(c, *t, impl_->model_config, dir);
+            return WriteGatheredMergedModel(c, *t, impl_->model_config, impl_->base_fingerprint,
+                                            dir);
           },
           [&](const std::string&) {
-            return WriteGatheredMergedModel(c, *t, impl_->model_config, "");
+            return WriteGatheredMergedModel(c, *t, impl_->model_config, impl_->base_fingerprint,
+                                            "");
           });
     });
   }
@@ -1182,7 +1204,8 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
   }
   return Guarded("save_weights_for_sampler", [&] {
     return CommitCheckpoint(path, overwrite, [&](const std::string& dir) {
-      return merged ? WriteMergedModel(*t, impl_->model_config, impl_->base, dir)
+      return merged ? WriteMergedModel(*t, impl_->model_config, impl_->base,
+                                       impl_->base_fingerprint, dir)
                     : WritePeftAdapter(*t, impl_->config.base_model_path, impl_->base_fingerprint,
                                        dir);
     });

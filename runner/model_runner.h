@@ -149,6 +149,8 @@ class ModelRunner {
                                                     StateKind kind) const;
 
   const RunnerConfig& config() const;
+  // The base model's fingerprint (its config and weights), which its checkpoints record.
+  uint64_t base_fingerprint() const;
   // The process's one memory account (runner/util/memory_account.h): models and training calls
   // reserve in it here; the server's sampling engine reserves its KV caches in it too.
   std::shared_ptr<MemoryAccount> memory_account() const;

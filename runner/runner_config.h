@@ -10,7 +10,8 @@
 
 namespace tinkerd {
 
-class Collectives;  // runner/dist/collectives.h
+class Collectives;    // runner/dist/collectives.h
+class MemoryAccount;  // runner/util/memory_account.h
 
 // The dtype the model computes in. Under bfloat16/float16 the base weights are held in it, while
 // trainable master weights, gradient accumulators and Adam moments stay float32 and norms,
@@ -57,6 +58,10 @@ struct RunnerConfig {
   int expert_parallel = 1;
   // Data-parallel hook; null means a single process (world size 1).
   std::shared_ptr<Collectives> collectives;
+  // Set: the runner reserves in this account instead of one of its own (memory_budget_bytes is
+  // then unused), and holds its base model's weights in it for its life: several base models in
+  // one process (the server's --base_model given again) share one budget.
+  std::shared_ptr<MemoryAccount> account;
 
   absl::Status Validate() const;
   std::string DebugString() const;

@@ -14,6 +14,7 @@
 #include "runner/checkpoint/store.h"
 #include "runner/model/safetensors.h"
 #include "runner/util/log.h"
+#include "runner/util/status_macros.h"
 
 namespace tinkerd {
 
@@ -73,14 +74,62 @@ std::string ServerConfig::DebugString() const {
       join_optim_steps);
 }
 
+namespace {
+
+// Where a client's get_tokenizer() loads what the server matches stop strings with: the base's
+// directory, when it has a tokenizer.
+std::string TokenizerId(const ModelRunner& runner) {
+  if (!runner.limits().tokenizer) return "";
+  const std::string& base = runner.config().base_model_path;
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::absolute(base, ec);
+  return ec ? base : dir.lexically_normal().string();
+}
+
+// What the account holds free at start-up, where the bases other than the first hold their
+// weights for good.
+int64_t Unheld(const MemoryAccount& account) {
+  return account.capacity() - account.reserved();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
-    const ServerConfig& config, std::unique_ptr<ModelRunner> runner) {
+    const ServerConfig& config, std::unique_ptr<ModelRunner> runner,
+    std::vector<ServedRunner> more) {
   if (auto st = config.Validate(); !st.ok()) return st;
   std::unique_ptr<TinkerdServer> s(new TinkerdServer());
   s->config_ = config;
   s->runner_ = std::move(runner);
   s->replicated_ =
       std::make_unique<ReplicatedRunner>(s->runner_.get(), s->runner_->config().collectives);
+  std::vector<Bases::Served> served;
+  const std::string& first_name = config.tinker_http.served_model_name;
+  served.push_back({{first_name.empty() ? s->runner_->config().base_model_path : first_name,
+                     config.tinker_http.tokenizer_id.empty() ? TokenizerId(*s->runner_)
+                                                             : config.tinker_http.tokenizer_id,
+                     s->runner_->limits()},
+                    s->replicated_.get()});
+  s->more_ = std::move(more);
+  for (const ServedRunner& m : s->more_) {
+    if (m.runner->memory_account() != s->runner_->memory_account()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("server: base model '", m.name,
+                       "' keeps its own memory account; several bases share the first's "
+                       "(RunnerConfig::account)"));
+    }
+    s->more_replicated_.push_back(
+        std::make_unique<ReplicatedRunner>(m.runner.get(), m.runner->config().collectives));
+    served.push_back(
+        {{m.name, TokenizerId(*m.runner), m.runner->limits()}, s->more_replicated_.back().get()});
+  }
+  ASSIGN_OR_RETURN(s->bases_, Bases::Create(std::move(served)));
+  for (const Bases::Served& base : s->bases_->all()) {
+    TLOG_INFO("base model '{}'{}: {} (tokenizer: {})", base.base.name,
+              base.base.index == 0 ? " (the default)" : "",
+              base.runner->local()->config().base_model_path,
+              base.base.tokenizer_id.empty() ? "none" : base.base.tokenizer_id);
+  }
   // Saves killed mid-way (SIGKILL, a crash) left temporaries and unreferenced versions behind.
   SweepCheckpointLeftovers(config.checkpoint_root);
   SchedulerConfig scheduler_config = config.scheduler;
@@ -96,9 +145,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
       s->replicated_->world_size() == 1 && device.ok() && !device->cuda
           ? s->runner_->memory_account()
           : nullptr;
-  s->ops_ = std::make_unique<Ops>(s->replicated_.get(), s->scheduler_.get(), s->runner_->limits(),
-                                  config.checkpoint_root, s->metrics_.get(), host_account,
-                                  config.join_optim_steps);
+  s->ops_ = std::make_unique<Ops>(s->bases_.get(), s->scheduler_.get(), config.checkpoint_root,
+                                  s->metrics_.get(), host_account, config.join_optim_steps);
   SamplingConfig sampling_config = config.sampling;
   sampling_config.tenant_limits = config.api_keys.limits();
   // Samples' KV caches and training share one account: neither can take what the other holds.
@@ -108,7 +156,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     sampling_config.engine.account = s->runner_->memory_account();
     // Samples hold at most half the account, however many a tenant sends: the other half stays
     // for models and training calls, so a flood of samples delays training, never starves it.
-    const int64_t half = sampling_config.engine.account->capacity() / 2;
+    // Half of what the other bases' weights leave of it: they hold theirs for the server's life.
+    const int64_t half = Unheld(*sampling_config.engine.account) / 2;
     if (sampling_config.engine.kv_cache_bytes > half) {
       TLOG_INFO(
           "samples' KV caches: at most {} MiB, half the memory budget (below "
@@ -117,8 +166,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
       sampling_config.engine.kv_cache_bytes = half;
     }
   }
-  s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), s->replicated_.get(),
-                                            s->scheduler_.get(), sampling_config);
+  s->sampling_ = std::make_unique<Sampling>(s->ops_.get(), s->bases_.get(), s->scheduler_.get(),
+                                            sampling_config);
   s->service_ =
       std::make_unique<TinkerdService>(s->ops_.get(), s->sampling_.get(), config.api_keys);
 
@@ -202,15 +251,8 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     // to half, a flood of either leaves training a quarter at least.
     if (host_account != nullptr) {
       api.account = MemoryAccount::CreateShare(
-          host_account, host_account->capacity() / 4,
+          host_account, Unheld(*host_account) / 4,
           "the quarter of the memory budget for HTTP bodies and their parsed JSON");
-    }
-    // The client's get_tokenizer() loads what the server matches stop strings with.
-    const std::string& base = s->runner_->config().base_model_path;
-    if (s->runner_->limits().tokenizer && api.tokenizer_id.empty()) {
-      std::error_code ec;
-      const std::filesystem::path dir = std::filesystem::absolute(base, ec);
-      api.tokenizer_id = ec ? base : dir.lexically_normal().string();
     }
     s->tinker_api_ =
         std::make_unique<http::TinkerApi>(s->ops_.get(), s->sampling_.get(), config.api_keys, api,

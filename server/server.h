@@ -1,5 +1,6 @@
-// TinkerdServer: the gRPC server, its scheduler and health service around one ModelRunner.
-// Used by the tinkerd binary and, in process on a loopback port, by the e2e tests.
+// TinkerdServer: the gRPC server, its scheduler and health service around a ModelRunner per
+// served base model. Used by the tinkerd binary and, in process on a loopback port, by the e2e
+// tests.
 #pragma once
 
 #include <grpcpp/server.h>
@@ -7,10 +8,12 @@
 #include <atomic>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "runner/model_runner.h"
 #include "server/common/metrics.h"
+#include "server/core/bases.h"
 #include "server/core/replicated_runner.h"
 #include "server/core/scheduler.h"
 #include "server/core/stall_watch.h"
@@ -21,10 +24,20 @@
 
 namespace tinkerd {
 
+// A base model served beside the first, under `name` (--base_model given again). Its runner
+// reserves in the first's memory account (RunnerConfig::account).
+struct ServedRunner {
+  std::string name;
+  std::unique_ptr<ModelRunner> runner;
+};
+
 class TinkerdServer {
  public:
+  // `runner`: the first base model, the default, served as config.tinker_http.served_model_name
+  // (else its path); `more`: the others (world size 1 only).
   static absl::StatusOr<std::unique_ptr<TinkerdServer>> Start(const ServerConfig& config,
-                                                              std::unique_ptr<ModelRunner> runner);
+                                                              std::unique_ptr<ModelRunner> runner,
+                                                              std::vector<ServedRunner> more = {});
   ~TinkerdServer();  // Shutdown()
 
   int port() const { return port_; }
@@ -50,6 +63,9 @@ class TinkerdServer {
   ServerConfig config_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<ReplicatedRunner> replicated_;
+  std::vector<ServedRunner> more_;                                  // the other bases' runners,
+  std::vector<std::unique_ptr<ReplicatedRunner>> more_replicated_;  // each at world size 1
+  std::unique_ptr<Bases> bases_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsHttpServer> http_;
   absl::Mutex health_mu_;

@@ -1,5 +1,6 @@
 // tinkerd: the training server. With no --base_model it serves the embedded default model.
 //   tinkerd --listen=127.0.0.1:50051 --base_model=/models/Qwen3-0.6B
+//   tinkerd --base_model=student=/models/Qwen3-0.6B --base_model=teacher=/models/Qwen3-8B
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -7,11 +8,17 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "runner/dist/c10d_collectives.h"
 #include "runner/dist/dist_config.h"
 #include "runner/util/cpu_environment.h"
@@ -23,7 +30,10 @@
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "address:port to serve gRPC on (port 0: any free port)");
 ABSL_FLAG(std::string, base_model, "",
-          "Hugging Face model directory; empty: the embedded default model");
+          "[NAME=]DIR: a Hugging Face model directory, served as NAME (default DIR); empty: the "
+          "embedded default model. Given again: another base served beside the first, in one "
+          "memory budget (world size 1 only); clients name a base in create_model and "
+          "create_sampling_client, the first the default");
 ABSL_FLAG(std::string, compute_dtype, "float32",
           "float32, float64, bfloat16 or float16 (base weights in it; fp32 master weights, "
           "gradients and Adam moments)");
@@ -78,8 +88,8 @@ ABSL_FLAG(std::string, http_listen, "",
           "empty: off; port 0 picks a free port");
 ABSL_FLAG(int, http_threads, 2, "threads serving the HTTP API (long polls take no thread)");
 ABSL_FLAG(std::string, served_model_name, "",
-          "the base model's name in the HTTP API (create_model's base_model); default: "
-          "--base_model as given (or the embedded model's name)");
+          "the first base model's name (create_model's base_model); default: its NAME= in "
+          "--base_model, else --base_model as given (or the embedded model's name)");
 ABSL_FLAG(int, http_long_poll_s, 30,
           "how long retrieve_future waits for a result before answering try_again (< 45, the "
           "SDK's timeout)");
@@ -161,6 +171,72 @@ std::vector<pid_t> SpawnLocalRanks(int nproc, char** argv) {
   return children;
 }
 
+// Every value of --base_model, in order: absl keeps only the last of a repeated flag.
+std::vector<std::string> BaseModelFlags(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (!absl::ConsumePrefix(&arg, "--")) absl::ConsumePrefix(&arg, "-");
+    if (!absl::ConsumePrefix(&arg, "base_model")) continue;
+    if (absl::ConsumePrefix(&arg, "=")) {
+      out.emplace_back(arg);
+    } else if (arg.empty() && i + 1 < argc) {
+      out.emplace_back(argv[++i]);
+    }
+  }
+  return out;
+}
+
+// "NAME=DIR" as {NAME, DIR}; a value that is a directory itself, has no '=' or a '/' before it
+// (a path such as runs/lr=1e-4), as {"", value}.
+std::pair<std::string, std::string> SplitNamedBase(const std::string& value) {
+  const size_t eq = value.find('=');
+  std::error_code ec;
+  if (eq == std::string::npos || eq == 0 || value.substr(0, eq).find('/') != std::string::npos ||
+      std::filesystem::is_directory(value, ec)) {
+    return {"", value};
+  }
+  return {value.substr(0, eq), value.substr(eq + 1)};
+}
+
+// The bases --base_model names, {name, directory} (name empty: the directory's), checked before
+// anything loads: none is an empty directory, no two share a name, several only in one process.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> BasesOfFlags(int argc,
+                                                                              char** argv) {
+  std::vector<std::string> values = BaseModelFlags(argc, argv);
+  // Where argv has none, the flag may still come from --flagfile or --fromenv: one base then.
+  if (values.empty() || values.back() != absl::GetFlag(FLAGS_base_model)) {
+    if (values.size() > 1) {
+      return absl::InvalidArgumentError(
+          "--base_model: given several times on the command line and once more elsewhere "
+          "(--flagfile, --fromenv); give every base on the command line");
+    }
+    values = {absl::GetFlag(FLAGS_base_model)};
+  }
+  std::vector<std::pair<std::string, std::string>> bases;
+  std::set<std::string> names;
+  for (const std::string& value : values) {
+    if (value.empty() && values.size() == 1) break;  // the embedded model
+    auto [name, dir] = SplitNamedBase(value);
+    if (dir.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--base_model: '", value, "' names no model directory"));
+    }
+    if (!names.insert(name.empty() ? dir : name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--base_model: two bases are served as '", name.empty() ? dir : name, "'"));
+    }
+    bases.emplace_back(std::move(name), std::move(dir));
+  }
+  if (bases.empty()) bases.emplace_back("", tinkerd::kEmbeddedDefaultModel);
+  if (bases.size() > 1 && absl::GetFlag(FLAGS_nproc) > 1) {
+    return absl::InvalidArgumentError(
+        "--base_model: several base models serve in one process only, not with --nproc > 1");
+  }
+  return bases;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -168,6 +244,11 @@ int main(int argc, char** argv) {
   const int arenas = tinkerd::CapMallocArenasUnderAddressSpaceLimit();
   absl::SetProgramUsageMessage("tinkerd: a Tinker-style training server over gRPC");
   absl::ParseCommandLine(argc, argv);
+  const auto bases = BasesOfFlags(argc, argv);  // {name, directory}
+  if (!bases.ok()) {
+    std::fprintf(stderr, "tinkerd: %s\n", std::string(bases.status().message()).c_str());
+    return 2;
+  }
   std::vector<pid_t> children;
   if (absl::GetFlag(FLAGS_nproc) > 1 && std::getenv("WORLD_SIZE") == nullptr) {
     children = SpawnLocalRanks(absl::GetFlag(FLAGS_nproc), argv);
@@ -191,8 +272,13 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   tinkerd::RunnerConfig rc;
-  const std::string base = absl::GetFlag(FLAGS_base_model);
-  rc.base_model_path = base.empty() ? tinkerd::kEmbeddedDefaultModel : base;
+  rc.base_model_path = bases->front().second;
+  if (bases->size() > 1 && dist->world_size > 1) {
+    std::fprintf(stderr,
+                 "tinkerd: --base_model: several base models serve in one process only (world "
+                 "size 1)\n");
+    return 2;
+  }
   const auto dtype = tinkerd::ParseComputeDType(absl::GetFlag(FLAGS_compute_dtype));
   if (!dtype.ok()) {
     std::fprintf(stderr, "tinkerd: --compute_dtype: %s\n",
@@ -267,9 +353,10 @@ int main(int argc, char** argv) {
   sc.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   sc.tinker_http.listen = absl::GetFlag(FLAGS_http_listen);
   sc.tinker_http.threads = absl::GetFlag(FLAGS_http_threads);
-  sc.tinker_http.served_model_name = absl::GetFlag(FLAGS_served_model_name).empty()
-                                         ? rc.base_model_path
-                                         : absl::GetFlag(FLAGS_served_model_name);
+  sc.tinker_http.served_model_name = !absl::GetFlag(FLAGS_served_model_name).empty()
+                                         ? absl::GetFlag(FLAGS_served_model_name)
+                                     : !bases->front().first.empty() ? bases->front().first
+                                                                     : rc.base_model_path;
   sc.tinker_http.max_body_bytes = sc.max_message_bytes;
   const int64_t in_flight_mb = absl::GetFlag(FLAGS_http_body_mb_in_flight);
   const int64_t per_key_mb = absl::GetFlag(FLAGS_http_body_mb_in_flight_per_key);
@@ -299,7 +386,21 @@ int main(int argc, char** argv) {
     }
     sc.api_keys = *keys;
   }
-  auto server = tinkerd::TinkerdServer::Start(sc, std::move(*runner));
+  // The other bases reserve in the first's account: one budget for every base, model and sample.
+  std::vector<tinkerd::ServedRunner> more;
+  for (size_t i = 1; i < bases->size(); ++i) {
+    const auto& [name, dir] = (*bases)[i];
+    tinkerd::RunnerConfig other = rc;
+    other.base_model_path = dir;
+    other.account = (*runner)->memory_account();
+    auto r = tinkerd::ModelRunner::Create(other);
+    if (!r.ok()) {
+      TLOG_ERROR("cannot start: base model {}: {}", dir, std::string(r.status().message()));
+      return 1;
+    }
+    more.push_back({name.empty() ? dir : name, *std::move(r)});
+  }
+  auto server = tinkerd::TinkerdServer::Start(sc, std::move(*runner), std::move(more));
   if (!server.ok()) {
     TLOG_ERROR("cannot start: {}", std::string(server.status().message()));
     return 1;

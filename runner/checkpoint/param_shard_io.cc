@@ -178,17 +178,19 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
 }
 
 absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
-                                      const ModelConfig& config, const std::string& dir) {
+                                      const ModelConfig& config, uint64_t base_fingerprint,
+                                      const std::string& dir) {
   // The parameters' file at `path` ("": gather only), in the training dtype.
   auto params = [&](const std::string& path) {
     return WriteFile(c, *t.sharded, {{"", Part::kParams}}, DtypeOf(*t.sharded), path);
   };
   if (dir.empty()) return params("").status();
   bool gathered = false;
-  absl::Status st = WriteMergedExport(t, config, dir, [&](const std::string& file) {
-    gathered = true;
-    return params(file);
-  });
+  absl::Status st =
+      WriteMergedExport(t, config, base_fingerprint, dir, [&](const std::string& file) {
+        gathered = true;
+        return params(file);
+      });
   // config.json could not be written: the others gather all the same.
   if (!gathered) RETURN_IF_ERROR(params("").status());
   return st;

@@ -31,7 +31,8 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
 // WriteGatheredTrainingState gathers them: rank 0 passes the directory it is committing, the
 // others "".
 absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
-                                      const ModelConfig& config, const std::string& dir);
+                                      const ModelConfig& config, uint64_t base_fingerprint,
+                                      const std::string& dir);
 
 // How this rank reads a checkpoint into `t` (ReadTrainingState): each tensor's part in its slice.
 ReadSlices SlicesOf(const ModelState& t);

@@ -439,7 +439,8 @@ absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model
 }
 
 absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
-                              const BaseWeights& base, const std::string& dir) {
+                              const BaseWeights& base, uint64_t base_fingerprint,
+                              const std::string& dir) {
   at::NoGradGuard no_grad;
   ModelConfig out = config;
   std::map<std::string, at::Tensor> w;
@@ -464,13 +465,13 @@ absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
   }
   const std::string dtype =
       t.params.begin()->second.scalar_type() == at::kDouble ? "float64" : "float32";
-  return WriteMergedExport(t, std::move(out), dir, [&](const std::string& file) {
+  return WriteMergedExport(t, std::move(out), base_fingerprint, dir, [&](const std::string& file) {
     return SaveSafetensorsFile(file, w, dtype, merge);
   });
 }
 
 absl::Status WriteMergedExport(
-    const ModelState& t, ModelConfig config, const std::string& dir,
+    const ModelState& t, ModelConfig config, uint64_t base_fingerprint, const std::string& dir,
     const std::function<absl::StatusOr<FileDigest>(const std::string& file)>& weights) {
   config.torch_dtype = "float32";
   RETURN_IF_ERROR(WriteFileAtomically(Join(dir, "config.json"), ModelConfigToJson(config)));
@@ -480,6 +481,7 @@ absl::Status WriteMergedExport(
             {"kind", "sampler"},
             {"model_id", t.id},
             {"step", t.step},
+            {"base_fingerprint", std::to_string(base_fingerprint)},
             {"layout", "hf_merged"}};
   return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));
 }

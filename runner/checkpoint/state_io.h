@@ -98,12 +98,14 @@ absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model
                               uint64_t base_fingerprint, const std::string& dir);
 // Full weights in Hugging Face layout with the adapter merged in; loadable as a base model.
 absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
-                              const BaseWeights& base, const std::string& dir);
+                              const BaseWeights& base, uint64_t base_fingerprint,
+                              const std::string& dir);
 // A merged export's files around its weights: config.json (`config`, which says float32 whatever
 // the files' `dtype`), the tensors `weights` writes into the file it is given (model.safetensors),
-// and the manifest. Each step runs only when the one before it succeeded.
+// and the manifest, which records the fingerprint of the base it was trained on (a server of
+// several bases samples it on that one). Each step runs only when the one before it succeeded.
 absl::Status WriteMergedExport(
-    const ModelState& t, ModelConfig config, const std::string& dir,
+    const ModelState& t, ModelConfig config, uint64_t base_fingerprint, const std::string& dir,
     const std::function<absl::StatusOr<FileDigest>(const std::string& file)>& weights);
 
 // A sampler export read back, to sample from: a PEFT adapter on the base model, or merged full

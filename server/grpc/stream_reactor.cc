@@ -62,7 +62,9 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     } else {
       absl::StatusOr<Datum> d = DatumFromProto(msg.datum(), received_);
       absl::StatusOr<Batch> batch =
-          d.ok() ? Batch::Check({*std::move(d)}, loss_, svc_->ops()->limits()) : d.status();
+          d.ok()
+              ? Batch::Check({*std::move(d)}, loss_, svc_->ops()->BaseOf(header_.model_id()).limits)
+              : d.status();
       const absl::Status st = batch.status();
       {
         absl::MutexLock lock(&state_->mu);

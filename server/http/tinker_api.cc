@@ -148,10 +148,12 @@ void TinkerApi::Handle(Request req, Respond respond) {
     return respond(Error(405, absl::StrCat(endpoint, ": use ", get ? "GET" : "POST")));
   }
   if (route.kind == Kind::kCapabilities) {
-    return respond(JsonResponse(
-        Json{{"supported_models",
-              Json::array({Json{{"model_name", config_.served_model_name},
-                                {"max_context_length", ops_->limits().max_context_length}}})}}));
+    Json models = Json::array();
+    for (const BaseModel& base : ops_->BaseModels()) {
+      models.push_back(
+          Json{{"model_name", base.name}, {"max_context_length", base.limits.max_context_length}});
+    }
+    return respond(JsonResponse(Json{{"supported_models", std::move(models)}}));
   }
   if (route.kind == Kind::kSampler) {
     return GetSampler(*tenant, endpoint.substr(sizeof("samplers/") - 1), std::move(respond));

@@ -32,11 +32,11 @@ struct ArchiveConfig {
 struct TinkerApiConfig {
   std::string listen;  // host:port; empty: the HTTP API is off
   int threads = 2;
-  // The base model's name as clients give it (create_model's base_model) and see it
-  // (get_server_capabilities).
+  // The first (default) base model's name as clients give it (create_model's base_model) and see
+  // it (get_server_capabilities); the others are named where they are served (ServedRunner).
   std::string served_model_name;
-  // get_info's model_data.tokenizer_id, where a client's get_tokenizer() loads the base model's
-  // tokenizer: its directory, when it has one (set by the server from the runner); empty: none.
+  // Set: the first base's get_info model_data.tokenizer_id, where a client's get_tokenizer()
+  // loads its tokenizer; empty: its directory, when it has a tokenizer (server/core/bases.h).
   std::string tokenizer_id;
   int64_t max_body_bytes = 256 << 20;
   // The process's memory account (runner/util/memory_account.h), where a JSON body's DOM is held

@@ -51,7 +51,7 @@ absl::StatusOr<Json> TinkerApi::TrainingRun(const std::string& tenant,
   if (!checkpoints.ok()) return checkpoints.status();
   auto last_request = ops_->LastRequest(tenant, model_id);
   if (!last_request.ok()) return last_request.status();
-  Json run{{"training_run_id", model_id}, {"base_model", config_.served_model_name},
+  Json run{{"training_run_id", model_id}, {"base_model", ops_->BaseOf(model_id).name},
            {"model_owner", tenant},       {"is_lora", info->is_lora()},
            {"corrupted", false},          {"last_request_time", IsoTime(*last_request)}};
   if (info->is_lora()) run["lora_rank"] = info->lora().rank();

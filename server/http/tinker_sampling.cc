@@ -32,10 +32,11 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
   const std::optional<std::string> model_path = f.OptId("model_path");
   if (!f.status().ok()) return respond(Error(f.status()));
   if (auto st = sessions_.Check(tenant, session_id); !st.ok()) return respond(Error(st));
-  if (!model_path && base_model && *base_model != config_.served_model_name) {
-    return respond(
-        Error(400, absl::StrCat("base_model: this server samples '", config_.served_model_name,
-                                "', not '", Echo(*base_model), "'")));
+  // With a model_path, the base the export was made on (the SDK sends base_model beside it).
+  if (!model_path && base_model) {
+    if (auto base = ops_->BaseNamed(*base_model, "base_model"); !base.ok()) {
+      return respond(Error(base.status()));
+    }
   }
   auto answer = [](const std::string& sampler_id) {
     return JsonResponse(
@@ -61,6 +62,7 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
   }
   v1::CreateSamplerRequest req;
   if (model_path) req.set_path(*model_path);
+  if (base_model) req.set_base_model(*base_model);  // with a path: if its model is gone
   sampling_->CreateSampler(
       tenant, req, [this, tenant, session_id, seq, answer](absl::StatusOr<v1::SamplerInfo> info) {
         // Kept for resends while the session lives; a failure is not: a resend tries again.
@@ -114,7 +116,7 @@ void TinkerApi::GetSampler(const std::string& tenant, const std::string& sampler
                            Respond respond) {
   auto info = sampling_->GetSampler(tenant, sampler_id);
   if (!info.ok()) return respond(Error(info.status()));
-  Json out{{"sampler_id", info->sampler_id()}, {"base_model", config_.served_model_name}};
+  Json out{{"sampler_id", info->sampler_id()}, {"base_model", info->base_model()}};
   out["model_path"] = info->path().empty() ? Json() : Json(info->path());
   respond(JsonResponse(out));
 }
@@ -138,18 +140,24 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   const Json* target = f.Obj("target_prompt_logprobs");
   if (!f.status().ok()) return respond(Error(f.status()));
   const SampleLimits& limits = sampling_->request_limits();
+  // The base it samples through, whose limits the checks below use: the session's sampler's (a
+  // session without one fails as the sample's future, as it did before), or the named base's.
+  absl::StatusOr<BaseModel> base =
+      sampling_->Target(tenant, session.value_or(""), "", session ? "" : base_model.value_or(""));
+  if (!base.ok() && session) base = ops_->BaseModels().front();
+  if (!base.ok()) return respond(Error(base.status()));
   absl::Status st = RefuseUnservedSampleFields(body);
   if (st.ok()) st = PromptFromTinker(prompt, req.mutable_prompt());
   if (st.ok()) st = SamplingParamsFromTinker(params, req.mutable_sampling_params());
   if (st.ok() && target != nullptr) {
     asked.target.emplace();
-    st = TargetPromptFromTinker(*target, ops_->limits().max_context_length,
-                                limits.max_target_prompt_k, req.mutable_target_prompt_logprobs(),
-                                &*asked.target);
+    st =
+        TargetPromptFromTinker(*target, base->limits.max_context_length, limits.max_target_prompt_k,
+                               req.mutable_target_prompt_logprobs(), &*asked.target);
   }
   // Answered now rather than as the future's error: the SDK then raises at the call.
   if (st.ok()) {
-    st = CheckStopStringsMatchable(req.sampling_params().stop_strings_size(), ops_->limits());
+    st = CheckStopStringsMatchable(req.sampling_params().stop_strings_size(), base->limits);
   }
   if (!st.ok()) return respond(Error(st));
   // Checked here as well as by the sampler: the answer below lists one id per sample and pads
@@ -189,11 +197,7 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
                          "model_path: sample through a sampling session "
                          "(create_sampling_client(model_path=...)), not per request"));
   } else {
-    if (base_model.value_or(config_.served_model_name) != config_.served_model_name) {
-      return respond(
-          Error(400, absl::StrCat("base_model: this server samples '", config_.served_model_name,
-                                  "', not '", Echo(*base_model), "'")));
-    }
+    req.set_base_model(base->name);
     // The base model without a session has no retry key: each request is new.
     request_id = absl::StrCat("sample:base:", RandomHex());
   }

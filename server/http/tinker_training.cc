@@ -79,11 +79,12 @@ void TinkerApi::CreateModel(const std::string& tenant, const Json& body, Respond
     }
   }
   if (!f.status().ok()) return respond(Error(f.status()));
-  if (base_model != config_.served_model_name) {
-    return respond(
-        Error(400, absl::StrCat("base_model: this server trains '", config_.served_model_name,
-                                "', not '", Echo(base_model), "'")));
+  // Named, never defaulted: the SDK always sends it, and a typo must not train another base.
+  if (base_model.empty()) return respond(Error(400, "base_model: required"));
+  if (auto base = ops_->BaseNamed(base_model, "base_model"); !base.ok()) {
+    return respond(Error(base.status()));
   }
+  req.set_base_model(base_model);
   if (auto st = sessions_.Check(tenant, session_id); !st.ok()) return respond(Error(st));
   // A retry of a creation is answered with the first one's future: creations have no seq_id
   // in the scheduler to catch them.
@@ -108,14 +109,14 @@ void TinkerApi::GetInfo(const std::string& tenant, const Json& body, Respond res
   if (!f.status().ok()) return respond(Error(f.status()));
   auto info = ops_->GetInfo(tenant, aliases_.Resolve(tenant, model_id));
   if (!info.ok()) return respond(Error(info.status()));
+  const BaseModel& base = ops_->BaseOf(info->model_id());
   Json out{{"type", "get_info"},
            {"model_id", model_id},
-           {"model_data",
-            Json{{"arch", info->architecture()}, {"model_name", config_.served_model_name}}},
+           {"model_data", Json{{"arch", info->architecture()}, {"model_name", base.name}}},
            {"is_lora", info->is_lora()},
-           {"model_name", config_.served_model_name}};
+           {"model_name", base.name}};
   if (info->is_lora()) out["lora_rank"] = info->lora().rank();
-  if (!config_.tokenizer_id.empty()) out["model_data"]["tokenizer_id"] = config_.tokenizer_id;
+  if (!base.tokenizer_id.empty()) out["model_data"]["tokenizer_id"] = base.tokenizer_id;
   respond(JsonResponse(out));
 }
 
@@ -349,7 +350,7 @@ void TinkerApi::WeightsInfo(const std::string& tenant, const Json& body, Respond
   if (!f.status().ok()) return respond(Error(f.status()));
   auto info = ops_->CheckpointInfo(tenant, path);
   if (!info.ok()) return respond(Error(info.status()));
-  Json out{{"base_model", config_.served_model_name}, {"is_lora", info->is_lora()}};
+  Json out{{"base_model", ops_->BaseOfCheckpoint(tenant, path).name}, {"is_lora", info->is_lora()}};
   if (info->is_lora()) {
     out["lora_rank"] = info->lora().rank();
     out["train_attn"] = info->lora().train_attn();

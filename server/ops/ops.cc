@@ -17,6 +17,7 @@
 #include "runner/util/echo.h"
 #include "runner/util/hash.h"
 #include "runner/util/log.h"
+#include "runner/util/status_macros.h"
 #include "server/core/checkpoint_paths.h"
 #include "server/core/convert.h"
 #include "server/core/replicated_runner.h"
@@ -117,49 +118,70 @@ JobResult Answer(ForwardCall& call, const absl::StatusOr<ForwardBackwardResult>&
 
 }  // namespace
 
-Ops::Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-         std::string checkpoint_root, Metrics* metrics, std::shared_ptr<MemoryAccount> account,
-         bool join_steps)
-    : runner_(runner),
+Ops::Ops(Bases* bases, Scheduler* scheduler, std::string checkpoint_root, Metrics* metrics,
+         std::shared_ptr<MemoryAccount> account, bool join_steps)
+    : bases_(bases),
       scheduler_(scheduler),
-      limits_(limits),
       checkpoint_root_(std::move(checkpoint_root)),
       metrics_(metrics),
       account_(std::move(account)) {
-  // Queued calls of several models, each checked at the edge, run in shared passes over the base
-  // (ModelRunner::ForwardBackwardJoint): each gets what it would alone.
-  for (const bool backward : {true, false}) {
-    scheduler_->SetJoiner(
-        backward ? "ForwardBackward" : "Forward",
-        [runner, metrics, backward](const std::vector<JoinPart*>& parts) {
-          std::vector<v1::ForwardBackwardRequest> reqs;
-          std::vector<Batch> batches;
-          for (JoinPart* part : parts) {
-            auto* call = static_cast<ForwardCall*>(part);
-            reqs.push_back(std::move(call->request));
-            batches.push_back(*std::move(call->batch));
-          }
-          auto results =
-              runner->ForwardBackwardJoint(std::move(reqs), std::move(batches), backward);
-          std::vector<JobResult> out;
-          for (size_t i = 0; i < parts.size(); ++i) {
-            out.push_back(Answer(*static_cast<ForwardCall*>(parts[i]), results[i], metrics));
-          }
-          return out;
-        });
-  }
-  // Queued optim_steps of several models: their AdamW as one multi-tensor call (without a
-  // joiner for the group, each runs alone).
-  if (!join_steps) return;
-  scheduler_->SetJoiner("OptimStep", [runner, metrics](const std::vector<JoinPart*>& parts) {
-    std::vector<v1::OptimStepRequest> reqs;
-    for (JoinPart* part : parts) reqs.push_back(static_cast<StepCall*>(part)->request);
-    std::vector<JobResult> out;
-    for (const auto& r : runner->OptimStepJoint(std::move(reqs))) {
-      out.push_back(AnswerStep(r, metrics));
+  // Queued calls of several models of one base, each checked at the edge, run in shared passes
+  // over that base (ModelRunner::ForwardBackwardJoint): each gets what it would alone.
+  for (const Bases::Served& base : bases_->all()) {
+    ReplicatedRunner* runner = base.runner;
+    for (const bool backward : {true, false}) {
+      scheduler_->SetJoiner(
+          Bases::JoinGroup(backward ? "ForwardBackward" : "Forward", base.base),
+          [runner, metrics, backward](const std::vector<JoinPart*>& parts) {
+            std::vector<v1::ForwardBackwardRequest> reqs;
+            std::vector<Batch> batches;
+            for (JoinPart* part : parts) {
+              auto* call = static_cast<ForwardCall*>(part);
+              reqs.push_back(std::move(call->request));
+              batches.push_back(*std::move(call->batch));
+            }
+            auto results =
+                runner->ForwardBackwardJoint(std::move(reqs), std::move(batches), backward);
+            std::vector<JobResult> out;
+            for (size_t i = 0; i < parts.size(); ++i) {
+              out.push_back(Answer(*static_cast<ForwardCall*>(parts[i]), results[i], metrics));
+            }
+            return out;
+          });
     }
-    return out;
-  });
+    // Queued optim_steps of several models: their AdamW as one multi-tensor call (without a
+    // joiner for the group, each runs alone).
+    if (!join_steps) continue;
+    scheduler_->SetJoiner(Bases::JoinGroup("OptimStep", base.base),
+                          [runner, metrics](const std::vector<JoinPart*>& parts) {
+                            std::vector<v1::OptimStepRequest> reqs;
+                            for (JoinPart* part : parts) {
+                              reqs.push_back(static_cast<StepCall*>(part)->request);
+                            }
+                            std::vector<JobResult> out;
+                            for (const auto& r : runner->OptimStepJoint(std::move(reqs))) {
+                              out.push_back(AnswerStep(r, metrics));
+                            }
+                            return out;
+                          });
+  }
+}
+
+std::vector<BaseModel> Ops::BaseModels() const {
+  std::vector<BaseModel> out;
+  for (const Bases::Served& s : bases_->all()) out.push_back(s.base);
+  return out;
+}
+
+const BaseModel& Ops::BaseOfCheckpoint(const std::string& tenant, const std::string& uri) const {
+  const absl::StatusOr<CheckpointPath> path = ParseCheckpointPath(uri);
+  const Bases::Served* made = path.ok() ? bases_->Made(path->Fs(TenantRoot(tenant))) : nullptr;
+  return made != nullptr ? made->base : bases_->first().base;
+}
+
+absl::StatusOr<BaseModel> Ops::BaseNamed(absl::string_view name, absl::string_view field) const {
+  ASSIGN_OR_RETURN(const Bases::Served* s, bases_->Named(name, field));
+  return s->base;
 }
 
 absl::Status Ops::CheckOwner(const std::string& model_id, const std::string& tenant) const {
@@ -170,11 +192,18 @@ absl::Status Ops::CheckOwner(const std::string& model_id, const std::string& ten
   return absl::OkStatus();
 }
 
-void Ops::CreateRegistered(const std::string& tenant,
+void Ops::CreateRegistered(const std::string& tenant, const Bases::Served& base,
                            std::function<absl::StatusOr<std::string>()> create,
                            Done<v1::ModelInfo> done) {
-  ModelRunner* local = runner_->local();
-  scheduler_->CreateModel(tenant, std::move(create),
+  ModelRunner* local = base.runner->local();
+  // Noted before the scheduler lists the model, so that no op finds it on another base.
+  auto noted = [create = std::move(create), bases = bases_,
+                home = base.base]() -> absl::StatusOr<std::string> {
+    absl::StatusOr<std::string> id = create();
+    if (id.ok()) bases->Created(*id, home);
+    return id;
+  };
+  scheduler_->CreateModel(tenant, std::move(noted),
                           [local, done = std::move(done)](const absl::StatusOr<std::string>& id) {
                             if (!id.ok()) return done(id.status());
                             auto info = local->GetInfo(*id);
@@ -190,22 +219,26 @@ void Ops::CreateModel(const std::string& tenant, v1::CreateModelRequest req,
                       Done<v1::ModelInfo> done) {
   // Checked here so that a bad request is never queued nor broadcast.
   if (auto opts = CreateOptionsFromProto(req); !opts.ok()) return done(opts.status());
+  absl::StatusOr<const Bases::Served*> base = bases_->Named(req.base_model(), "base_model");
+  if (!base.ok()) return done(base.status());
   auto request = std::make_shared<v1::CreateModelRequest>(std::move(req));
-  ReplicatedRunner* runner = runner_;
+  ReplicatedRunner* runner = (*base)->runner;
   CreateRegistered(
-      tenant, [runner, request] { return runner->CreateModel(*request); }, std::move(done));
+      tenant, **base, [runner, request] { return runner->CreateModel(*request); }, std::move(done));
 }
 
 void Ops::CreateModelFromState(const std::string& tenant, v1::CreateModelFromStateRequest req,
                                Done<v1::ModelInfo> done) {
   auto path = TrainingCheckpoint(req.path());
   if (!path.ok()) return done(path.status());
-  ReplicatedRunner* runner = runner_;
   const std::string fs = path->Fs(TenantRoot(tenant)), tenant_root = TenantRoot(tenant),
                     root = checkpoint_root_;
+  const Bases::Served* made = bases_->Made(fs);
+  const Bases::Served& base = made != nullptr ? *made : bases_->first();
+  ReplicatedRunner* runner = base.runner;
   const bool with_optimizer = req.with_optimizer();
   CreateRegistered(
-      tenant,
+      tenant, base,
       [runner, fs, with_optimizer, tenant_root, root]() -> absl::StatusOr<std::string> {
         auto id = runner->CreateModelFromState(fs, with_optimizer);
         if (!id.ok()) return HidePaths(id.status(), tenant_root, root);
@@ -217,10 +250,11 @@ void Ops::CreateModelFromState(const std::string& tenant, v1::CreateModelFromSta
 void Ops::DeleteModel(const std::string& tenant, const std::string& model_id,
                       Done<v1::DeleteModelResponse> done) {
   if (auto st = CheckOwner(model_id, tenant); !st.ok()) return done(st);
-  ReplicatedRunner* runner = runner_;
+  ReplicatedRunner* runner = bases_->Of(model_id).runner;
   scheduler_->DeleteModel(
       model_id, [runner, model_id] { return runner->DeleteModel(model_id); },
-      [done = std::move(done)](const absl::Status& st) {
+      [bases = bases_, model_id, done = std::move(done)](const absl::Status& st) {
+        bases->Deleted(model_id);  // the scheduler forgot it, whether or not the runner did
         if (!st.ok()) return done(st);
         done(v1::DeleteModelResponse());
       });
@@ -230,7 +264,7 @@ absl::StatusOr<v1::ModelInfo> Ops::GetInfo(const std::string& tenant, const std:
   if (auto st = CheckOwner(model_id, tenant); !st.ok()) return st;
   auto next = scheduler_->NextSeqId(model_id);
   if (!next.ok()) return next.status();
-  auto info = runner_->local()->GetInfo(model_id);
+  auto info = bases_->Of(model_id).runner->local()->GetInfo(model_id);
   if (!info.ok()) return info.status();
   v1::ModelInfo out;
   InfoToProto(*info, &out);
@@ -241,7 +275,7 @@ absl::StatusOr<v1::ModelInfo> Ops::GetInfo(const std::string& tenant, const std:
 v1::ListModelsResponse Ops::ListModels(const std::string& tenant) {
   v1::ListModelsResponse out;
   for (const std::string& id : scheduler_->Models(tenant)) {  // others' models are invisible
-    auto info = runner_->local()->GetInfo(id);
+    auto info = bases_->Of(id).runner->local()->GetInfo(id);
     auto next = scheduler_->NextSeqId(id);
     if (!info.ok() || !next.ok()) continue;  // deleted meanwhile
     v1::ModelInfo* m = out.add_models();
@@ -482,7 +516,8 @@ void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest*
   job.payload_hash = PayloadHash(*req);
   const std::string model_id = req->model_id();
   const int64_t seq_id = req->seq_id();
-  absl::StatusOr<Batch> batch = BatchFromProto(req->data(), req->loss_fn(), limits_);
+  const Bases::Served& base = bases_->Of(model_id);
+  absl::StatusOr<Batch> batch = BatchFromProto(req->data(), req->loss_fn(), base.base.limits);
   // The job runs once; shared only because std::function must be copyable.
   auto pending = std::make_shared<ForwardCall>();
   if (account_ != nullptr && batch.ok()) {
@@ -506,11 +541,11 @@ void Ops::ForwardBackward(const std::string& tenant, v1::ForwardBackwardRequest*
   if (batch.ok()) {
     // A checked call may share its run with other models' (a refused one answers alone).
     for (const Datum& d : batch->data()) pending->tokens += static_cast<int64_t>(d.tokens.size());
-    job.join_group = job.kind;
+    job.join_group = Bases::JoinGroup(job.kind, base.base);
     job.join = pending;
   }
   pending->batch = std::move(batch);
-  ReplicatedRunner* runner = runner_;
+  ReplicatedRunner* runner = base.runner;
   Metrics* metrics = metrics_;
   job.run = [runner, pending, backward, metrics]() -> JobStep {
     if (!pending->batch.ok()) return {true, pending->batch.status()};
@@ -569,12 +604,13 @@ void Ops::OptimStep(const std::string& tenant, v1::OptimStepRequest req,
   const int64_t seq_id = req.seq_id();
   auto pending = std::make_shared<StepCall>();
   pending->request = std::move(req);
+  const Bases::Served& base = bases_->Of(model_id);
   if (invalid.ok()) {
     // A valid step may share its AdamW with other models' (it counts no tokens).
-    job.join_group = job.kind;
+    job.join_group = Bases::JoinGroup(job.kind, base.base);
     job.join = pending;
   }
-  ReplicatedRunner* runner = runner_;
+  ReplicatedRunner* runner = base.runner;
   Metrics* metrics = metrics_;
   job.run = [runner, pending, invalid, metrics]() -> JobStep {
     if (!invalid.ok()) return {true, invalid};
@@ -594,7 +630,7 @@ void Ops::SaveState(const std::string& tenant, v1::SaveStateRequest req,
   const CheckpointPath path{req.model_id(), "weights", req.name()};
   const std::string fs = path.Fs(TenantRoot(tenant));
   const std::string tenant_root = TenantRoot(tenant), root = checkpoint_root_;
-  ReplicatedRunner* runner = runner_;
+  ReplicatedRunner* runner = bases_->Of(req.model_id()).runner;
   auto request = std::make_shared<v1::SaveStateRequest>(std::move(req));
   SubmitOrdered<v1::SaveStateResponse>(
       request->model_id(), request->seq_id(), "SaveState", PayloadHash(*request),
@@ -624,7 +660,7 @@ void Ops::LoadState(const std::string& tenant, v1::LoadStateRequest req,
   const absl::Status invalid = path.status();
   const std::string fs = invalid.ok() ? path->Fs(TenantRoot(tenant)) : "";
   const std::string tenant_root = TenantRoot(tenant), root = checkpoint_root_;
-  ReplicatedRunner* runner = runner_;
+  ReplicatedRunner* runner = bases_->Of(req.model_id()).runner;
   auto request = std::make_shared<v1::LoadStateRequest>(std::move(req));
   SubmitOrdered<v1::LoadStateResponse>(
       request->model_id(), request->seq_id(), "LoadState", PayloadHash(*request),
@@ -648,7 +684,7 @@ void Ops::SaveWeightsForSampler(const std::string& tenant, v1::SaveWeightsForSam
   const CheckpointPath path{req.model_id(), "sampler_weights", req.name()};
   const std::string fs = path.Fs(TenantRoot(tenant));
   const std::string tenant_root = TenantRoot(tenant), root = checkpoint_root_;
-  ReplicatedRunner* runner = runner_;
+  ReplicatedRunner* runner = bases_->Of(req.model_id()).runner;
   auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(std::move(req));
   SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
       request->model_id(), request->seq_id(), "SaveWeightsForSampler", PayloadHash(*request),

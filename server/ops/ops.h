@@ -24,12 +24,12 @@
 #include "runner/util/memory_account.h"
 #include "runner/validate.h"
 #include "server/common/metrics.h"
+#include "server/core/bases.h"
 #include "server/core/checkpoint_paths.h"
 #include "tinkerd/v1/tinkerd.pb.h"
 
 namespace tinkerd {
 
-class ReplicatedRunner;
 class Scheduler;
 struct StreamState;
 
@@ -56,15 +56,27 @@ struct CheckpointFile {
 
 class Ops {
  public:
-  // `account`: where a queued training call's request and decoded batch are held until it has
-  // run (runner/util/memory_account.h); null where queued requests are not accounted (ranks that
-  // must admit alike). `join_steps`: queued optim_steps of several models may share one
-  // multi-tensor AdamW (ServerConfig::join_optim_steps).
-  Ops(ReplicatedRunner* runner, Scheduler* scheduler, ModelLimits limits,
-      std::string checkpoint_root, Metrics* metrics,
+  // `bases`: the served base models and their runners. `account`: where a queued training
+  // call's request and decoded batch are held until it has run (runner/util/memory_account.h);
+  // null where queued requests are not accounted (ranks that must admit alike). `join_steps`:
+  // queued optim_steps of several models may share one multi-tensor AdamW
+  // (ServerConfig::join_optim_steps).
+  Ops(Bases* bases, Scheduler* scheduler, std::string checkpoint_root, Metrics* metrics,
       std::shared_ptr<MemoryAccount> account = nullptr, bool join_steps = false);
 
-  // Registry changes, on the scheduler thread between jobs.
+  // The served base models, the default first.
+  std::vector<BaseModel> BaseModels() const;
+  // The base clients name `name` in `field` (empty: the default), or INVALID_ARGUMENT naming the
+  // field and the served bases.
+  absl::StatusOr<BaseModel> BaseNamed(absl::string_view name, absl::string_view field) const;
+  // The base model `model_id` was created on (the default for a model that does not exist).
+  const BaseModel& BaseOf(const std::string& model_id) const { return bases_->Of(model_id).base; }
+  // The base a training checkpoint of the tenant (tinker://...) was trained on; the default where
+  // its manifest does not say.
+  const BaseModel& BaseOfCheckpoint(const std::string& tenant, const std::string& path) const;
+
+  // Registry changes, on the scheduler thread between jobs. CreateModel trains on req.base_model;
+  // CreateModelFromState on the base the checkpoint was trained on.
   void CreateModel(const std::string& tenant, v1::CreateModelRequest req, Done<v1::ModelInfo> done);
   void CreateModelFromState(const std::string& tenant, v1::CreateModelFromStateRequest req,
                             Done<v1::ModelInfo> done);
@@ -148,13 +160,12 @@ class Ops {
   // NOT_FOUND when the model belongs to another tenant (indistinguishable from a missing model).
   absl::Status CheckOwner(const std::string& model_id, const std::string& tenant) const;
 
-  const ModelLimits& limits() const { return limits_; }
   Metrics* metrics() const { return metrics_; }
 
  private:
   // Creates a model on the scheduler thread, registered to `tenant`; `create` makes it in the
   // runner. Answers with its description.
-  void CreateRegistered(const std::string& tenant,
+  void CreateRegistered(const std::string& tenant, const Bases::Served& base,
                         std::function<absl::StatusOr<std::string>()> create,
                         Done<v1::ModelInfo> done);
   // Submits an ordered job whose result is one field of RetrieveResultResponse.
@@ -166,9 +177,8 @@ class Ops {
     return checkpoint_root_ + "/" + tenant;
   }
 
-  ReplicatedRunner* runner_;
+  Bases* bases_;
   Scheduler* scheduler_;
-  ModelLimits limits_;
   std::string checkpoint_root_;
   Metrics* metrics_;
   std::shared_ptr<MemoryAccount> account_;

@@ -92,18 +92,17 @@ v1::SampleResponse ToProto(const SampleResult& r) {
 
 }  // namespace
 
-Sampling::Sampling(Ops* ops, ReplicatedRunner* runner, Scheduler* scheduler, SamplingConfig config)
+Sampling::Sampling(Ops* ops, const Bases* bases, Scheduler* scheduler, SamplingConfig config)
     : ops_(ops),
-      runner_(runner),
+      bases_(bases),
       scheduler_(scheduler),
       config_(config),
       engine_(std::make_unique<SampleEngine>(config.engine)),
       loader_(config.max_queued_loads) {
-  // The base's policy shares its tensors; it fails only where sampling is not built (experts
-  // spread over the ranks), which every request for it then reports.
-  auto base = runner_->FreezePolicy("");
-  base_ = base.ok() ? *base : nullptr;
-  base_status_ = base.status();
+  // A base's policy shares its tensors.
+  for (const Bases::Served& base : bases_->all()) {
+    base_policies_.push_back(base.runner->FreezePolicy(""));
+  }
   scheduler_->SetBackground([this] { return engine_->Step(); });
   expirer_ = std::thread([this] {
     const absl::Duration every =
@@ -192,7 +191,8 @@ void Sampling::PublishLocked() {
 absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
                                                const v1::CreateSamplerRequest& req,
                                                const std::string& checkpoint_dir, bool inflight) {
-  ReplicatedRunner* runner = runner_;
+  ASSIGN_OR_RETURN(const Bases::Served* base, BaseFor(req, checkpoint_dir));
+  ReplicatedRunner* runner = base->runner;
   auto make = [&] {
     return checkpoint_dir.empty() ? runner->FreezePolicy(req.model_id())
                                   : runner->local()->LoadPolicy(checkpoint_dir);
@@ -238,6 +238,7 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
   info.set_model_id(req.model_id());
   info.set_path(req.path());
   info.set_step((*policy)->step);
+  info.set_base_model(base->base.name);
   std::vector<std::shared_ptr<const Policy>> expired;  // freed once mu_ is released
   absl::MutexLock lock(&mu_);
   expired = ExpireLocked();
@@ -257,6 +258,7 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
   made.policy = *std::move(policy);
   made.info = info;
   made.used = absl::Now();
+  made.base = base->base.index;
   if (inflight) made.inflight_model = req.model_id();
   PublishLocked();
   return info;
@@ -320,6 +322,9 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
     }
     if (!path.ok()) return done(path.status());
     dir = ops_->CheckpointDir(tenant, *path);
+  }
+  if (absl::StatusOr<const Bases::Served*> base = BaseFor(req, dir); !base.ok()) {
+    return done(base.status());
   }
   if (req.seq_id() > 0) {
     JobSpec job;
@@ -399,8 +404,47 @@ absl::Status Sampling::DeleteSampler(const std::string& tenant, const std::strin
   return absl::OkStatus();
 }
 
+absl::StatusOr<const Bases::Served*> Sampling::BaseFor(const v1::CreateSamplerRequest& req,
+                                                       const std::string& checkpoint_dir) const {
+  if (!req.model_id().empty()) return &bases_->Of(req.model_id());
+  if (!checkpoint_dir.empty()) {
+    // One base: every export is its, whatever a client names beside the path.
+    if (bases_->all().size() == 1) return &bases_->first();
+    if (const Bases::Served* made = bases_->Made(checkpoint_dir)) return made;
+  }
+  return bases_->Named(req.base_model(), "base_model");
+}
+
+absl::StatusOr<const Bases::Served*> Sampling::TargetServed(const std::string& tenant,
+                                                            const std::string& sampler_id,
+                                                            const std::string& model_id,
+                                                            const std::string& base_model) {
+  if (!sampler_id.empty()) {
+    absl::MutexLock lock(&mu_);
+    auto it = samplers_.find(sampler_id);
+    if (it == samplers_.end() || it->second.owner != tenant) {
+      return absl::NotFoundError(absl::StrCat("sampler_id: no sampler '", Echo(sampler_id), "'"));
+    }
+    return &bases_->all()[it->second.base];
+  }
+  if (!model_id.empty()) {
+    // Another tenant's model says nothing of its base: NOT_FOUND first, as for any op on it.
+    RETURN_IF_ERROR(ops_->CheckOwner(model_id, tenant));
+    return &bases_->Of(model_id);
+  }
+  return bases_->Named(base_model, "base_model");
+}
+
+absl::StatusOr<BaseModel> Sampling::Target(const std::string& tenant, const std::string& sampler_id,
+                                           const std::string& model_id,
+                                           const std::string& base_model) {
+  ASSIGN_OR_RETURN(const Bases::Served* served,
+                   TargetServed(tenant, sampler_id, model_id, base_model));
+  return served->base;
+}
+
 void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
-                       const std::string& model_id,
+                       const std::string& model_id, const Bases::Served& base,
                        std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then) {
   if (!sampler_id.empty()) {
     std::shared_ptr<const Policy> policy;
@@ -420,12 +464,10 @@ void Sampling::Resolve(const std::string& tenant, const std::string& sampler_id,
     }
     return then(policy);
   }
-  if (model_id.empty()) {
-    if (base_ == nullptr) return then(base_status_);
-    return then(base_);
-  }
+  if (model_id.empty()) return then(base_policies_[base.base.index]);
   if (absl::Status st = ops_->CheckOwner(model_id, tenant); !st.ok()) return then(st);
-  auto freeze = [this, model_id, then] { then(runner_->FreezePolicy(model_id)); };
+  ReplicatedRunner* runner = base.runner;
+  auto freeze = [runner, model_id, then] { then(runner->FreezePolicy(model_id)); };
   if (!scheduler_->RunBetweenJobs(freeze)) {
     then(absl::UnavailableError("server is shutting down"));
   }
@@ -496,13 +538,16 @@ void Sampling::Run(const std::string& tenant, std::shared_ptr<const Policy> poli
 
 void Sampling::Sample(const std::string& tenant, const v1::SampleRequest& req,
                       Done<v1::SampleResponse> done, SampleProgress progress) {
+  absl::StatusOr<const Bases::Served*> base =
+      TargetServed(tenant, req.sampler_id(), req.model_id(), req.base_model());
+  if (!base.ok()) return done(base.status());
   absl::StatusOr<SampleRequest> request = Decode(req);
   if (request.ok()) {
-    absl::Status st = ValidateSampleRequest(*request, ops_->limits(), config_.request);
+    absl::Status st = ValidateSampleRequest(*request, (*base)->base.limits, config_.request);
     if (!st.ok()) request = st;
   }
   if (!request.ok()) return done(request.status());
-  Resolve(tenant, req.sampler_id(), req.model_id(),
+  Resolve(tenant, req.sampler_id(), req.model_id(), **base,
           [this, tenant, request = *std::move(request), done, progress](auto policy) mutable {
             if (!policy.ok()) return done(policy.status());
             Run(
@@ -524,7 +569,10 @@ void Sampling::ComputeLogprobs(const std::string& tenant, const v1::ComputeLogpr
   // One greedy token: the prefill computes the prompt's logprobs; the token itself is dropped.
   request.params.max_tokens = 1;
   request.params.temperature = 0;
-  ModelLimits limits = ops_->limits();
+  absl::StatusOr<const Bases::Served*> base =
+      TargetServed(tenant, req.sampler_id(), req.model_id(), req.base_model());
+  if (!base.ok()) return done(base.status());
+  ModelLimits limits = (*base)->base.limits;
   if (absl::Status st = CheckPromptFits(std::ssize(request.prompt), limits); !st.ok()) {
     return done(st);
   }
@@ -532,7 +580,7 @@ void Sampling::ComputeLogprobs(const std::string& tenant, const v1::ComputeLogpr
   if (absl::Status st = ValidateSampleRequest(request, limits, config_.request); !st.ok()) {
     return done(st);
   }
-  Resolve(tenant, req.sampler_id(), req.model_id(),
+  Resolve(tenant, req.sampler_id(), req.model_id(), **base,
           [this, tenant, request = std::move(request), done](auto policy) mutable {
             if (!policy.ok()) return done(policy.status());
             Run(tenant, *std::move(policy), std::move(request),

@@ -23,7 +23,6 @@
 
 namespace tinkerd {
 
-class ReplicatedRunner;
 class SampleEngine;
 class Scheduler;
 struct Policy;
@@ -48,9 +47,10 @@ struct SamplingConfig {
 class Sampling {
  public:
   // Registers the engine's steps with the scheduler (before it starts). Rank 0 samples alone,
-  // from copies `runner` freezes (gathered by every rank where a model is sharded) or reads; Ops
-  // answers for ownership, limits and checkpoint paths.
-  Sampling(Ops* ops, ReplicatedRunner* runner, Scheduler* scheduler, SamplingConfig config);
+  // from copies the runner of a model's base freezes (gathered by every rank where a model is
+  // sharded) or reads; one engine samples every base's policies. Ops answers for ownership and
+  // checkpoint paths.
+  Sampling(Ops* ops, const Bases* bases, Scheduler* scheduler, SamplingConfig config);
   ~Sampling();
   // Fails what is admitted and stops the idle expiry: call once the scheduler has stopped.
   void Stop();
@@ -81,6 +81,11 @@ class Sampling {
                        Done<v1::ComputeLogprobsResponse> done);
 
   const SampleLimits& request_limits() const { return config_.request; }
+  // The base model a request samples through: its sampler's, its model's, or `base_model`'s
+  // (empty: the default). NOT_FOUND for a sampler the tenant does not have, INVALID_ARGUMENT for
+  // a name not served.
+  absl::StatusOr<BaseModel> Target(const std::string& tenant, const std::string& sampler_id,
+                                   const std::string& model_id, const std::string& base_model);
 
   // The request as the engine takes it: INVALID_ARGUMENT naming the field.
   static absl::StatusOr<SampleRequest> Decode(const v1::SampleRequest& req);
@@ -93,7 +98,17 @@ class Sampling {
     absl::Time used;
     int64_t clients = 1;         // the original client's 0, then each JoinSampler's
     std::string inflight_model;  // set: follows this model's inflight freezes (CreateSampler)
+    int base = 0;                // the index of its base (Bases)
   };
+  // The base a sampler is made on: its model's; an export's (at `checkpoint_dir`) the one it was
+  // made on (Bases::Made), else req.base_model's, as is a base's own sampler.
+  absl::StatusOr<const Bases::Served*> BaseFor(const v1::CreateSamplerRequest& req,
+                                               const std::string& checkpoint_dir) const;
+  // Target's, with the runner.
+  absl::StatusOr<const Bases::Served*> TargetServed(const std::string& tenant,
+                                                    const std::string& sampler_id,
+                                                    const std::string& model_id,
+                                                    const std::string& base_model);
   // Makes the policy (on the scheduler thread, or the loader's for an export) and registers it.
   absl::StatusOr<v1::SamplerInfo> Make(const std::string& tenant,
                                        const v1::CreateSamplerRequest& req,
@@ -103,10 +118,10 @@ class Sampling {
   absl::Status EvictFor(const std::string& tenant, int64_t bytes,
                         std::vector<std::shared_ptr<const Policy>>* freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The policy `sampler_id` / `model_id` names for `tenant`, then `then` with it (on the
-  // scheduler thread when a model is frozen for the request).
+  // The policy `sampler_id` / `model_id` names for `tenant`, else `base`'s, then `then` with it
+  // (on the scheduler thread when a model is frozen for the request).
   void Resolve(const std::string& tenant, const std::string& sampler_id,
-               const std::string& model_id,
+               const std::string& model_id, const Bases::Served& base,
                std::function<void(absl::StatusOr<std::shared_ptr<const Policy>>)> then);
   void StopExpirer();
   // Takes `samples` of the tenant's share of the engine, or says why not.
@@ -122,12 +137,13 @@ class Sampling {
   void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Ops* ops_;
-  ReplicatedRunner* runner_;
+  const Bases* bases_;
   Scheduler* scheduler_;
   const SamplingConfig config_;
   std::unique_ptr<SampleEngine> engine_;
-  std::shared_ptr<const Policy> base_;
-  absl::Status base_status_;  // why base_ is null, if it is
+  // Each base's own policy, by its index; it fails only where sampling is not built (experts
+  // spread over the ranks), which every request for it then reports.
+  std::vector<absl::StatusOr<std::shared_ptr<const Policy>>> base_policies_;
   absl::Mutex mu_;
   std::map<std::string, Sampler> samplers_ ABSL_GUARDED_BY(mu_);
   // Samples each tenant has in the engine (config_.max_samples_per_tenant); its own lock, taken

@@ -16,7 +16,7 @@ void Ops::StreamForwardBackward(const std::string& tenant, const std::string& mo
                                 std::shared_ptr<StreamState> state, bool replay,
                                 Done<v1::ForwardBackwardOutput> done) {
   if (auto st = CheckOwner(model_id, tenant); !st.ok()) return done(st);
-  ReplicatedRunner* runner = runner_;
+  ReplicatedRunner* runner = bases_->Of(model_id).runner;
   Metrics* metrics = metrics_;
   auto stream_id = std::make_shared<int64_t>(0);
   JobSpec job;

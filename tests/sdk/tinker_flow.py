@@ -15,6 +15,8 @@ Optional:
   TINKERD_PEEK_BYTES=N   the server's --http_peek_bytes (default 1 MiB, as the server's)
   TINKERD_FLOW_TOKENIZER=1 the base model has a tokenizer (run_sdk_test.sh serves one that does):
                          check t runs get_tokenizer() and stop strings
+  TINKERD_FLOW_TEACHER=NAME the server serves a second base model under NAME (run_sdk_test.sh
+                         serves one, "teacher"): check x samples and trains on it
 
 Only public SDK calls are used (`tinker.ServiceClient`, training/sampling clients, `tinker.types`),
 plus raw HTTP through httpx (a dependency of the SDK) for the wire-level checks. Written to run with
@@ -1411,6 +1413,45 @@ def check_i() -> None:
            f"(max |diff| {d:.3g})")
 
 
+def check_x() -> None:
+    teacher = os.environ.get("TINKERD_FLOW_TEACHER", "")
+    if not teacher:
+        raise Skipped("the server serves one base model (TINKERD_FLOW_TEACHER unset)")
+    names = [m.model_name for m in S.svc.get_server_capabilities().supported_models]
+    ok(names == [S.model_name, teacher],
+       f"get_server_capabilities lists the default base, then the teacher ({names})")
+    # On-policy distillation's teacher: a sampling client of another base, in the same server.
+    prompt = [5, 17, 3, 29, 41, 7, 13]
+    inp = types.ModelInput.from_ints(prompt)
+    st = _client(S.svc.create_sampling_client(base_model=teacher))
+    ok(st.get_base_model() == teacher, f"the teacher's sampling client: get_base_model() == {teacher!r}")
+    ss = _client(S.svc.create_sampling_client(base_model=S.model_name))
+    lt = np.asarray(_res(st.compute_logprobs(inp))[1:], dtype=np.float64)
+    ls = np.asarray(_res(ss.compute_logprobs(inp))[1:], dtype=np.float64)
+    d = float(np.max(np.abs(lt - ls)))
+    ok(d > 1e-2, f"the teacher's logprobs are its own weights', not the student's: max |diff| {d:.3g}")
+    # A model trained on the teacher: a fresh adapter adds nothing, so its Forward is the teacher's.
+    tt = _client(S.svc.create_lora_training_client(base_model=teacher, rank=4, seed=5))
+    ok(tt.get_info().model_data.model_name == teacher, f"get_info of a model on it names {teacher!r}")
+    fwd = forward_lps(tt, [datum(prompt)], "forward on the teacher")[0]
+    d = float(np.max(np.abs(fwd - lt)))
+    ok(d <= LP_TOL_XBATCH, f"a fresh model on the teacher: forward == the teacher sampler's "
+       f"compute_logprobs: max |diff| {d:.3g}")
+    fb, _ = train_step(tt, [datum(prompt)], LR)
+    after = forward_lps(tt, [datum(prompt)], "forward on the teacher after a step")[0]
+    ok(float(np.sum(after)) > float(np.sum(fwd)),
+       f"a step on the teacher raises its logprobs ({np.sum(fwd):.4f} -> {np.sum(after):.4f})")
+    moved = np.asarray(_res(st.compute_logprobs(inp))[1:], dtype=np.float64)
+    ok(np.array_equal(moved, lt), "the teacher's own sampler is unchanged by training a model on it")
+    # A base the server does not serve: 400 naming the field and the served bases.
+    r = http("POST", "/api/v1/asample", json_body={
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+        "sampling_params": {"max_tokens": 1}, "num_samples": 1, "base_model": "no-such-base"})
+    body = expect_error(r, 400, "asample on a base not served")
+    ok("base_model" in json.dumps(body) and teacher in json.dumps(body),
+       f"the error names base_model and the served bases ({body})")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == CHILD_ARG:
         child_main()
@@ -1446,6 +1487,8 @@ def main() -> None:
               needs=("a",))
     run_check("y", "0.38's inflight sampling clients follow the model's inflight saves", check_y,
               needs=("a",))
+    run_check("x", "a second base model: the teacher samples and trains beside the default",
+              check_x, needs=("a",))
     finish()
 
 

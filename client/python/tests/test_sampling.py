@@ -202,3 +202,38 @@ def test_sampled_routes_replay_through_the_trainer(moe_server):
             logprobs(routes[:, :, :1])
         assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "routed_experts" in error.value.message
+
+
+@pytest.fixture(scope="module")
+def teacher_server():
+    """tinkerd serving the embedded model (the default) and, as "teacher", another model of the
+    same vocabulary written by tools/make_tiny_model."""
+    model = tempfile.TemporaryDirectory(prefix="tinkerd-pytest-teacher-")
+    tool = os.environ.get("MAKE_TINY_MODEL", os.path.join(REPO, "build/tools/make_tiny_model"))
+    subprocess.run([tool, f"--out={model.name}", "--family=demo", "--seed=7"], check=True,
+                   stdout=subprocess.DEVNULL)
+    s = Server(64, "--base_model=embedded:default", f"--base_model=teacher={model.name}")
+    s.teacher_dir = model.name
+    yield s
+    s.stop()
+    model.cleanup()
+
+
+def test_a_teacher_base_samples_and_trains_beside_the_default(teacher_server):
+    """On-policy distillation's teacher: another base in the same server, by its name."""
+    with tinkerd.Connection(teacher_server.target, max_attempts=3) as c:
+        teacher = c.create_sampling_client(base_model="teacher").compute_logprobs(PROMPT).result()
+        student = c.sampling_client().compute_logprobs(PROMPT).result()
+        assert np.max(np.abs(teacher[1:] - student[1:])) > 1e-3  # its own weights
+        np.testing.assert_array_equal(
+            c.sampling_client(base_model="teacher").compute_logprobs(PROMPT).result()[1:],
+            teacher[1:])
+        # A fresh adapter adds nothing: a model on the teacher computes the teacher's logprobs.
+        trainer = c.create_training_client(lora_rank=4, seed=3, base_model="teacher")
+        assert c.get_info(trainer.model_id).base_model == teacher_server.teacher_dir
+        np.testing.assert_allclose(forward_logprobs(trainer, PROMPT), teacher[1:],
+                                   rtol=1e-6, atol=1e-6)  # float32 on the Forward wire
+        with pytest.raises(tinkerd.TinkerdError) as error:
+            c.create_model(base_model="no-such-base")
+        assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "base_model" in error.value.message and "'teacher'" in error.value.message

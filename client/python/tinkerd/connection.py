@@ -102,15 +102,17 @@ class Connection:
     def create_model(self, *, lora_rank: int = 32, lora_alpha: float = 0.0,
                      train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True,
                      full_finetune: bool = False, loss_reduction: str = "token_mean",
-                     seed: int = 0) -> pb.ModelInfo:
+                     seed: int = 0, base_model: str = "") -> pb.ModelInfo:
         """A new model: a LoRA adapter on the base model, or every weight with full_finetune.
+        `base_model`: which of the server's bases (its served name; empty: the default).
 
         Creation has no idempotency key: a retry after a lost reply makes a second model.
         """
         lora = pb.LoraConfig(rank=lora_rank, alpha=lora_alpha, train_attn=train_attn,
                              train_mlp=train_mlp, train_unembed=train_unembed)
         request = pb.CreateModelRequest(lora=lora, full_finetune=full_finetune,
-                                        loss_reduction=loss_reduction, seed=seed)
+                                        loss_reduction=loss_reduction, seed=seed,
+                                        base_model=base_model)
         return self.call(self.stub.CreateModel, request)
 
     def get_info(self, model_id: str) -> pb.ModelInfo:
@@ -152,16 +154,19 @@ class Connection:
 
     # Sampling.
 
-    def sampling_client(self, *, sampler_id: str = "", model_id: str = ""):
-        """What samples: a sampler, else a model's weights at each request, else the base model."""
+    def sampling_client(self, *, sampler_id: str = "", model_id: str = "", base_model: str = ""):
+        """What samples: a sampler, else a model's weights at each request, else a base model
+        (`base_model`, a served name; empty: the default)."""
         from tinkerd.sampling import SamplingClient
-        return SamplingClient(self, sampler_id=sampler_id, model_id=model_id)
+        return SamplingClient(self, sampler_id=sampler_id, model_id=model_id,
+                              base_model=base_model)
 
-    def create_sampling_client(self, *, model_id: str = "", path: str = ""):
+    def create_sampling_client(self, *, model_id: str = "", path: str = "", base_model: str = ""):
         """A sampler frozen now from a model (between two of its jobs), from a
-        tinker://<model>/sampler_weights/<name> export, or from the base model (neither)."""
-        info = self.call(self.stub.CreateSampler, pb.CreateSamplerRequest(model_id=model_id,
-                                                                          path=path))
+        tinker://<model>/sampler_weights/<name> export, or from a base model (neither;
+        `base_model` names it, empty the default)."""
+        info = self.call(self.stub.CreateSampler, pb.CreateSamplerRequest(
+            model_id=model_id, path=path, base_model=base_model))
         return self.sampling_client(sampler_id=info.sampler_id)
 
     def health(self) -> bool:

@@ -123,10 +123,12 @@ class SampleStream:
 
 
 class SamplingClient:
-    def __init__(self, connection, *, sampler_id: str = "", model_id: str = ""):
+    def __init__(self, connection, *, sampler_id: str = "", model_id: str = "",
+                 base_model: str = ""):
         self.connection = connection
         self.sampler_id = sampler_id
         self.model_id = model_id
+        self.base_model = base_model
 
     def sample(self, prompt: Sequence[int], *, max_tokens: int, num_samples: int = 1,
                temperature: float | None = None, top_k: int = 0, top_p: float | None = None,
@@ -157,6 +159,7 @@ class SamplingClient:
     def compute_logprobs(self, prompt: Sequence[int]):
         """Future of float64 [P]: log p(prompt[t] | prompt[:t]), NaN at position 0."""
         request = pb.ComputeLogprobsRequest(sampler_id=self.sampler_id, model_id=self.model_id,
+                                            base_model=self.base_model,
                                             prompt=model_input(prompt))
         return self.connection.submit_sampling(lambda: np.array(
             self.connection.call(self.connection.stub.ComputeLogprobs, request).logprobs,
@@ -168,6 +171,7 @@ class SamplingClient:
                                    top_p=top_p, seed=seed,
                                    stop=[pb.EncodedTextChunk(tokens=list(s)) for s in stop])
         return pb.SampleRequest(sampler_id=self.sampler_id, model_id=self.model_id,
+                                base_model=self.base_model,
                                 prompt=model_input(prompt), num_samples=num_samples,
                                 sampling_params=params, prompt_logprobs=prompt_logprobs,
                                 topk_prompt_logprobs=topk_prompt_logprobs)
