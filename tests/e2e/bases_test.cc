@@ -6,8 +6,6 @@
 
 #include <future>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
 #include "runner/model/weights.h"
 #include "runner/util/memory_account.h"
 #include "tests/e2e/e2e_util.h"
@@ -312,17 +310,6 @@ TEST(Bases, AModelOnTheTeacherTrainsAndComesBackFromItsCheckpointOnTheTeacher) {
   ASSERT_TRUE(two.stub->DeleteModel(&del_ctx, ref, &deleted).ok());
   st = two.FwdBwd(MakeRequest(model, 5, {NextToken(kTokens)}), &out, false);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
-}
-
-// Σ of a counter's samples over its labels in a /metrics body.
-int64_t CounterSum(const std::string& body, const std::string& name) {
-  int64_t sum = 0;
-  for (absl::string_view line : absl::StrSplit(body, '\n')) {
-    if (!absl::StartsWith(line, name + "{")) continue;
-    int64_t v = 0;
-    if (absl::SimpleAtoi(line.substr(line.rfind(' ') + 1), &v)) sum += v;
-  }
-  return sum;
 }
 
 // Models on both bases with every call in flight at once: the scheduler joins calls of one base

@@ -11,6 +11,9 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "server/core/convert.h"
 #include "server/server.h"
 #include "tests/test_util.h"
@@ -26,6 +29,17 @@ void WaitFor(F done, const char* what) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "timed out waiting for " << what;
     std::this_thread::yield();
   }
+}
+
+// Σ of a counter's samples over its labels in a /metrics body.
+inline int64_t CounterSum(const std::string& body, const std::string& name) {
+  int64_t sum = 0;
+  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+    if (!absl::StartsWith(line, name + "{")) continue;
+    int64_t v = 0;
+    if (absl::SimpleAtoi(line.substr(line.rfind(' ') + 1), &v)) sum += v;
+  }
+  return sum;
 }
 
 struct LiveServer {

@@ -7,23 +7,10 @@
 
 #include <future>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {
 namespace {
-
-// Σ of a counter's samples over its labels in a /metrics body.
-int64_t CounterSum(const std::string& body, const std::string& name) {
-  int64_t sum = 0;
-  for (absl::string_view line : absl::StrSplit(body, '\n')) {
-    if (!absl::StartsWith(line, name + "{")) continue;
-    int64_t v = 0;
-    if (absl::SimpleAtoi(line.substr(line.rfind(' ') + 1), &v)) sum += v;
-  }
-  return sum;
-}
 
 TEST(SharedPass, EachModelGetsWhatItGetsOnAServerThatRunsCallsAlone) {
   ServerConfig shared_config, alone_config;
