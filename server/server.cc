@@ -160,7 +160,7 @@ absl::StatusOr<std::unique_ptr<TinkerdServer>> TinkerdServer::Start(
     const int64_t half = Unheld(*sampling_config.engine.account) / 2;
     if (sampling_config.engine.kv_cache_bytes > half) {
       TLOG_INFO(
-          "samples' KV caches: at most {} MiB, half the memory budget (below "
+          "samples' KV caches: at most {} MiB, half the memory budget the bases leave (below "
           "--sample_kv_cache_mb={})",
           half >> 20, sampling_config.engine.kv_cache_bytes >> 20);
       sampling_config.engine.kv_cache_bytes = half;

@@ -26,7 +26,8 @@ struct ServerConfig {
   // fewer kernel launches on a GPU; on a 2-vCPU CPU 1.5x slower than steps alone, whose work
   // overlaps the RPCs' (bench/RESULTS.md), hence off by default.
   bool join_optim_steps = false;
-  // Where tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints are stored.
+  // Where tinker://<model_id>/{weights,sampler_weights,external_weights}/<name> checkpoints are
+  // stored.
   std::string checkpoint_root = "/tmp/tinkerd-checkpoints";
   // Prometheus /metrics, /healthz, /readyz over HTTP on this port (-1: off; 0: any free port).
   int metrics_port = -1;

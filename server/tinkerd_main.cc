@@ -73,7 +73,8 @@ ABSL_FLAG(int, stall_timeout_s, 1800,
           "step has run longer than this; set it above the longest call you run, saves and loads "
           "of the largest checkpoint included (0: never)");
 ABSL_FLAG(std::string, checkpoint_root, "/tmp/tinkerd-checkpoints",
-          "directory holding tinker://<model_id>/{weights,sampler_weights}/<name> checkpoints "
+          "directory holding tinker://<model_id>/<kind>/<name> checkpoints (kind weights, "
+          "sampler_weights or external_weights) "
           "(shared storage when ranks run on several machines)");
 ABSL_FLAG(std::string, api_keys_file, "",
           "file of 'tenant key' lines; empty: no authentication (fine on loopback only)");
@@ -223,9 +224,14 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> BasesOfFlags(in
       return absl::InvalidArgumentError(
           absl::StrCat("--base_model: '", value, "' names no model directory"));
     }
-    if (!names.insert(name.empty() ? dir : name).second) {
+    // The name it is served under: the first's may be --served_model_name.
+    std::string served = name.empty() ? dir : name;
+    if (bases.empty() && !absl::GetFlag(FLAGS_served_model_name).empty()) {
+      served = absl::GetFlag(FLAGS_served_model_name);
+    }
+    if (!names.insert(served).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--base_model: two bases are served as '", name.empty() ? dir : name, "'"));
+          absl::StrCat("--base_model: two bases are served as '", served, "'"));
     }
     bases.emplace_back(std::move(name), std::move(dir));
   }

@@ -18,6 +18,7 @@ namespace tinkerd {
 absl::StatusOr<std::unique_ptr<Bases>> Bases::Create(std::vector<Served> served) {
   if (served.empty()) return absl::InvalidArgumentError("server: no base model to serve");
   std::set<std::string> names;
+  std::set<uint64_t> fingerprints;
   for (size_t i = 0; i < served.size(); ++i) {
     Served& s = served[i];
     if (s.base.name.empty()) {
@@ -26,6 +27,13 @@ absl::StatusOr<std::unique_ptr<Bases>> Bases::Create(std::vector<Served> served)
     if (!names.insert(s.base.name).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("server: two base models are served as '", s.base.name, "'"));
+    }
+    if (!fingerprints.insert(s.runner->local()->base_fingerprint()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("server: base model '", s.base.name,
+                       "' has another base's fingerprint (its config, final norm and first "
+                       "embedding rows): the same model twice, or one whose fine-tune left those "
+                       "alike; serve it once"));
     }
     if (served.size() > 1 && s.runner->world_size() > 1) {
       return absl::InvalidArgumentError(
@@ -70,6 +78,7 @@ void Bases::Deleted(const std::string& model_id) {
 }
 
 const Bases::Served* Bases::Made(const std::string& path) const {
+  if (served_.size() == 1) return &served_.front();
   const absl::StatusOr<std::string> dir = ResolveCheckpoint(path);
   if (!dir.ok()) return nullptr;
   const absl::StatusOr<std::string> text = ReadFileToString(*dir + "/manifest.json");

@@ -34,7 +34,8 @@ class Bases {
     BaseModel base;
     ReplicatedRunner* runner = nullptr;
   };
-  // At least one base; names non-empty and distinct, else INVALID_ARGUMENT.
+  // At least one base; names non-empty and distinct, and no base twice (one fingerprint), else
+  // INVALID_ARGUMENT.
   static absl::StatusOr<std::unique_ptr<Bases>> Create(std::vector<Served> served);
 
   const std::vector<Served>& all() const { return served_; }
@@ -54,7 +55,7 @@ class Bases {
   // The base a checkpoint or sampler export at `path` (on disk) was made on: the one whose
   // fingerprint its manifest records, else (an export from before merged exports recorded it)
   // the one that holds its model; null when neither says (the first base then tries it, and
-  // a load on the wrong base fails naming why).
+  // a load on the wrong base fails naming why). With one base, that base, unread.
   const Served* Made(const std::string& path) const;
   // The scheduler's join group of `kind` for `base`: only one base's calls share a pass.
   static std::string JoinGroup(absl::string_view kind, const BaseModel& base);

@@ -1,5 +1,7 @@
 #include "server/core/checkpoint_paths.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "runner/util/echo.h"
@@ -36,6 +38,12 @@ absl::Status ValidateCheckpointName(const std::string& name, absl::string_view f
   return absl::OkStatus();
 }
 
+std::string CheckpointKindName(const std::string& kind) {
+  if (kind == "weights") return "training";
+  if (kind == "sampler_weights") return "sampler";
+  return "external";
+}
+
 absl::StatusOr<CheckpointPath> ParseCheckpointPath(const std::string& uri) {
   constexpr absl::string_view kScheme = "tinker://";
   if (uri.rfind(std::string(kScheme), 0) != 0) {
@@ -44,11 +52,12 @@ absl::StatusOr<CheckpointPath> ParseCheckpointPath(const std::string& uri) {
   }
   std::vector<std::string> parts = absl::StrSplit(uri.substr(kScheme.size()), '/');
   if (parts.size() != 3 || !SafeComponent(parts[0]) || !SafeComponent(parts[2]) ||
-      (parts[1] != "weights" && parts[1] != "sampler_weights")) {
+      std::find(kCheckpointKinds.begin(), kCheckpointKinds.end(), parts[1]) ==
+          kCheckpointKinds.end()) {
     return absl::InvalidArgumentError(
         absl::StrCat("path: '", Echo(uri),
-                     "' must be tinker://<model_id>/weights/<name> or "
-                     "tinker://<model_id>/sampler_weights/<name>"));
+                     "' must be tinker://<model_id>/<kind>/<name>, the kind weights, "
+                     "sampler_weights or external_weights"));
   }
   return CheckpointPath{parts[0], parts[1], parts[2]};
 }

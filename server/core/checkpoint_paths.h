@@ -1,15 +1,24 @@
 // tinker://<model_id>/<kind>/<name> paths and where they live under the checkpoint root.
 #pragma once
 
+#include <array>
 #include <string>
 
 #include "absl/status/statusor.h"
 
 namespace tinkerd {
 
+// The kinds of checkpoint, by their folder: training state, sampler exports, and external
+// exports (Tinker's save_weights_external: the same files as a sampler export, in Hugging Face
+// layout, for download).
+inline constexpr std::array<const char*, 3> kCheckpointKinds = {"weights", "sampler_weights",
+                                                                "external_weights"};
+// A kind's name in listings (Tinker's checkpoint_type): "training", "sampler" or "external".
+std::string CheckpointKindName(const std::string& kind);
+
 struct CheckpointPath {
   std::string model_id;
-  std::string kind;  // "weights" or "sampler_weights"
+  std::string kind;  // one of kCheckpointKinds
   std::string name;
 
   std::string Uri() const;                        // tinker://model/kind/name

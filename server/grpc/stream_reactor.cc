@@ -62,9 +62,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     } else {
       absl::StatusOr<Datum> d = DatumFromProto(msg.datum(), received_);
       absl::StatusOr<Batch> batch =
-          d.ok()
-              ? Batch::Check({*std::move(d)}, loss_, svc_->ops()->BaseOf(header_.model_id()).limits)
-              : d.status();
+          d.ok() ? Batch::Check({*std::move(d)}, loss_, limits_) : d.status();
       const absl::Status st = batch.status();
       {
         absl::MutexLock lock(&state_->mu);
@@ -149,6 +147,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       return false;
     }
     loss_ = *std::move(loss);
+    limits_ = svc_->ops()->BaseOf(h.model_id()).limits;
     if (!replay_) Submit();
     return true;
   }
@@ -202,6 +201,7 @@ class StreamReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   const std::shared_ptr<StreamState> state_ = std::make_shared<StreamState>();
   v1::StreamHeader header_;
   ResolvedLoss loss_;    // the header's
+  ModelLimits limits_;   // its model's base's
   bool opened_ = false;  // the header was valid
   bool replay_ = false;  // a retry: submitted once complete
   size_t messages_ = 0;

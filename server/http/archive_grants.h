@@ -19,6 +19,7 @@ namespace tinkerd::http {
 struct ArchiveGrant {
   std::string tenant, uri;
   absl::Time expires;
+  std::string file;  // set: this one file of the checkpoint, as it is (no archive)
 };
 
 class ArchiveGrants {

@@ -58,6 +58,7 @@ std::string TarHeader(const TarArchive::Member& m) {
 }
 
 uint64_t TarSize(const TarArchive& archive) {
+  if (archive.raw) return archive.members.empty() ? 0 : archive.members.front().size;
   uint64_t n = 2 * kBlock;
   for (const TarArchive::Member& m : archive.members) n += kBlock + Padded(m.size);
   return n;
@@ -108,10 +109,14 @@ boost::optional<std::pair<TarBody::writer::const_buffers_type, bool>> TarBody::w
         part_ = Part::kData;
         return out(true);
       case Part::kData: {
+        if (member_ == archive_.members.size()) {  // a raw body of nothing
+          part_ = Part::kEnd;
+          continue;
+        }
         const TarArchive::Member& m = archive_.members[member_];
         const uint64_t left = m.size - done_;
         if (left == 0) {
-          part_ = Part::kPadding;
+          part_ = archive_.raw ? Part::kEnd : Part::kPadding;
           continue;
         }
         chunk_.resize(static_cast<size_t>(std::min<uint64_t>(left, kChunk)));

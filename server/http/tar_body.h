@@ -30,6 +30,9 @@ struct TarArchive {
   };
   std::vector<Member> members;
   std::function<void()> on_close;  // run once the archive is no longer needed
+  // One member's bytes alone, without its header, padding or the trailer: a single file's
+  // download, streamed the same way.
+  bool raw = false;
 
   TarArchive() = default;
   TarArchive(const TarArchive&) = delete;
@@ -58,7 +61,7 @@ struct TarBody {
 
     template <bool isRequest, class Fields>
     writer(const boost::beast::http::header<isRequest, Fields>&, const value_type& archive)
-        : archive_(*archive) {}
+        : archive_(*archive), part_(archive->raw ? Part::kData : Part::kHeader) {}
 
     void init(boost::beast::error_code& ec) { ec = {}; }
     boost::optional<std::pair<const_buffers_type, bool>> get(boost::beast::error_code& ec);
@@ -67,7 +70,7 @@ struct TarBody {
     const TarArchive& archive_;
     size_t member_ = 0;
     uint64_t done_ = 0;  // bytes of the current member's data sent
-    enum class Part { kHeader, kData, kPadding, kTrailer, kEnd } part_ = Part::kHeader;
+    enum class Part { kHeader, kData, kPadding, kTrailer, kEnd } part_;
     std::string chunk_;
   };
 };

@@ -48,6 +48,7 @@ std::map<std::string, Router::JsonHandler> TinkerApi::JsonPosts() {
       {"save_weights", &TinkerApi::SaveWeights},
       {"load_weights", &TinkerApi::LoadWeights},
       {"save_weights_for_sampler", &TinkerApi::SaveWeightsForSampler},
+      {"save_weights_external", &TinkerApi::SaveWeightsExternal},
       {"weights_info", &TinkerApi::WeightsInfo},
       {"retrieve_future", &TinkerApi::RetrieveFuture},
       {"retrieve_futures", &TinkerApi::RetrieveFutures},

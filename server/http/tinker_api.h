@@ -97,6 +97,14 @@ class TinkerApi {
   void SaveWeights(const std::string& tenant, const Json& body, Respond respond);
   void LoadWeights(const std::string& tenant, const Json& body, Respond respond);
   void SaveWeightsForSampler(const std::string& tenant, const Json& body, Respond respond);
+  // save_weights_external: the model's weights for download, in Hugging Face layout (a LoRA
+  // model's PEFT adapter, a full fine-tune's merged weights), under external_weights/.
+  void SaveWeightsExternal(const std::string& tenant, const Json& body, Respond respond);
+  // Answers an ordered call the edge refuses (`error`) through its future, its seq_id taken with
+  // the error (Ops::Refuse): the client has used that seq_id, and the model's later calls would
+  // otherwise wait for it until --order_timeout_s.
+  void RefuseOrdered(const std::string& tenant, const CallKey& key, const std::string& model_id,
+                     int64_t seq_id, const std::string& kind, absl::Status error, Respond respond);
   void WeightsInfo(const std::string& tenant, const Json& body, Respond respond);
   // Tinker's protobuf ForwardBackwardRequest (forward_only selects forward).
   void ForwardBackward(const std::string& tenant, const Request& req, Respond respond);
@@ -147,6 +155,12 @@ class TinkerApi {
   void ArchiveUrl(const std::string& tenant, const Request& req, const std::string& uri,
                   Respond respond);
   void Archive(const std::string& method, const std::string& token, Respond respond);
+  // An external_weights checkpoint's files, each with its download URL (as ArchiveUrl's, for the
+  // file alone): {"urls": {file: url}, "expires"}.
+  void FileUrls(const std::string& tenant, const Request& req, const std::string& uri,
+                Respond respond);
+  // A download URL for `grant` (a new token for it).
+  absl::StatusOr<std::string> GrantUrl(const Request& req, ArchiveGrant grant);
 
   Ops* ops_;
   Sampling* sampling_;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
+#include "server/core/checkpoint_paths.h"
 #include "server/http/router.h"
 #include "server/http/tar_body.h"
 #include "server/http/tinker_api.h"
@@ -49,27 +50,54 @@ Response NoStore(Response r) {
 
 }  // namespace
 
-void TinkerApi::ArchiveUrl(const std::string& tenant, const Request& req, const std::string& uri,
-                           Respond respond) {
-  // Checked now, so that a URL is given only for a checkpoint that exists and is this tenant's.
-  auto files = ops_->CheckpointFiles(tenant, uri);
-  if (!files.ok()) return respond(Error(files.status()));
+absl::StatusOr<std::string> TinkerApi::GrantUrl(const Request& req, ArchiveGrant grant) {
   const ArchiveConfig& conf = config_.archive;
   if (conf.public_url.empty() && !UsableHost(req.host)) {
-    return respond(Error(400, "Host: missing or not a host name; the archive URL is made of it"));
+    return absl::InvalidArgumentError(
+        "Host: missing or not a host name; the download URL is made of it");
   }
   auto token = Token();
-  if (!token.ok()) return respond(Error(token.status()));
-  const absl::Time expires = absl::Now() + conf.url_ttl;
-  archives_.Add(*token, ArchiveGrant{tenant, uri, expires});
+  if (!token.ok()) return token.status();
+  archives_.Add(*token, std::move(grant));
   // Without a public URL: the scheme and host this request came by, and the prefix of
   // base_url's path, if any, before /api/v1/.
   const std::string base = conf.public_url.empty()
                                ? absl::StrCat(req.tls ? "https://" : "http://", req.host,
                                               req.path.substr(0, req.path.find(kApiPrefix)))
                                : std::string(absl::StripSuffix(conf.public_url, "/"));
-  respond(NoStore(JsonResponse(Json{{"url", absl::StrCat(base, kApiPrefix, "archives/", *token)},
-                                    {"expires", IsoTime(expires)}})));
+  return absl::StrCat(base, kApiPrefix, "archives/", *token);
+}
+
+void TinkerApi::ArchiveUrl(const std::string& tenant, const Request& req, const std::string& uri,
+                           Respond respond) {
+  // Checked now, so that a URL is given only for a checkpoint that exists and is this tenant's.
+  auto files = ops_->CheckpointFiles(tenant, uri);
+  if (!files.ok()) return respond(Error(files.status()));
+  const absl::Time expires = absl::Now() + config_.archive.url_ttl;
+  auto url = GrantUrl(req, ArchiveGrant{tenant, uri, expires, ""});
+  if (!url.ok()) return respond(Error(url.status()));
+  respond(NoStore(JsonResponse(Json{{"url", *url}, {"expires", IsoTime(expires)}})));
+}
+
+void TinkerApi::FileUrls(const std::string& tenant, const Request& req, const std::string& uri,
+                         Respond respond) {
+  auto path = ParseCheckpointPath(uri);
+  if (path.ok() && path->kind != "external_weights") {
+    path = absl::InvalidArgumentError(
+        "external_weights_urls: only an external_weights checkpoint (save_weights_external) has "
+        "them; download others whole (archive)");
+  }
+  if (!path.ok()) return respond(Error(path.status()));
+  auto files = ops_->CheckpointFiles(tenant, uri);
+  if (!files.ok()) return respond(Error(files.status()));
+  const absl::Time expires = absl::Now() + config_.archive.url_ttl;
+  Json urls = Json::object();
+  for (const CheckpointFile& f : *files) {
+    auto url = GrantUrl(req, ArchiveGrant{tenant, uri, expires, f.name});
+    if (!url.ok()) return respond(Error(url.status()));
+    urls[f.name] = *url;
+  }
+  respond(NoStore(JsonResponse(Json{{"urls", std::move(urls)}, {"expires", IsoTime(expires)}})));
 }
 
 void TinkerApi::Archive(const std::string& method, const std::string& token, Respond respond) {
@@ -91,21 +119,33 @@ void TinkerApi::Archive(const std::string& method, const std::string& token, Res
     return respond(std::move(busy));
   }
   std::vector<std::pair<std::string, std::string>> named;
-  for (const CheckpointFile& f : *files) named.emplace_back(f.name, f.path);
+  for (const CheckpointFile& f : *files) {
+    if (grant.file.empty() || f.name == grant.file) named.emplace_back(f.name, f.path);
+  }
+  if (!grant.file.empty() && named.empty()) {
+    archive_downloads_->fetch_sub(1);
+    return respond(Error(404, "archive: the file is gone from its checkpoint"));
+  }
   auto archive = OpenTarArchive(named);
   if (!archive.ok()) {
     archive_downloads_->fetch_sub(1);
     return respond(Error(archive.status()));
   }
   (*archive)->on_close = [downloads = archive_downloads_] { downloads->fetch_sub(1); };
+  (*archive)->raw = !grant.file.empty();
   Response r;
-  r.content_type = "application/x-tar";
+  r.content_type = grant.file.empty() ? "application/x-tar" : "application/octet-stream";
   r.tar = std::move(*archive);
-  // tinker://model/kind/name → model-kind-name.tar (the parts are [A-Za-z0-9._:-] only).
+  // tinker://model/kind/name → model-kind-name.tar (the parts are [A-Za-z0-9._:-] only); a
+  // file, its own name (the part after its last '/': a checkpoint's files are ASCII).
   const std::string name =
-      absl::StrReplaceAll(grant.uri.substr(sizeof("tinker://") - 1), {{"/", "-"}, {":", "-"}});
+      grant.file.empty()
+          ? absl::StrCat(absl::StrReplaceAll(grant.uri.substr(sizeof("tinker://") - 1),
+                                             {{"/", "-"}, {":", "-"}}),
+                         ".tar")
+          : grant.file.substr(grant.file.rfind('/') + 1);
   r.headers.emplace_back("Content-Disposition",
-                         absl::StrCat("attachment; filename=\"", name, ".tar\""));
+                         absl::StrCat("attachment; filename=\"", name, "\""));
   respond(NoStore(std::move(r)));
 }
 

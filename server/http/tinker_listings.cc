@@ -72,17 +72,21 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
                              const std::string& endpoint, Respond respond) {
   const std::string& method = req.method;
   const std::vector<std::string> parts = absl::StrSplit(endpoint, '/');
-  // parts: training_runs [id [checkpoints [kind name [archive]]]]
-  if (parts.size() == 6 && parts[2] == "checkpoints" && parts[5] == "archive") {
+  // parts: training_runs [id [checkpoints [kind name [archive | external_weights_urls | ttl]]]]
+  const bool of_checkpoint = parts.size() == 6 && parts[2] == "checkpoints";
+  // The checkpoint those parts name, the run id resolved through the tenant's aliases.
+  auto checkpoint = [&] {
+    return absl::StrCat("tinker://", aliases_.Resolve(tenant, parts[1]), "/", parts[3], "/",
+                        parts[4]);
+  };
+  if (of_checkpoint && (parts[5] == "archive" || parts[5] == "external_weights_urls")) {
     if (method != "GET") return respond(Error(405, absl::StrCat(endpoint, ": use GET")));
-    return ArchiveUrl(
-        tenant, req,
-        absl::StrCat("tinker://", aliases_.Resolve(tenant, parts[1]), "/", parts[3], "/", parts[4]),
-        std::move(respond));
+    if (parts[5] == "archive") return ArchiveUrl(tenant, req, checkpoint(), std::move(respond));
+    return FileUrls(tenant, req, checkpoint(), std::move(respond));
   }
   // RestClient.set_checkpoint_ttl_from_tinker_path: PUT .../checkpoints/<kind>/<name>/ttl
   // {"ttl_seconds": seconds from now, or null for never}.
-  if (parts.size() == 6 && parts[2] == "checkpoints" && parts[5] == "ttl") {
+  if (of_checkpoint && parts[5] == "ttl") {
     if (method != "PUT") return respond(Error(405, absl::StrCat(endpoint, ": use PUT")));
     // {"ttl_seconds": n} is a few bytes: a larger body is refused before its parse.
     if (req.body.size() > 1024) return respond(Error(413, "body: a ttl takes at most 1 KiB"));
@@ -92,9 +96,7 @@ void TinkerApi::TrainingRuns(const std::string& tenant, const Request& req,
     const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(**body);
     if (!ttl.ok()) return respond(Error(ttl.status()));
     const absl::Status st = ops_->SetCheckpointExpiry(
-        tenant,
-        absl::StrCat("tinker://", aliases_.Resolve(tenant, parts[1]), "/", parts[3], "/", parts[4]),
-        *ttl ? std::optional<absl::Time>(absl::Now() + **ttl) : std::nullopt);
+        tenant, checkpoint(), *ttl ? std::optional<absl::Time>(absl::Now() + **ttl) : std::nullopt);
     return respond(st.ok() ? JsonResponse(Json::object()) : Error(st));
   }
   const bool del = parts.size() == 5 && parts[2] == "checkpoints";

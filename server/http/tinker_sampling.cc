@@ -62,7 +62,8 @@ void TinkerApi::CreateSamplingSession(const std::string& tenant, const Json& bod
   }
   v1::CreateSamplerRequest req;
   if (model_path) req.set_path(*model_path);
-  if (base_model) req.set_base_model(*base_model);  // with a path: if its model is gone
+  // With a path, read only for an export whose manifest does not name its base.
+  if (base_model) req.set_base_model(*base_model);
   sampling_->CreateSampler(
       tenant, req, [this, tenant, session_id, seq, answer](absl::StatusOr<v1::SamplerInfo> info) {
         // Kept for resends while the session lives; a failure is not: a resend tries again.
@@ -140,12 +141,13 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
   const Json* target = f.Obj("target_prompt_logprobs");
   if (!f.status().ok()) return respond(Error(f.status()));
   const SampleLimits& limits = sampling_->request_limits();
-  // The base it samples through, whose limits the checks below use: the session's sampler's (a
-  // session without one fails as the sample's future, as it did before), or the named base's.
+  // The base it samples through, whose limits the checks below use: the session's sampler's, or
+  // the named base's. A session without a sampler fails as the sample's future, an unserved
+  // base_model where it is read below, each as before; the checks take the default's meanwhile.
   absl::StatusOr<BaseModel> base =
       sampling_->Target(tenant, session.value_or(""), "", session ? "" : base_model.value_or(""));
-  if (!base.ok() && session) base = ops_->BaseModels().front();
-  if (!base.ok()) return respond(Error(base.status()));
+  const absl::Status unserved = session ? absl::OkStatus() : base.status();
+  if (!base.ok()) base = ops_->BaseModels().front();
   absl::Status st = RefuseUnservedSampleFields(body);
   if (st.ok()) st = PromptFromTinker(prompt, req.mutable_prompt());
   if (st.ok()) st = SamplingParamsFromTinker(params, req.mutable_sampling_params());
@@ -197,6 +199,7 @@ void TinkerApi::ASample(const std::string& tenant, const Json& body, Respond res
                          "model_path: sample through a sampling session "
                          "(create_sampling_client(model_path=...)), not per request"));
   } else {
+    if (!unserved.ok()) return respond(Error(unserved));
     req.set_base_model(base->name);
     // The base model without a session has no retry key: each request is new.
     request_id = absl::StrCat("sample:base:", RandomHex());

@@ -3,6 +3,7 @@
 // save_weights_for_sampler, weights_info, copy_weights. Ordered calls take the model's seq_id, so a
 // resend is recognized by the scheduler (Resend::kOperation); creations and unloads by their
 // future.
+#include <filesystem>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -79,8 +80,6 @@ void TinkerApi::CreateModel(const std::string& tenant, const Json& body, Respond
     }
   }
   if (!f.status().ok()) return respond(Error(f.status()));
-  // Named, never defaulted: the SDK always sends it, and a typo must not train another base.
-  if (base_model.empty()) return respond(Error(400, "base_model: required"));
   if (auto base = ops_->BaseNamed(base_model, "base_model"); !base.ok()) {
     return respond(Error(base.status()));
   }
@@ -218,6 +217,19 @@ void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond r
       std::move(respond));
 }
 
+void TinkerApi::RefuseOrdered(const std::string& tenant, const CallKey& key,
+                              const std::string& model_id, int64_t seq_id, const std::string& kind,
+                              absl::Status error, Respond respond) {
+  Ops* ops = ops_;
+  CallIntoFuture<v1::RetrieveResultResponse>(
+      &futures_, tenant, key, Resend::kOperation,
+      [ops, tenant, model_id, seq_id, kind, hash = key.digest,
+       error = std::move(error)](Done<v1::RetrieveResultResponse> done) {
+        ops->Refuse(tenant, model_id, seq_id, kind, hash, error, std::move(done));
+      },
+      [](const v1::RetrieveResultResponse&) { return Response(); }, std::move(respond));
+}
+
 void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond respond) {
   Fields f(body);
   v1::SaveStateRequest req;
@@ -340,6 +352,51 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
       },
       [](const v1::SaveWeightsForSamplerResponse& r) {
         return JsonResponse(Json{{"type", "save_weights_for_sampler"}, {"path", r.path()}});
+      },
+      std::move(respond));
+}
+
+void TinkerApi::SaveWeightsExternal(const std::string& tenant, const Json& body, Respond respond) {
+  Fields f(body);
+  v1::SaveWeightsForSamplerRequest req;
+  req.set_model_id(f.Str("model_id"));
+  req.set_seq_id(f.Int("seq_id"));
+  req.set_name(f.Str("path"));
+  if (!f.status().ok()) return respond(Error(f.status()));
+  absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
+  if (auto it = body.find("age_encryption_recipients");
+      it != body.end() && !it->is_null() && (!it->is_array() || !it->empty())) {
+    ttl = absl::InvalidArgumentError(
+        "age_encryption_recipients: this server does not encrypt exports; send none, and "
+        "encrypt the downloaded files yourself");
+  }
+  const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
+  req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
+  if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
+  const CallKey key{request_id, JsonDigest("save_weights_external", body), "seq_id"};
+  if (!ttl.ok()) {
+    return RefuseOrdered(tenant, key, req.model_id(), req.seq_id(), "SaveWeightsExternal",
+                         ttl.status(), std::move(respond));
+  }
+  Ops* ops = ops_;
+  CallIntoFuture<v1::SaveWeightsForSamplerResponse>(
+      &futures_, tenant, key, Resend::kOperation,
+      [ops, tenant, req, ttl = *ttl](Done<v1::SaveWeightsForSamplerResponse> done) {
+        ops->SaveWeightsForSampler(tenant, req, AfterExpirySet(ops, tenant, ttl, std::move(done)),
+                                   /*external=*/true);
+      },
+      [ops, tenant](const v1::SaveWeightsForSamplerResponse& r) {
+        Json out{{"type", "save_weights_external"}, {"path", r.path()}};
+        if (auto files = ops->CheckpointFiles(tenant, r.path()); files.ok()) {
+          int64_t bytes = 0;
+          for (const CheckpointFile& file : *files) {
+            std::error_code ec;
+            const auto size = std::filesystem::file_size(file.path, ec);
+            if (!ec) bytes += static_cast<int64_t>(size);
+          }
+          out["size_bytes"] = bytes;
+        }
+        return JsonResponse(out);
       },
       std::move(respond));
 }

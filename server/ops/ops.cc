@@ -75,7 +75,10 @@ absl::Status HidePaths(const absl::Status& st, const std::string& tenant_root,
 absl::StatusOr<CheckpointPath> TrainingCheckpoint(const std::string& uri) {
   auto path = ParseCheckpointPath(uri);
   if (path.ok() && path->kind != "weights") {
-    return absl::InvalidArgumentError("path: sampler weights cannot be loaded as training state");
+    return absl::InvalidArgumentError(
+        absl::StrCat("path: ", path->kind,
+                     " (an export for sampling or download) cannot be loaded as "
+                     "training state; load a weights/ checkpoint"));
   }
   return path;
 }
@@ -297,12 +300,12 @@ absl::StatusOr<std::vector<CheckpointEntry>> Ops::Checkpoints(const std::string&
     return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(model_id), "'"));
   }
   std::vector<CheckpointEntry> out;
-  for (const char* kind : {"weights", "sampler_weights"}) {
+  for (const char* kind : kCheckpointKinds) {
     const std::string folder = absl::StrCat(TenantRoot(tenant), "/", model_id, "/", kind);
     for (const std::string& name : tinkerd::ListCheckpoints(folder)) {
       CheckpointEntry e;
       e.path = CheckpointPath{model_id, kind, name}.Uri();
-      e.kind = std::string(kind) == "weights" ? "training" : "sampler";
+      e.kind = CheckpointKindName(kind);
       auto dir = ResolveCheckpoint(folder + "/" + name);
       if (!dir.ok()) continue;  // deleted meanwhile
       namespace fs = std::filesystem;
@@ -388,7 +391,7 @@ int Ops::ExpireCheckpoints(absl::Time now) {
     if (!tenant.is_directory(ec) || tenant.is_symlink(ec)) continue;
     for (const auto& model : fs::directory_iterator(tenant.path(), ec)) {
       if (!model.is_directory(ec) || model.is_symlink(ec)) continue;
-      for (const char* kind : {"weights", "sampler_weights"}) {
+      for (const char* kind : kCheckpointKinds) {
         const std::string folder = (model.path() / kind).string();
         for (const std::string& name : tinkerd::ListCheckpoints(folder)) {
           auto dir = ResolveCheckpoint(folder + "/" + name);
@@ -678,20 +681,29 @@ void Ops::LoadState(const std::string& tenant, v1::LoadStateRequest req,
 }
 
 void Ops::SaveWeightsForSampler(const std::string& tenant, v1::SaveWeightsForSamplerRequest req,
-                                Done<v1::SaveWeightsForSamplerResponse> done) {
+                                Done<v1::SaveWeightsForSamplerResponse> done, bool external) {
   if (auto st = CheckOwner(req.model_id(), tenant); !st.ok()) return done(st);
   const absl::Status invalid = ValidateCheckpointName(req.name());
-  const CheckpointPath path{req.model_id(), "sampler_weights", req.name()};
+  const CheckpointPath path{req.model_id(), external ? "external_weights" : "sampler_weights",
+                            req.name()};
   const std::string fs = path.Fs(TenantRoot(tenant));
   const std::string tenant_root = TenantRoot(tenant), root = checkpoint_root_;
   ReplicatedRunner* runner = bases_->Of(req.model_id()).runner;
   auto request = std::make_shared<v1::SaveWeightsForSamplerRequest>(std::move(req));
   SubmitOrdered<v1::SaveWeightsForSamplerResponse>(
-      request->model_id(), request->seq_id(), "SaveWeightsForSampler", PayloadHash(*request),
-      [invalid, runner, request, fs, path, tenant_root,
-       root]() -> absl::StatusOr<v1::RetrieveResultResponse> {
+      request->model_id(), request->seq_id(),
+      external ? "SaveWeightsExternal" : "SaveWeightsForSampler", PayloadHash(*request),
+      [invalid, runner, request, fs, path, tenant_root, root,
+       external]() -> absl::StatusOr<v1::RetrieveResultResponse> {
         if (!invalid.ok()) return invalid;
-        if (auto st = runner->SaveWeightsForSampler(request->model_id(), fs, request->merged(),
+        bool merged = request->merged();
+        if (external) {
+          // On the scheduler thread, between jobs: the runner's lock is free.
+          absl::StatusOr<ModelInfo> info = runner->local()->GetInfo(request->model_id());
+          if (!info.ok()) return info.status();
+          merged = !info->is_lora;
+        }
+        if (auto st = runner->SaveWeightsForSampler(request->model_id(), fs, merged,
                                                     request->overwrite());
             !st.ok())
           return HidePaths(st, tenant_root, root);

@@ -39,7 +39,7 @@ using Done = std::function<void(absl::StatusOr<T>)>;
 // A checkpoint as listings show it.
 struct CheckpointEntry {
   std::string path;  // tinker://<model_id>/<kind folder>/<name>
-  std::string kind;  // "training" or "sampler"
+  std::string kind;  // "training", "sampler" or "external" (CheckpointKindName)
   absl::Time time;   // when it was committed
   int64_t size_bytes = 0;
   std::optional<absl::Time> expires_at;  // unset: never (SetCheckpointExpiry)
@@ -128,8 +128,10 @@ class Ops {
                  Done<v1::SaveStateResponse> done);
   void LoadState(const std::string& tenant, v1::LoadStateRequest req,
                  Done<v1::LoadStateResponse> done);
+  // `external`: Tinker's save_weights_external, under external_weights/: a LoRA model's PEFT
+  // adapter, a full fine-tune's merged weights (req.merged unused), for download.
   void SaveWeightsForSampler(const std::string& tenant, v1::SaveWeightsForSamplerRequest req,
-                             Done<v1::SaveWeightsForSamplerResponse> done);
+                             Done<v1::SaveWeightsForSamplerResponse> done, bool external = false);
 
   // StreamForwardBackward, header (model_id, seq_id, loss_fn): a job in the model's order that
   // takes the datums the edge appends to `state` (ops/stream_job.h) as they arrive, and commits

@@ -317,8 +317,8 @@ void Sampling::CreateSampler(const std::string& tenant, const v1::CreateSamplerR
   if (!req.path().empty()) {
     absl::StatusOr<CheckpointPath> path = ParseCheckpointPath(req.path());
     if (path.ok() && path->kind != "sampler_weights") {
-      path = absl::InvalidArgumentError(
-          "path: a training checkpoint (weights/); sample from a sampler_weights export");
+      path = absl::InvalidArgumentError(absl::StrCat(
+          "path: a ", path->kind, " checkpoint; sample from a sampler_weights export"));
     }
     if (!path.ok()) return done(path.status());
     dir = ops_->CheckpointDir(tenant, *path);
@@ -408,8 +408,6 @@ absl::StatusOr<const Bases::Served*> Sampling::BaseFor(const v1::CreateSamplerRe
                                                        const std::string& checkpoint_dir) const {
   if (!req.model_id().empty()) return &bases_->Of(req.model_id());
   if (!checkpoint_dir.empty()) {
-    // One base: every export is its, whatever a client names beside the path.
-    if (bases_->all().size() == 1) return &bases_->first();
     if (const Bases::Served* made = bases_->Made(checkpoint_dir)) return made;
   }
   return bases_->Named(req.base_model(), "base_model");
@@ -433,6 +431,17 @@ absl::StatusOr<const Bases::Served*> Sampling::TargetServed(const std::string& t
     return &bases_->Of(model_id);
   }
   return bases_->Named(base_model, "base_model");
+}
+
+template <typename Request>
+absl::StatusOr<const Bases::Served*> Sampling::LimitsBase(const std::string& tenant,
+                                                          const Request& req) {
+  absl::StatusOr<const Bases::Served*> base =
+      TargetServed(tenant, req.sampler_id(), req.model_id(), req.base_model());
+  // A sampler or model not found is Resolve's to report, after the request's own checks, as it
+  // always was: those checks take the first base's limits meanwhile (they reveal nothing).
+  if (absl::IsNotFound(base.status())) return &bases_->first();
+  return base;
 }
 
 absl::StatusOr<BaseModel> Sampling::Target(const std::string& tenant, const std::string& sampler_id,
@@ -538,8 +547,7 @@ void Sampling::Run(const std::string& tenant, std::shared_ptr<const Policy> poli
 
 void Sampling::Sample(const std::string& tenant, const v1::SampleRequest& req,
                       Done<v1::SampleResponse> done, SampleProgress progress) {
-  absl::StatusOr<const Bases::Served*> base =
-      TargetServed(tenant, req.sampler_id(), req.model_id(), req.base_model());
+  absl::StatusOr<const Bases::Served*> base = LimitsBase(tenant, req);
   if (!base.ok()) return done(base.status());
   absl::StatusOr<SampleRequest> request = Decode(req);
   if (request.ok()) {
@@ -569,8 +577,7 @@ void Sampling::ComputeLogprobs(const std::string& tenant, const v1::ComputeLogpr
   // One greedy token: the prefill computes the prompt's logprobs; the token itself is dropped.
   request.params.max_tokens = 1;
   request.params.temperature = 0;
-  absl::StatusOr<const Bases::Served*> base =
-      TargetServed(tenant, req.sampler_id(), req.model_id(), req.base_model());
+  absl::StatusOr<const Bases::Served*> base = LimitsBase(tenant, req);
   if (!base.ok()) return done(base.status());
   ModelLimits limits = (*base)->base.limits;
   if (absl::Status st = CheckPromptFits(std::ssize(request.prompt), limits); !st.ok()) {

@@ -104,6 +104,9 @@ class Sampling {
   // made on (Bases::Made), else req.base_model's, as is a base's own sampler.
   absl::StatusOr<const Bases::Served*> BaseFor(const v1::CreateSamplerRequest& req,
                                                const std::string& checkpoint_dir) const;
+  // TargetServed, for the limits a request is checked against before it is resolved.
+  template <typename Request>
+  absl::StatusOr<const Bases::Served*> LimitsBase(const std::string& tenant, const Request& req);
   // Target's, with the runner.
   absl::StatusOr<const Bases::Served*> TargetServed(const std::string& tenant,
                                                     const std::string& sampler_id,

@@ -110,6 +110,23 @@ TEST(TarBody, StreamsEachFileWhole) {
   EXPECT_FALSE(Stream(*archive, &cut));
 }
 
+// A raw body (one file's download URL): the file's bytes alone, no header, padding or trailer,
+// and its length is the file's.
+TEST(TarBody, ARawBodyIsTheFileAlone) {
+  testing::TempDir dir;
+  for (const size_t size : {size_t{0}, size_t{511}, (size_t{256} << 10) * 2 + 1}) {
+    const std::string path = dir.path() + "/f" + std::to_string(size);
+    std::ofstream(path, std::ios::binary) << Contents(size, 'r');
+    auto archive = OpenTarArchive({{"adapter_config.json", path}});
+    ASSERT_TRUE(archive.ok()) << archive.status();
+    (*archive)->raw = true;
+    std::string body;
+    ASSERT_TRUE(Stream(*archive, &body));
+    EXPECT_EQ(TarSize(**archive), size);
+    EXPECT_EQ(body, Contents(size, 'r')) << size << " bytes";
+  }
+}
+
 TEST(TarBody, OpensRegularFilesOnlyNeverThroughALink) {
   testing::TempDir dir;
   const std::string file = dir.path() + "/real", link = dir.path() + "/link";

@@ -309,9 +309,9 @@ TEST(SampleCancels, CancelSetsTheRunningSamplesFlagOnly) {
 TEST(ArchiveGrants, EachTenantKeepsItsLatestOnly) {
   ArchiveGrants grants;
   const absl::Time expires = absl::Now();
-  grants.Add("other", ArchiveGrant{"bob", "tinker://m/weights/x", expires});
+  grants.Add("other", ArchiveGrant{"bob", "tinker://m/weights/x", expires, ""});
   for (size_t i = 0; i <= ArchiveGrants::kMaxPerTenant; ++i) {
-    grants.Add("t" + std::to_string(i), ArchiveGrant{"alice", "tinker://m/weights/a", expires});
+    grants.Add("t" + std::to_string(i), ArchiveGrant{"alice", "tinker://m/weights/a", expires, ""});
   }
   EXPECT_FALSE(grants.Find("t0")) << "alice's oldest went";
   EXPECT_TRUE(grants.Find("t1"));
