@@ -1354,7 +1354,8 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
     policy->config = w.config;
     policy->compute_dtype = impl_->dtype;
     policy->device = impl_->device;
-    policy->rope = impl_->rope;  // the architecture matches the base's, so do its tables
+    policy->rope = impl_->rope;    // the architecture matches the base's, so do its tables
+    policy->texts = impl_->texts;  // and its vocabulary, so the base's tokenizer decodes it
     policy->step = w.step;
     auto count = [&](const std::map<std::string, at::Tensor>& m) {
       for (const auto& [name, t] : m) policy->bytes += static_cast<int64_t>(t.nbytes());

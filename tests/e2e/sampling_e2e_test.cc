@@ -33,9 +33,32 @@ grpc::Status Sample(LiveServer& live, const v1::SampleRequest& req, v1::SampleRe
   return live.stub->Sample(&ctx, req, out);
 }
 
+grpc::Status CreateSampler(LiveServer& live, const v1::CreateSamplerRequest& req,
+                           v1::SamplerInfo* out) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  return live.stub->CreateSampler(&ctx, req, out);
+}
+
+// The model's weights exported for sampling at `seq_id` (a PEFT adapter, or merged weights), and
+// the export's path.
+std::string Export(LiveServer& live, const std::string& model, int64_t seq_id, bool merged) {
+  v1::SaveWeightsForSamplerRequest save;
+  save.set_model_id(model);
+  save.set_seq_id(seq_id);
+  save.set_name(merged ? "merged" : "peft");
+  save.set_merged(merged);
+  v1::SaveWeightsForSamplerResponse saved;
+  grpc::ClientContext ctx;
+  const grpc::Status st = live.stub->SaveWeightsForSampler(&ctx, save, &saved);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return saved.path();
+}
+
 // Stop strings over gRPC: a sample ends with the token whose text completes the first occurrence
-// of the string (the test tokenizer's texts, tests/test_util.h), and keeps it; a model without a
-// tokenizer refuses them naming the field.
+// of the string (the test tokenizer's texts, tests/test_util.h), and keeps it, whether the sampler
+// is the base model or an export loaded back (both layouts: the base's tokenizer is theirs); a
+// model without a tokenizer refuses them naming the field.
 TEST(SamplingE2E, StopStringsEndSamplesWhereTheirTextFirstAppears) {
   LiveServer live({}, 4096, ComputeDType::kFloat64, /*tokenizer=*/true);
   v1::SampleRequest req = SampleReq("", 0, 16);
@@ -62,6 +85,25 @@ TEST(SamplingE2E, StopStringsEndSamplesWhereTheirTextFirstAppears) {
   EXPECT_EQ(std::vector<int64_t>(stopped.sequences(0).tokens().begin(),
                                  stopped.sequences(0).tokens().end()),
             std::vector<int64_t>(tokens.begin(), tokens.begin() + end + 1));
+
+  // An untrained adapter's exports sample the base's tokens, and stop where it stops.
+  const std::string model = live.CreateModel();
+  for (bool merged : {false, true}) {
+    v1::CreateSamplerRequest load;
+    load.set_path(Export(live, model, merged ? 2 : 1, merged));
+    v1::SamplerInfo loaded;
+    ASSERT_TRUE(CreateSampler(live, load, &loaded).ok()) << load.path();
+    v1::SampleRequest from_export = req;
+    from_export.set_sampler_id(loaded.sampler_id());
+    v1::SampleResponse exported;
+    st = Sample(live, from_export, &exported);
+    ASSERT_TRUE(st.ok()) << load.path() << ": " << st.error_message();
+    EXPECT_EQ(exported.sequences(0).stop_reason(), v1::STOP_REASON_STOP) << load.path();
+    EXPECT_EQ(std::vector<int64_t>(exported.sequences(0).tokens().begin(),
+                                   exported.sequences(0).tokens().end()),
+              std::vector<int64_t>(tokens.begin(), tokens.begin() + end + 1))
+        << load.path();
+  }
 
   LiveServer bare;
   v1::SampleResponse refused;
@@ -238,13 +280,6 @@ TEST(SamplingE2e, ASamplerKeepsItsPolicyWhileTheModelTrains) {
   EXPECT_EQ(Sample(live, by_sampler, &gone).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
-grpc::Status CreateSampler(LiveServer& live, const v1::CreateSamplerRequest& req,
-                           v1::SamplerInfo* out) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  return live.stub->CreateSampler(&ctx, req, out);
-}
-
 TEST(SamplingE2e, AnOrderedSamplerFreezesAtItsSeqIdAndExportsSampleTheSame) {
   LiveServer live;
   const std::string model = live.CreateModel();
@@ -270,17 +305,7 @@ TEST(SamplingE2e, AnOrderedSamplerFreezesAtItsSeqIdAndExportsSampleTheSame) {
 
   // Both export layouts, loaded back as samplers, sample what the ordered sampler samples.
   std::vector<std::string> paths;
-  for (bool merged : {false, true}) {
-    v1::SaveWeightsForSamplerRequest save;
-    save.set_model_id(model);
-    save.set_seq_id(merged ? 5 : 4);
-    save.set_name(merged ? "merged" : "peft");
-    save.set_merged(merged);
-    v1::SaveWeightsForSamplerResponse saved;
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(live.stub->SaveWeightsForSampler(&ctx, save, &saved).ok());
-    paths.push_back(saved.path());
-  }
+  for (bool merged : {false, true}) paths.push_back(Export(live, model, merged ? 5 : 4, merged));
   auto greedy = [&](const std::string& sampler_id) {
     v1::SampleRequest req = SampleReq("", 0);
     req.set_sampler_id(sampler_id);

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# ctest wrapper: drives a real tinkerd through its Tinker HTTP API with the official Tinker Python SDK.
-# Usage: tests/sdk/run_sdk_test.sh TINKERD_BINARY SDK_VERSION [PEEK_BYTES]
-#   1. gets a venv with tinker==SDK_VERSION (scripts/tinker-sdk-venv.sh; exit 77 = SKIP when PyPI
-#      cannot be reached);
+# ctest wrapper: drives a real tinkerd through its Tinker HTTP API with the official Tinker Python SDK,
+# or with tinker-cookbook's training loops.
+# Usage: tests/sdk/run_sdk_test.sh TINKERD_BINARY SDK_VERSION|cookbook-VERSION [PEEK_BYTES]
+#   1. gets a venv with tinker==SDK_VERSION, or with tinker-cookbook==VERSION and what it runs on
+#      (scripts/tinker-sdk-venv.sh; exit 77 = SKIP when PyPI cannot be reached);
 #   2. starts TINKERD_BINARY on free ports (127.0.0.1:0) with the default model written to disk
 #      with a tokenizer (make_tiny_model --family=demo --tokenizer, beside the binary's build),
 #      a fresh checkpoint root and an API-key file with two tenants;
-#   3. runs tests/sdk/tinker_flow.py against it. The exit code is the flow's.
+#   3. runs tests/sdk/tinker_flow.py, or tests/cookbook/cookbook_flow.py, against it. The exit
+#      code is the flow's.
 # PEEK_BYTES is the server's --http_peek_bytes (default 1 MiB): 1 makes every result go through
 # retrieve_future's metadata-only peek.
 # The server is stopped on every exit path; its log is printed when the flow fails.
@@ -34,7 +36,7 @@ fi
 venv_out=$(bash "$repo/scripts/tinker-sdk-venv.sh" "$version")
 rc=$?
 if ((rc == 77)); then
-  echo "run_sdk_test: SKIP: no venv for tinker==$version (see above)" >&2
+  echo "run_sdk_test: SKIP: no venv for $version (see above)" >&2
   exit 77
 elif ((rc != 0)); then
   echo "run_sdk_test: scripts/tinker-sdk-venv.sh $version failed (rc $rc)" >&2
@@ -145,7 +147,19 @@ done
 echo "run_sdk_test: tinkerd pid $server_pid, http port $port, tinker SDK $version ($py)"
 
 # 3. The flow. Only our variables reach the SDK: no project, credential command or proxy from the
-# caller's environment.
+# caller's environment. The cookbook fetches a pricing file from the web on start-up and would
+# reach for the hub without a local tokenizer: its HTTP(S) goes to a closed loopback port, so
+# nothing leaves the machine (it logs the failed fetch and trains on), while the server on
+# loopback is reached directly (NO_PROXY).
+flow=("$here/tinker_flow.py")
+extra=()
+if [[ $version == cookbook-* ]]; then
+  flow=("$repo/tests/cookbook/cookbook_flow.py")
+  extra=(TINKERD_COOKBOOK_MODEL="$tmp/model" TINKERD_COOKBOOK_LOGS="$tmp/cookbook"
+    HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9
+    http_proxy=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9
+    HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled)
+fi
 env -u TINKER_PROJECT_ID -u TINKER_CREDENTIAL_CMD -u TINKER_TAGS \
   -u CLOUDFLARE_ACCESS_CLIENT_ID -u CLOUDFLARE_ACCESS_CLIENT_SECRET \
   -u HTTP_PROXY -u HTTPS_PROXY -u ALL_PROXY -u http_proxy -u https_proxy -u all_proxy \
@@ -159,7 +173,7 @@ env -u TINKER_PROJECT_ID -u TINKER_CREDENTIAL_CMD -u TINKER_TAGS \
   TINKER_TELEMETRY=0 \
   NO_PROXY="127.0.0.1,localhost" no_proxy="127.0.0.1,localhost" \
   HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 PYTHONUNBUFFERED=1 \
-  "$py" "$here/tinker_flow.py"
+  "${extra[@]}" "$py" "${flow[@]}"
 flow_rc=$?
 
 if ! kill -0 "$server_pid" 2>/dev/null; then
