@@ -8,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "runner/util/echo.h"
-#include "runner/util/hash.h"
 #include "server/core/checkpoint_paths.h"
 #include "server/http/tinker_api.h"
 #include "server/http/tinker_convert.h"
@@ -151,18 +150,11 @@ void TinkerApi::ForwardBackward(const std::string& tenant, const Request& req, R
   const std::string kind = forward_only ? "Forward" : "ForwardBackward";
   const CallKey key{request_id, Digest(kind, req.body), "seq_id"};
   auto converted = FwdBwdFromTinker(&in, config_.max_body_bytes);
-  Ops* ops = ops_;
   if (!converted.ok()) {
-    // The slot is taken with the error, so the client's later calls are not held up.
-    const uint64_t hash = Fnv64(req.body, kFnv64Basis);
-    return CallIntoFuture<v1::RetrieveResultResponse>(
-        &futures_, tenant, key, Resend::kOperation,
-        [ops, tenant, model_id, seq_id, kind, hash,
-         st = converted.status()](Done<v1::RetrieveResultResponse> done) {
-          ops->Refuse(tenant, model_id, seq_id, kind, hash, st, std::move(done));
-        },
-        [](const v1::RetrieveResultResponse&) { return Response(); }, std::move(respond));
+    return RefuseOrdered(tenant, key, model_id, seq_id, kind, converted.status(),
+                         std::move(respond));
   }
+  Ops* ops = ops_;
   auto request = std::make_shared<v1::ForwardBackwardRequest>(std::move(converted->request));
   request->set_model_id(model_id);
   request->set_seq_id(seq_id);
@@ -185,6 +177,7 @@ void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond r
   v1::OptimStepRequest req;
   req.set_model_id(f.Str("model_id"));
   req.set_seq_id(f.Int("seq_id"));
+  absl::Status refused;
   if (const Json* adam = f.Obj("adam_params")) {
     Fields a(*adam);
     v1::AdamParams* p = req.mutable_adam_params();
@@ -195,17 +188,21 @@ void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond r
     if (auto v = a.OptNum("weight_decay")) p->set_weight_decay(*v);
     if (auto v = a.OptNum("grad_clip_norm")) p->set_grad_clip_norm(*v);
     if (!a.status().ok()) {
-      return respond(Error(400, absl::StrCat("adam_params.", a.status().message())));
+      refused = absl::InvalidArgumentError(absl::StrCat("adam_params.", a.status().message()));
     }
   }
   if (!f.status().ok()) return respond(Error(f.status()));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
+  const CallKey key{request_id, JsonDigest("optim_step", body), "seq_id"};
+  if (!refused.ok()) {
+    return RefuseOrdered(tenant, key, req.model_id(), req.seq_id(), "OptimStep", std::move(refused),
+                         std::move(respond));
+  }
   Ops* ops = ops_;
   CallIntoFuture<v1::OptimStepResponse>(
-      &futures_, tenant, CallKey{request_id, JsonDigest("optim_step", body), "seq_id"},
-      Resend::kOperation,
+      &futures_, tenant, key, Resend::kOperation,
       [ops, tenant, req](Done<v1::OptimStepResponse> done) {
         ops->OptimStep(tenant, req, std::move(done));
       },
@@ -241,14 +238,17 @@ void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond
   req.set_include_accumulated(true);
   if (!f.status().ok()) return respond(Error(f.status()));
   const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
-  if (!ttl.ok()) return respond(Error(ttl.status()));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
+  const CallKey key{request_id, JsonDigest("save_weights", body), "seq_id"};
+  if (!ttl.ok()) {
+    return RefuseOrdered(tenant, key, req.model_id(), req.seq_id(), "SaveState", ttl.status(),
+                         std::move(respond));
+  }
   Ops* ops = ops_;
   CallIntoFuture<v1::SaveStateResponse>(
-      &futures_, tenant, CallKey{request_id, JsonDigest("save_weights", body), "seq_id"},
-      Resend::kOperation,
+      &futures_, tenant, key, Resend::kOperation,
       [ops, tenant, req, ttl = *ttl](Done<v1::SaveStateResponse> done) {
         ops->SaveState(tenant, req, AfterExpirySet(ops, tenant, ttl, std::move(done)));
       },
@@ -319,34 +319,34 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   const std::optional<std::string> name = f.OptId("path");
   if (!f.status().ok()) return respond(Error(f.status()));
   const absl::StatusOr<bool> inflight = InflightFromTinker(body);
-  if (!inflight.ok()) return respond(Error(inflight.status()));
-  if (*inflight && name) {
-    return respond(Error(400,
-                         "kind: an inflight save makes a sampling session that follows the "
-                         "model's weights; it takes no path (a named save stores a snapshot)"));
-  }
   const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
-  if (!ttl.ok()) return respond(Error(ttl.status()));
-  if (*ttl && !name) {
-    return respond(Error(400,
-                         "ttl_seconds: a save without a path makes a sampler, not a stored "
-                         "checkpoint; it lives until --sampler_idle_s or eviction (give a path "
-                         "to store one with a lifetime)"));
+  absl::Status refused = inflight.ok() ? ttl.status() : inflight.status();
+  if (refused.ok() && *inflight && name) {
+    refused = absl::InvalidArgumentError(
+        "kind: an inflight save makes a sampling session that follows the model's weights; it "
+        "takes no path (a named save stores a snapshot)");
+  }
+  if (refused.ok() && *ttl && !name) {
+    refused = absl::InvalidArgumentError(
+        "ttl_seconds: a save without a path makes a sampler, not a stored checkpoint; it lives "
+        "until --sampler_idle_s or eviction (give a path to store one with a lifetime)");
   }
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
+  const CallKey key{request_id, JsonDigest("save_weights_for_sampler", body), "seq_id"};
+  if (!refused.ok()) {
+    return RefuseOrdered(tenant, key, req.model_id(), req.seq_id(), "SaveWeightsForSampler",
+                         std::move(refused), std::move(respond));
+  }
   Ops* ops = ops_;
   if (!name) {
-    return SaveWeightsForSession(
-        tenant, CallKey{request_id, JsonDigest("save_weights_for_sampler", body), "seq_id"},
-        req.model_id(), req.seq_id(), *inflight, std::move(respond));
+    return SaveWeightsForSession(tenant, key, req.model_id(), req.seq_id(), *inflight,
+                                 std::move(respond));
   }
   req.set_name(*name);
   CallIntoFuture<v1::SaveWeightsForSamplerResponse>(
-      &futures_, tenant,
-      CallKey{request_id, JsonDigest("save_weights_for_sampler", body), "seq_id"},
-      Resend::kOperation,
+      &futures_, tenant, key, Resend::kOperation,
       [ops, tenant, req, ttl = *ttl](Done<v1::SaveWeightsForSamplerResponse> done) {
         ops->SaveWeightsForSampler(tenant, req, AfterExpirySet(ops, tenant, ttl, std::move(done)));
       },
