@@ -106,9 +106,13 @@ else
   pip_install "$package==$version" && installed=1
 fi
 if ((!installed)); then
-  # "Cannot reach the index" is a skip; "reached it, but the install failed" is an error.
+  # "Cannot reach the index" is a skip; "reached it, but the install failed" is an error. A
+  # transient retry warning stays in the log of a long install, so a failure of the install
+  # itself (the disk, the resolver's conflict, a refused file) is an error whatever else the log
+  # holds. (With the index unreachable pip also finds "no version": that stays a skip.)
   neterr='NewConnectionError|Failed to establish a new connection|Name or service not known|Temporary failure in name resolution|Network is unreachable|ConnectTimeout|Read timed out|ProxyError|Connection refused|No route to host|Max retries exceeded'
-  if grep -qiE "$neterr" "$piplog"; then
+  hard='No space left on device|ResolutionImpossible|HTTP error 40[34]'
+  if ! grep -qiE "$hard" "$piplog" && grep -qiE "$neterr" "$piplog"; then
     rm -rf "$venv"
     skip "pip cannot reach the package index to install $package==$version: $(grep -m1 -oiE "$neterr" "$piplog" | head -n1)"
   fi

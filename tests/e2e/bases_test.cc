@@ -316,7 +316,7 @@ TEST(Bases, AModelOnTheTeacherTrainsAndComesBackFromItsCheckpointOnTheTeacher) {
 // Models on both bases with every call in flight at once: the scheduler joins calls of one base
 // only, and each model gets what it gets on a server that runs every call alone: bitwise in
 // float32, or in float64 to 1e-12 relative on a CPU whose float32 products round by the rows
-// (tests/e2e/shared_pass_test.cc).
+// (tests/e2e/shared_pass_test.cc derives the bound).
 TEST(Bases, CallsOfModelsOnDifferentBasesNeverShareAPass) {
   ServerConfig shared_config, alone_config;
   shared_config.metrics_port = 0;

@@ -183,6 +183,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, AloneVsTogether,
                                            JointCase{ComputeDType::kBFloat16, false, 32},
                                            JointCase{ComputeDType::kFloat64, false, 40, "mixtral"},
                                            JointCase{ComputeDType::kFloat32, true, 40, "qwen3_moe"},
+                                           JointCase{ComputeDType::kFloat64, true, 40, "qwen3_moe"},
                                            JointCase{ComputeDType::kBFloat16, false, 32,
                                                      "mixtral"}),
                          [](const auto& info) {

@@ -17,7 +17,7 @@
 set -uo pipefail
 
 if (($# < 2 || $# > 3)); then
-  echo "usage: $0 TINKERD_BINARY SDK_VERSION [PEEK_BYTES]" >&2
+  echo "usage: $0 TINKERD_BINARY SDK_VERSION|cookbook-VERSION [PEEK_BYTES]" >&2
   exit 2
 fi
 binary=$1
