@@ -13,7 +13,8 @@ bash scripts/install-deps.sh
 stage() { echo; echo "== [test.sh] $* (at ${SECONDS} s)"; }
 
 # The three builds take about 10.2 GB (5.3 default, 4.7 ASan, 0.2 fuzz; `du -sh build*` after a
-# full run); a full disk otherwise shows up as a compiler's "cannot write PCH file" half-way in.
+# full run), and a first run installs the cookbook's venv (7.6 GB) under ~/.cache; a full disk
+# otherwise shows up as a compiler's "cannot write PCH file" half-way in.
 free_kb=$(df -Pk . | awk 'NR == 2 { print $4 }')
 if ((free_kb < 12 * 1024 * 1024)); then
   echo "[test.sh] warning: $((free_kb / 1024)) MB free here; a full run writes ~10 GB" >&2

@@ -5,8 +5,8 @@
 # lives OUTSIDE the source tree:
 #   ${TINKERD_SDK_VENVS:-$HOME/.cache/tinkerd/sdk}/tinker-VERSION  or  .../cookbook-VERSION
 # Usage: scripts/tinker-sdk-venv.sh VERSION           (e.g. 0.25.0)
-#        scripts/tinker-sdk-venv.sh cookbook-VERSION  (e.g. cookbook-0.6.1; about 6 GB, a cold
-#                                                      install takes 4 to 7 minutes here)
+#        scripts/tinker-sdk-venv.sh cookbook-VERSION  (e.g. cookbook-0.6.1; about 7.6 GB, a cold
+#                                                      install took 6.5 minutes here)
 # The last line of stdout is the venv's python path. Progress goes to stderr.
 # Exit codes: 0 ok; 77 the SDK cannot be installed because PyPI (or the configured index) is not
 # reachable, or no usable python/venv exists (ctest reports 77 as SKIP); 2 usage; 1 other errors.
