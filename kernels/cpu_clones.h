@@ -12,3 +12,11 @@
 #else
 #define TINKERD_CPU_CLONES
 #endif
+
+// TINKERD_AVX2: a function built for AVX2 with FMA alone, for a kernel that picks it at run time on
+// such a CPU (kernels/gemv.cc).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TINKERD_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define TINKERD_AVX2
+#endif

@@ -28,13 +28,15 @@ struct GemvParams {
 
 // Rows per tile. Measured (bench/gemv_bench, a decode step of the bench model on 2 AVX-512
 // cores, against OpenBLAS's AVX2 kernels): 4.5x LibTorch's at::mm at 1 row, 2.8x at 8, 1.6x at
-// 64, where a tile's products are bound by arithmetic rather than by reading the weights. x is
+// 64, where a tile's products are bound by arithmetic rather than by reading the weights; on 2
+// AVX2 cores (EPYC, OpenBLAS's Zen kernels) 2.3x, 2.6x, 1.0x, and 0.8x at 256 rows. x is
 // read again for each block of weight rows and should stay in the L2 cache (64 rows of 4,096
 // floats take 1 MiB).
 constexpr int64_t kGemvTileRows = 64;
 
-// Whether this CPU has AVX-512, which Gemv needs: its 16 accumulators of 16 lanes fit AVX-512's
-// registers; on narrower CPUs they would spill, and it was measured on AVX-512 only.
+// Whether Gemv runs on this CPU: one with AVX-512, whose 32 registers hold 4 × 4 blocks of
+// sixteen-lane sums, or with AVX2 and FMA, where blocks of 3 × 2 are held as halves. Both sum in
+// the order above, to the same bits. Without AVX2 the products are LibTorch's.
 bool GemvRunsHere();
 
 // Whether Gemv can take this product: float32 on a CPU where it runs.

@@ -18,6 +18,7 @@ using V16 = float __attribute__((vector_size(64)));
 // Reads a V16 from any float address (GCC's idiom for an unaligned load).
 using V16u = float __attribute__((vector_size(64), aligned(4), may_alias));
 using V8 = float __attribute__((vector_size(32)));
+using V8u = float __attribute__((vector_size(32), aligned(4), may_alias));
 using V4 = float __attribute__((vector_size(16)));
 using V16i = int32_t __attribute__((vector_size(64)));
 // Eight doubles: one AVX-512 register.

@@ -21,7 +21,8 @@ directory with transformers' AutoTokenizer, as it would a hub model's):
        cookbook's own measure of sampler/trainer mismatch (optim/kl_sample_train_v2, half the mean
        squared difference of the sampler's and the trainer's logprobs of the sampled tokens) is
        exactly 0 at every step: tinkerd samples with the trainer's weights and kernels (on a CPU
-       with AVX-512, where the bitwise promise is made; elsewhere it is checked to rounding).
+       with AVX2 or AVX-512, where the bitwise promise is made; elsewhere it is checked to
+       rounding).
 
 Then an SDK feature that needs torch on the client, which this venv has (for the cookbook) and
 the SDK's own venvs do not:
@@ -94,9 +95,10 @@ MODEL = os.environ["TINKERD_COOKBOOK_MODEL"]
 LOGS = Path(os.environ["TINKERD_COOKBOOK_LOGS"])
 BASE_URL = os.environ["TINKER_BASE_URL"]
 RENDERER = "role_colon"
-# The server's sampled logprobs are its trainer's to the bit on a CPU with AVX-512
-# (docs/sampling.md); the server runs on this machine.
-BITWISE = "avx512f" in Path("/proc/cpuinfo").read_text().split()
+# The server's sampled logprobs are its trainer's to the bit on a CPU with AVX2 and FMA, or
+# AVX-512 (docs/sampling.md); the server runs on this machine.
+_FLAGS = set(Path("/proc/cpuinfo").read_text().split())
+BITWISE = "avx512f" in _FLAGS or {"avx2", "fma"} <= _FLAGS
 
 SFT_BATCH = 16  # conversations per step: the example file's 128 make 8 steps an epoch
 SFT_EPOCHS = 3  # the first run trains 1, the resumed one the other 2
@@ -201,7 +203,7 @@ def check_sft() -> None:
     # The sampler path holds the trained weights: its logprobs of its own answer are those of the
     # final training state (the PEFT export stores the adapter in float32, as trained), and not
     # the base model's. 1e-5 is about 20 float32 ulps of a logprob near -6: the bits agree on a
-    # CPU with AVX-512, elsewhere the products' rounding moves with the rows by a few ulps; the
+    # CPU with AVX2 or AVX-512, elsewhere the products' rounding moves with the rows by a few ulps; the
     # base model is off by whole nats.
     tokens = prompt.to_ints() + list(seq.tokens)
     answer = slice(len(tokens) - 1 - len(seq.tokens), len(tokens) - 1)
@@ -312,11 +314,11 @@ def check_rl() -> None:
            f"rl: the sampler's logprobs are the trainer's to the bit at every step "
            f"(kl_sample_train_v2 {kl})")
     else:
-        # Without AVX-512 the float32 products are the BLAS's, which round by the row count
+        # Without AVX2 the float32 products are the BLAS's, which round by the row count
         # (docs/sampling.md): a few ulps of a logprob of about -6, 5e-7 each, squared.
         ok(all(0.0 <= k < 1e-10 for k in kl),
            f"rl: the sampler's logprobs are the trainer's to rounding at every step, this CPU "
-           f"lacking AVX-512 for the bitwise promise (kl_sample_train_v2 {kl})")
+           f"lacking AVX2 for the bitwise promise (kl_sample_train_v2 {kl})")
 
 
 # ----------------------------------------------------------------------------------------------

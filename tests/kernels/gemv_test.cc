@@ -77,6 +77,61 @@ TEST(Gemv, ReadsRowsWithAStride) {
   EXPECT_LE(WorstOverBound(kernels::Gemv({x, w}), Reference(x, w), x, w), 1.0);
 }
 
+// y[n, o] summed in gemv.h's order, one scalar at a time: lane j accumulates x[i]·w[i] for i = j,
+// j + 16, ... by fused multiply-adds (what the AVX2 and AVX-512 builds compile `acc += x * w` to),
+// the lanes past I adding 0·0; then lanes j + 8, j + 4 and the last four pairwise.
+float InTheOrder(const float* x, const float* w, int64_t I) {
+  float lane[16] = {};
+  for (int64_t i0 = 0; i0 < I; i0 += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const bool in = i0 + j < I;
+      lane[j] = std::fma(in ? x[i0 + j] : 0.0f, in ? w[i0 + j] : 0.0f, lane[j]);
+    }
+  }
+  float s8[8], s4[4];
+  for (int j = 0; j < 8; ++j) s8[j] = lane[j] + lane[j + 8];
+  for (int j = 0; j < 4; ++j) s4[j] = s8[j] + s8[j + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// Each CPU kind runs its own blocks (4 × 4 of 16-lane registers on AVX-512, 3 × 2 in halves on
+// AVX2); both must sum in the one order, so that a result does not depend on which ran it.
+TEST(Gemv, SumsInTheStatedOrderToTheBit) {
+  if (!kernels::GemvRunsHere()) GTEST_SKIP() << "without AVX2 and FMA Gemv rounds each product";
+  at::NoGradGuard no_grad;
+  uint64_t seed = 300;
+  for (int64_t N : {1, 2, 3, 4, 7, 70}) {
+    for (int64_t O : {1, 2, 5, 8}) {
+      for (int64_t I : {3, 16, 40, 257}) {
+        const at::Tensor x = Randn({N, I}, ++seed).to(at::kFloat);
+        const at::Tensor w = Randn({O, I}, ++seed).to(at::kFloat);
+        const at::Tensor y = kernels::Gemv({x, w});
+        at::Tensor want = at::empty({N, O}, at::kFloat);
+        at::Tensor unfused = at::empty({N, O}, at::kFloat);  // the control
+        for (int64_t n = 0; n < N; ++n) {
+          for (int64_t o = 0; o < O; ++o) {
+            const float* xn = x.data_ptr<float>() + n * I;
+            const float* wo = w.data_ptr<float>() + o * I;
+            want[n][o] = InTheOrder(xn, wo, I);
+            float lane[16] = {};
+            // Without FMA (this file is built for baseline x86-64) each product is rounded.
+            for (int64_t i = 0; i < I; ++i) lane[i % 16] += xn[i] * wo[i];
+            float sum = 0;
+            for (int j = 0; j < 16; ++j) sum += lane[j];  // lanes in sequence, not pairwise
+            unfused[n][o] = sum;
+          }
+        }
+        EXPECT_TRUE(at::equal(y, want)) << "N " << N << " O " << O << " I " << I;
+        // The control, its products rounded and its lanes added in sequence, rounds otherwise
+        // somewhere in each case with more than a few outputs.
+        if (N * O >= 8 && I > 16) {
+          EXPECT_FALSE(at::equal(y, unfused)) << "N " << N << " O " << O << " I " << I;
+        }
+      }
+    }
+  }
+}
+
 TEST(Gemv, ARowIsTheSameToTheBitInAnyBatchAndOnAnyThreadCount) {
   at::NoGradGuard no_grad;
   // Two whole tiles and part of a third: rows on either side of each tile's edge.
@@ -106,16 +161,16 @@ TEST(Gemv, ARowIsTheSameToTheBitInAnyBatchAndOnAnyThreadCount) {
 TEST(Gemv, ServesFloat32OutsideAutogradOnly) {
   const at::Tensor x = Randn({8, 32}, 21).to(at::kFloat);
   const at::Tensor w = Randn({16, 32}, 22).to(at::kFloat);
-  const bool avx512 = kernels::GemvRunsHere();  // where it serves at all
+  const bool runs = kernels::GemvRunsHere();  // where it serves at all
   {
     at::NoGradGuard no_grad;
-    EXPECT_EQ(kernels::GemvServes(x, w), avx512);
-    EXPECT_EQ(kernels::GemvServes(x.requires_grad_(true), w), avx512);
+    EXPECT_EQ(kernels::GemvServes(x, w), runs);
+    EXPECT_EQ(kernels::GemvServes(x.requires_grad_(true), w), runs);
     x.requires_grad_(false);
     EXPECT_FALSE(kernels::GemvServes(x.to(at::kDouble), w.to(at::kDouble)));
     EXPECT_FALSE(kernels::GemvServes(x.to(at::kBFloat16), w.to(at::kBFloat16)));
     const at::Tensor many = Randn({kernels::kGemvTileRows * 40 + 1, 32}, 23).to(at::kFloat);
-    EXPECT_EQ(kernels::GemvServes(many, w), avx512);  // a prefill, in tiles
+    EXPECT_EQ(kernels::GemvServes(many, w), runs);  // a prefill, in tiles
   }
   // Under autograd a product that needs a gradient is LibTorch's, and records one.
   const at::Tensor xg = x.clone().requires_grad_(true);

@@ -7,8 +7,8 @@
 //   - bitwise in float32 and bfloat16 on the CPU: a call is planned into the same micro-batches as
 //     alone, each adapter's products run over the same rows, and the base products, attention,
 //     norms and the logprob head are row-invariant there (docs/kernels.md), so every value is
-//     formed by the same operations on the same operands (float32's products are row-invariant
-//     on CPUs with AVX-512 only: CpuFloat32RoundsByRows skips its cases elsewhere);
+//     formed by the same operations on the same operands (float32's backward products are the
+//     BLAS's, row-invariant only on some CPUs: CpuFloat32RoundsByRows skips its cases elsewhere);
 //   - in float64 always to 1e-12 relative (the bound; the same argument gives equality).
 // The broken control sends one token's rows to its neighbour's adapter: that token's gradient
 // reaches the wrong model, and the comparison must see it (O(1e-2) relative, against 1e-12).
@@ -100,8 +100,8 @@ class AloneVsTogether : public ::testing::TestWithParam<JointCase> {};
 TEST_P(AloneVsTogether, EachModelGetsWhatItGetsAlone) {
   const JointCase c = GetParam();
   if (c.dtype == ComputeDType::kFloat32 && CpuFloat32RoundsByRows()) {
-    GTEST_SKIP() << "float32 is bitwise only where its products are row-invariant (AVX-512); "
-                    "the float64 cases hold everywhere";
+    GTEST_SKIP() << "float32 gradients are bitwise only where the BLAS's products are "
+                    "row-invariant; the float64 cases hold everywhere";
   }
   TempDir dir;
   const std::string model = WriteModel(dir, TinyConfig(c.family));

@@ -445,10 +445,10 @@ TEST_F(SamplingTest, SameSeedSameTokensWhateverElseIsInTheBatch) {
 // In float32 a sample's tokens and logprobs are the same to the bit whatever else the engine runs:
 // prefilled packed with a 100-token prompt and decoded beside 70 other rows, so that the products
 // span more than one of Gemv's 64-row tiles (before tiles, such a step left Gemv for the BLAS,
-// whose rounding differs: tests/kernels/gemv_test.cc). Gemv runs on CPUs with AVX-512; elsewhere
-// the BLAS takes every product and this is not promised.
+// whose rounding differs: tests/kernels/gemv_test.cc). Gemv runs on CPUs with AVX2 or AVX-512;
+// elsewhere the BLAS takes every product and this is not promised.
 TEST_F(SamplingTest, InFloat32ASampleIsTheSameToTheBitBesideManyRows) {
-  if (!kernels::GemvRunsHere()) GTEST_SKIP() << "Gemv runs on CPUs with AVX-512 only";
+  if (!kernels::GemvRunsHere()) GTEST_SKIP() << "Gemv runs on CPUs with AVX2 or AVX-512 only";
   if (TestDevice() != "cpu") GTEST_SKIP() << "on a GPU cuBLAS picks kernels by batch size";
   runner_ = MakeRunner(dir_->Sub("model"), ComputeDType::kFloat32);
   ASSERT_NE(runner_, nullptr);
@@ -1085,7 +1085,7 @@ TEST_F(SamplingTest, StopStringsNeedTheModelsTokenizer) {
 // the sampler's former definition (its logits widened to float64, minus a float64 log-sum-exp)
 // must differ from Forward's on some token, and each token scored one position later on most.
 // On GPUs this is not yet promised (cuBLAS and flash attention choose their splits by shape), nor
-// on CPUs without AVX-512, where float32 products are the BLAS's (kernels/gemv.h).
+// on CPUs without AVX2, where float32 products are the BLAS's (kernels/gemv.h).
 // Two shapes: the tiny llama, and a qwen3 (q/k norms, tied head) whose head_dim of 16 takes the
 // vector attention loop, whose hidden size fills Gemv's sixteen lanes four times, and whose 9,000
 // tokens make the head fold two vocabulary chunks.
@@ -1109,7 +1109,8 @@ class SamplingPrecisionTest : public SamplingTest, public ::testing::WithParamIn
  protected:
   void SetUp() override {
     if (TestDevice() != "cpu") GTEST_SKIP() << "the bitwise promise is the CPU's";
-    if (!kernels::GemvRunsHere()) GTEST_SKIP() << "the bitwise promise needs AVX-512 (Gemv)";
+    if (!kernels::GemvRunsHere())
+      GTEST_SKIP() << "the bitwise promise needs Gemv (AVX2 or AVX-512)";
     dir_ = std::make_unique<TempDir>();
     runner_ = MakeRunner(WriteModel(*dir_, PrecisionConfig(GetParam()), 5), GetParam().dtype);
     ASSERT_NE(runner_, nullptr);

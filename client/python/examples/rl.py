@@ -7,7 +7,7 @@ into one StreamForwardBackward as soon as the group is sampled, with the sampler
 the importance_sampling loss; then one optimizer step. The importance ratio p_train / p_sample
 is reported with the number of trained tokens where it is not exactly 1: the sampler is the
 trainer's own weights and kernels, summing in the trainer's order, so in float32 and bf16 on a
-CPU with AVX-512 every ratio is 1.0 to the bit (docs/sampling.md).
+CPU with AVX2 or AVX-512 every ratio is 1.0 to the bit (docs/sampling.md).
 
     python3 rl.py --target 127.0.0.1:50051
 """
