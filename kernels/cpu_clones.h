@@ -14,9 +14,10 @@
 #endif
 
 // TINKERD_AVX2: a function built for AVX2 with FMA alone, for a kernel that picks it at run time on
-// such a CPU (kernels/gemv.cc).
-#if defined(__x86_64__) && defined(__GNUC__)
-#define TINKERD_AVX2 __attribute__((target("avx2,fma")))
+// such a CPU (kernels/gemv.cc). GCC only, as the clones: under clang both stay baseline x86-64, so
+// that a kernel's builds for the two kinds still round alike.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TINKERD_AVX2 __attribute__((target("arch=x86-64-v3")))
 #else
 #define TINKERD_AVX2
 #endif

@@ -13,6 +13,9 @@
 namespace tinkerd::kernels {
 namespace {
 
+// Each lane's `acc += x * w` is one fused multiply-add (-ffp-contract=fast, kernels/CMakeLists.txt)
+// in Block's AVX-512 and AVX2 builds and in HalvesBlock: part of the order gemv.h states.
+//
 // y[r][c] for R rows of x (ldx apart) and C rows of w (I apart), into y (ldy apart). R · C
 // accumulators stay in registers: 4 × 4 takes 16 of AVX-512's 32, with the 4 weight vectors and
 // one row of x beside them.
@@ -61,22 +64,29 @@ TINKERD_CPU_CLONES void Block(const float* x, int64_t ldx, const float* w, int64
 // take twelve registers, with two weight halves and one of x beside them; Block<4, 4> compiled
 // for AVX2 spilled its 32 halves to the stack on every step (0.15x at::mm at 64 rows, against
 // 1.0x for these; bench/gemv_bench on a 2-vCPU EPYC).
+// An empty asm statement that takes v in a vector register: the compiler must load it there.
+__attribute__((always_inline)) inline void HoldInRegister(V8& v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+#endif
+}
+
 template <int R, int C>
 TINKERD_AVX2 __attribute__((always_inline)) inline void Step8(const float* x, int64_t ldx,
                                                               const float* w, int64_t ldw,
                                                               V8 (&acc)[R][C]) {
-  // The empty asm statements hold each loaded vector in a register: GCC otherwise folds a load
-  // into every multiply-add that reads it, R + R·C loads where R + C do.
+  // HoldInRegister keeps each loaded vector in a register: GCC otherwise folds a load into every
+  // multiply-add that reads it, R + R·C loads where R + C do.
   V8 w8[C];
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
     w8[c] = *reinterpret_cast<const V8u*>(w + c * ldw);
-    asm("" : "+x"(w8[c]));
+    HoldInRegister(w8[c]);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     V8 x8 = *reinterpret_cast<const V8u*>(x + r * ldx);
-    asm("" : "+x"(x8));
+    HoldInRegister(x8);
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] += x8 * w8[c];
   }
@@ -121,9 +131,10 @@ constexpr std::array<BlockFn, 4> WideRow() {
   return {&Block<R, 1>, &Block<R, 2>, &Block<R, 3>, &Block<R, 4>};
 }
 
+// Up to 3 × 2: the larger ones would spill, and a tile never asks for them.
 template <int R>
 constexpr std::array<BlockFn, 4> HalvesRow() {
-  return {&HalvesBlock<R, 1>, &HalvesBlock<R, 2>, &HalvesBlock<R, 3>, &HalvesBlock<R, 4>};
+  return {&HalvesBlock<R, 1>, &HalvesBlock<R, 2>, nullptr, nullptr};
 }
 
 // The blocks of one CPU kind: fn[R − 1][C − 1] multiplies R rows of x with C weight rows, and a
@@ -134,16 +145,28 @@ struct Blocks {
 };
 
 constexpr Blocks kWide = {4, 4, {WideRow<1>(), WideRow<2>(), WideRow<3>(), WideRow<4>()}};
-constexpr Blocks kHalves = {3, 2, {HalvesRow<1>(), HalvesRow<2>(), HalvesRow<3>(), HalvesRow<4>()}};
+constexpr Blocks kHalves = {3, 2, {HalvesRow<1>(), HalvesRow<2>(), HalvesRow<3>(), {}}};
+
+constexpr bool Complete(const Blocks& k) {
+  for (int64_t r = 0; r < k.rows; ++r) {
+    for (int64_t c = 0; c < k.cols; ++c) {
+      if (k.fn[r][c] == nullptr) return false;
+    }
+  }
+  return k.rows <= 4 && k.cols <= 4;
+}
+static_assert(Complete(kWide) && Complete(kHalves),
+              "a tile asks for every block up to rows × cols");
 
 enum class Isa { kNone, kAvx2, kAvx512 };
 
 Isa CpuIsa() {
   static const Isa isa = [] {
 #if defined(__x86_64__)
+    // The levels TINKERD_CPU_CLONES builds for, so that Block runs its fused build on either.
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+    if (__builtin_cpu_supports("x86-64-v4")) return Isa::kAvx512;
+    if (__builtin_cpu_supports("x86-64-v3")) return Isa::kAvx2;
 #endif
     return Isa::kNone;
   }();
@@ -184,27 +207,27 @@ at::Tensor Gemv(const GemvParams& p) {
   // Tasks of whole column blocks, each at least 256 KiB of weights, so that a thread streams a
   // long run of rows.
   const Blocks& k = CpuIsa() == Isa::kAvx2 ? kHalves : kWide;
-  const int64_t kRows = k.rows, kCols = k.cols;
-  const int64_t blocks = (O + kCols - 1) / kCols;
+  const int64_t block_rows = k.rows, block_cols = k.cols;
+  const int64_t blocks = (O + block_cols - 1) / block_cols;
   const int64_t grain =
-      std::max<int64_t>(1, (int64_t{1} << 16) / (kCols * std::max<int64_t>(I, 1)));
+      std::max<int64_t>(1, (int64_t{1} << 16) / (block_cols * std::max<int64_t>(I, 1)));
   for (int64_t n0 = 0; n0 < N; n0 += kGemvTileRows) {
     const int64_t n1 = std::min(N, n0 + kGemvTileRows);
     // While a block of weight rows is multiplied with the tile's groups of rows, each group asks
     // for its share of the next block's cache lines: the first group's loads found the block
     // in memory, not in cache, and waited on it (a fifth of the time at 64 rows, gemv_bench).
-    const int64_t groups = (n1 - n0 + kRows - 1) / kRows;
-    const int64_t lines = (kCols * I + 15) / 16, share = (lines + groups - 1) / groups;
+    const int64_t groups = (n1 - n0 + block_rows - 1) / block_rows;
+    const int64_t lines = (block_cols * I + 15) / 16, share = (lines + groups - 1) / groups;
     ParallelFor(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t o = b * kCols, cols = std::min<int64_t>(kCols, O - o);
-        const float* next = wp + std::min(o + kCols, O - 1) * I;
+        const int64_t o = b * block_cols, cols = std::min<int64_t>(block_cols, O - o);
+        const float* next = wp + std::min(o + block_cols, O - 1) * I;
         const int64_t next_lines = b + 1 < b1 ? std::min(lines, ((O - o - cols) * I + 15) / 16) : 0;
-        for (int64_t n = n0, g = 0; n < n1; n += kRows, ++g) {
+        for (int64_t n = n0, g = 0; n < n1; n += block_rows, ++g) {
           for (int64_t l = g * share; l < std::min(next_lines, (g + 1) * share); ++l) {
             __builtin_prefetch(next + 16 * l);
           }
-          const int64_t rows = std::min<int64_t>(kRows, n1 - n);
+          const int64_t rows = std::min<int64_t>(block_rows, n1 - n);
           k.fn[rows - 1][cols - 1](xp + n * ldx, ldx, wp + o * I, I, yp + n * O + o, O);
         }
       }

@@ -314,11 +314,11 @@ def check_rl() -> None:
            f"rl: the sampler's logprobs are the trainer's to the bit at every step "
            f"(kl_sample_train_v2 {kl})")
     else:
-        # Without AVX2 the float32 products are the BLAS's, which round by the row count
+        # Without AVX2 and FMA the float32 products are the BLAS's, which round by the row count
         # (docs/sampling.md): a few ulps of a logprob of about -6, 5e-7 each, squared.
         ok(all(0.0 <= k < 1e-10 for k in kl),
            f"rl: the sampler's logprobs are the trainer's to rounding at every step, this CPU "
-           f"lacking AVX2 for the bitwise promise (kl_sample_train_v2 {kl})")
+           f"lacking AVX2 and FMA for the bitwise promise (kl_sample_train_v2 {kl})")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -78,14 +78,17 @@ TEST(Gemv, ReadsRowsWithAStride) {
 }
 
 // y[n, o] summed in gemv.h's order, one scalar at a time: lane j accumulates x[i]·w[i] for i = j,
-// j + 16, ... by fused multiply-adds (what the AVX2 and AVX-512 builds compile `acc += x * w` to),
-// the lanes past I adding 0·0; then lanes j + 8, j + 4 and the last four pairwise.
-float InTheOrder(const float* x, const float* w, int64_t I) {
+// j + 16, ... by fused multiply-adds (std::fma; the kernels' builds fuse `acc += x * w`), the
+// lanes past I adding 0·0; then lanes j + 8, j + 4 and the last four pairwise. With `fused` off,
+// each product is rounded before it is added (this file is built for baseline x86-64, which has
+// no FMA to contract into): the control.
+float InTheOrder(const float* x, const float* w, int64_t I, bool fused = true) {
   float lane[16] = {};
   for (int64_t i0 = 0; i0 < I; i0 += 16) {
     for (int j = 0; j < 16; ++j) {
       const bool in = i0 + j < I;
-      lane[j] = std::fma(in ? x[i0 + j] : 0.0f, in ? w[i0 + j] : 0.0f, lane[j]);
+      const float xi = in ? x[i0 + j] : 0.0f, wi = in ? w[i0 + j] : 0.0f;
+      lane[j] = fused ? std::fma(xi, wi, lane[j]) : lane[j] + xi * wi;
     }
   }
   float s8[8], s4[4];
@@ -95,35 +98,33 @@ float InTheOrder(const float* x, const float* w, int64_t I) {
 }
 
 // Each CPU kind runs its own blocks (4 × 4 of 16-lane registers on AVX-512, 3 × 2 in halves on
-// AVX2); both must sum in the one order, so that a result does not depend on which ran it.
+// AVX2); both must sum in the one order, so that a result does not depend on which ran it. The
+// shapes give every block size of either kind, and tails of 0, 1, 3, 8 and 13 elements (past the
+// first half of the last sixteen).
 TEST(Gemv, SumsInTheStatedOrderToTheBit) {
   if (!kernels::GemvRunsHere()) GTEST_SKIP() << "without AVX2 and FMA Gemv rounds each product";
   at::NoGradGuard no_grad;
   uint64_t seed = 300;
   for (int64_t N : {1, 2, 3, 4, 7, 70}) {
-    for (int64_t O : {1, 2, 5, 8}) {
-      for (int64_t I : {3, 16, 40, 257}) {
+    for (int64_t O : {1, 2, 3, 5, 7, 8}) {
+      for (int64_t I : {3, 16, 29, 40, 257}) {
         const at::Tensor x = Randn({N, I}, ++seed).to(at::kFloat);
         const at::Tensor w = Randn({O, I}, ++seed).to(at::kFloat);
         const at::Tensor y = kernels::Gemv({x, w});
-        at::Tensor want = at::empty({N, O}, at::kFloat);
-        at::Tensor unfused = at::empty({N, O}, at::kFloat);  // the control
+        at::Tensor want = at::empty({N, O}, at::kFloat), unfused = at::empty({N, O}, at::kFloat);
+        auto want_NO = want.accessor<float, 2>();
+        auto unfused_NO = unfused.accessor<float, 2>();
         for (int64_t n = 0; n < N; ++n) {
           for (int64_t o = 0; o < O; ++o) {
             const float* xn = x.data_ptr<float>() + n * I;
             const float* wo = w.data_ptr<float>() + o * I;
-            want[n][o] = InTheOrder(xn, wo, I);
-            float lane[16] = {};
-            // Without FMA (this file is built for baseline x86-64) each product is rounded.
-            for (int64_t i = 0; i < I; ++i) lane[i % 16] += xn[i] * wo[i];
-            float sum = 0;
-            for (int j = 0; j < 16; ++j) sum += lane[j];  // lanes in sequence, not pairwise
-            unfused[n][o] = sum;
+            want_NO[n][o] = InTheOrder(xn, wo, I);
+            unfused_NO[n][o] = InTheOrder(xn, wo, I, /*fused=*/false);
           }
         }
         EXPECT_TRUE(at::equal(y, want)) << "N " << N << " O " << O << " I " << I;
-        // The control, its products rounded and its lanes added in sequence, rounds otherwise
-        // somewhere in each case with more than a few outputs.
+        // The control, the same order without fused multiply-adds, rounds otherwise somewhere
+        // in each case with more than a few outputs.
         if (N * O >= 8 && I > 16) {
           EXPECT_FALSE(at::equal(y, unfused)) << "N " << N << " O " << O << " I " << I;
         }
