@@ -58,12 +58,6 @@ TINKERD_CPU_CLONES void Block(const float* x, int64_t ldx, const float* w, int64
   }
 }
 
-// The same sums on a CPU with AVX2 (sixteen 8-float registers) instead of AVX-512 (thirty-two of
-// 16): each V16 accumulator is held as its two halves, lanes 0-7 and 8-15, which sum the same
-// elements in the same order, so a block's results are Block's to the bit. 3 × 2 accumulators
-// take twelve registers, with two weight halves and one of x beside them; Block<4, 4> compiled
-// for AVX2 spilled its 32 halves to the stack on every step (0.15x at::mm at 64 rows, against
-// 1.0x for these; bench/gemv_bench on a 2-vCPU EPYC).
 // An empty asm statement that takes v in a vector register: the compiler must load it there.
 __attribute__((always_inline)) inline void HoldInRegister(V8& v) {
 #if defined(__x86_64__)
@@ -92,6 +86,12 @@ TINKERD_AVX2 __attribute__((always_inline)) inline void Step8(const float* x, in
   }
 }
 
+// The same sums on a CPU with AVX2 (sixteen 8-float registers) instead of AVX-512 (thirty-two of
+// 16): each V16 accumulator is held as its two halves, lanes 0-7 and 8-15, which sum the same
+// elements in the same order, so a block's results are Block's to the bit. 3 × 2 accumulators
+// take twelve registers, with two weight halves and one of x beside them; Block<4, 4> compiled
+// for AVX2 spilled its 32 halves to the stack on every step (0.15x at::mm at 64 rows, against
+// 1.0x for these; bench/gemv_bench on a 2-vCPU EPYC).
 template <int R, int C>
 TINKERD_AVX2 void HalvesBlock(const float* x, int64_t ldx, const float* w, int64_t I, float* y,
                               int64_t ldy) {
