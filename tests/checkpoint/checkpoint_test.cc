@@ -14,6 +14,7 @@
 #include "runner/model/safetensors.h"
 #include "runner/model/weights.h"
 #include "runner/sample/policy.h"
+#include "tests/built_binary.h"
 #include "tests/faulty_collectives.h"
 #include "tests/test_util.h"
 
@@ -323,6 +324,7 @@ TEST(Checkpoint, SigkillWhileSavingLeavesThePreviousCheckpointIntact) {
   CreateModelOptions full;
   full.lora.reset();
   const std::string fresh = *r->CreateModel(full);
+  const std::string saver = BuiltBinary(CKPT_SAVER_BINARY);
   for (int delay_ms : {5, 60, 150}) {
     int out[2];
     ASSERT_EQ(pipe(out), 0);
@@ -330,7 +332,7 @@ TEST(Checkpoint, SigkillWhileSavingLeavesThePreviousCheckpointIntact) {
     if (pid == 0) {
       dup2(out[1], STDOUT_FILENO);
       const std::string a1 = "--model_dir=" + dir.Sub("base"), a2 = "--path=" + path;
-      execl(CKPT_SAVER_BINARY, "ckpt_saver", a1.c_str(), a2.c_str(), static_cast<char*>(nullptr));
+      execl(saver.c_str(), "ckpt_saver", a1.c_str(), a2.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     close(out[1]);

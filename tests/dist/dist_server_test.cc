@@ -46,6 +46,7 @@ Job StartJob(const std::vector<std::string>& flags,
   int out[2];
   EXPECT_EQ(pipe(out), 0);
   Job j;
+  const std::string tinkerd = BuiltBinary(TINKERD_BINARY);
   j.pid = fork();
   if (j.pid == 0) {
     setpgid(0, 0);
@@ -59,7 +60,7 @@ Job StartJob(const std::vector<std::string>& flags,
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    execv(TINKERD_BINARY, argv.data());
+    execv(tinkerd.c_str(), argv.data());
     _exit(127);
   }
   close(out[1]);

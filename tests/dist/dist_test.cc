@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "runner/dist/dist_config.h"
+#include "tests/built_binary.h"
 #include "tests/test_util.h"
 
 namespace tinkerd::testing {
@@ -32,6 +33,7 @@ std::vector<std::vector<double>> RunRanks(const std::string& model, const std::s
   const int port = FreeLoopbackPort();
   flags.insert(flags.begin(), {"dist_worker", "--model_dir=" + model, "--out=" + out});
   std::vector<pid_t> pids;
+  const std::string worker = BuiltBinary(DIST_WORKER_BINARY);
   for (int rank = 0; rank < world; ++rank) {
     pid_t pid = fork();
     if (pid == 0) {
@@ -40,7 +42,7 @@ std::vector<std::vector<double>> RunRanks(const std::string& model, const std::s
       std::vector<char*> argv;
       for (std::string& f : flags) argv.push_back(f.data());
       argv.push_back(nullptr);
-      execv(DIST_WORKER_BINARY, argv.data());
+      execv(worker.c_str(), argv.data());
       _exit(127);
     }
     pids.push_back(pid);

@@ -21,13 +21,14 @@ Proc Start(const std::string& model, const std::string& root) {
   int out[2];
   EXPECT_EQ(pipe(out), 0);
   Proc p;
+  const std::string tinkerd = BuiltBinary(TINKERD_BINARY);
   p.pid = fork();
   if (p.pid == 0) {
     dup2(out[1], STDOUT_FILENO);
     close(out[0]);
     const std::string a1 = "--base_model=" + model, a2 = "--checkpoint_root=" + root;
     // One thread: bitwise equality across processes must not depend on how a sum was split.
-    execl(TINKERD_BINARY, "tinkerd", "--listen=127.0.0.1:0", "--threads=1", a1.c_str(), a2.c_str(),
+    execl(tinkerd.c_str(), "tinkerd", "--listen=127.0.0.1:0", "--threads=1", a1.c_str(), a2.c_str(),
           static_cast<char*>(nullptr));
     _exit(127);
   }

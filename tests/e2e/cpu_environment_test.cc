@@ -24,6 +24,7 @@ namespace {
 std::string RunnerLine(const std::vector<std::pair<const char*, const char*>>& env) {
   int out[2];
   if (pipe(out) != 0) return "";
+  const std::string tinkerd = BuiltBinary(TINKERD_BINARY);
   const pid_t pid = fork();
   if (pid == 0) {
     for (const auto& [name, value] : env) {
@@ -35,7 +36,7 @@ std::string RunnerLine(const std::vector<std::pair<const char*, const char*>>& e
     }
     dup2(out[1], STDOUT_FILENO);
     close(out[0]);
-    execl(TINKERD_BINARY, "tinkerd", "--listen=127.0.0.1:0", "--threads=1",
+    execl(tinkerd.c_str(), "tinkerd", "--listen=127.0.0.1:0", "--threads=1",
           static_cast<char*>(nullptr));
     _exit(127);
   }

@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "server/core/convert.h"
 #include "server/server.h"
+#include "tests/built_binary.h"
 #include "tests/test_util.h"
 #include "tinkerd/v1/tinkerd.grpc.pb.h"
 
@@ -165,7 +166,7 @@ inline v1::ForwardBackwardRequest MakeRequest(const std::string& model, int64_t 
 #ifdef TINKERCTL_BINARY
 // Runs tinkerctl against `live` and returns (exit code, stdout and stderr).
 inline std::pair<int, std::string> Ctl(const LiveServer& live, const std::string& args) {
-  const std::string cmd = std::string(TINKERCTL_BINARY) +
+  const std::string cmd = BuiltBinary(TINKERCTL_BINARY) +
                           " --target=127.0.0.1:" + std::to_string(live.server->port()) + " " +
                           args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");

@@ -43,6 +43,7 @@ class Tinkerd {
   Tinkerd(const std::vector<std::string>& flags, int64_t address_space_limit) {
     int out[2];
     EXPECT_EQ(pipe(out), 0);
+    const std::string tinkerd = BuiltBinary(TINKERD_BINARY);
     pid_ = fork();
     if (pid_ == 0) {
       dup2(out[1], STDOUT_FILENO);
@@ -56,7 +57,7 @@ class Tinkerd {
       std::vector<char*> argv{const_cast<char*>("tinkerd")};
       for (const std::string& f : flags) argv.push_back(const_cast<char*>(f.c_str()));
       argv.push_back(nullptr);
-      execv(TINKERD_BINARY, argv.data());
+      execv(tinkerd.c_str(), argv.data());
       _exit(127);
     }
     close(out[1]);

@@ -22,13 +22,14 @@ Child SpawnTinkerd() {
   int out[2];
   EXPECT_EQ(pipe(out), 0);
   Child c;
+  const std::string tinkerd = BuiltBinary(TINKERD_BINARY);
   c.pid = fork();
   if (c.pid == 0) {
     dup2(out[1], STDOUT_FILENO);
     close(out[0]);
     // The grace outlasts the in-flight call on a loaded 2-core machine under ASan, where its
     // float32 products are instrumented loops (kernels/gemv.h) and took over 60 s.
-    execl(TINKERD_BINARY, "tinkerd", "--listen=127.0.0.1:0", "--shutdown_grace_s=600",
+    execl(tinkerd.c_str(), "tinkerd", "--listen=127.0.0.1:0", "--shutdown_grace_s=600",
           "--threads=1", static_cast<char*>(nullptr));
     _exit(127);
   }

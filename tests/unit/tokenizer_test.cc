@@ -19,6 +19,7 @@
 #include "runner/tokenizer/stop_strings.h"
 #include "runner/tokenizer/tiny_tokenizer.h"
 #include "runner/tokenizer/token_texts.h"
+#include "tests/built_binary.h"
 
 namespace tinkerd {
 namespace {
@@ -139,7 +140,8 @@ TEST(TokenTexts, WhatIsNotReadIsRefusedByName) {
 
 // Runs the sentencepiece_tool command; its standard output, or nullopt when it failed.
 std::optional<std::string> SentencePieceTool(const std::string& args) {
-  FILE* pipe = ::popen((std::string(TINKERD_SENTENCEPIECE_TOOL) + " " + args).c_str(), "r");
+  FILE* pipe =
+      ::popen((testing::BuiltBinary(TINKERD_SENTENCEPIECE_TOOL) + " " + args).c_str(), "r");
   if (pipe == nullptr) return std::nullopt;
   std::string out;
   char buf[4096];
