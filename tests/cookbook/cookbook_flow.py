@@ -102,7 +102,7 @@ BITWISE = "avx512f" in _FLAGS or {"avx2", "fma"} <= _FLAGS
 
 SFT_BATCH = 16  # conversations per step: the example file's 128 make 8 steps an epoch
 SFT_EPOCHS = 3  # the first run trains 1, the resumed one the other 2
-RL_STEPS = 12
+RL_STEPS = 20
 RL_GROUPS = 4  # prompts per step
 RL_GROUP_SIZE = 8  # samples per prompt
 
@@ -303,8 +303,10 @@ def check_rl() -> None:
        f"rl: steps 0..{RL_STEPS - 1} logged once each")
     reward = [m["env/all/reward/total"] for m in rows]
     ok(all(0.0 <= r <= 1.0 for r in reward), f"rl: rewards per step {np.round(reward, 3)}")
-    # The cookbook samples unseeded, so the rewards vary from run to run: in eight runs here the
-    # rise was 0.37 to 0.47 against the 0.15 asked.
+    # The cookbook samples unseeded, so the rewards vary from run to run. By step 11 eight runs
+    # here had risen 0.37 to 0.47, against the 0.15 asked, but one in a CI rehearsal only 0.12,
+    # its reward falling to 0.36 at step 6 before climbing again; so the runs take 20 steps,
+    # where the others have long reached 0.9 and a slow one has time to.
     start, end = np.mean(reward[:2]), np.mean(reward[-3:])
     ok(end > start + 0.15,
        f"rl: the mean reward rises from {start:.3f} (first 2 steps) to {end:.3f} (last 3)")
