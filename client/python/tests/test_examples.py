@@ -30,8 +30,8 @@ def test_rl_example_raises_the_reward_with_the_ratio_at_one(float32_server, tmp_
     rewards = [float(r) for r, _, _ in steps]
     assert max(rewards[:3]) < 0.65 and min(rewards[-3:]) > 0.9, run.stdout
     # The sampler is the trainer's weights and kernels: in float32 on a CPU with AVX2 or AVX-512
-    # (where every forward product takes Gemv's order) p_train / p_sample is 1.0 on every token, to the bit;
-    # elsewhere 1 to float32 rounding.
+    # (where every forward product takes Gemv's order) p_train / p_sample is 1.0 on every token,
+    # to the bit; elsewhere 1 to float32 rounding.
     assert all(abs(float(ratio) - 1.0) < 1e-3 for _, ratio, _ in steps), run.stdout
     if gemv_runs():
         assert all(int(off) == 0 for _, _, off in steps), run.stdout
