@@ -537,6 +537,9 @@ struct Variant {
   bool skip_renormalization = false;  // the picked probabilities used as they are
   bool first_choice_only = false;     // one expert per token, whatever num_experts_per_tok says
   bool skip_shared_expert = false;    // Qwen2-MoE's shared expert left out
+  // Dynamic NTK measured against original_max_position_embeddings, as tinkerd did until
+  // 2026-12-02 (transformers reads max_position_embeddings alone for this type).
+  bool dynamic_from_original = false;
 };
 
 struct Rotary {
@@ -565,9 +568,13 @@ Rotary RotaryForSequence(const RefConfig& c, int64_t seq_len, const Variant& var
     // Dividing positions by the factor is the same as dividing every frequency by it.
     for (double& f : r.inv_freq_F) f /= s.factor;
   } else if (s.type == "dynamic") {
-    // NTK-aware: stretch the base, and only once the sequence outgrows the original context.
-    if (seq_len > s.original_max_position_embeddings) {
-      const double base = theta * std::pow(s.factor * seq_len / orig - (s.factor - 1.0),
+    // NTK-aware: stretch the base, and only once the sequence outgrows max_position_embeddings
+    // (transformers ignores original_max_position_embeddings for this type).
+    const int64_t limit = variant.dynamic_from_original ? s.original_max_position_embeddings
+                                                        : c.max_position_embeddings;
+    const double context = static_cast<double>(limit);
+    if (seq_len > limit) {
+      const double base = theta * std::pow(s.factor * seq_len / context - (s.factor - 1.0),
                                            static_cast<double>(E) / (E - 2.0));
       r.inv_freq_F = plain(base);
     }
@@ -881,8 +888,8 @@ void RewriteConfig(const fs::path& dir, const Case& c) {
 
 // Strongly unequal lengths, out of order, so that the runner packs several sequences per
 // micro-batch (16 tokens), runs the 20-token one alone, and so that some sequences exceed the
-// sliding window (4), the dynamic-NTK original length (8) and the llama3/yarn original length (16)
-// while others do not.
+// sliding window (4), the dynamic-NTK case's original_max_position_embeddings (8) and the
+// llama3/yarn original length (16) while others do not.
 const std::vector<int64_t> kSequenceLengths = {12, 1, 20, 3, 9, 7};
 constexpr int64_t kMicroBatchTokens = 16;
 
@@ -1015,6 +1022,10 @@ std::vector<Case> AllCases() {
                  m.rope_scaling = RopeScaling{};
                  m.rope_scaling.type = RopeScaling::Type::kDynamic;
                  m.rope_scaling.factor = 2;
+                 // The context is the longest sequence (20): no sequence is scaled, while a
+                 // reader that measured them against original_max_position_embeddings (8)
+                 // would scale three of them (transformers ignores it for this type).
+                 m.max_position_embeddings = 20;
                  m.rope_scaling.original_max_position_embeddings = 8;
                },
            .seed = 17,
@@ -1353,8 +1364,10 @@ TEST(ModelReferenceControl, DroppingYarnScalingIsDetected) {
   ExpectMistakeDetected("Qwen2BiasYarnRope", Variant{.drop_rope_scaling = true});
 }
 
-TEST(ModelReferenceControl, DroppingDynamicScalingIsDetected) {
-  ExpectMistakeDetected("LlamaDynamicRope", Variant{.drop_rope_scaling = true});
+// Within the served context (at most max_position_embeddings tokens) dynamic scaling changes
+// nothing, so dropping it cannot be detected; reading its threshold from the wrong key can.
+TEST(ModelReferenceControl, DynamicScalingFromTheOriginalLengthIsDetected) {
+  ExpectMistakeDetected("LlamaDynamicRope", Variant{.dynamic_from_original = true});
 }
 
 TEST(ModelReferenceControl, WrongGqaHeadMappingIsDetected) {
