@@ -177,8 +177,12 @@ void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond r
   v1::OptimStepRequest req;
   req.set_model_id(f.Str("model_id"));
   req.set_seq_id(f.Int("seq_id"));
-  absl::Status refused;
-  if (const Json* adam = f.Obj("adam_params")) {
+  if (!f.status().ok()) return respond(Error(f.status()));
+  // Past the model and seq_id, a refused field takes the seq_id (RefuseOrdered).
+  Fields rest(body);
+  const Json* adam = rest.Obj("adam_params");
+  absl::Status refused = rest.status();
+  if (adam != nullptr) {
     Fields a(*adam);
     v1::AdamParams* p = req.mutable_adam_params();
     if (auto v = a.OptNum("learning_rate")) p->set_learning_rate(*v);
@@ -191,7 +195,6 @@ void TinkerApi::OptimStep(const std::string& tenant, const Json& body, Respond r
       refused = absl::InvalidArgumentError(absl::StrCat("adam_params.", a.status().message()));
     }
   }
-  if (!f.status().ok()) return respond(Error(f.status()));
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
@@ -232,18 +235,20 @@ void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond
   v1::SaveStateRequest req;
   req.set_model_id(f.Str("model_id"));
   req.set_seq_id(f.Int("seq_id"));
-  req.set_name(f.Str("path"));
-  req.set_overwrite(f.OptBool("overwrite").value_or(false));
+  if (!f.status().ok()) return respond(Error(f.status()));
+  Fields rest(body);
+  req.set_name(rest.Str("path"));
+  req.set_overwrite(rest.OptBool("overwrite").value_or(false));
   // Tinker's save_state never refuses for pending gradients: they are saved with the weights.
   req.set_include_accumulated(true);
-  if (!f.status().ok()) return respond(Error(f.status()));
   const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
+  const absl::Status refused = rest.status().ok() ? ttl.status() : rest.status();
   const std::string request_id = absl::StrCat(req.model_id(), ":", req.seq_id());
   req.set_model_id(aliases_.Resolve(tenant, req.model_id()));
   if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
   const CallKey key{request_id, JsonDigest("save_weights", body), "seq_id"};
-  if (!ttl.ok()) {
-    return RefuseOrdered(tenant, key, req.model_id(), req.seq_id(), "SaveState", ttl.status(),
+  if (!refused.ok()) {
+    return RefuseOrdered(tenant, key, req.model_id(), req.seq_id(), "SaveState", refused,
                          std::move(respond));
   }
   Ops* ops = ops_;
@@ -260,12 +265,12 @@ void TinkerApi::SaveWeights(const std::string& tenant, const Json& body, Respond
 
 void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond respond) {
   Fields f(body);
-  const std::string path = f.Str("path");
-  const bool optimizer = f.OptBool("optimizer").value_or(false);
   const std::optional<std::string> model_id = f.OptId("model_id");
   Ops* ops = ops_;
   if (!model_id) {
     // The session form: a new model made from the checkpoint (create_training_client_from_state).
+    const std::string path = f.Str("path");
+    const bool optimizer = f.OptBool("optimizer").value_or(false);
     const std::string session_id = f.Str("session_id");
     const int64_t model_seq_id = f.Int("model_seq_id");
     if (!f.status().ok()) return respond(Error(f.status()));
@@ -292,14 +297,19 @@ void TinkerApi::LoadWeights(const std::string& tenant, const Json& body, Respond
   req.set_model_id(aliases_.Resolve(tenant, *model_id));
   if (auto st = sessions_.CheckModel(req.model_id()); !st.ok()) return respond(Error(st));
   req.set_seq_id(f.Int("seq_id"));
-  req.set_path(path);
-  req.set_with_optimizer(optimizer);
   if (!f.status().ok()) return respond(Error(f.status()));
+  // Past the model and seq_id, a refused field takes the seq_id (RefuseOrdered).
+  Fields rest(body);
+  req.set_path(rest.Str("path"));
+  req.set_with_optimizer(rest.OptBool("optimizer").value_or(false));
+  const CallKey key{absl::StrCat(*model_id, ":", req.seq_id()), JsonDigest("load_weights", body),
+                    "seq_id"};
+  if (!rest.status().ok()) {
+    return RefuseOrdered(tenant, key, req.model_id(), req.seq_id(), "LoadState", rest.status(),
+                         std::move(respond));
+  }
   CallIntoFuture<v1::LoadStateResponse>(
-      &futures_, tenant,
-      CallKey{absl::StrCat(*model_id, ":", req.seq_id()), JsonDigest("load_weights", body),
-              "seq_id"},
-      Resend::kOperation,
+      &futures_, tenant, key, Resend::kOperation,
       [ops, tenant, req](Done<v1::LoadStateResponse> done) {
         ops->LoadState(tenant, req, std::move(done));
       },
@@ -316,11 +326,13 @@ void TinkerApi::SaveWeightsForSampler(const std::string& tenant, const Json& bod
   v1::SaveWeightsForSamplerRequest req;
   req.set_model_id(f.Str("model_id"));
   req.set_seq_id(f.Int("seq_id"));
-  const std::optional<std::string> name = f.OptId("path");
   if (!f.status().ok()) return respond(Error(f.status()));
+  Fields rest(body);
+  const std::optional<std::string> name = rest.OptId("path");
   const absl::StatusOr<bool> inflight = InflightFromTinker(body);
   const absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
-  absl::Status refused = inflight.ok() ? ttl.status() : inflight.status();
+  absl::Status refused =
+      !rest.status().ok() ? rest.status() : (inflight.ok() ? ttl.status() : inflight.status());
   if (refused.ok() && *inflight && name) {
     refused = absl::InvalidArgumentError(
         "kind: an inflight save makes a sampling session that follows the model's weights; it "
@@ -361,11 +373,13 @@ void TinkerApi::SaveWeightsExternal(const std::string& tenant, const Json& body,
   v1::SaveWeightsForSamplerRequest req;
   req.set_model_id(f.Str("model_id"));
   req.set_seq_id(f.Int("seq_id"));
-  req.set_name(f.Str("path"));
   if (!f.status().ok()) return respond(Error(f.status()));
+  Fields rest(body);
+  req.set_name(rest.Str("path"));
   absl::StatusOr<std::optional<absl::Duration>> ttl = TtlFromTinker(body);
+  if (!rest.status().ok()) ttl = rest.status();
   if (auto it = body.find("age_encryption_recipients");
-      it != body.end() && !it->is_null() && (!it->is_array() || !it->empty())) {
+      ttl.ok() && it != body.end() && !it->is_null() && (!it->is_array() || !it->empty())) {
     ttl = absl::InvalidArgumentError(
         "age_encryption_recipients: this server does not encrypt exports; send none, and "
         "encrypt the downloaded files yourself");
