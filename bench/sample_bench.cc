@@ -6,9 +6,9 @@
 //            the first token, which it yields) is not counted;
 //   ttft     time to the first token of one --ttft_prompt_len-token prompt;
 //   beside   decode tokens/s and training tokens/s while a LoRA model trains on the same thread,
-//            --beside_steps decode steps (default 1) between training calls, as the server's
-//            scheduler alternates them (--sample_steps_between_jobs),
-//            against each alone.
+//            --beside_steps decode steps (default 1) between training calls, or as many as
+//            fill --beside_share of the time, as the server's scheduler alternates them
+//            (--sample_steps_between_jobs, --sample_share), against each alone.
 // Writes the model (Hugging Face layout) and prompts.json under --out_dir, prints readable lines
 // and one JSON line (starts with '{').
 #include <ATen/ATen.h>
@@ -57,6 +57,9 @@ ABSL_FLAG(int64_t, beside_max_tokens, 16, "tokens per sample decoded beside trai
 ABSL_FLAG(int64_t, beside_steps, 1,
           "decode steps between two training calls beside training (the server's "
           "--sample_steps_between_jobs)");
+ABSL_FLAG(double, beside_share, 0.5,
+          "sampling's share of the time beside training (the server's --sample_share): after a "
+          "training call of d seconds, decode steps go on for d * share / (1 - share)");
 ABSL_FLAG(int64_t, train_tokens, 256, "tokens per training call (4 sequences)");
 ABSL_FLAG(int64_t, num_threads, 2, "intra-op threads");
 ABSL_FLAG(std::string, compute_dtype, "float32",
@@ -344,24 +347,33 @@ int main(int argc, char** argv) {
   engine.Step();  // the prefill (and first token), not counted
   t0 = Clock::now();
   const int64_t steps_between = std::max<int64_t>(1, absl::GetFlag(FLAGS_beside_steps));
+  const double share = std::clamp(absl::GetFlag(FLAGS_beside_share), 0.0, 0.95);
+  Clock::time_point until = t0;  // the scheduler's background_until_
   for (bool more = true; more;) {
-    for (int64_t k = 0; k < steps_between && more; ++k) more = engine.Step();
+    for (int64_t k = 0; more && (k < steps_between || Clock::now() < until); ++k) {
+      more = engine.Step();
+    }
     if (!more) break;
+    const Clock::time_point began = Clock::now();
     train();
     ++calls;
+    const Clock::time_point ended = Clock::now();
+    until = ended +
+            std::chrono::duration_cast<Clock::duration>((ended - began) * (share / (1 - share)));
   }
   const double both_s = Since(t0);
   const double decode_beside = static_cast<double>(beside * (beside_tokens - 1)) / both_s;
   const double train_beside = static_cast<double>(calls * 4 * train_len) / both_s;
   std::printf(
       "beside training (decode batch %lld, training calls of %lld tokens, %lld decode "
-      "step(s) between two calls):\n"
+      "step(s) between two calls at least, sampling's share of the time %.2f):\n"
       "  decode %.1f tokens/s (alone %.1f), training %.1f tokens/s (alone %.1f)\n",
       static_cast<long long>(beside), static_cast<long long>(4 * train_len),
-      static_cast<long long>(steps_between), decode_beside, decode_alone, train_beside,
+      static_cast<long long>(steps_between), share, decode_beside, decode_alone, train_beside,
       train_alone);
   result["beside"] = {{"batch", beside},
                       {"steps_between_calls", steps_between},
+                      {"sample_share", share},
                       {"decode_tokens_per_s", decode_beside},
                       {"decode_alone_tokens_per_s", decode_alone},
                       {"train_tokens_per_s", train_beside},

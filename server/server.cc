@@ -38,6 +38,9 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError("server: order_timeout <= 0");
   if (scheduler.steps_between_jobs < 1)
     return absl::InvalidArgumentError("server: sample_steps_between_jobs < 1");
+  // Up to 0.95: a queued job then waits at most 19 times the previous job's time.
+  if (!(scheduler.sample_share >= 0 && scheduler.sample_share <= 0.95))
+    return absl::InvalidArgumentError("server: sample_share must be in [0, 0.95]");
   if (scheduler.join_tokens < 0) return absl::InvalidArgumentError("server: join_tokens < 0");
   if (auto st = tinker_http.Validate(); !st.ok()) return st;
   if (sampling.engine.max_sequences < 1 || sampling.engine.kv_cache_bytes < 1)
@@ -59,7 +62,7 @@ std::string ServerConfig::DebugString() const {
       "result_cache_per_model=%d order_timeout=%s checkpoint_root=%s "
       "auth=%s tls=%s %s "
       "sample_max_sequences=%d sample_kv_cache_bytes=%d sampler_idle=%s "
-      "sampler_bytes_per_tenant=%d sample_steps_between_jobs=%d "
+      "sampler_bytes_per_tenant=%d sample_steps_between_jobs=%d sample_share=%g "
       "sample_prefill_tokens_per_step=%d join_tokens=%d join_optim_steps=%v",
       listen_address, max_message_bytes, absl::FormatDuration(shutdown_grace),
       stall_timeout == absl::ZeroDuration() ? "off" : absl::FormatDuration(stall_timeout),
@@ -70,8 +73,8 @@ std::string ServerConfig::DebugString() const {
       tls_cert_file.empty() ? "off" : (tls_client_ca_file.empty() ? "tls" : "mtls"),
       tinker_http.DebugString(), sampling.engine.max_sequences, sampling.engine.kv_cache_bytes,
       absl::FormatDuration(sampling.sampler_idle), sampling.max_sampler_bytes_per_tenant,
-      scheduler.steps_between_jobs, sampling.engine.prefill_tokens_per_step, scheduler.join_tokens,
-      join_optim_steps);
+      scheduler.steps_between_jobs, scheduler.sample_share, sampling.engine.prefill_tokens_per_step,
+      scheduler.join_tokens, join_optim_steps);
 }
 
 namespace {

@@ -131,6 +131,10 @@ ABSL_FLAG(int, sampler_idle_s, 3600, "a sampler unused for this long is deleted"
 ABSL_FLAG(int, sample_steps_between_jobs, 1,
           "decode steps between two training jobs while both have work: a queued training call "
           "waits this many steps at most");
+ABSL_FLAG(double, sample_share, 0.5,
+          "sampling's share of the time while sampling and training both have work, in [0, "
+          "0.95]: after a training job, decode steps go on for its time x share / (1 - share) "
+          "(and --sample_steps_between_jobs steps at least); 0: the step count alone");
 ABSL_FLAG(int64_t, sampler_mb_per_tenant, 8192,
           "memory a tenant's samplers may hold beyond the base model (a LoRA sampler its adapter, "
           "a full fine-tune's or a merged export's its weights); a new sampler evicts the "
@@ -348,6 +352,7 @@ int main(int argc, char** argv) {
   sc.scheduler.result_cache_per_model = absl::GetFlag(FLAGS_result_cache_per_model);
   sc.scheduler.order_timeout = absl::Seconds(absl::GetFlag(FLAGS_order_timeout_s));
   sc.scheduler.steps_between_jobs = absl::GetFlag(FLAGS_sample_steps_between_jobs);
+  sc.scheduler.sample_share = absl::GetFlag(FLAGS_sample_share);
   sc.scheduler.join_tokens = absl::GetFlag(FLAGS_join_tokens);
   sc.join_optim_steps = absl::GetFlag(FLAGS_join_optim_steps);
   sc.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_s));

@@ -431,7 +431,9 @@ void Scheduler::Loop() {
     std::string model;
     auto [q, job] = PickLocked(&model);
     const bool past_deadline = stopping_ && absl::Now() >= stop_deadline_;
-    if (background_ready_ && !stopping_ && (job == nullptr || background_turns_ > 0)) {
+    const bool sampling_turn =
+        job == nullptr || background_turns_ > 0 || absl::Now() < background_until_;
+    if (background_ready_ && !stopping_ && sampling_turn) {
       background_ready_ = false;
       background_turns_ = std::max(0, background_turns_ - 1);
       running_ = {absl::Now(), "a sampling step"};
@@ -509,6 +511,9 @@ void Scheduler::Loop() {
       run_now[i].job->running = false;
     }
     background_turns_ = config_.steps_between_jobs;
+    const double share = config_.sample_share;
+    background_until_ =
+        share > 0 ? absl::Now() + took * (share / (1 - share)) : absl::InfinitePast();
     for (size_t i = 0; i < run_now.size(); ++i) {
       JobStep& step = i < steps.size() ? steps[i] : steps.emplace_back();
       if (step.done) FinishLocked(run_now[i], step.result, &calls);

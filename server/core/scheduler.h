@@ -103,6 +103,11 @@ struct SchedulerConfig {
   // Background steps (decode steps) between two jobs while both have work: a queued job waits
   // this many steps at most, and sampling gets this many steps per training job.
   int steps_between_jobs = 1;
+  // Sampling's share of the thread's time while both have work, in [0, 1): after a job that took
+  // d, steps go on for d · share / (1 − share) as well (so each side gets its share of the time,
+  // a queued job waiting that long plus one step at most), and for steps_between_jobs steps in
+  // any case. 0: steps_between_jobs alone.
+  double sample_share = 0;
   // A shared run's budget: the job picked by fair share takes along the next runnable joinable
   // jobs of its group (other models', picked by fair share too) while their tokens sum to at
   // most this. 0: every job runs alone.
@@ -152,9 +157,10 @@ class Scheduler {
   bool RunBetweenJobs(std::function<void()> op);
 
   // Work that is no model's request: the sampler's steps. `step` runs on the scheduler thread and
-  // returns whether it has more to do; while it has, the thread alternates, at most
-  // steps_between_jobs steps between two jobs and steps back to back when no job can run. So a
-  // queued job waits at most that many steps, and steps go on while jobs are queued.
+  // returns whether it has more to do; while it has, the thread alternates: between two jobs,
+  // steps_between_jobs steps, or as many as fill sample_share of the time, and steps back to back
+  // when no job can run. So a queued job waits at most that long, and steps go on while jobs are
+  // queued.
   // KickBackground() says there is work again (from any thread). Set before Start(); no step runs
   // once stopping.
   void SetBackground(std::function<bool()> step);
@@ -262,6 +268,8 @@ class Scheduler {
   std::map<std::string, Joiner> joiners_;  // by group; set before Start
   bool background_ready_ ABSL_GUARDED_BY(mu_) = false;
   int background_turns_ ABSL_GUARDED_BY(mu_) = 0;  // steps before the next job may wait
+  // Until when steps go on before a runnable job (sample_share).
+  absl::Time background_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   Running running_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };

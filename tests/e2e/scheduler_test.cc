@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -104,6 +106,78 @@ TEST(Scheduler, StepsBetweenJobsGiveSamplingMoreTurns) {
   const std::string events = JobsBesideSteps(3, &before);
   ASSERT_NE(before, std::string::npos) << events;
   EXPECT_EQ(events.substr(0, 17), "JSSSJSSSJSSSJSSSJ") << events;
+}
+
+// --sample_share=0.5: after each job, steps go on for as long as the job took, so that sampling
+// gets half the time while both have work (not one step per job, a few percent of the time when a
+// job is long and a step short). Each job takes 20 ms and each step 1 ms of simulated work.
+TEST(Scheduler, SampleShareGivesStepsTheirShareOfTheTime) {
+  SchedulerConfig config;
+  config.steps_between_jobs = 1;
+  config.sample_share = 0.5;
+  Scheduler scheduler(config);
+  using Clock = std::chrono::steady_clock;
+  absl::Mutex mu;
+  struct Job {
+    Clock::time_point began, ended;
+    int steps_before = 0;  // steps begun since the previous job ended
+  };
+  std::vector<Job> jobs;
+  int steps_since_job = 0;
+  std::atomic<int> answered{0};
+  constexpr int kJobs = 4;
+  scheduler.SetBackground([&] {
+    {
+      absl::MutexLock lock(&mu);
+      ++steps_since_job;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));  // a step's work
+    return true;
+  });
+  scheduler.Start();
+  absl::Notification created;
+  scheduler.CreateModel(
+      "tenant", [] { return absl::StatusOr<std::string>("m"); },
+      [&](const absl::StatusOr<std::string>& id) {
+        EXPECT_TRUE(id.ok());
+        created.Notify();
+      });
+  created.WaitForNotification();
+  scheduler.KickBackground();
+  for (int64_t seq = 1; seq <= kJobs; ++seq) {
+    JobSpec spec;
+    spec.kind = "forward_backward";
+    spec.run = [&] {
+      Job job;
+      job.began = Clock::now();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a job's work
+      job.ended = Clock::now();
+      absl::MutexLock lock(&mu);
+      job.steps_before = steps_since_job;
+      steps_since_job = 0;
+      jobs.push_back(job);
+      return JobStep{true, v1::RetrieveResultResponse()};
+    };
+    scheduler.Submit("m", seq, std::move(spec), [&](const JobResult& r) {
+      EXPECT_TRUE(r.ok()) << r.status().message();
+      ++answered;
+    });
+  }
+  // Every job runs: steps that always have more to do do not hold jobs back for good.
+  WaitFor([&] { return answered.load() == kJobs; }, "every job");
+  scheduler.Stop(absl::Seconds(10));
+
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(jobs.size(), static_cast<size_t>(kJobs));
+  for (size_t i = 1; i < jobs.size(); ++i) {
+    // The gap is at least the previous job's time: the scheduler measured that job over a span
+    // enclosing the one measured here, and let its steps run until at least as long after it.
+    const auto gap = jobs[i].began - jobs[i - 1].ended;
+    const auto took = jobs[i - 1].ended - jobs[i - 1].began;
+    EXPECT_GE(gap, took) << "job " << i << ": sampling got less than its half";
+    // Not one step per job, as steps_between_jobs alone gives: 1 ms of the 20 ms.
+    EXPECT_GT(jobs[i].steps_before, 1) << "job " << i;
+  }
 }
 
 // Models of tenants on one scheduler whose jobs record the order they ran in; the first job
