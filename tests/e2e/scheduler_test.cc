@@ -23,6 +23,18 @@
 namespace tinkerd::testing {
 namespace {
 
+// Registers model "m" of "tenant" on a started scheduler, and waits until it is.
+void CreateModelM(Scheduler& scheduler) {
+  absl::Notification created;
+  scheduler.CreateModel(
+      "tenant", [] { return absl::StatusOr<std::string>("m"); },
+      [&](const absl::StatusOr<std::string>& id) {
+        EXPECT_TRUE(id.ok());
+        created.Notify();
+      });
+  created.WaitForNotification();
+}
+
 // Runs five jobs that become runnable at once, from inside a step, while steps always have more
 // to do; returns the events from the moment they were queued: S a step began, J a job ran, Q every
 // job was queued. `steps` before it: how many steps ran back to back while no job could run.
@@ -64,14 +76,7 @@ std::string JobsBesideSteps(int steps_between_jobs, size_t* steps_before) {
     return true;
   });
   scheduler.Start();
-  absl::Notification created;
-  scheduler.CreateModel(
-      "tenant", [] { return absl::StatusOr<std::string>("m"); },
-      [&](const absl::StatusOr<std::string>& id) {
-        EXPECT_TRUE(id.ok());
-        created.Notify();
-      });
-  created.WaitForNotification();
+  CreateModelM(scheduler);
   // Seq_ids 2.. are held for 1, which a step submits.
   const int kJobs = 5;
   for (int64_t seq = 2; seq <= kJobs; ++seq) submit(seq);
@@ -135,14 +140,7 @@ TEST(Scheduler, SampleShareGivesStepsTheirShareOfTheTime) {
     return true;
   });
   scheduler.Start();
-  absl::Notification created;
-  scheduler.CreateModel(
-      "tenant", [] { return absl::StatusOr<std::string>("m"); },
-      [&](const absl::StatusOr<std::string>& id) {
-        EXPECT_TRUE(id.ok());
-        created.Notify();
-      });
-  created.WaitForNotification();
+  CreateModelM(scheduler);
   scheduler.KickBackground();
   for (int64_t seq = 1; seq <= kJobs; ++seq) {
     JobSpec spec;
