@@ -25,6 +25,7 @@
 #include "runner/util/log.h"
 #include "runner/util/memory_limit.h"
 #include "server/core/replicated_runner.h"
+#include "server/core/scheduler.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -129,9 +130,9 @@ ABSL_FLAG(int64_t, sample_prefill_tokens_per_step, 8192,
           "bounds a step, which a queued training call may wait for");
 ABSL_FLAG(int, sampler_idle_s, 3600, "a sampler unused for this long is deleted");
 ABSL_FLAG(int, sample_steps_between_jobs, 1,
-          "decode steps between two training jobs while both have work: a queued training call "
-          "waits this many steps at most");
-ABSL_FLAG(double, sample_share, 0.5,
+          "decode steps at least between two training jobs while both have work (and as many "
+          "as --sample_share gives)");
+ABSL_FLAG(double, sample_share, tinkerd::SchedulerConfig{}.sample_share,
           "sampling's share of the time while sampling and training both have work, in [0, "
           "0.95]: after a training job, decode steps go on for its time x share / (1 - share) "
           "(and --sample_steps_between_jobs steps at least); 0: the step count alone");

@@ -15,8 +15,9 @@ std::vector<double> RopeInvFreq(const ModelConfig& c, int64_t seq_len) {
   if (s.type == RopeScaling::Type::kDynamic) {
     // Measured against max_position_embeddings, never the config's
     // original_max_position_embeddings: transformers' dynamic NTK reads only the former
-    // (tests/reference checks it there). So within the context tinkerd serves (validate.cc:
-    // at most max_position_embeddings tokens) the frequencies are the plain ones.
+    // (tests/reference checks it there). So within the context tinkerd serves (at most
+    // max_position_embeddings tokens: runner/validate.cc, runner/sample/sample_types.cc) the
+    // frequencies are the plain ones.
     const double orig = static_cast<double>(c.max_position_embeddings);
     if (seq_len > orig) {
       base *= std::pow(s.factor * seq_len / orig - (s.factor - 1.0),

@@ -431,8 +431,10 @@ void Scheduler::Loop() {
     std::string model;
     auto [q, job] = PickLocked(&model);
     const bool past_deadline = stopping_ && absl::Now() >= stop_deadline_;
+    // A job that could run while no step had work takes the turn: sampling's time is not banked.
+    if (job != nullptr && !background_ready_) background_budget_ = absl::ZeroDuration();
     const bool sampling_turn =
-        job == nullptr || background_turns_ > 0 || absl::Now() < background_until_;
+        job == nullptr || background_turns_ > 0 || background_budget_ > absl::ZeroDuration();
     if (background_ready_ && !stopping_ && sampling_turn) {
       background_ready_ = false;
       background_turns_ = std::max(0, background_turns_ - 1);
@@ -440,8 +442,10 @@ void Scheduler::Loop() {
       mu_.Unlock();
       for (auto& [cb, r] : calls) cb(r);
       calls.clear();
+      const absl::Time began = absl::Now();
       const bool more = background_();
       mu_.Lock();
+      background_budget_ -= std::max(absl::ZeroDuration(), absl::Now() - began);
       running_ = {};
       background_ready_ = background_ready_ || more;
       continue;
@@ -511,9 +515,8 @@ void Scheduler::Loop() {
       run_now[i].job->running = false;
     }
     background_turns_ = config_.steps_between_jobs;
-    const double share = config_.sample_share;
-    background_until_ =
-        share > 0 ? absl::Now() + took * (share / (1 - share)) : absl::InfinitePast();
+    const double share = std::clamp(config_.sample_share, 0.0, 0.95);
+    background_budget_ = took * (share / (1 - share));
     for (size_t i = 0; i < run_now.size(); ++i) {
       JobStep& step = i < steps.size() ? steps[i] : steps.emplace_back();
       if (step.done) FinishLocked(run_now[i], step.result, &calls);

@@ -100,14 +100,14 @@ struct SchedulerConfig {
   TenantLimitTable tenant_limits;
   int result_cache_per_model = 256;
   absl::Duration order_timeout = absl::Seconds(60);
-  // Background steps (decode steps) between two jobs while both have work: a queued job waits
-  // this many steps at most, and sampling gets this many steps per training job.
+  // Background steps (decode steps) at least between two jobs while both have work.
   int steps_between_jobs = 1;
-  // Sampling's share of the thread's time while both have work, in [0, 1): after a job that took
-  // d, steps go on for d · share / (1 − share) as well (so each side gets its share of the time,
-  // a queued job waiting that long plus one step at most), and for steps_between_jobs steps in
-  // any case. 0: steps_between_jobs alone.
-  double sample_share = 0;
+  // Sampling's share of the thread's time while both have work, in [0, 0.95]: after a job that
+  // took d, steps go on until their own time reaches d · share / (1 − share) (so each side gets
+  // its share, and a queued job waits that long plus one step at most), and for
+  // steps_between_jobs steps in any case. The time is not banked: a runnable job finding no step
+  // to run drops it. 0: steps_between_jobs alone.
+  double sample_share = 0.5;
   // A shared run's budget: the job picked by fair share takes along the next runnable joinable
   // jobs of its group (other models', picked by fair share too) while their tokens sum to at
   // most this. 0: every job runs alone.
@@ -268,8 +268,8 @@ class Scheduler {
   std::map<std::string, Joiner> joiners_;  // by group; set before Start
   bool background_ready_ ABSL_GUARDED_BY(mu_) = false;
   int background_turns_ ABSL_GUARDED_BY(mu_) = 0;  // steps before the next job may wait
-  // Until when steps go on before a runnable job (sample_share).
-  absl::Time background_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // Step time left before a runnable job runs (sample_share).
+  absl::Duration background_budget_ ABSL_GUARDED_BY(mu_);
   Running running_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };

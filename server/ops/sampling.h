@@ -1,7 +1,7 @@
 // Sampling's operations, for every front end: samplers (frozen policies owned by a tenant), Sample
 // and ComputeLogprobs. Requests are checked in full here, then admitted to the engine
-// (runner/sample/engine.h), whose steps the scheduler interleaves with training jobs: a queued
-// training call waits at most one decode step, and sampling goes on while training is queued.
+// (runner/sample/engine.h), whose steps the scheduler interleaves with training jobs, sharing the
+// time while both have work (--sample_share): neither waits for the other for long.
 // Under data parallelism rank 0 samples alone: the weights are the same on every rank and a
 // decode step needs no collective, so the followers stay free of per-token commands.
 #pragma once
