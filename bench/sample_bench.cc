@@ -348,7 +348,9 @@ int main(int argc, char** argv) {
   t0 = Clock::now();
   const int64_t steps_between = std::max<int64_t>(1, absl::GetFlag(FLAGS_beside_steps));
   const double share = std::clamp(absl::GetFlag(FLAGS_beside_share), 0.0, 0.95);
-  Clock::time_point until = t0;  // the scheduler's background_until_
+  // The scheduler's step budget (background_budget_) as a deadline: the same here, where steps
+  // always have work.
+  Clock::time_point until = t0;
   for (bool more = true; more;) {
     for (int64_t k = 0; more && (k < steps_between || Clock::now() < until); ++k) {
       more = engine.Step();
