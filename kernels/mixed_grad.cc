@@ -155,7 +155,11 @@ at::Tensor MixedScale(const MixedScaleParams& p) {
 at::Tensor RowProduct(const ProductParams& p) {
   const at::Tensor &a = p.a_MK, &b = p.b_KN;
   const at::ScalarType dt = a.scalar_type();
-  if (AccumulateType(dt) == dt) return at::mm(a, b);
+  if (AccumulateType(dt) == dt) {
+    // bᵀ is copied once per product: K·M values against the product's N·K·M multiply-adds.
+    const at::Tensor w_MK = b.t();
+    return GemvFits(a, w_MK) ? Gemv({a, w_MK.contiguous()}) : at::mm(a, b);
+  }
   if (a.device().is_cpu()) return at::mm(a, b.t().contiguous().t());
   // cuBLAS chooses its kernel (split-K among them) by the product's shape (and a batched one may
   // by its batch count), so every row is multiplied within a product of exactly kRowTile rows: the

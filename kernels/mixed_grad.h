@@ -3,7 +3,8 @@
 // tokens' grouping into micro-batches and calls. Weights may be fp32 masters (cast to the compute
 // dtype for use) or frozen compute-dtype weights (a LoRA model's base). kernels::Linear also
 // trains float32 products through MixedLinear where Gemv takes them (kernels/linear.cc): its
-// forward is then Gemv's, the sampler's order, and its backward the BLAS's.
+// forward is then Gemv's, the sampler's order, its input gradient Gemv's too (RowProduct), and
+// its weight gradient the BLAS's.
 //
 //   MixedLinear: y_NO = x_NI·c(w_OI)ᵀ + c(b_O)   dx = dy·c(w)   dw = dyᵀ·x   db = Σ_n dy
 //   MixedScale:  y_ND = x_ND ⊙ c(w_D)            dx = dy ⊙ c(w)  dw = Σ_n dy ⊙ x
@@ -64,7 +65,11 @@ at::Tensor WideProduct(const ProductParams& p);
 // In bf16/fp16 on the CPU, b is copied to its transpose's layout first. On CUDA the rows are
 // multiplied in products of a fixed row count (1,024; the last zero-padded): cuBLAS picks its
 // kernel, split-K among them, by the shape, and a plain product's rows moved with the row count
-// on an H100 (a 32→4 product). In fp32/fp64, at::mm.
+// on an H100 (a 32→4 product). In fp32 on a CPU where Gemv runs, Gemv with b's transpose as its
+// weights: each output summed over K in Gemv's order (kernels/gemv.h), which the rows beside it
+// never change. OpenBLAS's AVX2 (Zen) kernels round a row by the rows beside it (352 of 450 shapes
+// differed on a 2-vCPU EPYC, tests/test_util.h), so a float32 input gradient moved with the
+// packing. Elsewhere in fp32, and in fp64, at::mm.
 at::Tensor RowProduct(const ProductParams& p);
 
 // x·wᵀ + b with w and b in x's dtype, as a linear layer computes it without a gradient to record:

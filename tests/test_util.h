@@ -82,45 +82,15 @@ inline std::string TestDevice() {
   return d != nullptr && *d != '\0' ? d : "cpu";
 }
 
-// Whether LibTorch's float32 CPU product (the BLAS's) gives a row the same bits whatever rows are
-// beside it, probed on the small shapes the tests train with: rows 1-64 of an 80-row product, inner
-// and outer sizes 8-128, the right operand as stored and transposed. Gemv takes the forward's
-// products (a sampler's, Forward's), not the backward's, whose input gradients are the BLAS's.
-// Measured rather than assumed: OpenBLAS's AVX-512 kernels passed on every AVX-512 machine the
-// project ran on; with its AVX2 (Zen) kernels most of these rows differ (352 of the 450 cases with
-// random operands on a 2-vCPU EPYC).
-inline bool BlasFloat32RowInvariant() {
-  static const bool invariant = [] {
-    at::NoGradGuard no_grad;
-    auto values = [](int64_t rows, int64_t cols, double phase) {
-      return at::sin(at::arange(rows * cols, at::kDouble) * 0.731 + phase)
-          .to(at::kFloat)
-          .reshape({rows, cols});
-    };
-    for (int64_t K : {8, 16, 32, 64, 128}) {
-      for (int64_t N : {8, 16, 32, 64, 128}) {
-        const at::Tensor a = values(80, K, 0.1);
-        for (const at::Tensor& b : {values(K, N, 0.2), values(N, K, 0.3).t()}) {
-          const at::Tensor all = at::mm(a, b);
-          for (int64_t M : {1, 2, 3, 5, 8, 13, 24, 40, 64}) {
-            if (!at::equal(at::mm(a.narrow(0, 0, M), b), all.narrow(0, 0, M))) return false;
-          }
-        }
-      }
-    }
-    return true;
-  }();
-  return invariant;
-}
-
 // Whether float32 training on this test device rounds a row by the rows beside it: on the CPU
-// where Gemv does not run (no AVX2), or where the BLAS that takes the backward's products is not
-// row-invariant. There a float32 shared pass or packing equals its solo run to rounding only, and
-// no bitwise promise is made for gradients (docs/sampling.md); the tests that compare float32
-// gradients bit for bit run in float64 to 1e-12 or skip there. A sample's logprobs are Forward's
-// to the bit wherever Gemv runs (kernels::GemvRunsHere).
+// where Gemv does not run (no AVX2). Where it runs, Gemv takes a float32 layer's products forward
+// and its input gradients backward (kernels::RowProduct), each row's sums in an order the other
+// rows never change, so a shared pass or a packing gives each datum its solo run's bits. Without
+// it the products are the BLAS's, and OpenBLAS's AVX2 (Zen) kernels round a row by its neighbours
+// (tests/kernels/mixed_grad_test.cc reports it): there the tests that compare float32 gradients
+// bit for bit run in float64 to 1e-12 or skip (docs/sampling.md).
 inline bool CpuFloat32RoundsByRows() {
-  return TestDevice() == "cpu" && (!kernels::GemvRunsHere() || !BlasFloat32RowInvariant());
+  return TestDevice() == "cpu" && !kernels::GemvRunsHere();
 }
 
 inline std::unique_ptr<ModelRunner> MakeRunner(const std::string& model_dir,

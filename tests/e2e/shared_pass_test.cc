@@ -3,12 +3,12 @@
 // (--join_optim_steps), and each model's results and state equal
 // those of the same requests on a server that runs every call alone (--join_tokens=0), bitwise
 // in float32 (tests/numerics/joint_call_test.cc says why). On a CPU whose float32 gradients round
-// by the rows (CpuFloat32RoundsByRows) both servers run in float64 instead, and agree to 1e-12
-// relative: a float64 sum of the tiny model's at most K = 128 products is within K·2^-53 ≈ 1.4e-14
-// relative of itself in any order the BLAS adds it, and the layers, the head and three AdamW steps
-// compound that by far less than the 70× left. The outputs' float32 wire values then agree to
-// one float32 ulp besides (2^-23 relative at most: two float64 values that close may round to
-// neighbouring floats).
+// by the rows (CpuFloat32RoundsByRows: one without Gemv) both servers run in float64 instead, and
+// agree to 1e-12 relative: a float64 sum of the tiny model's at most K = 128 products is within
+// K·2^-53 ≈ 1.4e-14 relative of itself in any order the BLAS adds it, and the layers, the head and
+// three AdamW steps compound that by far less than the 70× left. The outputs' float32 wire values
+// then agree to one float32 ulp besides (2^-23 relative at most: two float64 values that close may
+// round to neighbouring floats).
 #include <httplib.h>
 
 #include <cmath>

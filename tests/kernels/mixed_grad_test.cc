@@ -11,9 +11,12 @@
 
 #include <cmath>
 #include <iostream>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "kernels/gemv.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace tinkerd::testing {
@@ -115,42 +118,51 @@ at::Tensor SplitKByRows(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Each row of dx is the same whether its row runs alone or among others, at every row count: the
-// property that makes a packed micro-batch's per-token gradients those of each datum alone.
+// property that makes a packed micro-batch's per-token gradients those of each datum alone. In
+// bf16, and in float32 where Gemv runs (on a CPU with AVX2 or AVX-512), whose input gradients are
+// Gemv's (OpenBLAS's AVX2 kernels move rows at most of these counts).
 TEST(MixedGrad, RowProductRowsAreTheirOwn) {
-  // The LoRA shapes (rank 4) and a layer's, the weight frozen in bf16 as a LoRA model's base;
-  // on a GPU a wide one too. Row counts across CUDA's tiles of 1024, at an offset of 5 rows.
-  std::vector<std::pair<int64_t, int64_t>> shapes = {{kOut, kIn}, {32, 4}, {4, 32}};
-  if (!KernelDevice().is_cpu()) shapes.push_back({1024, 1024});
-  std::vector<int64_t> counts = {100, 127,  128,  129,  255,  256,  300, 500,
-                                 777, 1023, 1024, 1025, 2048, 2049, 2500};
-  for (int64_t n = 1; n <= 64; ++n) counts.push_back(n);
-  for (auto [O, I] : shapes) {
-    const at::Tensor dy = Bf16(Randn({2600, O}, 12)), w = Bf16(Randn({O, I}, 13));
-    const at::Tensor all = kernels::RowProduct({dy, w}), broken = SplitKByRows(dy, w);
-    const at::Tensor plain = at::mm(dy, w);
-    int64_t moved = 0, moved_broken = 0, moved_plain = 0;
-    for (int64_t n : counts) {
-      moved += !kernels::RowProduct({dy.narrow(0, 5, n), w}).equal(all.narrow(0, 5, n));
-      moved_broken += !SplitKByRows(dy.narrow(0, 5, n), w).equal(broken.narrow(0, 5, n));
-      moved_plain += !at::mm(dy.narrow(0, 5, n), w).equal(plain.narrow(0, 5, n));
+  std::vector<at::ScalarType> dtypes = {at::kBFloat16};
+  if (KernelDevice().is_cpu() && kernels::GemvRunsHere()) dtypes.push_back(at::kFloat);
+  for (at::ScalarType dt : dtypes) {
+    const auto as = [&](const at::Tensor& t) { return t.to(dt).to(KernelDevice()); };
+    // The LoRA shapes (rank 4) and a layer's, the weight frozen in the compute dtype as a LoRA
+    // model's base; on a GPU a wide one too. Row counts across CUDA's tiles of 1024 and Gemv's of
+    // 64, at an offset of 5 rows.
+    std::vector<std::pair<int64_t, int64_t>> shapes = {{kOut, kIn}, {32, 4}, {4, 32}};
+    if (!KernelDevice().is_cpu()) shapes.push_back({1024, 1024});
+    std::vector<int64_t> counts = {100, 127,  128,  129,  255,  256,  300, 500,
+                                   777, 1023, 1024, 1025, 2048, 2049, 2500};
+    for (int64_t n = 1; n <= 64; ++n) counts.push_back(n);
+    for (auto [O, I] : shapes) {
+      const std::string what = absl::StrCat(c10::toString(dt), " ", O, "x", I);
+      const at::Tensor dy = as(Randn({2600, O}, 12)), w = as(Randn({O, I}, 13));
+      const at::Tensor all = kernels::RowProduct({dy, w}), broken = SplitKByRows(dy, w);
+      const at::Tensor plain = at::mm(dy, w);
+      int64_t moved = 0, moved_broken = 0, moved_plain = 0;
+      for (int64_t n : counts) {
+        moved += !kernels::RowProduct({dy.narrow(0, 5, n), w}).equal(all.narrow(0, 5, n));
+        moved_broken += !SplitKByRows(dy.narrow(0, 5, n), w).equal(broken.narrow(0, 5, n));
+        moved_plain += !at::mm(dy.narrow(0, 5, n), w).equal(plain.narrow(0, 5, n));
+      }
+      EXPECT_EQ(moved, 0) << what;
+      EXPECT_GT(moved_broken, 0) << "the broken control's rows did not move: " << what;
+      // What LibTorch's own product does here (LibTorch 1.13's bf16 CPU product moved rows at
+      // small counts on a Cooperlake Xeon, cuBLAS's a 32→4 product's on an H100, OpenBLAS's AVX2
+      // float32 product most rows on an EPYC): reported, as it depends on the library and the
+      // processor.
+      std::cout << "[ " << KernelDevice() << " ] at::mm " << what << ": rows moved at "
+                << moved_plain << " of " << counts.size() << " row counts\n";
     }
-    EXPECT_EQ(moved, 0) << O << "x" << I;
-    EXPECT_GT(moved_broken, 0) << "the broken control's rows did not move: " << O << "x" << I;
-    // What LibTorch's own product does here (LibTorch 1.13's bf16 CPU product moved rows at small
-    // counts on a Cooperlake Xeon, cuBLAS's a 32→4 product's on an H100): reported, as it depends
-    // on the library and the processor.
-    std::cout << "[ " << KernelDevice() << " ] at::mm " << O << "->" << I << ": rows moved at "
-              << moved_plain << " of " << counts.size() << " row counts\n";
+    // Through MixedLinear with a frozen weight: dx of 3 rows alone is dx of those rows among 300.
+    const at::Tensor x = as(Randn({kRows, kIn}, 14)), dy = as(Randn({kRows, kOut}, 15));
+    const at::Tensor w = as(Randn({kOut, kIn}, 16));
+    const at::Tensor x_all = x.detach().requires_grad_(true), x_few = x.narrow(0, 0, 3).detach();
+    x_few.requires_grad_(true);
+    kernels::MixedLinear({x_all, w, {}}).backward(dy);
+    kernels::MixedLinear({x_few, w, {}}).backward(dy.narrow(0, 0, 3));
+    EXPECT_TRUE(x_few.grad().equal(x_all.grad().narrow(0, 0, 3))) << c10::toString(dt);
   }
-  // Through MixedLinear with a frozen bf16 weight: dx of 3 rows alone is dx of those rows among
-  // 300.
-  const at::Tensor x = Bf16(Randn({kRows, kIn}, 14)), dy = Bf16(Randn({kRows, kOut}, 15));
-  const at::Tensor w = Bf16(Randn({kOut, kIn}, 16));
-  const at::Tensor x_all = x.detach().requires_grad_(true), x_few = x.narrow(0, 0, 3).detach();
-  x_few.requires_grad_(true);
-  kernels::MixedLinear({x_all, w, {}}).backward(dy);
-  kernels::MixedLinear({x_few, w, {}}).backward(dy.narrow(0, 0, 3));
-  EXPECT_TRUE(x_few.grad().equal(x_all.grad().narrow(0, 0, 3)));
 }
 
 TEST(MixedGrad, InUseWhereABf16GradientIsRecorded) {

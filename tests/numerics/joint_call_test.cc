@@ -7,8 +7,9 @@
 //   - bitwise in float32 and bfloat16 on the CPU: a call is planned into the same micro-batches as
 //     alone, each adapter's products run over the same rows, and the base products, attention,
 //     norms and the logprob head are row-invariant there (docs/kernels.md), so every value is
-//     formed by the same operations on the same operands (float32's backward products are the
-//     BLAS's, row-invariant only on some CPUs: CpuFloat32RoundsByRows skips its cases elsewhere);
+//     formed by the same operations on the same operands (float32's products, forward and
+//     backward, are Gemv's, on CPUs with AVX2 or AVX-512: CpuFloat32RoundsByRows skips its cases
+//     elsewhere);
 //   - in float64 always to 1e-12 relative (the bound; the same argument gives equality).
 // The broken control sends one token's rows to its neighbour's adapter: that token's gradient
 // reaches the wrong model, and the comparison must see it (O(1e-2) relative, against 1e-12).
