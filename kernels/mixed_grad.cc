@@ -156,9 +156,9 @@ at::Tensor RowProduct(const ProductParams& p) {
   const at::Tensor &a = p.a_MK, &b = p.b_KN;
   const at::ScalarType dt = a.scalar_type();
   if (AccumulateType(dt) == dt) {
-    // bᵀ is copied once per product: K·M values against the product's N·K·M multiply-adds.
+    // Gemv copies bᵀ contiguous once per product: K·M values against N·K·M multiply-adds.
     const at::Tensor w_MK = b.t();
-    return GemvFits(a, w_MK) ? Gemv({a, w_MK.contiguous()}) : at::mm(a, b);
+    return GemvFits(a, w_MK) ? Gemv({a, w_MK}) : at::mm(a, b);
   }
   if (a.device().is_cpu()) return at::mm(a, b.t().contiguous().t());
   // cuBLAS chooses its kernel (split-K among them) by the product's shape (and a batched one may

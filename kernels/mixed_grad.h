@@ -68,8 +68,8 @@ at::Tensor WideProduct(const ProductParams& p);
 // on an H100 (a 32→4 product). In fp32 on a CPU where Gemv runs, Gemv with b's transpose as its
 // weights: each output summed over K in Gemv's order (kernels/gemv.h), which the rows beside it
 // never change. OpenBLAS's AVX2 (Zen) kernels round a row by the rows beside it (352 of 450 shapes
-// differed on a 2-vCPU EPYC, tests/test_util.h), so a float32 input gradient moved with the
-// packing. Elsewhere in fp32, and in fp64, at::mm.
+// differed on a 2-vCPU EPYC; tests/kernels/mixed_grad_test.cc reports it), so a float32 input
+// gradient moved with the packing. Elsewhere in fp32, and in fp64, at::mm.
 at::Tensor RowProduct(const ProductParams& p);
 
 // x·wᵀ + b with w and b in x's dtype, as a linear layer computes it without a gradient to record:
