@@ -23,8 +23,9 @@ at::Tensor Recompute(LayerFn fn, const at::Tensor& x, const std::vector<at::Tens
 // Weights that live elsewhere (slices on every rank, runner/dist/param_shard.h): `gather` brings
 // them whole (undefined entries stay undefined), once for the forward and again for the
 // backward's recompute, and they are dropped after each. Their gradients leave through `scatter`,
-// position by position (undefined where none reached), not through the graph: only x's gradient
-// flows on. Either may throw; the backward then fails.
+// position by position (undefined where none reached), not through the graph. Without `scatter`
+// they are frozen (a sharded base's): no gradient of theirs is computed at all. Either function
+// may throw; the backward then fails.
 struct Gathered {
   std::function<std::vector<at::Tensor>()> gather;
   std::function<void(const std::vector<at::Tensor>& grads)> scatter;
@@ -32,7 +33,10 @@ struct Gathered {
 using GatheredFn =
     std::function<at::Tensor(const at::Tensor& x, const std::vector<at::Tensor>& weights)>;
 
-// y = fn(x, gathered weights), checkpointed as Recompute is. Without grad mode, fn(x, gather()).
-at::Tensor RecomputeGathered(GatheredFn fn, Gathered weights, const at::Tensor& x);
+// y = fn(x, gathered weights), checkpointed as Recompute is; `params` are as Recompute's (a
+// layer's LoRA pairs over a sharded base), their gradients flowing through the graph as x's does.
+// Without grad mode, fn(x, gather()).
+at::Tensor RecomputeGathered(GatheredFn fn, Gathered weights, const at::Tensor& x,
+                             const std::vector<at::Tensor>& params = {});
 
 }  // namespace tinkerd::kernels

@@ -101,6 +101,9 @@ struct ModelRunner::Impl {
   RunnerConfig config;
   ModelConfig model_config;
   BaseWeights base;
+  // Under --shard_base: the frozen base's slices, each unit gathered while it runs; `base` then
+  // holds no tensor (ParamShard::Placeholders).
+  std::optional<ParamShard> base_shard;
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
@@ -154,7 +157,8 @@ struct ModelRunner::Impl {
             // On a GPU a call reserves nothing: runner/call_memory.h's estimate is the CPU
             // kernels' (several times what the ~1.1B bench row takes on an H100), and the
             // caching allocator's out-of-memory is the call's RESOURCE_EXHAUSTED there.
-            device.is_cuda() ? nullptr : account.get(), experts.get()};
+            device.is_cuda() ? nullptr : account.get(), experts.get(),
+            base_shard ? &*base_shard : nullptr};
   }
   absl::StatusOr<ModelState*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = models.find(id);
@@ -175,6 +179,17 @@ struct ModelRunner::Impl {
         " ranks (--expert_parallel), and sampling or exporting from it is not built yet: "
         "save_state the model, and load that checkpoint into a server run without "
         "--expert_parallel to sample or export it"));
+  }
+  // What is not built yet for a server whose base is sharded (--shard_base): whatever reads the
+  // base whole outside a training call.
+  absl::Status WholeBase(const char* what) const {
+    if (!base_shard) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        what,
+        ": this server holds its base model in slices over the ranks (--shard_base), and "
+        "sampling from it or merging an adapter into it is not built yet: export the "
+        "adapter (save_weights_for_sampler without merging) and sample it on a server "
+        "that holds the base whole"));
   }
   // What a rank holds while a sharded model is gathered a unit at a time: the largest unit whole,
   // and beside it the all-gather's staging: its bucket (at most 64 MiB) twice (Gloo stages a flat
@@ -214,6 +229,8 @@ struct ModelRunner::Impl {
     if (options.lora) {
       RETURN_IF_ERROR(LoraAdapter::Validate(*options.lora));
       values = LoraAdapter::CountValues(model_config, *options.lora, Keep());
+    } else if (base_shard) {
+      values = base_shard->values();
     } else {
       for (const auto& [name, w] : base.Named(model_config)) {
         values += w.numel();
@@ -351,8 +368,9 @@ absl::StatusOr<std::function<bool(int64_t)>> HeldExperts(const RunnerConfig& con
 absl::Status AgreeOnSetup(Collectives& c, const RunnerConfig& config, uint64_t fingerprint) {
   if (c.world_size() == 1) return absl::OkStatus();
   const std::string mine = absl::StrFormat(
-      "base model %016x, compute_dtype %s, shard %s, expert_parallel %d", fingerprint,
-      ComputeDTypeName(config.compute_dtype), ShardModeName(config.shard), config.expert_parallel);
+      "base model %016x, compute_dtype %s, shard %s%s, expert_parallel %d", fingerprint,
+      ComputeDTypeName(config.compute_dtype), ShardModeName(config.shard),
+      config.shard_base ? " with the base" : "", config.expert_parallel);
   ASSIGN_OR_RETURN(std::vector<std::string> all, c.AllGatherBytes(mine));
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r] != all[0]) {
@@ -364,6 +382,47 @@ absl::Status AgreeOnSetup(Collectives& c, const RunnerConfig& config, uint64_t f
     }
   }
   return absl::OkStatus();
+}
+
+struct ShardedBase {
+  ParamShard shard;
+  uint64_t fingerprint;
+};
+
+// The base in slices (--shard_base, ParamShard::ReadFrozen), read a tensor at a time from the
+// model directory, or cut from `generated` (the embedded model); and its fingerprint, from the
+// final norm and the embedding's first values as they pass, which no rank holds afterwards.
+absl::StatusOr<ShardedBase> ReadShardedBase(const RunnerConfig& config, const ModelConfig& model,
+                                            at::ScalarType dtype, at::Device device,
+                                            const Collectives& c, TensorMap generated) {
+  const bool embedded = config.base_model_path == kEmbeddedDefaultModel;
+  TensorMap like;
+  if (embedded) {
+    for (const auto& [name, t] : generated) {
+      like[name] = at::empty(t.sizes(), t.options().device(at::kMeta));
+    }
+  } else {
+    ASSIGN_OR_RETURN(like, SafetensorsDirShapes(config.base_model_path, dtype));
+  }
+  at::Tensor norm_D, embedding_head;
+  auto seen = [&](const std::string& name, const at::Tensor& whole) {
+    if (name == "model.norm.weight") norm_D = whole.clone();
+    if (name == "model.embed_tokens.weight") embedding_head = FingerprintedEmbedding(whole);
+  };
+  auto read = [&](const TensorTransform& take) -> absl::StatusOr<TensorMap> {
+    if (!embedded) return LoadSafetensorsDir(config.base_model_path, dtype, nullptr, take);
+    TensorMap parts;
+    for (auto& [name, t] : generated) {
+      parts[name] = take(name, t);
+      t = at::Tensor();  // one tensor whole at a time, as from a file
+    }
+    return parts;
+  };
+  ASSIGN_OR_RETURN(
+      ParamShard shard,
+      ParamShard::ReadFrozen(model, std::move(like), read, seen, c.world_size(), c.rank(),
+                             at::TensorOptions().dtype(dtype).device(device)));
+  return ShardedBase{std::move(shard), BaseFingerprint(model, norm_D, embedding_head)};
 }
 
 }  // namespace
@@ -433,7 +492,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
           return e < 0 || holds(e);
         };
       }
-      ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype, keep));
+      if (!config.shard_base) {
+        ASSIGN_OR_RETURN(tensors, LoadSafetensorsDir(config.base_model_path, impl->dtype, keep));
+      }
       // Only stop strings need it: a model without one (or with one tinkerd cannot read) still
       // trains and samples, and a request with stop strings is refused naming why.
       absl::StatusOr<TokenTexts> texts = TokenTexts::Load(config.base_model_path);
@@ -445,11 +506,22 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
                   texts.status().ToString());
       }
     }
-    // Loaded (or generated) on the host, then moved once; everything else follows the weights.
-    for (auto& [name, t] : tensors) t = t.to(impl->device);
-    ASSIGN_OR_RETURN(impl->base,
-                     BaseWeightsFromTensors(impl->model_config, std::move(tensors), holds));
-    impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
+    if (config.shard_base) {
+      ASSIGN_OR_RETURN(ShardedBase sharded,
+                       ReadShardedBase(config, impl->model_config, impl->dtype, impl->device,
+                                       *impl->collectives, std::move(tensors)));
+      impl->base_shard.emplace(std::move(sharded.shard));
+      impl->base_fingerprint = sharded.fingerprint;
+      impl->base = impl->base_shard->Placeholders();
+      TLOG_INFO("runner: the base sharded over {} ranks, {} of its weights on this one",
+                impl->collectives->world_size(), Bytes(impl->base_shard->bytes()));
+    } else {
+      // Loaded (or generated) on the host, then moved once; everything else follows the weights.
+      for (auto& [name, t] : tensors) t = t.to(impl->device);
+      ASSIGN_OR_RETURN(impl->base,
+                       BaseWeightsFromTensors(impl->model_config, std::move(tensors), holds));
+      impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
+    }
     RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
     if (holds) {
       ASSIGN_OR_RETURN(impl->experts,
@@ -472,10 +544,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
       // Another base's budget: sized once that base was resident, it leaves out that base alone,
       // so this one's weights are held in it.
       impl->account = config.account;
-      int64_t bytes = 0;
+      int64_t bytes = impl->base_shard ? impl->base_shard->bytes() : 0;
       std::set<const void*> counted;  // tied embeddings are one tensor under two names
       for (const auto& [name, w] : impl->base.Named(impl->model_config)) {
-        if (counted.insert(w.data_ptr()).second) bytes += static_cast<int64_t>(w.nbytes());
+        if (w.defined() && counted.insert(w.data_ptr()).second) {
+          bytes += static_cast<int64_t>(w.nbytes());
+        }
       }
       ASSIGN_OR_RETURN(
           impl->base_memory,
@@ -549,11 +623,14 @@ absl::StatusOr<std::string> ModelRunner::CreateModel(const CreateModelOptions& o
       t.lora = std::move(a);
     } else {
       const bool tied = impl_->model_config.tie_word_embeddings;
-      if (impl_->config.shard == ShardMode::kFull) {
+      const at::TensorOptions train = at::TensorOptions().dtype(train_dtype).device(impl_->device);
+      if (impl_->base_shard) {
+        // The base's own slices, in the training dtype: its units are the model's.
+        t.sharded.emplace(impl_->base_shard->Trainable(train));
+      } else if (impl_->config.shard == ShardMode::kFull) {
         // Every rank slices the same replicated base; nothing whole is kept.
         t.sharded.emplace(impl_->base, impl_->model_config, impl_->collectives->world_size(),
-                          impl_->collectives->rank(),
-                          at::TensorOptions().dtype(train_dtype).device(impl_->device));
+                          impl_->collectives->rank(), train);
       } else {
         BaseWeights own = impl_->base;  // shallow; every tensor is replaced below
         own.embed_VD = CloneTrainable(impl_->base.embed_VD, train_dtype);
@@ -669,7 +746,7 @@ std::vector<absl::StatusOr<ForwardBackwardResult>> ModelRunner::ForwardBackwardJ
     if (st.ok() && backward) st = impl_->NoOpenStream(calls[i].model_id);
     if (!st.ok()) {
       results[i] = st;
-    } else if ((*t)->lora && !(*t)->sharded && impl_->experts == nullptr &&
+    } else if ((*t)->lora && !(*t)->sharded && impl_->experts == nullptr && !impl_->base_shard &&
                calls[i].batch->loss().router_aux_loss_coef == 0 &&
                seen.insert(calls[i].model_id).second) {
       joint.push_back({*t, calls[i].batch});
@@ -1193,6 +1270,7 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
   // adapter's product of its size, and their sum in float32, held at once.
   Reservation held;
   if (merged && t->lora) {
+    RETURN_IF_ERROR(impl_->WholeBase("save_weights_for_sampler"));
     int64_t largest = 0;
     for (const auto& [name, w] : impl_->base.Named(impl_->model_config)) {
       largest =
@@ -1251,10 +1329,12 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
   policy->texts = impl_->texts;
   policy->model_id = model_id;
   if (model_id.empty()) {
+    RETURN_IF_ERROR(impl_->WholeBase("create_sampler"));
     policy->weights = impl_->base;
     return std::shared_ptr<const Policy>(std::move(policy));
   }
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  if (!t->sharded) RETURN_IF_ERROR(impl_->WholeBase("create_sampler"));
   if (t->sharded) {
     // Every rank gathers the parameters a unit at a time (ParamShard::GatherWhole); rank 0 keeps
     // them in the compute dtype, and its outcome is every rank's. The ranks agree before the first
@@ -1364,6 +1444,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
       policy->weights = *std::move(w.weights);
       count(policy->weights.Named(policy->config));
     } else {
+      RETURN_IF_ERROR(impl_->WholeBase("create_sampler"));
       policy->weights = impl_->base;
     }
     if (w.lora) {

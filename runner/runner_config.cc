@@ -27,6 +27,11 @@ absl::Status RunnerConfig::Validate() const {
         "runner: expert_parallel > 1 goes with shard none (sharding a model whose experts are "
         "spread over the ranks is not built yet)");
   }
+  if (shard_base && shard != ShardMode::kFull) {
+    return absl::InvalidArgumentError(
+        "runner: shard_base goes with shard full (the base's layers are gathered as a fully "
+        "sharded model's are)");
+  }
   return absl::OkStatus();
 }
 
@@ -91,10 +96,10 @@ std::string RunnerConfig::DebugString() const {
   return absl::StrFormat(
       "base_model_path=%s device=%s compute_dtype=%s micro_batch_tokens=%d "
       "activation_checkpointing=%s num_threads=%d max_models=%d max_model_bytes=%d "
-      "memory_budget_bytes=%d shard=%s expert_parallel=%d",
+      "memory_budget_bytes=%d shard=%s shard_base=%s expert_parallel=%d",
       base_model_path, device, ComputeDTypeName(compute_dtype), micro_batch_tokens,
       activation_checkpointing ? "true" : "false", num_threads, max_models, max_model_bytes,
-      memory_budget_bytes, ShardModeName(shard), expert_parallel);
+      memory_budget_bytes, ShardModeName(shard), shard_base ? "true" : "false", expert_parallel);
 }
 
 }  // namespace tinkerd

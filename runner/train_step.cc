@@ -235,12 +235,21 @@ void RunPacked(const PackedPieces& packed) {
 
   // Under --shard=full (a call alone) the rest of the model is gathered whole for the
   // micro-batch and each layer as it runs; their gradients are reduced into staged_C_ as the
-  // backward makes them.
+  // backward makes them. A LoRA model's frozen base under --shard_base is gathered the same way,
+  // and only its pairs' gradients are made.
   std::optional<BaseWeights> gathered;
   std::vector<at::Tensor> rest;
   LayerSource source;
   ForwardOptions forward = ctx.forward;
-  if (const ParamShard* shard = first.model_.sharded ? &*first.model_.sharded : nullptr) {
+  const ParamShard* shard = first.model_.sharded ? &*first.model_.sharded : nullptr;
+  if (shard == nullptr && ctx.base_shard != nullptr) {
+    TORCH_CHECK(packed.pieces.size() == 1, "a call on a sharded base runs alone");
+    const ParamShard* base = ctx.base_shard;
+    gathered = OrThrow(base->GatherRest(c));
+    source.gather = [base, &c](int64_t l) { return OrThrow(base->GatherLayer(c, l)); };
+    forward.layers = &source;
+  }
+  if (shard != nullptr) {
     TORCH_CHECK(packed.pieces.size() == 1, "a sharded model's call runs alone");
     gathered = OrThrow(shard->GatherRest(c));
     rest = shard->RestTensors(*gathered);
@@ -280,7 +289,7 @@ void RunPacked(const PackedPieces& packed) {
     // In step, every rank runs every backward: its reductions and exchanges are collectives.
     if (!backward || !(valid || stage.InStep())) continue;
     total = total.defined() ? total + raw : raw;
-    const std::vector<at::Tensor>& mine = gathered ? rest : stage.params_;
+    const std::vector<at::Tensor>& mine = shard != nullptr ? rest : stage.params_;
     params.insert(params.end(), mine.begin(), mine.end());
   }
   from.push_back(params.size());
@@ -288,8 +297,8 @@ void RunPacked(const PackedPieces& packed) {
   std::vector<at::Tensor> grads =
       torch::autograd::grad({total}, params, /*grad_outputs=*/{}, /*retain_graph=*/false,
                             /*create_graph=*/false, /*allow_unused=*/true);
-  if (gathered) {
-    OrThrow(first.model_.sharded->units()[0].ReduceScatterInto(c, grads, first.staged_C_[0]));
+  if (shard != nullptr) {
+    OrThrow(shard->units()[0].ReduceScatterInto(c, grads, first.staged_C_[0]));
     return;
   }
   for (size_t p = 0; p < packed.pieces.size(); ++p) {
@@ -507,6 +516,14 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
       call.train_bytes = static_cast<int64_t>(u.param_C.element_size());
     }
     call.gathered_values = model.sharded->units()[0].state.layout.total() + largest;
+  } else if (ctx.base_shard != nullptr) {
+    call.checkpointing = true;  // as above, for the base's layers
+    int64_t largest = 0;
+    const std::vector<ShardedUnit>& units = ctx.base_shard->units();
+    for (size_t u = 1; u < units.size(); ++u) {
+      largest = std::max(largest, units[u].state.layout.total());
+    }
+    call.gathered_values = units[0].state.layout.total() + largest;
   }
   if (ctx.experts != nullptr) call.expert_group = ctx.experts->size();
   // A refusal is the call's result in its model's order, as any failure is.

@@ -36,6 +36,9 @@ struct StepContext {
   // Set under --expert_parallel > 1: every call runs in step on every rank (as sharded ones do),
   // and an optimizer step reduces the experts' gradients over their replicas alone.
   const ExpertParallel* experts = nullptr;
+  // Set under --shard_base: the frozen base's slices (`base` then holds none of its tensors), its
+  // units gathered for every micro-batch of every model, so that every call runs in step.
+  const ParamShard* base_shard = nullptr;
 };
 
 class CallStage;
@@ -101,8 +104,10 @@ class CallStage {
   // Adds one micro-batch's gradients (params_'s order; undefined: not reached) to staged_.
   void Stage(std::vector<at::Tensor> grads);
   // Whether every rank runs this call's micro-batches in step, each a collective: under
-  // --shard=full and expert parallelism.
-  bool InStep() const { return model_.sharded.has_value() || ctx_.experts != nullptr; }
+  // --shard=full (its model's or the base's units gathered) and expert parallelism.
+  bool InStep() const {
+    return model_.sharded.has_value() || ctx_.experts != nullptr || ctx_.base_shard != nullptr;
+  }
 
   StepContext ctx_;
   ModelState& model_;

@@ -148,6 +148,10 @@ ABSL_FLAG(std::string, shard, "none",
           "replica), optimizer (the parameters, and 1/N of the gradient sums and AdamW moments) or "
           "full (1/N of a full fine-tune's parameters as well, each layer gathered while it "
           "runs)");
+ABSL_FLAG(bool, shard_base, false,
+          "data parallel, with --shard=full: hold 1/N of the frozen base model on each rank as "
+          "well, each layer gathered while it runs (LoRA on a base no one device holds); sampling "
+          "from it and merged exports of its LoRA models are refused until built");
 ABSL_FLAG(int, expert_parallel, 1,
           "data parallel: groups of this many ranks split each routed layer's experts of a "
           "mixture-of-experts model, tokens travelling to their experts by all-to-all (must "
@@ -310,6 +314,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   rc.shard = *shard;
+  rc.shard_base = absl::GetFlag(FLAGS_shard_base);
   rc.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
   auto device = tinkerd::ParseDevice(rc.device);
   if (!device.ok()) {

@@ -196,21 +196,6 @@ absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
   return st;
 }
 
-namespace {
-
-// This rank's part of tensor i of unit u: where its slice of the unit's flat space meets the
-// tensor (one stretch, or none: empty).
-at::Tensor PartOf(const ShardedUnit& u, size_t i, const at::Tensor& whole) {
-  const ShardLayout& layout = u.state.layout;
-  for (const ShardLayout::Piece& p :
-       layout.Pieces(layout.begin(layout.rank()), layout.end(layout.rank()))) {
-    if (p.tensor == i) return whole.reshape({-1}).narrow(0, p.tensor_offset, p.length).clone();
-  }
-  return at::empty({0}, whole.options());
-}
-
-}  // namespace
-
 ReadSlices SlicesOf(const ModelState& t) {
   std::map<std::string, std::pair<size_t, size_t>> where;  // name -> (unit, index)
   int64_t largest = 0;
@@ -231,7 +216,7 @@ ReadSlices SlicesOf(const ModelState& t) {
     if (it == where.end()) return at::Tensor();
     const ShardedUnit& u = units[it->second.first];
     if (whole.sizes().vec() != u.shapes[it->second.second]) return at::Tensor();
-    return PartOf(u, it->second.second, whole);
+    return u.PartOf(it->second.second, whole);
   };
   return r;
 }

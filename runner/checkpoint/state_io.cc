@@ -40,12 +40,19 @@ absl::Status DataLoss(const std::string& dir, const std::string& what) {
 }  // namespace
 
 uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base) {
-  at::Tensor sample = at::cat({base.final_norm_D.to(at::kFloat).reshape(-1),
-                               base.embed_VD.to(at::kFloat)
-                                   .reshape(-1)
-                                   .narrow(0, 0, std::min<int64_t>(4096, base.embed_VD.numel()))})
-                          .to(at::kCPU)
-                          .contiguous();
+  return BaseFingerprint(config, base.final_norm_D, FingerprintedEmbedding(base.embed_VD));
+}
+
+at::Tensor FingerprintedEmbedding(const at::Tensor& embed_VD) {
+  return embed_VD.reshape(-1).narrow(0, 0, std::min<int64_t>(4096, embed_VD.numel())).clone();
+}
+
+uint64_t BaseFingerprint(const ModelConfig& config, const at::Tensor& final_norm_D,
+                         const at::Tensor& embedding_head) {
+  at::Tensor sample =
+      at::cat({final_norm_D.to(at::kFloat).reshape(-1), embedding_head.to(at::kFloat)})
+          .to(at::kCPU)
+          .contiguous();
   std::string bytes = ModelConfigToJson(config);
   bytes.append(static_cast<const char*>(sample.data_ptr()), sample.nbytes());
   return Fnv64(bytes);

@@ -128,5 +128,10 @@ absl::StatusOr<SamplerWeights> ReadSamplerWeights(const std::string& dir,
 
 // A cheap identity of the base model: its config and a sample of its weights.
 uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base);
+// The same from the final norm and FingerprintedEmbedding(embedding), kept while a sharded base
+// is read a tensor at a time (no rank holds either whole afterwards).
+uint64_t BaseFingerprint(const ModelConfig& config, const at::Tensor& final_norm_D,
+                         const at::Tensor& embedding_head);
+at::Tensor FingerprintedEmbedding(const at::Tensor& embed_VD);
 
 }  // namespace tinkerd

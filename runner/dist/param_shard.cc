@@ -28,6 +28,20 @@ ShardedUnit::ShardedUnit(std::vector<std::string> n, const std::vector<at::Tenso
   state.Scatter(whole, param_C);
 }
 
+ShardedUnit::ShardedUnit(std::vector<std::string> n, const std::vector<at::Tensor>& like,
+                         int world_size, int rank)
+    : names(std::move(n)), state(ShardLayout(Numels(like), world_size, rank)) {
+  for (const at::Tensor& t : like) shapes.push_back(t.sizes().vec());
+}
+
+at::Tensor ShardedUnit::PartOf(size_t i, const at::Tensor& whole) const {
+  const ShardLayout& l = state.layout;
+  for (const ShardLayout::Piece& p : l.Pieces(l.begin(l.rank()), l.end(l.rank()))) {
+    if (p.tensor == i) return whole.reshape({-1}).narrow(0, p.tensor_offset, p.length).clone();
+  }
+  return at::empty({0}, whole.options());
+}
+
 absl::StatusOr<std::vector<at::Tensor>> ShardedUnit::Gather(Collectives& c,
                                                             const at::Tensor& slice_C) const {
   at::NoGradGuard no_grad;
@@ -50,6 +64,86 @@ absl::Status ShardedUnit::ReduceScatterInto(Collectives& c, const std::vector<at
 
 ParamShard::ParamShard(const BaseWeights& w, const ModelConfig& config, int world_size, int rank,
                        const at::TensorOptions& options)
+    : ParamShard(w, config,
+                 [&](std::vector<std::string> names, const std::vector<at::Tensor>& tensors) {
+                   return ShardedUnit(std::move(names), tensors, world_size, rank, options);
+                 }) {}
+
+ParamShard ParamShard::Frozen(const BaseWeights& like, const ModelConfig& config, int world_size,
+                              int rank) {
+  return ParamShard(like, config,
+                    [&](std::vector<std::string> names, const std::vector<at::Tensor>& tensors) {
+                      return ShardedUnit(std::move(names), tensors, world_size, rank);
+                    });
+}
+
+absl::Status ParamShard::Fill(const std::map<std::string, at::Tensor>& parts,
+                              const at::TensorOptions& options) {
+  at::NoGradGuard no_grad;
+  for (ShardedUnit& u : units_) {
+    std::vector<at::Tensor> mine;
+    for (size_t i = 0; i < u.names.size(); ++i) {
+      const auto it = parts.find(u.names[i]);
+      if (it == parts.end() || !it->second.defined()) {
+        return absl::InvalidArgumentError(absl::StrCat("weights: missing ", u.names[i]));
+      }
+      mine.push_back(it->second.reshape({-1}).to(options));
+    }
+    at::Tensor slice_C = mine.empty() ? at::empty({0}, options) : at::cat(mine);
+    if (slice_C.numel() != u.state.layout.owned()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights: this rank's slice of ", u.names.front(), "'s unit holds ",
+                       slice_C.numel(), " values, its layout ", u.state.layout.owned()));
+    }
+    u.param_C = std::move(slice_C);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ParamShard> ParamShard::ReadFrozen(
+    const ModelConfig& config, std::map<std::string, at::Tensor> like, const Reader& read,
+    const std::function<void(const std::string& name, const at::Tensor& whole)>& seen,
+    int world_size, int rank, const at::TensorOptions& options) {
+  ASSIGN_OR_RETURN(const BaseWeights shapes, BaseWeightsFromTensors(config, std::move(like)));
+  ParamShard shard = Frozen(shapes, config, world_size, rank);
+  std::map<std::string, std::pair<size_t, size_t>> where;  // name -> (unit, index)
+  for (size_t u = 0; u < shard.units_.size(); ++u) {
+    for (size_t i = 0; i < shard.units_[u].names.size(); ++i) {
+      where[shard.units_[u].names[i]] = {u, i};
+    }
+  }
+  auto take = [&](const std::string& name, const at::Tensor& whole) {
+    if (seen) seen(name, whole);
+    const auto it = where.find(name);
+    // Not the model's (a rotary cache some exporters write): dropped, as a replica drops it.
+    if (it == where.end()) return at::empty({0}, whole.options());
+    const ShardedUnit& unit = shard.units_[it->second.first];
+    if (whole.sizes().vec() != unit.shapes[it->second.second]) return at::Tensor();
+    return unit.PartOf(it->second.second, whole).to(options);
+  };
+  using Parts = std::map<std::string, at::Tensor>;
+  ASSIGN_OR_RETURN(const Parts parts, read(take));
+  RETURN_IF_ERROR(shard.Fill(parts, options));
+  return shard;
+}
+
+ParamShard ParamShard::Trainable(const at::TensorOptions& options) const {
+  at::NoGradGuard no_grad;
+  ParamShard out = *this;
+  for (ShardedUnit& u : out.units_) {
+    u.state = OptimizerShard(u.state.layout, options);
+    u.param_C = u.param_C.to(options, /*non_blocking=*/false, /*copy=*/true);
+  }
+  return out;
+}
+
+int64_t ParamShard::bytes() const {
+  int64_t n = 0;
+  for (const ShardedUnit& u : units_) n += static_cast<int64_t>(u.param_C.nbytes());
+  return n;
+}
+
+ParamShard::ParamShard(const BaseWeights& w, const ModelConfig& config, const MakeUnit& make)
     : tied_(config.tie_word_embeddings) {
   const bool tied = tied_;
   std::vector<std::string> names{"model.embed_tokens.weight", "model.norm.weight"};
@@ -58,7 +152,7 @@ ParamShard::ParamShard(const BaseWeights& w, const ModelConfig& config, int worl
     names.emplace_back("lm_head.weight");
     rest.push_back(w.lm_head_VD);
   }
-  units_.emplace_back(std::move(names), rest, world_size, rank, options);
+  units_.push_back(make(std::move(names), rest));
   for (size_t l = 0; l < w.layers.size(); ++l) {
     std::vector<std::string> layer_names;
     std::vector<at::Tensor> tensors;
@@ -72,7 +166,7 @@ ParamShard::ParamShard(const BaseWeights& w, const ModelConfig& config, int worl
       tensors.push_back(*all[f]);
       fields.push_back(f);
     }
-    units_.emplace_back(std::move(layer_names), tensors, world_size, rank, options);
+    units_.push_back(make(std::move(layer_names), tensors));
   }
 }
 
@@ -84,11 +178,16 @@ int64_t ParamShard::values() const {
 
 absl::StatusOr<BaseWeights> ParamShard::GatherRest(Collectives& c) const {
   ASSIGN_OR_RETURN(std::vector<at::Tensor> rest, units_[0].Gather(c));
-  BaseWeights w;
+  BaseWeights w = Placeholders();
   w.embed_VD = rest[0];
   w.final_norm_D = rest[1];
   w.lm_head_VD = tied_ ? rest[0] : rest[2];
-  w.layers.resize(units_.size() - 1);
+  return w;
+}
+
+BaseWeights ParamShard::Placeholders() const {
+  BaseWeights w;
+  for (size_t experts : experts_) w.layers.push_back(LayerWeights::Shaped(experts));
   return w;
 }
 

@@ -17,6 +17,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -31,6 +33,10 @@ struct ShardedUnit {
   // This rank's slices of `whole` (cast to `options`' dtype), which every rank passes alike.
   ShardedUnit(std::vector<std::string> names, const std::vector<at::Tensor>& whole, int world_size,
               int rank, const at::TensorOptions& options);
+  // A frozen unit (a sharded base's): the layout of tensors shaped as `like` (their data unread),
+  // no sums or moments, and param_C undefined until the loader sets it.
+  ShardedUnit(std::vector<std::string> names, const std::vector<at::Tensor>& like, int world_size,
+              int rank);
 
   std::vector<std::string> names;  // Hugging Face names, in the unit's order
   std::vector<std::vector<int64_t>> shapes;
@@ -47,6 +53,9 @@ struct ShardedUnit {
   // order; undefined: zero).
   absl::Status ReduceScatterInto(Collectives& c, const std::vector<at::Tensor>& grads,
                                  at::Tensor& into_C) const;
+  // This rank's part of tensor i, from the tensor whole: where its slice of the unit's flat space
+  // meets the tensor (one stretch, or none: empty), a copy.
+  at::Tensor PartOf(size_t i, const at::Tensor& whole) const;
 };
 
 class ParamShard {
@@ -54,14 +63,40 @@ class ParamShard {
   // Every rank passes the same (replicated) weights and takes its slices of them.
   ParamShard(const BaseWeights& weights, const ModelConfig& config, int world_size, int rank,
              const at::TensorOptions& options);
+  // The frozen base's layout (--shard_base): `like` gives each tensor's shape (meta tensors do),
+  // every unit frozen (ShardedUnit's second constructor) until Fill sets its slice.
+  static ParamShard Frozen(const BaseWeights& like, const ModelConfig& config, int world_size,
+                           int rank);
+  // Sets every unit's slice from the parts ShardedUnit::PartOf cut of each tensor, by name, on
+  // `options`. INVALID_ARGUMENT when a part is missing or of another size.
+  absl::Status Fill(const std::map<std::string, at::Tensor>& parts,
+                    const at::TensorOptions& options);
+  // The frozen base sliced as it is read: `like` names and shapes every tensor (meta tensors:
+  // SafetensorsDirShapes), and is checked against `config` before anything is read; `read(take)`
+  // then reads the tensors one at a time, keeping take(name, whole) of each (this rank's part,
+  // on `options`), so that a rank holds one tensor whole beside its slices. `seen(name, whole)`,
+  // when set, sees each tensor whole as it passes.
+  using Reader = std::function<absl::StatusOr<std::map<std::string, at::Tensor>>(
+      const std::function<at::Tensor(const std::string& name, const at::Tensor& whole)>& take)>;
+  static absl::StatusOr<ParamShard> ReadFrozen(
+      const ModelConfig& config, std::map<std::string, at::Tensor> like, const Reader& read,
+      const std::function<void(const std::string& name, const at::Tensor& whole)>& seen,
+      int world_size, int rank, const at::TensorOptions& options);
+  // A trainable copy of a frozen shard (a full fine-tune of the sharded base): the same layout,
+  // its slices cast to `options`, with zero sums and moments.
+  ParamShard Trainable(const at::TensorOptions& options) const;
+  int64_t bytes() const;  // of this rank's slices
 
   // units()[0] is the rest, units()[1 + l] decoder layer l.
   const std::vector<ShardedUnit>& units() const { return units_; }
   std::vector<ShardedUnit>& units() { return units_; }
   int64_t values() const;  // of the whole model
 
-  // The rest whole, as BaseWeights with `layers` empty placeholders (LayerSource supplies them).
+  // The rest whole, as BaseWeights whose `layers` are placeholders (LayerWeights::Shaped: no
+  // tensors, their experts' count) that LayerSource fills.
   absl::StatusOr<BaseWeights> GatherRest(Collectives& c) const;
+  // BaseWeights with no tensors at all and those placeholder layers.
+  BaseWeights Placeholders() const;
   absl::StatusOr<LayerWeights> GatherLayer(Collectives& c, int64_t layer) const;
   // The whole model in `dtype`, a unit at a time (every rank runs the same gathers); each unit is
   // cast as it arrives, so a rank holds the result and one unit in the training dtype. `keep`
@@ -73,6 +108,10 @@ class ParamShard {
   std::vector<at::Tensor> LayerTensors(int64_t layer, const LayerWeights& L) const;
 
  private:
+  using MakeUnit = std::function<ShardedUnit(std::vector<std::string> names,
+                                             const std::vector<at::Tensor>& tensors)>;
+  ParamShard(const BaseWeights& weights, const ModelConfig& config, const MakeUnit& make);
+
   bool tied_;
   std::vector<ShardedUnit> units_;
   std::vector<std::vector<size_t>> fields_;  // per layer: the LayerWeights::All() it holds

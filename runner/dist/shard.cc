@@ -104,14 +104,19 @@ absl::Status OptimizerShard::AllGather(Collectives& c,
   at::NoGradGuard no_grad;
   const int W = layout.world_size();
   const int64_t C = layout.chunk(), N = layout.total();
-  const int64_t K_max = BucketElements(W, grad_sum_C);
+  // The buffers take the tensors' dtype (a bf16 base is gathered in bf16).
+  const auto like =
+      std::find_if(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined(); });
+  if (like == tensors.end()) return absl::OkStatus();
+  const at::TensorOptions options = like->options();
+  const int64_t K_max = BucketElements(W, *like);
   for (int64_t o = 0; o < C; o += K_max) {
     const int64_t K = std::min(K_max, C - o);
-    at::Tensor mine_K = at::zeros({K}, grad_sum_C.options());
+    at::Tensor mine_K = at::zeros({K}, options);
     const int64_t b = layout.begin(layout.rank()) + o;
     const int64_t e = std::min(b + K, layout.end(layout.rank()));
     if (b < e) ReadFlat(layout, tensors, b, e, mine_K.narrow(0, 0, e - b));
-    at::Tensor all_WK = at::empty({W, K}, grad_sum_C.options());
+    at::Tensor all_WK = at::empty({W, K}, options);
     RETURN_IF_ERROR(c.AllGather(mine_K, all_WK));
     for (int r = 0; r < W; ++r) {
       const int64_t rb = r * C + o, re = std::min(rb + K, N);

@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -64,6 +65,9 @@ void WriteFlat(const ShardLayout& layout, const std::vector<at::Tensor>& tensors
 // gradient sums and moments, fp32 or wider like the unsharded ones (DESIGN.md §3).
 struct OptimizerShard {
   explicit OptimizerShard(ShardLayout l, const at::TensorOptions& options);
+  // The layout alone, for frozen tensors (a sharded base's): no sums or moments, so that only
+  // AllGather and the layout's own functions apply.
+  explicit OptimizerShard(ShardLayout l) : layout(std::move(l)) {}
   ShardLayout layout;
   at::Tensor grad_sum_C, exp_avg_C, exp_avg_sq_C;
 
@@ -72,7 +76,7 @@ struct OptimizerShard {
   absl::Status ReduceScatter(Collectives& c, const std::vector<at::Tensor>& staged,
                              at::Tensor& out_C) const;
   // Writes every rank's slice of `tensors` into every rank's `tensors` (after each rank stepped
-  // its own slice of the parameters).
+  // its own slice of the parameters), in their dtype.
   absl::Status AllGather(Collectives& c, const std::vector<at::Tensor>& tensors) const;
   // Sets a flat vector of the shard from whole tensors (a checkpoint's), in the layout's order.
   void Scatter(const std::vector<at::Tensor>& whole, at::Tensor& flat_C) const;

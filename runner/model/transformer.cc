@@ -217,10 +217,10 @@ std::vector<at::Tensor> LayerParams(const MoeNames& moe, const LayerWeights& L,
 }
 
 // Layer `layer` of `source` on h_TD: its weights gathered for the forward and again for the
-// backward (kernels/recompute.h).
+// backward (kernels/recompute.h); `params` the trainable tensors fn reads besides them.
 at::Tensor GatheredLayer(const LayerSource& source, int64_t layer,
                          std::function<at::Tensor(const LayerWeights&, const at::Tensor&)> fn,
-                         const at::Tensor& h_TD) {
+                         const at::Tensor& h_TD, const std::vector<at::Tensor>& params) {
   kernels::Gathered weights;
   weights.gather = [&source, layer] {
     const LayerWeights L = source.gather(layer);
@@ -228,14 +228,16 @@ at::Tensor GatheredLayer(const LayerSource& source, int64_t layer,
     for (const at::Tensor* t : L.All()) out.push_back(*t);
     return out;
   };
-  weights.scatter = [&source, layer](const std::vector<at::Tensor>& grads) {
-    source.scatter(layer, LayerWeights::FromAll(grads));
-  };
+  if (source.scatter) {
+    weights.scatter = [&source, layer](const std::vector<at::Tensor>& grads) {
+      source.scatter(layer, LayerWeights::FromAll(grads));
+    };
+  }
   return kernels::RecomputeGathered(
       [fn = std::move(fn)](const at::Tensor& h, const std::vector<at::Tensor>& tensors) {
         return fn(LayerWeights::FromAll(tensors), h);
       },
-      std::move(weights), h_TD);
+      std::move(weights), h_TD, params);
 }
 
 absl::Status Expect(const TensorMap& m, const std::string& name, std::vector<int64_t> shape) {
@@ -458,7 +460,7 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
               const LayerWeights& L, const at::Tensor& h) {
             return DecoderLayer(c, L, lora, p, rope, cu, kv, routes, index, h);
           },
-          h_TD);
+          h_TD, LayerParams(c.moe.names, w.layers[l], lora, p));
       continue;
     }
     const LayerWeights& L = w.layers[l];

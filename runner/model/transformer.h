@@ -102,7 +102,9 @@ struct KvPieces {
 // runner/dist/param_shard.h): layer l's are gathered whole just before it runs, in the forward
 // and again in its backward (such a layer is always recomputed), and dropped after it; their
 // gradients leave through `scatter` (undefined fields and unreached weights undefined), not
-// through the graph. Both are collectives and throw when one fails.
+// through the graph. Without `scatter` the weights are frozen (a sharded base under LoRA, whose
+// pairs' gradients flow through the graph as usual). Both are collectives and throw when one
+// fails.
 struct LayerSource {
   std::function<LayerWeights(int64_t layer)> gather;
   std::function<void(int64_t layer, const LayerWeights& grads)> scatter;

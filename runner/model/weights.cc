@@ -52,8 +52,12 @@ absl::StatusOr<TensorMap> LoadSafetensorsFile(const std::string& path, at::Scala
   return out;
 }
 
-absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype,
-                                             const TensorFilter& keep) {
+namespace {
+
+// Every tensor of a model directory (that `keep` keeps), from `read` of each of its files.
+absl::StatusOr<TensorMap> ReadModelDir(
+    const std::string& dir, const TensorFilter& keep,
+    const std::function<absl::StatusOr<TensorMap>(const std::string& path)>& read) {
   namespace fs = std::filesystem;
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   const fs::path single = fs::path(dir) / "model.safetensors";
@@ -78,9 +82,7 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
     }
     TensorMap all;
     for (const std::string& f : files) {
-      ASSIGN_OR_RETURN(TensorMap part,
-                       LoadSafetensorsFile((fs::path(dir) / f).string(), float_dtype,
-                                           /*digest=*/nullptr, keep));
+      ASSIGN_OR_RETURN(TensorMap part, read((fs::path(dir) / f).string()));
       for (auto& [name, t] : part) {
         if (!all.emplace(name, t).second) {
           return absl::InvalidArgumentError(
@@ -96,11 +98,33 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
     }
     return all;
   }
-  if (fs::exists(single, ec)) {
-    return LoadSafetensorsFile(single.string(), float_dtype, /*digest=*/nullptr, keep);
-  }
+  if (fs::exists(single, ec)) return read(single.string());
   return absl::NotFoundError(
       absl::StrCat(dir, ": neither model.safetensors nor model.safetensors.index.json"));
+}
+
+}  // namespace
+
+absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype,
+                                             const TensorFilter& keep,
+                                             const TensorTransform& take) {
+  return ReadModelDir(dir, keep, [&](const std::string& path) {
+    return LoadSafetensorsFile(path, float_dtype, /*digest=*/nullptr, keep, take);
+  });
+}
+
+absl::StatusOr<TensorMap> SafetensorsDirShapes(const std::string& dir, at::ScalarType float_dtype) {
+  return ReadModelDir(dir, nullptr, [&](const std::string& path) -> absl::StatusOr<TensorMap> {
+    ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file,
+                     SafetensorsReader::Open(path, /*digest=*/false));
+    TensorMap out;
+    for (const SafetensorsEntry& e : file->header().entries) {
+      ASSIGN_OR_RETURN(at::ScalarType st, ScalarTypeOf(e.dtype));
+      out[e.name] = at::empty(
+          e.shape, at::TensorOptions(at::kMeta).dtype(at::isFloatingType(st) ? float_dtype : st));
+    }
+    return out;
+  });
 }
 
 absl::StatusOr<FileDigest> SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,

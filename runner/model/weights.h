@@ -18,12 +18,17 @@ using TensorMap = std::map<std::string, at::Tensor>;
 // Which tensors a load reads, by name (expert parallelism: not other ranks' experts); null: all.
 using TensorFilter = std::function<bool(const std::string& name)>;
 
-// Loads every tensor of a model directory (that `keep` keeps): model.safetensors, or the shards
-// named by model.safetensors.index.json. Float tensors are converted to `float_dtype`.
-absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype,
-                                             const TensorFilter& keep = nullptr);
-
 using TensorTransform = std::function<at::Tensor(const std::string& name, const at::Tensor& t)>;
+
+// Loads every tensor of a model directory (that `keep` keeps): model.safetensors, or the shards
+// named by model.safetensors.index.json. Float tensors are converted to `float_dtype`. With
+// `take`, as LoadSafetensorsFile's.
+absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype,
+                                             const TensorFilter& keep = nullptr,
+                                             const TensorTransform& take = nullptr);
+// The tensors of a model directory as its headers describe them, on the meta device (shapes and
+// dtypes, float ones `float_dtype`, no data): what a load will read, known before it reads.
+absl::StatusOr<TensorMap> SafetensorsDirShapes(const std::string& dir, at::ScalarType float_dtype);
 
 // Loads one safetensors file, a tensor at a time (the file is never held whole; a tensor `keep`
 // leaves out is never read), and its digest when `digest` is set. With `take`, each tensor is

@@ -376,6 +376,70 @@ TEST_F(DataParallel, AFullyShardedCheckpointResumesAtAnyWorldSize) {
   EXPECT_GT(MaxAbsDiff(fresh, saved), 1e3 * kResumeTol);
 }
 
+// --shard_base: the frozen base too is held in slices, read a tensor at a time, and every call
+// of every model gathers its units as a fully sharded full fine-tune does (its pairs' gradients
+// alone are made); a full fine-tune starts from the base's own slices. At W = 1..4 the LoRA
+// models (every reduction mode) and the full fine-tune end where one process with the base whole
+// ends: kTol, as above (W = 1 runs the same sums as the replica, but through gathered layers,
+// each recomputed). Also: an untied head and no q/k norms (llama, W = 3), biases (qwen2, W = 2),
+// experts (mixtral, W = 2); a LoRA checkpoint saved on a sharded base at W = 3 resumes on a
+// replica (the same base fingerprint, computed from tensors no rank keeps whole) within
+// kResumeTol (AShardedCheckpointResumesAtAnyWorldSize's). The broken control (calls without
+// steps): every gather keeps this rank's slices alone, so the first call's loss reads a base of
+// zeros elsewhere.
+TEST_F(DataParallel, AShardedBaseTrainsAsOneProcess) {
+  const std::vector<std::string> base{"--shard=full", "--shard_base"};
+  auto with = [](std::vector<std::string> flags, std::vector<std::string> more) {
+    flags.insert(flags.end(), more.begin(), more.end());
+    return flags;
+  };
+  for (int world : {1, 2, 3, 4}) {
+    auto ranks = RunRanks(*model_, dir_->Sub("base" + std::to_string(world)), world, base);
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(ranks[r].size(), reference_->size()) << "world " << world << " rank " << r;
+      EXPECT_LE(MaxAbsDiff(ranks[r], *reference_), kTol) << "world " << world << " rank " << r;
+      EXPECT_EQ(ranks[r], ranks[0]) << "ranks must hold identical parameters";
+    }
+  }
+  for (const auto& [family, world] :
+       {std::pair{"llama", 3}, std::pair{"qwen2", 2}, std::pair{"mixtral", 2}}) {
+    TempDir other;
+    const std::string model = WriteModel(other, TinyConfig(family));
+    const auto one = RunRanks(model, other.Sub("ref"), 1, {"--scenario=train_lora"})[0];
+    const auto sharded =
+        RunRanks(model, other.Sub("base"), world, with(base, {"--scenario=train_lora"}))[0];
+    ASSERT_GT(one.size(), 50u) << family;
+    ASSERT_EQ(sharded.size(), one.size()) << family;
+    EXPECT_LE(MaxAbsDiff(sharded, one), kTol) << family;
+  }
+  constexpr double kResumeTol = 1e-12;
+  const std::string ckpt = dir_->Sub("base_ckpt");
+  const auto saved = RunRanks(*model_, dir_->Sub("bsave3"), 3,
+                              with(base, {"--scenario=save", "--checkpoint=" + ckpt}))[0];
+  const auto resumed =
+      RunRanks(*model_, dir_->Sub("bload1"), 1, {"--scenario=load", "--checkpoint=" + ckpt})[0];
+  ASSERT_GT(saved.size(), 50u);
+  ASSERT_EQ(resumed.size(), saved.size());
+  EXPECT_LE(MaxAbsDiff(resumed, saved), kResumeTol);
+  const auto alone =
+      RunRanks(*model_, dir_->Sub("lora_ref"), 1, {"--scenario=train_lora", "--nostep"})[0];
+  // Without steps: a step's broken all-gather of the LoRA slices would be caught as diverged.
+  const auto own =
+      RunRanks(*model_, dir_->Sub("lora_own"), 2,
+               with(base, {"--scenario=train_lora", "--nostep", "--broken=gather_own_only"}))[0];
+  ASSERT_GT(alone.size(), 50u);
+  ASSERT_EQ(own.size(), alone.size());
+  EXPECT_GT(std::abs(own[0] - alone[0]), 1e3 * kTol);
+  EXPECT_GT(std::abs(own[1] - alone[1]), 1e3 * kTol);
+}
+
+// Without --shard=full a sharded base is refused before anything loads (the worker exits 4 on a
+// runner that fails to start); the control is the test above, where the same flag starts.
+TEST_F(DataParallel, AShardedBaseNeedsFullSharding) {
+  RunRanks(*model_, dir_->Sub("base_opt"), 2, {"--shard=optimizer", "--shard_base"}, {},
+           /*exit_code=*/4);
+}
+
 // Ranks that split the state differently would issue different collectives: the job refuses to
 // start: each rank's runner fails naming what differs (the worker exits 8 on that message only).
 // The control is every test above, where the same comparison passes.

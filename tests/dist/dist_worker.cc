@@ -2,12 +2,14 @@
 // environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Writes what it ended with (every
 // model's parameters, every step's gradient norm, every call's loss) as raw doubles to
 // --out.<rank>, so the test can compare world sizes.
-//   dist_worker --model_dir=D --out=F [--shard=none|optimizer|full]
-//       [--scenario=train|save|load|load_without_optimizer --checkpoint=PATH]
+//   dist_worker --model_dir=D --out=F [--shard=none|optimizer|full] [--shard_base]
+//       [--scenario=train|train_full|train_lora|save|load|load_without_optimizer
+//        --checkpoint=PATH] [--rounds=N] [--nostep]
 //       [--expert_parallel=E] [--lora_attn=false]
 //       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1|gather_own_only|
 //                 drop_sent_row]
-// train: LoRA models in every reduction mode and a full fine-tune, two steps each.
+// train: LoRA models in every reduction mode and a full fine-tune, two steps (--rounds) each;
+// train_full: the full fine-tune alone; train_lora: the token-mean LoRA model alone.
 // save: one step, then a call left accumulated is saved with the accumulation to --checkpoint,
 //       and the run goes on (one more call, one step); load: the same continuation from that
 //       checkpoint (load_without_optimizer: without its moments, a control). Each writes the
@@ -28,13 +30,20 @@
 ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
 ABSL_FLAG(std::string, shard, "none", "none, optimizer or full (RunnerConfig::shard)");
+ABSL_FLAG(bool, shard_base, false, "RunnerConfig::shard_base");
+ABSL_FLAG(int, rounds, 2, "train scenarios: each model's calls and step, this many times");
+ABSL_FLAG(bool, step, true,
+          "train scenarios: step after each round's calls (false: the calls alone, which read the "
+          "weights as gathered)");
 ABSL_FLAG(int, expert_parallel, 1, "RunnerConfig::expert_parallel");
 ABSL_FLAG(double, router_aux_loss_coef, 0,
           "every call's loss_fn_config router_aux_loss_coef (a mixture of experts)");
 ABSL_FLAG(bool, lora_attn, true,
           "the LoRA models adapt attention and the head too (false: the MLPs, or experts, alone)");
-ABSL_FLAG(std::string, scenario, "train",
-          "train, train_full (the full fine-tune alone), save, load or load_without_optimizer");
+ABSL_FLAG(
+    std::string, scenario, "train",
+    "train, train_full (the full fine-tune alone), train_lora (a LoRA model alone), save, load "
+    "or load_without_optimizer");
 ABSL_FLAG(bool, full_model, false, "save: a full fine-tune instead of a LoRA model");
 ABSL_FLAG(std::string, checkpoint, "", "the checkpoint the save scenario writes and load reads");
 ABSL_FLAG(std::string, broken, "none",
@@ -70,6 +79,7 @@ int Run() {
   auto shard = ParseShardMode(absl::GetFlag(FLAGS_shard));
   if (!shard.ok()) return 2;
   rc.shard = *shard;
+  rc.shard_base = absl::GetFlag(FLAGS_shard_base);
   rc.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
   auto runner = ModelRunner::Create(rc);
   if (!runner.ok()) {
@@ -144,23 +154,26 @@ int Run() {
   lora.lora = LoraConfig{4, 8, attn, true, attn};
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
   const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint);
-  if (scenario == "train" || scenario == "train_full") {
+  if (scenario == "train" || scenario == "train_full" || scenario == "train_lora") {
     std::vector<CreateModelOptions> models;
     for (LossReduction mode : {LossReduction::kTokenMean, LossReduction::kSum,
                                LossReduction::kSeqMeanTokenMean, LossReduction::kSeqMeanTokenSum}) {
       if (scenario == "train_full") break;  // the full fine-tune alone
       models.push_back(lora);
       models.back().loss_reduction = mode;
+      if (scenario == "train_lora") break;  // the token-mean LoRA model alone
     }
-    models.emplace_back();
-    models.back().lora.reset();  // full fine-tuning, token mean
+    if (scenario != "train_lora") {
+      models.emplace_back();
+      models.back().lora.reset();  // full fine-tuning, token mean
+    }
     for (const CreateModelOptions& o : models) {
       auto id = r.CreateModel(o);
       check(id.status());
       SplitMix64 g(17);  // the same data on every rank, as the server's broadcast delivers it
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < absl::GetFlag(FLAGS_rounds); ++i) {
         calls(*id, g);
-        step(*id);
+        if (absl::GetFlag(FLAGS_step)) step(*id);
       }
       params(*id);
     }

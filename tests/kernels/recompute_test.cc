@@ -75,6 +75,42 @@ TEST(Recompute, Float32KernelLayerGradientsEqualTheUncheckpointedGraph) {
   EXPECT_FALSE(at::equal(loop.detach(), aten));
 }
 
+// Frozen gathered weights (a sharded base's, runner/dist/param_shard.h) under trainable params (a
+// LoRA pair): x's and the params' gradients are the uncheckpointed graph's bitwise, the weights
+// are gathered once for the forward and once for the recompute, and no gradient of theirs is
+// made (they never require one). Control: with a scatter the same weights record gradients.
+TEST(Recompute, GatheredFrozenWeightsPassParamsGradients) {
+  const at::Tensor W = Randn({4, 4}, 51), b = Randn({4}, 52);
+  auto run = [&](bool checkpoint, bool scatter, int* gathers, bool* weights_grad) {
+    const at::Tensor x = Randn({5, 4}, 53).requires_grad_(true);
+    const at::Tensor A = Randn({2, 4}, 54).requires_grad_(true);
+    const at::Tensor B = Randn({4, 2}, 55).requires_grad_(true);
+    kernels::GatheredFn fn = [&](const at::Tensor& in, const std::vector<at::Tensor>& w) {
+      *weights_grad = *weights_grad || w[0].requires_grad();
+      return at::tanh(at::mm(in, w[0]) + w[1] + at::mm(at::mm(in, A.t()), B.t())) + in;
+    };
+    kernels::Gathered source;
+    source.gather = [&] {
+      ++*gathers;
+      return std::vector<at::Tensor>{W.clone(), b.clone()};
+    };
+    if (scatter) source.scatter = [](const std::vector<at::Tensor>&) {};
+    const at::Tensor h =
+        checkpoint ? kernels::RecomputeGathered(fn, source, x, {A, B}) : fn(x, {W, b});
+    const at::Tensor loss = (at::tanh(h) * Randn({5, 4}, 56)).sum();
+    return torch::autograd::grad({loss}, {x, A, B});
+  };
+  int gathers = 0;
+  bool weights_grad = false;
+  const auto plain = run(false, false, &gathers, &weights_grad);
+  const auto ckpt = run(true, false, &gathers, &weights_grad);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(at::equal(plain[i], ckpt[i])) << i;
+  EXPECT_EQ(gathers, 2);
+  EXPECT_FALSE(weights_grad);
+  run(true, true, &gathers, &weights_grad);
+  EXPECT_TRUE(weights_grad);
+}
+
 TEST(Recompute, NonDeterministicLayerIsDetected) {
   const Grads plain = RunLayers(false, 0), broken = RunLayers(true, 1e-3);
   EXPECT_FALSE(at::equal(plain.W, broken.W));
