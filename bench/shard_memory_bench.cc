@@ -21,6 +21,11 @@
 //          runs it): the resident set's peak above what it was before, on rank 0 (which keeps
 //          the copy) and the largest on the others (a sharded model's gathers only), and rank 0's
 //          time.
+// With --lora_rank=R the model is a LoRA adapter of that rank instead, and the runs compare the
+// frozen base whole on every rank (--shard=full) against the base in slices (--shard=full
+// --shard_base, "base" in the table): per rank the resident memory the base took at load, the
+// model's state, the peak over the steps, the step and the collectives' bytes (no save, resume or
+// freeze: sampling a sharded base is not built).
 // Not part of the test suite: it asserts nothing beyond "every call succeeded".
 #include <malloc.h>
 #include <sys/wait.h>
@@ -60,6 +65,7 @@ ABSL_FLAG(int64_t, layers, 4, "decoder layers");
 ABSL_FLAG(int64_t, heads, 16, "attention heads");
 ABSL_FLAG(int64_t, kv_heads, 4, "key/value heads");
 ABSL_FLAG(int64_t, vocab, 32000, "vocabulary size");
+ABSL_FLAG(int64_t, lora_rank, 0, "0: full fine-tuning; else a LoRA model of this rank");
 // Set by the driver on the copies it starts.
 ABSL_FLAG(std::string, rank_shard, "", "internal: run as one rank with this sharding");
 
@@ -135,7 +141,8 @@ int RunRank(const std::string& shard_name) {
   InitLogging(dist->rank, spdlog::level::warn);
   auto c10d = MakeC10dCollectives(*dist);
   if (!c10d.ok()) return Fail("rendezvous", c10d.status());
-  auto shard = ParseShardMode(shard_name);
+  const bool shard_base = shard_name == "base";
+  auto shard = ParseShardMode(shard_base ? "full" : shard_name);
   if (!shard.ok()) return Fail("--rank_shard", shard.status());
   RunnerConfig rc;
   rc.base_model_path = ModelDir();
@@ -144,9 +151,15 @@ int RunRank(const std::string& shard_name) {
   auto counting = std::make_shared<CountingCollectives>(*c10d);
   rc.collectives = counting;
   rc.shard = *shard;
+  rc.shard_base = shard_base;
+  malloc_trim(0);
+  const double before_load = RssMB();
   auto runner = ModelRunner::Create(rc);
   if (!runner.ok()) return Fail("load", runner.status());
   ModelRunner& r = **runner;
+  malloc_trim(0);
+  const double base_mb = RssMB() - before_load;
+  const int64_t lora_rank = absl::GetFlag(FLAGS_lora_rank);
 
   // Freed pages of the load (file buffers, conversions) go back to the kernel first, so that the
   // model's state cannot hide in them.
@@ -155,6 +168,7 @@ int RunRank(const std::string& shard_name) {
   ResetPeakRss();
   CreateModelOptions full;
   full.lora.reset();  // full fine-tuning
+  if (lora_rank > 0) full.lora = LoraConfig{lora_rank, static_cast<double>(lora_rank)};
   auto id = r.CreateModel(full);
   if (!id.ok()) return Fail("create_model", id.status());
   const double state = RssMB() - before;
@@ -187,6 +201,12 @@ int RunRank(const std::string& shard_name) {
       static_cast<double>(counting->bytes) / (1 << 20) / absl::GetFlag(FLAGS_steps);
   std::sort(step_s.begin(), step_s.end());
   const double peak = PeakRssSinceResetMB() - before;
+  if (lora_rank > 0) {
+    std::ofstream out(ResultPath(dist->world_size, shard_name, dist->rank));
+    out << state << " " << peak << " " << step_s[step_s.size() / 2] << " " << collective_mb_per_step
+        << " 0 0 0 0 " << base_mb << "\n";
+    return out.good() ? 0 : 1;
+  }
 
   const std::string checkpoint =
       absl::StrCat(absl::GetFlag(FLAGS_out_dir), "/ckpt.", dist->world_size, ".", shard_name);
@@ -231,7 +251,8 @@ bool RunJob(int world, const std::string& shard, char* self) {
     if (pid == 0) {
       SetLocalRankEnvironment(rank, world, port);
       std::vector<std::string> args{self, "--rank_shard=" + shard};
-      for (const char* f : {"out_dir", "steps", "num_seqs", "seq_len", "threads", "vocab"}) {
+      for (const char* f :
+           {"out_dir", "steps", "num_seqs", "seq_len", "threads", "vocab", "lora_rank"}) {
         args.push_back(absl::StrCat("--", f, "=", absl::FindCommandLineFlag(f)->CurrentValue()));
       }
       std::vector<char*> argv;
@@ -265,26 +286,38 @@ int Drive(char* self) {
   spec.config.tie_word_embeddings = false;
   if (auto st = WriteTinyModel(ModelDir(), spec); !st.ok()) return Fail("write model", st);
   std::printf("model: %s\n", spec.config.DebugString().c_str());
-  std::printf(
-      "| ranks | shard | state per rank MB | peak per rank MB | step s | collective MB | resume "
-      "peak per rank MB | sampler freeze: rank 0 peak MB | other ranks' peak MB | freeze s | save "
-      "peak per rank MB |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  const bool lora = absl::GetFlag(FLAGS_lora_rank) > 0;
+  if (lora) {
+    std::printf(
+        "| ranks | shard | base per rank MB | state per rank MB | peak per rank MB | step s | "
+        "collective MB |\n");
+    std::printf("|---:|---|---:|---:|---:|---:|---:|\n");
+  } else {
+    std::printf(
+        "| ranks | shard | state per rank MB | peak per rank MB | step s | collective MB | resume "
+        "peak per rank MB | sampler freeze: rank 0 peak MB | other ranks' peak MB | freeze s | "
+        "save peak per rank MB |\n");
+    std::printf("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  }
   for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_worlds), ',')) {
     int world = 0;
     if (!absl::SimpleAtoi(w, &world) || world < 1) return 2;
-    for (const std::string shard : {"none", "optimizer", "full"}) {
+    const std::vector<std::string> shards =
+        lora ? std::vector<std::string>{"full", "base"}
+             : std::vector<std::string>{"none", "optimizer", "full"};
+    for (const std::string& shard : shards) {
       if (!RunJob(world, shard, self)) {
         std::fprintf(stderr, "shard_memory_bench: a rank failed (world %d, %s)\n", world,
                      shard.c_str());
         return 1;
       }
       double state = 0, peak = 0, step = 0, traffic = 0, resume = 0, freeze0 = 0, freeze_others = 0,
-             freeze_s = 0, save = 0;
+             freeze_s = 0, save = 0, base = 0;
       for (int rank = 0; rank < world; ++rank) {
         std::ifstream in(ResultPath(world, shard, rank));
-        double s = 0, p = 0, t = 0, c = 0, l = 0, f = 0, fs = 0, v = 0;
-        in >> s >> p >> t >> c >> l >> f >> fs >> v;
+        double s = 0, p = 0, t = 0, c = 0, l = 0, f = 0, fs = 0, v = 0, b = 0;
+        in >> s >> p >> t >> c >> l >> f >> fs >> v >> b;
+        base = std::max(base, b);
         state = std::max(state, s);
         peak = std::max(peak, p);
         resume = std::max(resume, l);
@@ -297,6 +330,12 @@ int Drive(char* self) {
         } else {
           freeze_others = std::max(freeze_others, f);
         }
+      }
+      if (lora) {
+        std::printf("| %d | %s | %.0f | %.0f | %.0f | %.2f | %.0f |\n", world, shard.c_str(), base,
+                    state, peak, step, traffic);
+        std::fflush(stdout);
+        continue;
       }
       const std::string others = world > 1 ? absl::StrFormat("%.0f", freeze_others) : "-";
       std::printf("| %d | %s | %.0f | %.0f | %.2f | %.0f | %.0f | %.0f | %s | %.2f | %.0f |\n",
