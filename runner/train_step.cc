@@ -508,22 +508,15 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
     call.train_bytes = static_cast<int64_t>(p.element_size());
   }
   if (model.sharded) {
-    call.checkpointing = true;  // every gathered layer is recomputed
-    int64_t largest = 0;
     for (const ShardedUnit& u : model.sharded->units()) {
       if (staged_gradient) call.trainable_values += u.param_C.numel();
-      if (&u != &model.sharded->units()[0]) largest = std::max(largest, u.state.layout.total());
       call.train_bytes = static_cast<int64_t>(u.param_C.element_size());
     }
-    call.gathered_values = model.sharded->units()[0].state.layout.total() + largest;
-  } else if (ctx.base_shard != nullptr) {
-    call.checkpointing = true;  // as above, for the base's layers
-    int64_t largest = 0;
-    const std::vector<ShardedUnit>& units = ctx.base_shard->units();
-    for (size_t u = 1; u < units.size(); ++u) {
-      largest = std::max(largest, units[u].state.layout.total());
-    }
-    call.gathered_values = units[0].state.layout.total() + largest;
+  }
+  // The model's own units under --shard=full, or the base's under --shard_base.
+  if (const ParamShard* gathered = model.sharded ? &*model.sharded : ctx.base_shard) {
+    call.checkpointing = true;  // every gathered layer is recomputed
+    call.gathered_values = gathered->GatheredValues();
   }
   if (ctx.experts != nullptr) call.expert_group = ctx.experts->size();
   // A refusal is the call's result in its model's order, as any failure is.

@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <exception>
 #include <utility>
 
@@ -174,6 +175,14 @@ int64_t ParamShard::values() const {
   int64_t n = 0;
   for (const ShardedUnit& u : units_) n += u.state.layout.total();
   return n;
+}
+
+int64_t ParamShard::GatheredValues() const {
+  int64_t largest = 0;
+  for (size_t u = 1; u < units_.size(); ++u) {
+    largest = std::max(largest, units_[u].state.layout.total());
+  }
+  return units_[0].state.layout.total() + largest;
 }
 
 absl::StatusOr<BaseWeights> ParamShard::GatherRest(Collectives& c) const {

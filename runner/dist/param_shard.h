@@ -91,6 +91,8 @@ class ParamShard {
   const std::vector<ShardedUnit>& units() const { return units_; }
   std::vector<ShardedUnit>& units() { return units_; }
   int64_t values() const;  // of the whole model
+  // What a micro-batch holds whole at once: the rest and the largest layer.
+  int64_t GatheredValues() const;
 
   // The rest whole, as BaseWeights whose `layers` are placeholders (LayerWeights::Shaped: no
   // tensors, their experts' count) that LayerSource fills.
