@@ -37,6 +37,19 @@ inline double PeakRssSinceResetMB() {
 inline double RssMB() {
   return StatusMB("VmRSS: %lf kB");
 }
+// Bytes this process has read through read(2) and its kin so far (/proc/self/io's rchar: files
+// and sockets, whether or not the page cache served them), or -1 where /proc cannot say.
+inline double ReadMB() {
+  std::FILE* f = std::fopen("/proc/self/io", "r");
+  if (f == nullptr) return -1;
+  double bytes = -1;
+  char line[256];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "rchar: %lf", &bytes) == 1) break;
+  }
+  std::fclose(f);
+  return bytes < 0 ? -1 : bytes / (1 << 20);
+}
 inline void ResetPeakRss() {
   if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
     std::fputs("5", f);  // 5: reset the peak resident set size (proc(5))

@@ -23,9 +23,12 @@
 //          time.
 // With --lora_rank=R the model is a LoRA adapter of that rank instead, and the runs compare the
 // frozen base whole on every rank (--shard=full) against the base in slices (--shard=full
-// --shard_base, "base" in the table): per rank the resident memory the base took at load, the
-// model's state, the peak over the steps, the step and the collectives' bytes (no save, resume or
-// freeze: sampling a sharded base is not built).
+// --shard_base, "base" in the table): per rank the resident memory the base took at load, what
+// the load read (/proc/self/io's rchar) and its peak above what the process held before, the
+// model's state, the peak over the steps, the step and the collectives' bytes, and a merged
+// sampler export (SaveWeightsForSampler, merged): rank 0's peak above what it held before, the
+// largest other rank's, and rank 0's time (no save, resume or freeze: sampling a sharded base is
+// not built).
 // Not part of the test suite: it asserts nothing beyond "every call succeeded".
 #include <malloc.h>
 #include <sys/wait.h>
@@ -153,10 +156,12 @@ int RunRank(const std::string& shard_name) {
   rc.shard = *shard;
   rc.shard_base = shard_base;
   malloc_trim(0);
-  const double before_load = RssMB();
+  const double before_load = RssMB(), read_before = ReadMB();
+  ResetPeakRss();
   auto runner = ModelRunner::Create(rc);
   if (!runner.ok()) return Fail("load", runner.status());
   ModelRunner& r = **runner;
+  const double load_peak = PeakRssSinceResetMB() - before_load, read = ReadMB() - read_before;
   malloc_trim(0);
   const double base_mb = RssMB() - before_load;
   const int64_t lora_rank = absl::GetFlag(FLAGS_lora_rank);
@@ -202,9 +207,21 @@ int RunRank(const std::string& shard_name) {
   std::sort(step_s.begin(), step_s.end());
   const double peak = PeakRssSinceResetMB() - before;
   if (lora_rank > 0) {
+    malloc_trim(0);
+    const double before_export = RssMB();
+    ResetPeakRss();
+    const auto t0 = Clock::now();
+    const absl::Status exported = r.SaveWeightsForSampler(
+        *id,
+        absl::StrCat(absl::GetFlag(FLAGS_out_dir), "/export.", dist->world_size, ".", shard_name),
+        /*merged=*/true, /*overwrite=*/true);
+    if (!exported.ok()) return Fail("save_weights_for_sampler", exported);
+    const double export_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double export_peak = PeakRssSinceResetMB() - before_export;
     std::ofstream out(ResultPath(dist->world_size, shard_name, dist->rank));
     out << state << " " << peak << " " << step_s[step_s.size() / 2] << " " << collective_mb_per_step
-        << " 0 0 0 0 " << base_mb << "\n";
+        << " 0 " << export_peak << " " << export_s << " 0 " << base_mb << " " << read << " "
+        << load_peak << "\n";
     return out.good() ? 0 : 1;
   }
 
@@ -289,9 +306,10 @@ int Drive(char* self) {
   const bool lora = absl::GetFlag(FLAGS_lora_rank) > 0;
   if (lora) {
     std::printf(
-        "| ranks | shard | base per rank MB | state per rank MB | peak per rank MB | step s | "
-        "collective MB |\n");
-    std::printf("|---:|---|---:|---:|---:|---:|---:|\n");
+        "| ranks | shard | base per rank MB | load read per rank MB | load peak per rank MB | "
+        "state per rank MB | peak per rank MB | step s | collective MB | merged export: rank 0 "
+        "peak MB | other ranks' peak MB | export s |\n");
+    std::printf("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   } else {
     std::printf(
         "| ranks | shard | state per rank MB | peak per rank MB | step s | collective MB | resume "
@@ -312,12 +330,14 @@ int Drive(char* self) {
         return 1;
       }
       double state = 0, peak = 0, step = 0, traffic = 0, resume = 0, freeze0 = 0, freeze_others = 0,
-             freeze_s = 0, save = 0, base = 0;
+             freeze_s = 0, save = 0, base = 0, read = 0, load_peak = 0;
       for (int rank = 0; rank < world; ++rank) {
         std::ifstream in(ResultPath(world, shard, rank));
-        double s = 0, p = 0, t = 0, c = 0, l = 0, f = 0, fs = 0, v = 0, b = 0;
-        in >> s >> p >> t >> c >> l >> f >> fs >> v >> b;
+        double s = 0, p = 0, t = 0, c = 0, l = 0, f = 0, fs = 0, v = 0, b = 0, rd = 0, lp = 0;
+        in >> s >> p >> t >> c >> l >> f >> fs >> v >> b >> rd >> lp;
         base = std::max(base, b);
+        read = std::max(read, rd);
+        load_peak = std::max(load_peak, lp);
         state = std::max(state, s);
         peak = std::max(peak, p);
         resume = std::max(resume, l);
@@ -332,8 +352,11 @@ int Drive(char* self) {
         }
       }
       if (lora) {
-        std::printf("| %d | %s | %.0f | %.0f | %.0f | %.2f | %.0f |\n", world, shard.c_str(), base,
-                    state, peak, step, traffic);
+        const std::string others = world > 1 ? absl::StrFormat("%.0f", freeze_others) : "-";
+        std::printf(
+            "| %d | %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f | %.0f | %.0f | %s | %.2f |\n",
+            world, shard.c_str(), base, read, load_peak, state, peak, step, traffic, freeze0,
+            others.c_str(), freeze_s);
         std::fflush(stdout);
         continue;
       }

@@ -31,7 +31,9 @@ int64_t CallBytes(const ModelConfig& c, const CallShape& call) {
                        std::min<int64_t>(c.vocab_size, 8192) *
                        std::max<int64_t>(call.compute_bytes, 4);
   const int64_t gradients = call.backward ? 2 * call.trainable_values * call.train_bytes : 0;
-  const int64_t gathered = (call.backward ? 2 : 1) * call.gathered_values * call.train_bytes;
+  const int64_t gathered =
+      call.gathered_values *
+      (call.gathered_bytes + (call.backward && !call.gathered_frozen ? call.train_bytes : 0));
   return (activations + head) / 4 * 5 + gradients + gathered;
 }
 

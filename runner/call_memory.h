@@ -22,8 +22,12 @@ struct CallShape {
   int64_t trainable_values = 0;  // of the model's trainable tensors
   int64_t train_bytes = 4;       // element size of their gradients
   // --shard=full: values gathered whole at once (the rest of the model and its largest layer),
-  // held as weights and, in a backward, as their gradients, in the training dtype.
+  // held as weights of gathered_bytes each and, in a backward of a full fine-tune, as their
+  // gradients in the training dtype. A sharded base's (--shard_base) are frozen, in the compute
+  // dtype (bf16: 2 bytes), and make no gradient.
   int64_t gathered_values = 0;
+  int64_t gathered_bytes = 4;
+  bool gathered_frozen = false;
   // Expert parallelism: the ranks of a group (runner/dist/expert_parallel.h). A rank may receive
   // every slot of theirs that routes to its experts, so its routed layers hold up to this many
   // times its own slots' rows more.

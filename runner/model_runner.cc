@@ -180,22 +180,21 @@ struct ModelRunner::Impl {
         "save_state the model, and load that checkpoint into a server run without "
         "--expert_parallel to sample or export it"));
   }
-  // What is not built yet for a server whose base is sharded (--shard_base): whatever reads the
-  // base whole outside a training call.
+  // What is not built yet for a server whose base is sharded (--shard_base): sampling, which
+  // reads the base whole outside a training call.
   absl::Status WholeBase(const char* what) const {
     if (!base_shard) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
         what,
         ": this server holds its base model in slices over the ranks (--shard_base), and "
-        "sampling from it or merging an adapter into it is not built yet: export the "
-        "adapter (save_weights_for_sampler without merging) and sample it on a server "
-        "that holds the base whole"));
+        "sampling from it is not built yet: export the model (save_weights_for_sampler, "
+        "merged or not) and sample it on a server that holds the base whole"));
   }
   // What a rank holds while a sharded model is gathered a unit at a time: the largest unit whole,
   // and beside it the all-gather's staging: its bucket (at most 64 MiB) twice (Gloo stages a flat
-  // copy of it) and the rank's own row of it.
+  // copy of it) and the rank's own row of it, all in the slices' dtype (a base's may be bf16).
   int64_t GatherBytes(const ParamShard& s) const {
-    const int64_t elem = static_cast<int64_t>(at::elementSize(TrainDType()));
+    const int64_t elem = s.units().front().param_C.element_size();
     const int64_t W = collectives->world_size(), bucket = int64_t{64} << 20;
     int64_t bytes = 0;
     for (const ShardedUnit& u : s.units()) {
@@ -250,6 +249,9 @@ struct ModelRunner::Impl {
     }
     return held * at::elementSize(TrainDType());
   }
+  // A LoRA model's merged export on the sharded base (defined with the other saves).
+  absl::Status SaveMergedOnShardedBase(const ModelState& t, const std::string& path,
+                                       bool overwrite);
   // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
   at::ScalarType TrainDType() const { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
   // Admits a model of `bytes` within the per-model limit, and reserves them in the account.
@@ -389,9 +391,10 @@ struct ShardedBase {
   uint64_t fingerprint;
 };
 
-// The base in slices (--shard_base, ParamShard::ReadFrozen), read a tensor at a time from the
-// model directory, or cut from `generated` (the embedded model); and its fingerprint, from the
-// final norm and the embedding's first values as they pass, which no rank holds afterwards.
+// The base in slices (--shard_base, ParamShard::ReadFrozen): each rank reads its part of every
+// tensor alone from the model directory, or cuts it from `generated` (the embedded model); and
+// the base's fingerprint, from the final norm and the embedding's first values, read alone
+// afterwards (no rank holds either whole).
 absl::StatusOr<ShardedBase> ReadShardedBase(const RunnerConfig& config, const ModelConfig& model,
                                             at::ScalarType dtype, at::Device device,
                                             const Collectives& c, TensorMap generated) {
@@ -404,25 +407,31 @@ absl::StatusOr<ShardedBase> ReadShardedBase(const RunnerConfig& config, const Mo
   } else {
     ASSIGN_OR_RETURN(like, SafetensorsDirShapes(config.base_model_path, dtype));
   }
-  at::Tensor norm_D, embedding_head;
-  auto seen = [&](const std::string& name, const at::Tensor& whole) {
-    if (name == "model.norm.weight") norm_D = whole.clone();
-    if (name == "model.embed_tokens.weight") embedding_head = FingerprintedEmbedding(whole);
-  };
-  auto read = [&](const TensorTransform& take) -> absl::StatusOr<TensorMap> {
-    if (!embedded) return LoadSafetensorsDir(config.base_model_path, dtype, nullptr, take);
+  // Of each tensor the stretch `s` names: read alone from the files, or cut from `generated`.
+  auto read = [&](const Stretch& s) -> absl::StatusOr<TensorMap> {
+    if (!embedded) return LoadSafetensorsDirStretches(config.base_model_path, dtype, s);
     TensorMap parts;
-    for (auto& [name, t] : generated) {
-      parts[name] = take(name, t);
-      t = at::Tensor();  // one tensor whole at a time, as from a file
+    for (const auto& [name, t] : generated) {
+      const auto [begin, length] = s(name, t.sizes());
+      parts[name] = length < 0 ? at::Tensor() : t.reshape({-1}).narrow(0, begin, length).clone();
     }
     return parts;
   };
+  const std::string norm = "model.norm.weight", embed = "model.embed_tokens.weight";
+  // FingerprintedEmbedding's count, from the embedding's shape (a meta tensor).
+  const int64_t head = like.count(embed) ? FingerprintedEmbedding(like.at(embed)).numel() : 0;
+  ASSIGN_OR_RETURN(ParamShard shard,
+                   ParamShard::ReadFrozen(model, std::move(like), read, c.world_size(), c.rank(),
+                                          at::TensorOptions().dtype(dtype).device(device)));
+  // The fingerprint's values (the final norm, the embedding's first ones), read alone.
   ASSIGN_OR_RETURN(
-      ParamShard shard,
-      ParamShard::ReadFrozen(model, std::move(like), read, seen, c.world_size(), c.rank(),
-                             at::TensorOptions().dtype(dtype).device(device)));
-  return ShardedBase{std::move(shard), BaseFingerprint(model, norm_D, embedding_head)};
+      const TensorMap sampled, read([&](const std::string& name, at::IntArrayRef shape) {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        return std::pair<int64_t, int64_t>(0, name == norm ? n : name == embed ? head : 0);
+      }));
+  const uint64_t fingerprint = BaseFingerprint(model, sampled.at(norm), sampled.at(embed));
+  return ShardedBase{std::move(shard), fingerprint};
 }
 
 }  // namespace
@@ -1266,11 +1275,13 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
           });
     });
   }
+  if (merged && t->lora && impl_->base_shard) {
+    return impl_->SaveMergedOnShardedBase(*t, path, overwrite);
+  }
   // A merged export makes each adapted weight as the file reaches it: the largest weight, the
   // adapter's product of its size, and their sum in float32, held at once.
   Reservation held;
   if (merged && t->lora) {
-    RETURN_IF_ERROR(impl_->WholeBase("save_weights_for_sampler"));
     int64_t largest = 0;
     for (const auto& [name, w] : impl_->base.Named(impl_->model_config)) {
       largest =
@@ -1287,6 +1298,29 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
                     : WritePeftAdapter(*t, impl_->config.base_model_path, impl_->base_fingerprint,
                                        dir);
     });
+  });
+}
+
+// Every rank gathers the base a unit at a time, and rank 0 merges each weight into the file as it
+// reaches it: a rank holds the largest unit whole (GatherBytes), and rank 0 beside it one merged
+// weight (the adapter's product and the sum, in the training dtype).
+absl::Status ModelRunner::Impl::SaveMergedOnShardedBase(const ModelState& t,
+                                                        const std::string& path, bool overwrite) {
+  const ParamShard& base = *base_shard;
+  const int64_t merging =
+      2 * base.LargestTensorValues() * static_cast<int64_t>(at::elementSize(TrainDType()));
+  ASSIGN_OR_RETURN(Reservation held,
+                   ReserveOnEveryRank(GatherBytes(base) + merging,
+                                      "save_weights_for_sampler: the largest unit of the "
+                                      "sharded base, gathered whole, and one merged weight",
+                                      ". Retry later", "save_weights_for_sampler"));
+  Collectives& c = *collectives;
+  auto write = [&](const std::string& dir) {
+    return WriteGatheredMergedLora(c, t, base, model_config, base_fingerprint, dir);
+  };
+  return Guarded("save_weights_for_sampler", [&] {
+    return SaveOnEveryRank(c, path, overwrite, write,
+                           [&](const std::string&) { return write(""); });
   });
 }
 

@@ -517,6 +517,8 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
   if (const ParamShard* gathered = model.sharded ? &*model.sharded : ctx.base_shard) {
     call.checkpointing = true;  // every gathered layer is recomputed
     call.gathered_values = gathered->GatheredValues();
+    call.gathered_bytes = static_cast<int64_t>(gathered->units().front().param_C.element_size());
+    call.gathered_frozen = !model.sharded;
   }
   if (ctx.experts != nullptr) call.expert_group = ctx.experts->size();
   // A refusal is the call's result in its model's order, as any failure is.

@@ -150,8 +150,8 @@ ABSL_FLAG(std::string, shard, "none",
           "runs)");
 ABSL_FLAG(bool, shard_base, false,
           "data parallel, with --shard=full: hold 1/N of the frozen base model on each rank as "
-          "well, each layer gathered while it runs (LoRA on a base no one device holds); sampling "
-          "from it and merged exports of its LoRA models are refused until built");
+          "well, each layer gathered while it runs (LoRA on a base no one device holds); its "
+          "models export (merged too) and train, and sampling from it is refused until built");
 ABSL_FLAG(int, expert_parallel, 1,
           "data parallel: groups of this many ranks split each routed layer's experts of a "
           "mixture-of-experts model, tokens travelling to their experts by all-to-all (must "

@@ -40,12 +40,15 @@ const at::Tensor& SliceOf(const ShardedUnit& u, Part p) {
 // file even where its tensors are not adjacent there (the rest's head and embedding sort first,
 // its norm last), and a rank holds at most one unit whole. Rank 0 takes each tensor as the writer
 // reaches it; whatever part of the sequence it did not run (its write stopped early), and the
-// whole of it on the other ranks, Drain runs.
+// whole of it on the other ranks, Drain runs. A tensor the file holds under two names (an
+// alias) is held until both are taken.
 class GatherSequence {
  public:
-  // `parts`: each part's name prefix in the file ("exp_avg." …) and slice.
+  // `parts`: each part's name prefix in the file ("exp_avg." …) and slice; `aliases`: names the
+  // file adds, each to the tensor of another name (the parameters' part).
   GatherSequence(Collectives& c, const ParamShard& shard,
-                 const std::vector<std::pair<std::string, Part>>& parts)
+                 const std::vector<std::pair<std::string, Part>>& parts,
+                 const std::map<std::string, std::string>& aliases)
       : c_(c), shard_(shard) {
     for (const auto& [prefix, part] : parts) {
       for (size_t u = 0; u < shard.units().size(); ++u) {
@@ -54,6 +57,12 @@ class GatherSequence {
           entries_.emplace(prefix + unit.names[i], Entry{u, i, part});
         }
       }
+    }
+    for (const auto& [alias, name] : aliases) entries_.emplace(alias, entries_.at(name));
+    for (const auto& [name, e] : entries_) {
+      std::vector<int>& n = takes_[{e.unit, e.part}];
+      n.resize(shard.units()[e.unit].names.size());
+      ++n[e.index];
     }
     std::set<std::pair<size_t, Part>> seen;
     for (const auto& [name, e] : entries_) {
@@ -82,10 +91,11 @@ class GatherSequence {
       }
       held = Next();
     }
-    at::Tensor t = std::move(held->second[e.index]);
-    if (!t.defined()) throw std::logic_error(absl::StrCat(name, " taken twice"));
-    held->second[e.index] = at::Tensor();
-    return t;
+    at::Tensor& slot = held->second[e.index];
+    int& left = takes_.at({e.unit, e.part})[e.index];
+    if (!slot.defined() || left == 0) throw std::logic_error(absl::StrCat(name, " taken twice"));
+    if (--left > 0) return slot;  // its other name is still to come (nothing writes into it)
+    return std::move(slot);
   }
 
   absl::Status Drain() {
@@ -121,22 +131,32 @@ class GatherSequence {
   Collectives& c_;
   const ParamShard& shard_;
   std::map<std::string, Entry> entries_;
+  std::map<std::pair<size_t, Part>, std::vector<int>> takes_;  // names left to take, per tensor
   std::vector<std::pair<size_t, Part>> order_;
   size_t next_ = 0;
   Held held_;
 };
 
+// What a file of gathered tensors holds: GatherSequence's parts and aliases, and each tensor
+// written as transform(name, tensor) when set.
+struct FileSpec {
+  std::vector<std::pair<std::string, Part>> parts;
+  std::map<std::string, std::string> aliases = {};
+  TensorTransform transform = nullptr;
+};
+
 // One file of gathered tensors, `path` (empty: gather only). Every rank runs all the gathers.
-absl::StatusOr<FileDigest> WriteFile(Collectives& c, const ParamShard& shard,
-                                     const std::vector<std::pair<std::string, Part>>& parts,
+absl::StatusOr<FileDigest> WriteFile(Collectives& c, const ParamShard& shard, const FileSpec& spec,
                                      const std::string& dtype, const std::string& path) {
-  GatherSequence gathers(c, shard, parts);
+  GatherSequence gathers(c, shard, spec.parts, spec.aliases);
   absl::StatusOr<FileDigest> written = FileDigest{};  // what the ranks that only gather return
   if (!path.empty()) {
     try {
-      written = SaveSafetensorsFile(
-          path, gathers.Placeholders(), dtype,
-          [&](const std::string& n, const at::Tensor&) { return gathers.Take(n); });
+      written = SaveSafetensorsFile(path, gathers.Placeholders(), dtype,
+                                    [&](const std::string& n, const at::Tensor&) {
+                                      at::Tensor w = gathers.Take(n);
+                                      return spec.transform ? spec.transform(n, w) : w;
+                                    });
     } catch (const std::exception& e) {
       written = absl::InternalError(
           absl::StrCat(std::filesystem::path(path).filename().string(), ": ", e.what()));
@@ -156,10 +176,10 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
                                         const CheckpointMeta& meta, bool accumulated,
                                         const std::string& dir) {
   const ParamShard& shard = *t.sharded;
-  std::vector<std::tuple<std::string, std::vector<std::pair<std::string, Part>>>> files = {
-      {"params.safetensors", {{"", Part::kParams}}},
-      {"optimizer.safetensors", {{"exp_avg.", Part::kExpAvg}, {"exp_avg_sq.", Part::kExpAvgSq}}}};
-  if (accumulated) files.push_back({"accumulators.safetensors", {{"", Part::kGradSum}}});
+  std::vector<std::tuple<std::string, FileSpec>> files = {
+      {"params.safetensors", {{{"", Part::kParams}}}},
+      {"optimizer.safetensors", {{{"exp_avg.", Part::kExpAvg}, {"exp_avg_sq.", Part::kExpAvgSq}}}}};
+  if (accumulated) files.push_back({"accumulators.safetensors", {{{"", Part::kGradSum}}}});
   TrainingManifest m;
   absl::Status first;  // rank 0's first failure; the gathers go on regardless
   for (const auto& [name, parts] : files) {
@@ -177,46 +197,60 @@ absl::Status WriteGatheredTrainingState(Collectives& c, const ModelState& t,
   return WriteManifest(t, meta, accumulated, std::move(m), dir);
 }
 
-absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
-                                      const ModelConfig& config, uint64_t base_fingerprint,
-                                      const std::string& dir) {
-  // The parameters' file at `path` ("": gather only), in the training dtype.
-  auto params = [&](const std::string& path) {
-    return WriteFile(c, *t.sharded, {{"", Part::kParams}}, DtypeOf(*t.sharded), path);
-  };
-  if (dir.empty()) return params("").status();
+namespace {
+
+// A merged export whose weights are `shard`'s, gathered (`spec`), in `dtype`: rank 0 passes the
+// directory it is committing, the others "".
+absl::Status WriteGatheredExport(Collectives& c, const ModelState& t, const ParamShard& shard,
+                                 const FileSpec& spec, const std::string& dtype,
+                                 const ModelConfig& config, uint64_t base_fingerprint,
+                                 const std::string& dir) {
+  auto weights = [&](const std::string& path) { return WriteFile(c, shard, spec, dtype, path); };
+  if (dir.empty()) return weights("").status();
   bool gathered = false;
   absl::Status st =
       WriteMergedExport(t, config, base_fingerprint, dir, [&](const std::string& file) {
         gathered = true;
-        return params(file);
+        return weights(file);
       });
   // config.json could not be written: the others gather all the same.
-  if (!gathered) RETURN_IF_ERROR(params("").status());
+  if (!gathered) RETURN_IF_ERROR(weights("").status());
   return st;
 }
 
+}  // namespace
+
+absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
+                                      const ModelConfig& config, uint64_t base_fingerprint,
+                                      const std::string& dir) {
+  return WriteGatheredExport(c, t, *t.sharded, {{{"", Part::kParams}}}, DtypeOf(*t.sharded), config,
+                             base_fingerprint, dir);
+}
+
+absl::Status WriteGatheredMergedLora(Collectives& c, const ModelState& t, const ParamShard& base,
+                                     const ModelConfig& config, uint64_t base_fingerprint,
+                                     const std::string& dir) {
+  at::NoGradGuard no_grad;
+  LoraMerge m = MergeOf(*t.lora, config);
+  FileSpec spec{{{"", Part::kParams}}};
+  if (m.adds_head) spec.aliases["lm_head.weight"] = "model.embed_tokens.weight";
+  spec.transform = std::move(m.merge);
+  const std::string dtype =
+      t.params.begin()->second.scalar_type() == at::kDouble ? "float64" : "float32";
+  return WriteGatheredExport(c, t, base, spec, dtype, m.config, base_fingerprint, dir);
+}
+
 ReadSlices SlicesOf(const ModelState& t) {
-  std::map<std::string, std::pair<size_t, size_t>> where;  // name -> (unit, index)
-  int64_t largest = 0;
-  const std::vector<ShardedUnit>& units = t.sharded->units();
-  for (size_t u = 0; u < units.size(); ++u) {
-    for (size_t i = 0; i < units[u].names.size(); ++i) {
-      where[units[u].names[i]] = {u, i};
-      int64_t n = 1;
-      for (int64_t d : units[u].shapes[i]) n *= d;
-      largest = std::max(largest, n);
-    }
-  }
+  const ParamShard& shard = *t.sharded;
   ReadSlices r;
-  r.fraction = 1.0 / t.sharded->units().front().state.layout.world_size();
-  r.largest_values = largest;
-  r.take = [&units, where = std::move(where)](const std::string& name, const at::Tensor& whole) {
-    const auto it = where.find(name);
-    if (it == where.end()) return at::Tensor();
-    const ShardedUnit& u = units[it->second.first];
-    if (whole.sizes().vec() != u.shapes[it->second.second]) return at::Tensor();
-    return u.PartOf(it->second.second, whole);
+  r.fraction = 1.0 / shard.units().front().state.layout.world_size();
+  r.largest_values = shard.LargestTensorValues();
+  r.take = [&shard](const std::string& name, const at::Tensor& whole) {
+    const auto at = shard.Find(name);
+    if (!at) return at::Tensor();
+    const ShardedUnit& u = shard.units()[at->first];
+    if (whole.sizes().vec() != u.shapes[at->second]) return at::Tensor();
+    return u.PartOf(at->second, whole);
   };
   return r;
 }

@@ -34,6 +34,13 @@ absl::Status WriteGatheredMergedModel(Collectives& c, const ModelState& t,
                                       const ModelConfig& config, uint64_t base_fingerprint,
                                       const std::string& dir);
 
+// A LoRA model's merged export (WriteMergedModel's files) on a sharded base (--shard_base): the
+// base gathered as above, each weight merged with the adapter (replicated on every rank) as rank
+// 0's file reaches it, so that a rank holds one unit whole and one merged weight beside it.
+absl::Status WriteGatheredMergedLora(Collectives& c, const ModelState& t, const ParamShard& base,
+                                     const ModelConfig& config, uint64_t base_fingerprint,
+                                     const std::string& dir);
+
 // How this rank reads a checkpoint into `t` (ReadTrainingState): each tensor's part in its slice.
 ReadSlices SlicesOf(const ModelState& t);
 

@@ -445,6 +445,21 @@ absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model
   return WriteFileAtomically(Join(dir, "manifest.json"), m.dump(2));
 }
 
+LoraMerge MergeOf(const LoraAdapter& lora, const ModelConfig& config) {
+  LoraMerge m;
+  m.config = config;
+  m.adds_head = config.tie_word_embeddings && lora.Find("lm_head") != nullptr;
+  if (m.adds_head) m.config.tie_word_embeddings = false;
+  const double scale = lora.scale();
+  m.merge = [&lora, scale](const std::string& name, const at::Tensor& tensor) {
+    if (name.size() < 7 || name.substr(name.size() - 7) != ".weight") return tensor;
+    const LoraPair* p = lora.Find(name.substr(0, name.size() - 7));
+    if (p == nullptr) return tensor;
+    return tensor + at::mm(p->B_Or, p->A_rI).to(tensor.scalar_type()) * scale;
+  };
+  return m;
+}
+
 absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
                               const BaseWeights& base, uint64_t base_fingerprint,
                               const std::string& dir) {
@@ -455,20 +470,11 @@ absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
   if (t.full) {
     w = t.full->Named(config);
   } else {
+    LoraMerge m = MergeOf(*t.lora, config);
     w = base.Named(config);
-    // An adapted unembedding no longer equals the embedding: the merged model is untied.
-    if (config.tie_word_embeddings && t.lora->Find("lm_head") != nullptr) {
-      out.tie_word_embeddings = false;
-      w["lm_head.weight"] = base.lm_head_VD;
-    }
-    // Each adapted weight merged as the file reaches it: one merged tensor is held at a time.
-    const double scale = t.lora->scale();
-    merge = [&t, scale](const std::string& name, const at::Tensor& tensor) {
-      if (name.size() < 7 || name.substr(name.size() - 7) != ".weight") return tensor;
-      const LoraPair* p = t.lora->Find(name.substr(0, name.size() - 7));
-      if (p == nullptr) return tensor;
-      return tensor + at::mm(p->B_Or, p->A_rI).to(tensor.scalar_type()) * scale;
-    };
+    if (m.adds_head) w["lm_head.weight"] = base.lm_head_VD;
+    out = std::move(m.config);
+    merge = std::move(m.merge);
   }
   const std::string dtype =
       t.params.begin()->second.scalar_type() == at::kDouble ? "float64" : "float32";

@@ -96,6 +96,17 @@ absl::Status CheckCompatible(const ModelState& t, const LoadedState& s);
 // manifest records the base model's fingerprint, which the adapter only makes sense on.
 absl::Status WritePeftAdapter(const ModelState& t, const std::string& base_model,
                               uint64_t base_fingerprint, const std::string& dir);
+// How a LoRA model's merged export differs from its base: the config it is exported with (a
+// tied head that the adapter adapts no longer equals the embedding: untied, and the file adds
+// lm_head.weight, made from the embedding), and `merge`, which makes each adapted weight as the
+// file reaches it, W + scale·B·A in W's dtype, so that one merged tensor is held at a time.
+struct LoraMerge {
+  ModelConfig config;
+  bool adds_head = false;
+  TensorTransform merge;  // refers to `lora`, which must outlive it
+};
+LoraMerge MergeOf(const LoraAdapter& lora, const ModelConfig& config);
+
 // Full weights in Hugging Face layout with the adapter merged in; loadable as a base model.
 absl::Status WriteMergedModel(const ModelState& t, const ModelConfig& config,
                               const BaseWeights& base, uint64_t base_fingerprint,

@@ -35,12 +35,17 @@ ShardedUnit::ShardedUnit(std::vector<std::string> n, const std::vector<at::Tenso
   for (const at::Tensor& t : like) shapes.push_back(t.sizes().vec());
 }
 
-at::Tensor ShardedUnit::PartOf(size_t i, const at::Tensor& whole) const {
+std::pair<int64_t, int64_t> ShardedUnit::StretchOf(size_t i) const {
   const ShardLayout& l = state.layout;
   for (const ShardLayout::Piece& p : l.Pieces(l.begin(l.rank()), l.end(l.rank()))) {
-    if (p.tensor == i) return whole.reshape({-1}).narrow(0, p.tensor_offset, p.length).clone();
+    if (p.tensor == i) return {p.tensor_offset, p.length};
   }
-  return at::empty({0}, whole.options());
+  return {0, 0};
+}
+
+at::Tensor ShardedUnit::PartOf(size_t i, const at::Tensor& whole) const {
+  const auto [begin, length] = StretchOf(i);
+  return whole.reshape({-1}).narrow(0, begin, length).clone();
 }
 
 absl::StatusOr<std::vector<at::Tensor>> ShardedUnit::Gather(Collectives& c,
@@ -78,7 +83,7 @@ ParamShard ParamShard::Frozen(const BaseWeights& like, const ModelConfig& config
                     });
 }
 
-absl::Status ParamShard::Fill(const std::map<std::string, at::Tensor>& parts,
+absl::Status ParamShard::Fill(std::map<std::string, at::Tensor> parts,
                               const at::TensorOptions& options) {
   at::NoGradGuard no_grad;
   for (ShardedUnit& u : units_) {
@@ -97,35 +102,38 @@ absl::Status ParamShard::Fill(const std::map<std::string, at::Tensor>& parts,
                        slice_C.numel(), " values, its layout ", u.state.layout.owned()));
     }
     u.param_C = std::move(slice_C);
+    // The unit's parts are in its slice now: dropped, so the parts and the slices are held
+    // together one unit at a time, not twice over.
+    mine.clear();
+    for (const std::string& name : u.names) parts.erase(name);
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<ParamShard> ParamShard::ReadFrozen(
-    const ModelConfig& config, std::map<std::string, at::Tensor> like, const Reader& read,
-    const std::function<void(const std::string& name, const at::Tensor& whole)>& seen,
-    int world_size, int rank, const at::TensorOptions& options) {
+absl::StatusOr<ParamShard> ParamShard::ReadFrozen(const ModelConfig& config,
+                                                  std::map<std::string, at::Tensor> like,
+                                                  const Reader& read, int world_size, int rank,
+                                                  const at::TensorOptions& options) {
   ASSIGN_OR_RETURN(const BaseWeights shapes, BaseWeightsFromTensors(config, std::move(like)));
   ParamShard shard = Frozen(shapes, config, world_size, rank);
-  std::map<std::string, std::pair<size_t, size_t>> where;  // name -> (unit, index)
-  for (size_t u = 0; u < shard.units_.size(); ++u) {
-    for (size_t i = 0; i < shard.units_[u].names.size(); ++i) {
-      where[shard.units_[u].names[i]] = {u, i};
-    }
-  }
-  auto take = [&](const std::string& name, const at::Tensor& whole) {
-    if (seen) seen(name, whole);
-    const auto it = where.find(name);
+  auto stretch = [&shard](const std::string& name,
+                          at::IntArrayRef shape) -> std::pair<int64_t, int64_t> {
+    const auto at = shard.Find(name);
     // Not the model's (a rotary cache some exporters write): dropped, as a replica drops it.
-    if (it == where.end()) return at::empty({0}, whole.options());
-    const ShardedUnit& unit = shard.units_[it->second.first];
-    if (whole.sizes().vec() != unit.shapes[it->second.second]) return at::Tensor();
-    return unit.PartOf(it->second.second, whole).to(options);
+    if (!at) return {0, 0};
+    const ShardedUnit& unit = shard.units_[at->first];
+    if (shape.vec() != unit.shapes[at->second]) return {0, -1};
+    return unit.StretchOf(at->second);
   };
-  using Parts = std::map<std::string, at::Tensor>;
-  ASSIGN_OR_RETURN(const Parts parts, read(take));
-  RETURN_IF_ERROR(shard.Fill(parts, options));
+  ASSIGN_OR_RETURN(auto parts, read(stretch));
+  RETURN_IF_ERROR(shard.Fill(std::move(parts), options));
   return shard;
+}
+
+std::optional<std::pair<size_t, size_t>> ParamShard::Find(const std::string& name) const {
+  const auto it = where_.find(name);
+  if (it == where_.end()) return std::nullopt;
+  return it->second;
 }
 
 ParamShard ParamShard::Trainable(const at::TensorOptions& options) const {
@@ -169,12 +177,27 @@ ParamShard::ParamShard(const BaseWeights& w, const ModelConfig& config, const Ma
     }
     units_.push_back(make(std::move(layer_names), tensors));
   }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (size_t i = 0; i < units_[u].names.size(); ++i) where_[units_[u].names[i]] = {u, i};
+  }
 }
 
 int64_t ParamShard::values() const {
   int64_t n = 0;
   for (const ShardedUnit& u : units_) n += u.state.layout.total();
   return n;
+}
+
+int64_t ParamShard::LargestTensorValues() const {
+  int64_t largest = 0;
+  for (const ShardedUnit& u : units_) {
+    for (const std::vector<int64_t>& shape : u.shapes) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      largest = std::max(largest, n);
+    }
+  }
+  return largest;
 }
 
 int64_t ParamShard::GatheredValues() const {

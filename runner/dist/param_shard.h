@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "runner/dist/collectives.h"
 #include "runner/dist/shard.h"
 #include "runner/model/transformer.h"
+#include "runner/model/weights.h"
 
 namespace tinkerd {
 
@@ -53,8 +55,10 @@ struct ShardedUnit {
   // order; undefined: zero).
   absl::Status ReduceScatterInto(Collectives& c, const std::vector<at::Tensor>& grads,
                                  at::Tensor& into_C) const;
-  // This rank's part of tensor i, from the tensor whole: where its slice of the unit's flat space
-  // meets the tensor (one stretch, or none: empty), a copy.
+  // Where this rank's slice of the unit's flat space meets tensor i: one stretch of the tensor's
+  // flat values, {begin, length}, or none (length 0).
+  std::pair<int64_t, int64_t> StretchOf(size_t i) const;
+  // This rank's part of tensor i (StretchOf), from the tensor whole, a copy.
   at::Tensor PartOf(size_t i, const at::Tensor& whole) const;
 };
 
@@ -69,19 +73,17 @@ class ParamShard {
                            int rank);
   // Sets every unit's slice from the parts ShardedUnit::PartOf cut of each tensor, by name, on
   // `options`. INVALID_ARGUMENT when a part is missing or of another size.
-  absl::Status Fill(const std::map<std::string, at::Tensor>& parts,
-                    const at::TensorOptions& options);
+  absl::Status Fill(std::map<std::string, at::Tensor> parts, const at::TensorOptions& options);
   // The frozen base sliced as it is read: `like` names and shapes every tensor (meta tensors:
-  // SafetensorsDirShapes), and is checked against `config` before anything is read; `read(take)`
-  // then reads the tensors one at a time, keeping take(name, whole) of each (this rank's part,
-  // on `options`), so that a rank holds one tensor whole beside its slices. `seen(name, whole)`,
-  // when set, sees each tensor whole as it passes.
-  using Reader = std::function<absl::StatusOr<std::map<std::string, at::Tensor>>(
-      const std::function<at::Tensor(const std::string& name, const at::Tensor& whole)>& take)>;
-  static absl::StatusOr<ParamShard> ReadFrozen(
-      const ModelConfig& config, std::map<std::string, at::Tensor> like, const Reader& read,
-      const std::function<void(const std::string& name, const at::Tensor& whole)>& seen,
-      int world_size, int rank, const at::TensorOptions& options);
+  // SafetensorsDirShapes), and is checked against `config` before anything is read;
+  // `read(stretch)` then reads this rank's part of each tensor alone (LoadSafetensorsDirStretches:
+  // 1/W of the files, and no tensor whole), put on `options`.
+  using Reader =
+      std::function<absl::StatusOr<std::map<std::string, at::Tensor>>(const Stretch& stretch)>;
+  static absl::StatusOr<ParamShard> ReadFrozen(const ModelConfig& config,
+                                               std::map<std::string, at::Tensor> like,
+                                               const Reader& read, int world_size, int rank,
+                                               const at::TensorOptions& options);
   // A trainable copy of a frozen shard (a full fine-tune of the sharded base): the same layout,
   // its slices cast to `options`, with zero sums and moments.
   ParamShard Trainable(const at::TensorOptions& options) const;
@@ -90,7 +92,10 @@ class ParamShard {
   // units()[0] is the rest, units()[1 + l] decoder layer l.
   const std::vector<ShardedUnit>& units() const { return units_; }
   std::vector<ShardedUnit>& units() { return units_; }
+  // The unit and the index in it of the tensor `name` (Hugging Face's); nullopt: not the model's.
+  std::optional<std::pair<size_t, size_t>> Find(const std::string& name) const;
   int64_t values() const;  // of the whole model
+  int64_t LargestTensorValues() const;  // of its largest tensor
   // What a micro-batch holds whole at once: the rest and the largest layer.
   int64_t GatheredValues() const;
 
@@ -116,6 +121,7 @@ class ParamShard {
 
   bool tied_;
   std::vector<ShardedUnit> units_;
+  std::map<std::string, std::pair<size_t, size_t>> where_;  // Find's
   std::vector<std::vector<size_t>> fields_;  // per layer: the LayerWeights::All() it holds
   std::vector<size_t> experts_;              // per layer: its experts (0 unless it routes)
 };

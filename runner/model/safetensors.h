@@ -110,8 +110,12 @@ class SafetensorsReader {
 
   const SafetensorsHeader& header() const { return header_; }
   // The bytes of `e`, one of header().entries taken in their order, into `out` (e.end - e.begin
-  // bytes). Bytes between tensors are read and hashed on the way.
+  // bytes). Bytes between tensors are read and hashed on the way (skipped, unread, without
+  // `digest`).
   absl::Status Read(const SafetensorsEntry& e, char* out);
+  // Bytes [offset, offset + n) of `e`'s, as Read (a sharded base's rank reads its part of each
+  // tensor alone).
+  absl::Status ReadPart(const SafetensorsEntry& e, uint64_t offset, uint64_t n, char* out);
   // Reads (and hashes) what is left; the digest of the whole file (its fnv64 0 without `digest`).
   absl::StatusOr<FileDigest> Finish();
 

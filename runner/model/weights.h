@@ -26,6 +26,16 @@ using TensorTransform = std::function<at::Tensor(const std::string& name, const 
 absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarType float_dtype,
                                              const TensorFilter& keep = nullptr,
                                              const TensorTransform& take = nullptr);
+// A stretch of a tensor's flat (row-major) values: {begin, length}. Length 0: none of it (an empty
+// tensor); negative: the tensor is refused (an undefined one).
+using Stretch =
+    std::function<std::pair<int64_t, int64_t>(const std::string& name, at::IntArrayRef shape)>;
+// Of each tensor of a model directory, the stretch `stretch` names, read alone (the rest of each
+// file is skipped, unread), as a flat tensor, float ones converted to `float_dtype`: what a rank
+// of a sharded base reads, 1/W of the files, without holding a tensor whole.
+absl::StatusOr<TensorMap> LoadSafetensorsDirStretches(const std::string& dir,
+                                                      at::ScalarType float_dtype,
+                                                      const Stretch& stretch);
 // The tensors of a model directory as its headers describe them, on the meta device (shapes and
 // dtypes, float ones `float_dtype`, no data): what a load will read, known before it reads.
 absl::StatusOr<TensorMap> SafetensorsDirShapes(const std::string& dir, at::ScalarType float_dtype);

@@ -13,9 +13,11 @@
 
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "runner/dist/dist_config.h"
+#include "runner/model/weights.h"
 #include "tests/built_binary.h"
 #include "tests/test_util.h"
 
@@ -431,6 +433,55 @@ TEST_F(DataParallel, AShardedBaseTrainsAsOneProcess) {
   ASSERT_EQ(own.size(), alone.size());
   EXPECT_GT(std::abs(own[0] - alone[0]), 1e3 * kTol);
   EXPECT_GT(std::abs(own[1] - alone[1]), 1e3 * kTol);
+}
+
+// A LoRA model's merged export on a sharded base (every rank gathers the base a unit at a time,
+// and rank 0 merges each weight as its file reaches it) holds what the same model's export on the
+// base whole holds, at W = 2 and 3: the same tensors, the tied head untied (lm_head.weight, the
+// embedding merged with the head's pair), the same config.json, each tensor within kTol (the
+// training's sums grouped by rank, as above). The control: every adapted weight is off the
+// base's by far more than kTol, every other one equals it, so an export that dropped or
+// misplaced a merge, or wrote a unit's slices alone, could not pass.
+TEST_F(DataParallel, AMergedExportOnAShardedBaseEqualsOneProcess) {
+  auto read = [](const std::string& dir) {
+    auto t = LoadSafetensorsFile(dir + "/model.safetensors", at::kDouble);
+    EXPECT_TRUE(t.ok()) << dir << ": " << t.status();
+    return t.ok() ? *std::move(t) : TensorMap{};
+  };
+  auto text = [](const std::string& path) {
+    std::ifstream f(path);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  auto off = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a - b).abs().max().item<double>();
+  };
+  const std::string whole = dir_->Sub("export_whole");
+  RunRanks(*model_, dir_->Sub("ewhole"), 1, {"--scenario=export", "--checkpoint=" + whole});
+  const TensorMap want = read(whole), base = read(*model_);
+  ASSERT_TRUE(want.count("lm_head.weight")) << "the adapted head of a tied base is untied";
+  ASSERT_FALSE(base.count("lm_head.weight"));
+  for (int world : {2, 3}) {
+    const std::string sharded = dir_->Sub("export_base" + std::to_string(world));
+    RunRanks(*model_, dir_->Sub("ebase" + std::to_string(world)), world,
+             {"--shard=full", "--shard_base", "--scenario=export", "--checkpoint=" + sharded});
+    const TensorMap got = read(sharded);
+    ASSERT_EQ(got.size(), want.size()) << "world " << world;
+    for (const auto& [name, w] : want) {
+      ASSERT_TRUE(got.count(name)) << name;
+      ASSERT_EQ(got.at(name).sizes(), w.sizes()) << name;
+      EXPECT_LE(off(got.at(name), w), kTol) << name << " world " << world;
+    }
+    EXPECT_EQ(text(sharded + "/config.json"), text(whole + "/config.json"));
+  }
+  for (const auto& [name, w] : want) {
+    const at::Tensor& b = base.at(name == "lm_head.weight" ? "model.embed_tokens.weight" : name);
+    const bool adapted = absl::StrContains(name, "_proj.") || name == "lm_head.weight";
+    if (adapted) {
+      EXPECT_GT(off(w, b), 1e3 * kTol) << name;
+    } else {
+      EXPECT_EQ(off(w, b), 0) << name;
+    }
+  }
 }
 
 // Without --shard=full a sharded base is refused before anything loads (the worker exits 4 on a

@@ -3,7 +3,7 @@
 // model's parameters, every step's gradient norm, every call's loss) as raw doubles to
 // --out.<rank>, so the test can compare world sizes.
 //   dist_worker --model_dir=D --out=F [--shard=none|optimizer|full] [--shard_base]
-//       [--scenario=train|train_full|train_lora|save|load|load_without_optimizer
+//       [--scenario=train|train_full|train_lora|save|load|load_without_optimizer|export
 //        --checkpoint=PATH] [--rounds=N] [--nostep]
 //       [--expert_parallel=E] [--lora_attn=false]
 //       [--broken=none|no_world_size_factor|reduce_twice|diverge_rank1|gather_own_only|
@@ -14,6 +14,8 @@
 //       and the run goes on (one more call, one step); load: the same continuation from that
 //       checkpoint (load_without_optimizer: without its moments, a control). Each writes the
 //       continuation's losses, norms and parameters.
+// export: the token-mean LoRA model's calls and step (--rounds), then its merged sampler export
+//       to --checkpoint; writes the step's losses and norms.
 // With diverge_rank1, rank 1's replica is perturbed at the first step, and the worker exits 0 only
 // if that step fails with "diverged" on its rank.
 #include <cstdio>
@@ -42,8 +44,8 @@ ABSL_FLAG(bool, lora_attn, true,
           "the LoRA models adapt attention and the head too (false: the MLPs, or experts, alone)");
 ABSL_FLAG(
     std::string, scenario, "train",
-    "train, train_full (the full fine-tune alone), train_lora (a LoRA model alone), save, load "
-    "or load_without_optimizer");
+    "train, train_full (the full fine-tune alone), train_lora (a LoRA model alone), save, load, "
+    "load_without_optimizer or export (train_lora's model exported merged to --checkpoint)");
 ABSL_FLAG(bool, full_model, false, "save: a full fine-tune instead of a LoRA model");
 ABSL_FLAG(std::string, checkpoint, "", "the checkpoint the save scenario writes and load reads");
 ABSL_FLAG(std::string, broken, "none",
@@ -154,7 +156,16 @@ int Run() {
   lora.lora = LoraConfig{4, 8, attn, true, attn};
   const std::string scenario = absl::GetFlag(FLAGS_scenario);
   const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint);
-  if (scenario == "train" || scenario == "train_full" || scenario == "train_lora") {
+  if (scenario == "export") {
+    auto id = r.CreateModel(lora);
+    check(id.status());
+    SplitMix64 g(17);
+    for (int i = 0; i < absl::GetFlag(FLAGS_rounds); ++i) {
+      calls(*id, g);
+      step(*id);
+    }
+    check(r.SaveWeightsForSampler(*id, checkpoint, /*merged=*/true, /*overwrite=*/false));
+  } else if (scenario == "train" || scenario == "train_full" || scenario == "train_lora") {
     std::vector<CreateModelOptions> models;
     for (LossReduction mode : {LossReduction::kTokenMean, LossReduction::kSum,
                                LossReduction::kSeqMeanTokenMean, LossReduction::kSeqMeanTokenSum}) {

@@ -98,5 +98,27 @@ TEST(CallBytes, CoversTheMeasuredPeaksOfTheBenchModel) {
   EXPECT_LT(static_cast<double>(CallBytes(c, call)) / kMB, on) << "a forward keeps less";
 }
 
+// What a call holds of gathered units beyond the rest of its estimate: a full fine-tune's
+// (--shard=full) as float32 weights and, in a backward, their float32 gradients; a sharded base's
+// (--shard_base) in bf16 as weights alone, a quarter of that (frozen: no gradient is made).
+TEST(CallBytes, CountsAShardedBasesGatheredLayersFrozenInTheirDtype) {
+  const ModelConfig c = TinyConfig("llama");
+  CallShape call;
+  call.tokens = 64;
+  call.checkpointing = true;
+  const int64_t none = CallBytes(c, call);
+  constexpr int64_t kValues = 1 << 20;
+  call.gathered_values = kValues;
+  EXPECT_EQ(CallBytes(c, call) - none, 8 * kValues) << "full fine-tune, backward";
+  call.gathered_bytes = 2;
+  call.gathered_frozen = true;
+  EXPECT_EQ(CallBytes(c, call) - none, 2 * kValues) << "bf16 base, backward";
+  call.backward = false;
+  call.gathered_values = 0;
+  const int64_t forward = CallBytes(c, call);
+  call.gathered_values = kValues;
+  EXPECT_EQ(CallBytes(c, call) - forward, 2 * kValues) << "bf16 base, forward";
+}
+
 }  // namespace
 }  // namespace tinkerd::testing

@@ -62,6 +62,75 @@ TEST(ModelLoading, WrittenWeightsAreTheGeneratedOnesConverted) {
   }
 }
 
+// Bytes this process has read through read(2) and pread(2) so far (/proc/self/io's rchar).
+int64_t BytesRead() {
+  std::ifstream f("/proc/self/io");
+  std::string key;
+  int64_t value = -1;
+  while (f >> key >> value) {
+    if (key == "rchar:") return value;
+  }
+  return -1;
+}
+
+// A sharded base's rank reads its stretch of each tensor alone: the stretches hold exactly the
+// whole read's values there (bf16 files over three shards, read as float32), a negative length
+// refuses a tensor, a stretch past a tensor's end is an error, and the rest of each file is
+// skipped, not read: a stretch of 1/64 of a 4 MiB tensor reads well under a tenth of what the
+// whole read reads (the control).
+TEST(ModelLoading, StretchesReadTheirValuesAlone) {
+  TempDir dir;
+  TinyModelSpec spec{TinyConfig("qwen3")};
+  spec.stored_dtype = "bfloat16";
+  spec.num_shards = 3;
+  ASSERT_TRUE(WriteTinyModel(dir.path(), spec).ok());
+  auto whole = LoadSafetensorsDir(dir.path(), at::kFloat);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  auto middle = [](const std::string&, at::IntArrayRef shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return std::pair<int64_t, int64_t>(n / 3, n / 2 - n / 3);
+  };
+  auto got = LoadSafetensorsDirStretches(dir.path(), at::kFloat, middle);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), whole->size());
+  for (const auto& [name, t] : *whole) {
+    const auto [begin, length] = middle(name, t.sizes());
+    EXPECT_TRUE(at::equal(got->at(name), t.reshape({-1}).narrow(0, begin, length))) << name;
+  }
+  auto refused = LoadSafetensorsDirStretches(
+      dir.path(), at::kFloat, [](const std::string& name, at::IntArrayRef) {
+        return std::pair<int64_t, int64_t>(0, name == "model.norm.weight" ? -1 : 0);
+      });
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_FALSE(refused->at("model.norm.weight").defined());
+  EXPECT_EQ(refused->at("model.embed_tokens.weight").numel(), 0);
+  auto past = LoadSafetensorsDirStretches(dir.path(), at::kFloat,
+                                          [](const std::string&, at::IntArrayRef shape) {
+                                            int64_t n = 1;
+                                            for (int64_t d : shape) n *= d;
+                                            return std::pair<int64_t, int64_t>(n, 1);
+                                          });
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kInternal) << past.status();
+
+  TempDir big;
+  const at::Tensor large = at::randn({1024, 1024});  // 4 MiB in float32
+  ASSERT_TRUE(SaveSafetensorsFile(big.Sub("model.safetensors"), {{"w", large}}, "float32").ok());
+  if (BytesRead() < 0) GTEST_SKIP() << "no /proc/self/io here";
+  const int64_t before = BytesRead();
+  auto all = LoadSafetensorsDir(big.path(), at::kFloat);
+  const int64_t read_whole = BytesRead() - before;
+  auto part =
+      LoadSafetensorsDirStretches(big.path(), at::kFloat, [](const std::string&, at::IntArrayRef) {
+        return std::pair<int64_t, int64_t>(500000, 16384);
+      });
+  const int64_t read_part = BytesRead() - before - read_whole;
+  ASSERT_TRUE(all.ok() && part.ok());
+  EXPECT_TRUE(at::equal(part->at("w"), large.reshape({-1}).narrow(0, 500000, 16384)));
+  EXPECT_GE(read_whole, large.nbytes());
+  EXPECT_LT(read_part * 10, read_whole) << read_part << " of " << read_whole;
+}
+
 TEST(TinyModel, SkipMovesAStreamOnAsItsDraws) {
   SplitMix64 a(5), b(5), c(5);
   a.Skip(7);
