@@ -1,7 +1,8 @@
 // shard_memory_bench: what a rank holds and how long a step takes when full fine-tuning runs
 // data-parallel, with replicas (--shard=none) against sharded optimizer state (--shard=optimizer)
 // and sharded parameters (--shard=full), at several world sizes, on real processes over Gloo
-// (loopback).
+// (loopback). A sharding ending in "_serial" is the same without --prefetch_layers (each layer
+// gathered when it is needed, not while the one before it computes).
 //   shard_memory_bench [--worlds=1,2,4] [--steps=3] [--hidden=1024 ...] [--out_dir=DIR]
 // The driver writes the model once, then for each world size and sharding runs that many copies
 // of itself as ranks (torchrun's environment) and prints a markdown row:
@@ -35,6 +36,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -44,6 +46,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -90,19 +93,22 @@ std::string ResultPath(int world, const std::string& shard, int rank) {
 // traffic: a ring all-reduce sends about twice its payload, a reduce-scatter or all-gather once).
 class CountingCollectives final : public Collectives {
  public:
-  explicit CountingCollectives(std::shared_ptr<Collectives> inner) : inner_(std::move(inner)) {}
+  // `total`: where the bytes are counted (a subgroup's in its world's); null: in `bytes`.
+  explicit CountingCollectives(std::shared_ptr<Collectives> inner,
+                               std::atomic<int64_t>* total = nullptr)
+      : inner_(std::move(inner)), total_(total != nullptr ? total : &bytes) {}
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
   absl::Status AllReduceSumGradients(std::vector<at::Tensor>& grads) override {
-    for (const at::Tensor& g : grads) bytes += static_cast<int64_t>(g.nbytes());
+    for (const at::Tensor& g : grads) *total_ += static_cast<int64_t>(g.nbytes());
     return inner_->AllReduceSumGradients(grads);
   }
   absl::Status ReduceScatterSum(const at::Tensor& in_WK, at::Tensor& out_K) override {
-    bytes += static_cast<int64_t>(in_WK.nbytes());
+    *total_ += static_cast<int64_t>(in_WK.nbytes());
     return inner_->ReduceScatterSum(in_WK, out_K);
   }
   absl::Status AllGather(const at::Tensor& in_K, at::Tensor& out_WK) override {
-    bytes += static_cast<int64_t>(out_WK.nbytes());
+    *total_ += static_cast<int64_t>(out_WK.nbytes());
     return inner_->AllGather(in_K, out_WK);
   }
   absl::Status AllReduceSumCounts(std::vector<int64_t>& counts) override {
@@ -124,12 +130,15 @@ class CountingCollectives final : public Collectives {
     return inner_->AllToAll(in_ND, send_rows, recv_rows);
   }
   absl::StatusOr<std::shared_ptr<Collectives>> Subgroup(const std::vector<int>& ranks) override {
-    return inner_->Subgroup(ranks);
+    auto group = inner_->Subgroup(ranks);
+    if (!group.ok()) return group.status();
+    return std::shared_ptr<Collectives>(std::make_shared<CountingCollectives>(*group, total_));
   }
-  int64_t bytes = 0;
+  std::atomic<int64_t> bytes{0};  // the prefetch thread's gathers count here too
 
  private:
   std::shared_ptr<Collectives> inner_;
+  std::atomic<int64_t>* total_;
 };
 
 int Fail(const char* what, const absl::Status& st) {
@@ -144,8 +153,11 @@ int RunRank(const std::string& shard_name) {
   InitLogging(dist->rank, spdlog::level::warn);
   auto c10d = MakeC10dCollectives(*dist);
   if (!c10d.ok()) return Fail("rendezvous", c10d.status());
-  const bool shard_base = shard_name == "base";
-  auto shard = ParseShardMode(shard_base ? "full" : shard_name);
+  // "_serial": the same without prefetching the next layer's gather.
+  const bool serial = absl::EndsWith(shard_name, "_serial");
+  const std::string mode = serial ? shard_name.substr(0, shard_name.size() - 7) : shard_name;
+  const bool shard_base = mode == "base";
+  auto shard = ParseShardMode(shard_base ? "full" : mode);
   if (!shard.ok()) return Fail("--rank_shard", shard.status());
   RunnerConfig rc;
   rc.base_model_path = ModelDir();
@@ -155,6 +167,7 @@ int RunRank(const std::string& shard_name) {
   rc.collectives = counting;
   rc.shard = *shard;
   rc.shard_base = shard_base;
+  rc.prefetch_layers = !serial;
   malloc_trim(0);
   const double before_load = RssMB(), read_before = ReadMB();
   ResetPeakRss();
@@ -321,8 +334,8 @@ int Drive(char* self) {
     int world = 0;
     if (!absl::SimpleAtoi(w, &world) || world < 1) return 2;
     const std::vector<std::string> shards =
-        lora ? std::vector<std::string>{"full", "base"}
-             : std::vector<std::string>{"none", "optimizer", "full"};
+        lora ? std::vector<std::string>{"full", "base", "base_serial"}
+             : std::vector<std::string>{"none", "optimizer", "full", "full_serial"};
     for (const std::string& shard : shards) {
       if (!RunJob(world, shard, self)) {
         std::fprintf(stderr, "shard_memory_bench: a rank failed (world %d, %s)\n", world,

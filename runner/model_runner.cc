@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include <cerrno>
 #include <cstdlib>
@@ -107,6 +108,9 @@ struct ModelRunner::Impl {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
+  // Under --shard=full --prefetch_layers: every rank again, as a group of its own, where the
+  // layers' prefetched gathers run beside the main group's collectives.
+  std::shared_ptr<Collectives> gathers;
   // Under --expert_parallel > 1: which experts this rank holds, and their exchange; `base` then
   // holds those experts alone.
   std::unique_ptr<ExpertParallel> experts;
@@ -158,7 +162,7 @@ struct ModelRunner::Impl {
             // kernels' (several times what the ~1.1B bench row takes on an H100), and the
             // caching allocator's out-of-memory is the call's RESOURCE_EXHAUSTED there.
             device.is_cuda() ? nullptr : account.get(), experts.get(),
-            base_shard ? &*base_shard : nullptr};
+            base_shard ? &*base_shard : nullptr, gathers.get()};
   }
   absl::StatusOr<ModelState*> Find(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = models.find(id);
@@ -370,9 +374,11 @@ absl::StatusOr<std::function<bool(int64_t)>> HeldExperts(const RunnerConfig& con
 absl::Status AgreeOnSetup(Collectives& c, const RunnerConfig& config, uint64_t fingerprint) {
   if (c.world_size() == 1) return absl::OkStatus();
   const std::string mine = absl::StrFormat(
-      "base model %016x, compute_dtype %s, shard %s%s, expert_parallel %d", fingerprint,
+      "base model %016x, compute_dtype %s, shard %s%s%s, expert_parallel %d", fingerprint,
       ComputeDTypeName(config.compute_dtype), ShardModeName(config.shard),
-      config.shard_base ? " with the base" : "", config.expert_parallel);
+      config.shard_base ? " with the base" : "",
+      config.shard == ShardMode::kFull && config.prefetch_layers ? " prefetching layers" : "",
+      config.expert_parallel);
   ASSIGN_OR_RETURN(std::vector<std::string> all, c.AllGatherBytes(mine));
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r] != all[0]) {
@@ -532,6 +538,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
       impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     }
     RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
+    if (config.shard == ShardMode::kFull && config.prefetch_layers) {
+      std::vector<int> all(impl->collectives->world_size());
+      std::iota(all.begin(), all.end(), 0);
+      ASSIGN_OR_RETURN(impl->gathers, impl->collectives->Subgroup(all));
+    }
     if (holds) {
       ASSIGN_OR_RETURN(impl->experts,
                        ExpertParallel::Create(*impl->collectives, config.expert_parallel,

@@ -54,9 +54,12 @@ struct RunnerConfig {
   ShardMode shard = ShardMode::kNone;
   // With shard kFull: the frozen base too is held in slices, 1/W per rank, each layer gathered
   // while it runs (runner/dist/param_shard.h), so that a base no one rank holds trains LoRA
-  // models and full fine-tunes. Sampling from it, and merged exports of its LoRA models, are not
-  // built yet (FAILED_PRECONDITION).
+  // models and full fine-tunes, and exports them. Sampling from it is not built yet
+  // (FAILED_PRECONDITION).
   bool shard_base = false;
+  // Under shard kFull: each micro-batch's next layer is gathered while this one computes, on a
+  // group of its own (runner/dist/layer_prefetch.h), holding one layer more whole.
+  bool prefetch_layers = true;
   // Expert parallelism (runner/dist/expert_parallel.h): groups of this many ranks split each
   // routed layer's experts. 1: every rank holds every expert. It must divide the world size and
   // the model's experts per layer, and (for now) go with shard none.

@@ -17,6 +17,7 @@
 #include "kernels/adamw.h"
 #include "kernels/logprob_head.h"
 #include "runner/call_memory.h"
+#include "runner/dist/layer_prefetch.h"
 #include "runner/loss/losses.h"
 #include "runner/loss/router_aux.h"
 #include "runner/packing/karmarkar_karp.h"
@@ -240,21 +241,32 @@ void RunPacked(const PackedPieces& packed) {
   std::optional<BaseWeights> gathered;
   std::vector<at::Tensor> rest;
   LayerSource source;
+  std::optional<LayerPrefetch> prefetch;
   ForwardOptions forward = ctx.forward;
   const ParamShard* shard = first.model_.sharded ? &*first.model_.sharded : nullptr;
+  // The layers of `s` as they run: each gathered then, or the next one ahead on its own group.
+  auto layers_of = [&](const ParamShard* s) {
+    if (ctx.gathers == nullptr) {
+      source.gather = [s, &c](int64_t l) { return OrThrow(s->GatherLayer(c, l)); };
+      return;
+    }
+    prefetch.emplace([s, g = ctx.gathers](int64_t l) { return OrThrow(s->GatherLayer(*g, l)); },
+                     LayerPrefetch::Schedule(ctx.config->num_hidden_layers, backward), ctx.device);
+    source.gather = [&prefetch](int64_t l) { return prefetch->Take(l); };
+  };
   if (shard == nullptr && ctx.base_shard != nullptr) {
     TORCH_CHECK(packed.pieces.size() == 1, "a call on a sharded base runs alone");
     const ParamShard* base = ctx.base_shard;
+    layers_of(base);
     gathered = OrThrow(base->GatherRest(c));
-    source.gather = [base, &c](int64_t l) { return OrThrow(base->GatherLayer(c, l)); };
     forward.layers = &source;
   }
   if (shard != nullptr) {
     TORCH_CHECK(packed.pieces.size() == 1, "a sharded model's call runs alone");
+    layers_of(shard);
     gathered = OrThrow(shard->GatherRest(c));
     rest = shard->RestTensors(*gathered);
     for (at::Tensor& p : rest) p.requires_grad_(backward);
-    source.gather = [shard, &c](int64_t l) { return OrThrow(shard->GatherLayer(c, l)); };
     source.scatter = [&first, shard, &c](int64_t l, const LayerWeights& grads) {
       OrThrow(shard->units()[1 + l].ReduceScatterInto(c, shard->LayerTensors(l, grads),
                                                       first.staged_C_[1 + l]));
@@ -516,7 +528,7 @@ absl::StatusOr<Reservation> ReserveCall(const StepContext& ctx, const ModelState
   // The model's own units under --shard=full, or the base's under --shard_base.
   if (const ParamShard* gathered = model.sharded ? &*model.sharded : ctx.base_shard) {
     call.checkpointing = true;  // every gathered layer is recomputed
-    call.gathered_values = gathered->GatheredValues();
+    call.gathered_values = gathered->GatheredValues(ctx.gathers != nullptr ? 2 : 1);
     call.gathered_bytes = static_cast<int64_t>(gathered->units().front().param_C.element_size());
     call.gathered_frozen = !model.sharded;
   }

@@ -39,6 +39,9 @@ struct StepContext {
   // Set under --shard_base: the frozen base's slices (`base` then holds none of its tensors), its
   // units gathered for every micro-batch of every model, so that every call runs in step.
   const ParamShard* base_shard = nullptr;
+  // Set under --shard=full --prefetch_layers: the group a micro-batch's layers are prefetched on
+  // (runner/dist/layer_prefetch.h).
+  Collectives* gathers = nullptr;
 };
 
 class CallStage;

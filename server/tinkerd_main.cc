@@ -152,6 +152,9 @@ ABSL_FLAG(bool, shard_base, false,
           "data parallel, with --shard=full: hold 1/N of the frozen base model on each rank as "
           "well, each layer gathered while it runs (LoRA on a base no one device holds); its "
           "models export (merged too) and train, and sampling from it is refused until built");
+ABSL_FLAG(bool, prefetch_layers, true,
+          "with --shard=full: gather each micro-batch's next layer while this one computes (on "
+          "a process group of its own), holding one layer more whole");
 ABSL_FLAG(int, expert_parallel, 1,
           "data parallel: groups of this many ranks split each routed layer's experts of a "
           "mixture-of-experts model, tokens travelling to their experts by all-to-all (must "
@@ -315,6 +318,7 @@ int main(int argc, char** argv) {
   }
   rc.shard = *shard;
   rc.shard_base = absl::GetFlag(FLAGS_shard_base);
+  rc.prefetch_layers = absl::GetFlag(FLAGS_prefetch_layers);
   rc.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
   auto device = tinkerd::ParseDevice(rc.device);
   if (!device.ok()) {

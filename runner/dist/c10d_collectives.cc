@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -219,13 +220,27 @@ class C10dCollectives final : public Collectives {
       DistConfig config = config_;
       config.rank = static_cast<int>(me - ranks.begin());
       config.world_size = static_cast<int>(ranks.size());
+      const int made = made_[ranks]++;
       auto store = c10::make_intrusive<c10d::PrefixStore>(
-          absl::StrCat("group[", absl::StrJoin(ranks, ","), "]/"), store_);
+          absl::StrCat("group[", absl::StrJoin(ranks, ","), "]",
+                       made > 0 ? absl::StrCat("#", made) : "", "/"),
+          store_);
       auto opts = c10d::ProcessGroupGloo::Options::create(config.timeout);
       opts->devices = devices_;
       auto pg =
           c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, opts);
-      out = std::make_shared<C10dCollectives>(config, C10dOptions{}, store, opts, pg);
+      auto group = std::make_shared<C10dCollectives>(config, C10dOptions{}, store, opts, pg);
+#ifdef USE_C10D_NCCL
+      // A CUDA run's group reduces and gathers CUDA tensors over NCCL, as its world does.
+      if (nccl_) {
+        auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
+        nccl_opts->timeout = config.timeout;
+        group->set_nccl(c10::make_intrusive<c10d::ProcessGroupNCCL>(
+            c10::make_intrusive<c10d::PrefixStore>("nccl/", store), config.rank, config.world_size,
+            nccl_opts));
+      }
+#endif
+      out = std::move(group);
     });
     if (!st.ok()) return st;
     return out;
@@ -296,6 +311,7 @@ class C10dCollectives final : public Collectives {
   c10::intrusive_ptr<c10d::Store> store_;  // the rendezvous, for subgroups
   std::vector<std::shared_ptr<::gloo::transport::Device>> devices_;  // the interface, likewise
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  std::map<std::vector<int>, int> made_;  // groups made of each list of ranks so far
 #ifdef USE_C10D_NCCL
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_;  // gradients of CUDA runs; null on CPU runs
 

@@ -50,8 +50,8 @@ class Collectives {
                                               const std::vector<int64_t>& send_rows,
                                               const std::vector<int64_t>& recv_rows) = 0;
   // The ranks `ranks` (ascending, this rank among them) as a world of their own, numbered by
-  // their position in `ranks`. Every member calls it with the same list; a list is made a group
-  // once per process.
+  // their position in `ranks`. Every member calls it with the same list; a list made a group
+  // again is another group (its k-th is every member's k-th).
   virtual absl::StatusOr<std::shared_ptr<Collectives>> Subgroup(const std::vector<int>& ranks) = 0;
 };
 

@@ -200,12 +200,12 @@ int64_t ParamShard::LargestTensorValues() const {
   return largest;
 }
 
-int64_t ParamShard::GatheredValues() const {
+int64_t ParamShard::GatheredValues(int layers) const {
   int64_t largest = 0;
   for (size_t u = 1; u < units_.size(); ++u) {
     largest = std::max(largest, units_[u].state.layout.total());
   }
-  return units_[0].state.layout.total() + largest;
+  return units_[0].state.layout.total() + layers * largest;
 }
 
 absl::StatusOr<BaseWeights> ParamShard::GatherRest(Collectives& c) const {

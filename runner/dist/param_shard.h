@@ -94,10 +94,11 @@ class ParamShard {
   std::vector<ShardedUnit>& units() { return units_; }
   // The unit and the index in it of the tensor `name` (Hugging Face's); nullopt: not the model's.
   std::optional<std::pair<size_t, size_t>> Find(const std::string& name) const;
-  int64_t values() const;  // of the whole model
+  int64_t values() const;               // of the whole model
   int64_t LargestTensorValues() const;  // of its largest tensor
-  // What a micro-batch holds whole at once: the rest and the largest layer.
-  int64_t GatheredValues() const;
+  // What a micro-batch holds whole at once: the rest and the largest layer, `layers` times (two
+  // when the next one is prefetched).
+  int64_t GatheredValues(int layers = 1) const;
 
   // The rest whole, as BaseWeights whose `layers` are placeholders (LayerWeights::Shaped: no
   // tensors, their experts' count) that LayerSource fills.

@@ -113,48 +113,58 @@ absl::StatusOr<TensorMap> LoadSafetensorsDir(const std::string& dir, at::ScalarT
   });
 }
 
-absl::StatusOr<TensorMap> LoadSafetensorsDirStretches(const std::string& dir,
-                                                      at::ScalarType float_dtype,
-                                                      const Stretch& stretch) {
+namespace {
+
+// Every tensor of a model directory, as `each` makes it from its entry, its stored scalar type and
+// its file (to read from, in the entries' order).
+absl::StatusOr<TensorMap> EachEntry(
+    const std::string& dir,
+    const std::function<absl::StatusOr<at::Tensor>(
+        SafetensorsReader& file, const SafetensorsEntry& e, at::ScalarType st)>& each) {
   return ReadModelDir(dir, nullptr, [&](const std::string& path) -> absl::StatusOr<TensorMap> {
     ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file,
                      SafetensorsReader::Open(path, /*digest=*/false));
     TensorMap out;
     for (const SafetensorsEntry& e : file->header().entries) {
       ASSIGN_OR_RETURN(at::ScalarType st, ScalarTypeOf(e.dtype));
-      int64_t numel = 1;
-      for (int64_t d : e.shape) numel *= d;
-      const auto [begin, length] = stretch(e.name, e.shape);
-      if (length < 0) {
-        out[e.name] = at::Tensor();
-        continue;
-      }
-      if (begin < 0 || begin + length > numel) {
-        return absl::InternalError(absl::StrCat(path, ": a stretch past the end of ", e.name));
-      }
-      at::Tensor t = at::empty({length}, at::TensorOptions().dtype(st));
-      const uint64_t size = at::elementSize(st);
-      RETURN_IF_ERROR(file->ReadPart(e, static_cast<uint64_t>(begin) * size,
-                                     static_cast<uint64_t>(length) * size,
-                                     static_cast<char*>(t.data_ptr())));
-      out[e.name] = at::isFloatingType(st) ? t.to(float_dtype) : t;
+      ASSIGN_OR_RETURN(out[e.name], each(*file, e, st));
     }
     return out;
   });
 }
 
+}  // namespace
+
+absl::StatusOr<TensorMap> LoadSafetensorsDirStretches(const std::string& dir,
+                                                      at::ScalarType float_dtype,
+                                                      const Stretch& stretch) {
+  return EachEntry(
+      dir,
+      [&](SafetensorsReader& file, const SafetensorsEntry& e,
+          at::ScalarType st) -> absl::StatusOr<at::Tensor> {
+        int64_t numel = 1;
+        for (int64_t d : e.shape) numel *= d;
+        const auto [begin, length] = stretch(e.name, e.shape);
+        if (length < 0) return at::Tensor();
+        if (begin < 0 || begin + length > numel) {
+          return absl::InternalError(absl::StrCat("a stretch past the end of tensor ", e.name));
+        }
+        at::Tensor t = at::empty({length}, at::TensorOptions().dtype(st));
+        const uint64_t size = at::elementSize(st);
+        RETURN_IF_ERROR(file.ReadPart(e, static_cast<uint64_t>(begin) * size,
+                                      static_cast<uint64_t>(length) * size,
+                                      static_cast<char*>(t.data_ptr())));
+        return at::isFloatingType(st) ? t.to(float_dtype) : t;
+      });
+}
+
 absl::StatusOr<TensorMap> SafetensorsDirShapes(const std::string& dir, at::ScalarType float_dtype) {
-  return ReadModelDir(dir, nullptr, [&](const std::string& path) -> absl::StatusOr<TensorMap> {
-    ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> file,
-                     SafetensorsReader::Open(path, /*digest=*/false));
-    TensorMap out;
-    for (const SafetensorsEntry& e : file->header().entries) {
-      ASSIGN_OR_RETURN(at::ScalarType st, ScalarTypeOf(e.dtype));
-      out[e.name] = at::empty(
-          e.shape, at::TensorOptions(at::kMeta).dtype(at::isFloatingType(st) ? float_dtype : st));
-    }
-    return out;
-  });
+  return EachEntry(dir,
+                   [&](SafetensorsReader&, const SafetensorsEntry& e,
+                       at::ScalarType st) -> absl::StatusOr<at::Tensor> {
+                     return at::empty(e.shape, at::TensorOptions(at::kMeta).dtype(
+                                                   at::isFloatingType(st) ? float_dtype : st));
+                   });
 }
 
 absl::StatusOr<FileDigest> SaveSafetensorsFile(const std::string& path, const TensorMap& tensors,

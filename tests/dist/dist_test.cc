@@ -484,6 +484,25 @@ TEST_F(DataParallel, AMergedExportOnAShardedBaseEqualsOneProcess) {
   }
 }
 
+// The next layer's gather run ahead on a group of its own (--prefetch_layers, the default) moves
+// no bit: the same gathers, reductions and steps as each layer gathered when it runs, for a full
+// fine-tune sharded at W = 3 (uneven slices) and LoRA on a sharded base at W = 2. The control is
+// that the runs compared train (AShardedBaseTrainsAsOneProcess: they end within kTol of one
+// process, not at their start).
+TEST_F(DataParallel, PrefetchedGathersMoveNoBit) {
+  for (const auto& [world, flags] :
+       {std::pair{3, std::vector<std::string>{"--shard=full", "--scenario=train_full"}},
+        std::pair{2, std::vector<std::string>{"--shard=full", "--shard_base",
+                                              "--scenario=train_lora"}}}) {
+    auto serial = flags;
+    serial.push_back("--noprefetch_layers");
+    const auto ahead = RunRanks(*model_, dir_->Sub("ahead"), world, flags)[0];
+    const auto when = RunRanks(*model_, dir_->Sub("when"), world, serial)[0];
+    ASSERT_GT(ahead.size(), 50u) << world;
+    EXPECT_EQ(ahead, when) << world;
+  }
+}
+
 // Without --shard=full a sharded base is refused before anything loads (the worker exits 4 on a
 // runner that fails to start); the control is the test above, where the same flag starts.
 TEST_F(DataParallel, AShardedBaseNeedsFullSharding) {

@@ -3,6 +3,7 @@
 // model's parameters, every step's gradient norm, every call's loss) as raw doubles to
 // --out.<rank>, so the test can compare world sizes.
 //   dist_worker --model_dir=D --out=F [--shard=none|optimizer|full] [--shard_base]
+//       [--noprefetch_layers]
 //       [--scenario=train|train_full|train_lora|save|load|load_without_optimizer|export
 //        --checkpoint=PATH] [--rounds=N] [--nostep]
 //       [--expert_parallel=E] [--lora_attn=false]
@@ -33,6 +34,7 @@ ABSL_FLAG(std::string, model_dir, "", "tiny model directory");
 ABSL_FLAG(std::string, out, "", "output prefix; the rank is appended");
 ABSL_FLAG(std::string, shard, "none", "none, optimizer or full (RunnerConfig::shard)");
 ABSL_FLAG(bool, shard_base, false, "RunnerConfig::shard_base");
+ABSL_FLAG(bool, prefetch_layers, true, "RunnerConfig::prefetch_layers");
 ABSL_FLAG(int, rounds, 2, "train scenarios: each model's calls and step, this many times");
 ABSL_FLAG(bool, step, true,
           "train scenarios: step after each round's calls (false: the calls alone, which read the "
@@ -82,6 +84,7 @@ int Run() {
   if (!shard.ok()) return 2;
   rc.shard = *shard;
   rc.shard_base = absl::GetFlag(FLAGS_shard_base);
+  rc.prefetch_layers = absl::GetFlag(FLAGS_prefetch_layers);
   rc.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
   auto runner = ModelRunner::Create(rc);
   if (!runner.ok()) {
