@@ -538,7 +538,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
       impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     }
     RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
-    if (config.shard == ShardMode::kFull && config.prefetch_layers) {
+    if (config.shard == ShardMode::kFull && config.prefetch_layers && impl->device.is_cuda()) {
+      // Both groups' NCCL streams would wait on the default stream in the order the two threads
+      // happened to enqueue, which differs by rank: a cycle. Built once the prefetch has a stream
+      // of its own, linked to the compute by events at each Take.
+      TLOG_WARN("runner: --prefetch_layers is not built on CUDA yet; layers are gathered as used");
+    } else if (config.shard == ShardMode::kFull && config.prefetch_layers) {
       std::vector<int> all(impl->collectives->world_size());
       std::iota(all.begin(), all.end(), 0);
       ASSIGN_OR_RETURN(impl->gathers, impl->collectives->Subgroup(all));

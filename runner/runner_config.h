@@ -58,7 +58,8 @@ struct RunnerConfig {
   // (FAILED_PRECONDITION).
   bool shard_base = false;
   // Under shard kFull: each micro-batch's next layer is gathered while this one computes, on a
-  // group of its own (runner/dist/layer_prefetch.h), holding one layer more whole.
+  // group of its own (runner/dist/layer_prefetch.h), holding one layer more whole. CPU runs only
+  // for now (on CUDA it is ignored, with a warning).
   bool prefetch_layers = true;
   // Expert parallelism (runner/dist/expert_parallel.h): groups of this many ranks split each
   // routed layer's experts. 1: every rank holds every expert. It must divide the world size and

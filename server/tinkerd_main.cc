@@ -154,7 +154,7 @@ ABSL_FLAG(bool, shard_base, false,
           "models export (merged too) and train, and sampling from it is refused until built");
 ABSL_FLAG(bool, prefetch_layers, true,
           "with --shard=full: gather each micro-batch's next layer while this one computes (on "
-          "a process group of its own), holding one layer more whole");
+          "a process group of its own), holding one layer more whole; CPU runs only for now");
 ABSL_FLAG(int, expert_parallel, 1,
           "data parallel: groups of this many ranks split each routed layer's experts of a "
           "mixture-of-experts model, tokens travelling to their experts by all-to-all (must "

@@ -229,18 +229,7 @@ class C10dCollectives final : public Collectives {
       opts->devices = devices_;
       auto pg =
           c10::make_intrusive<c10d::ProcessGroupGloo>(store, config.rank, config.world_size, opts);
-      auto group = std::make_shared<C10dCollectives>(config, C10dOptions{}, store, opts, pg);
-#ifdef USE_C10D_NCCL
-      // A CUDA run's group reduces and gathers CUDA tensors over NCCL, as its world does.
-      if (nccl_) {
-        auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
-        nccl_opts->timeout = config.timeout;
-        group->set_nccl(c10::make_intrusive<c10d::ProcessGroupNCCL>(
-            c10::make_intrusive<c10d::PrefixStore>("nccl/", store), config.rank, config.world_size,
-            nccl_opts));
-      }
-#endif
-      out = std::move(group);
+      out = std::make_shared<C10dCollectives>(config, C10dOptions{}, store, opts, pg);
     });
     if (!st.ok()) return st;
     return out;

@@ -12,6 +12,11 @@
 // dropped, on every rank, rather than skipped on some.
 //
 // Memory: `depth` layers whole besides the one in use (runner/call_memory.h counts them).
+//
+// CPU only for now (ModelRunner makes no gather group on CUDA): with NCCL, each collective's
+// stream waits on the caller's current stream, so two threads enqueueing on the default stream
+// would chain the two groups in an order set by timing. A CUDA prefetch needs a stream of its
+// own for the gathers and an event per handed-out layer.
 #pragma once
 
 #include <condition_variable>
