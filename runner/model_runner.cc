@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/util/accumulate.h>
 
 #include <sys/random.h>
 #include <unistd.h>
@@ -432,9 +433,9 @@ absl::StatusOr<ShardedBase> ReadShardedBase(const RunnerConfig& config, const Mo
   // The fingerprint's values (the final norm, the embedding's first ones), read alone.
   ASSIGN_OR_RETURN(
       const TensorMap sampled, read([&](const std::string& name, at::IntArrayRef shape) {
-        int64_t n = 1;
-        for (int64_t d : shape) n *= d;
-        return std::pair<int64_t, int64_t>(0, name == norm ? n : name == embed ? head : 0);
+        return std::pair<int64_t, int64_t>(0, name == norm    ? c10::multiply_integers(shape)
+                                              : name == embed ? head
+                                                              : 0);
       }));
   const uint64_t fingerprint = BaseFingerprint(model, sampled.at(norm), sampled.at(embed));
   return ShardedBase{std::move(shard), fingerprint};
@@ -538,15 +539,18 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
       impl->base_fingerprint = BaseFingerprint(impl->model_config, impl->base);
     }
     RETURN_IF_ERROR(AgreeOnSetup(*impl->collectives, config, impl->base_fingerprint));
-    if (config.shard == ShardMode::kFull && config.prefetch_layers && impl->device.is_cuda()) {
-      // Both groups' NCCL streams would wait on the default stream in the order the two threads
-      // happened to enqueue, which differs by rank: a cycle. Built once the prefetch has a stream
-      // of its own, linked to the compute by events at each Take.
-      TLOG_WARN("runner: --prefetch_layers is not built on CUDA yet; layers are gathered as used");
-    } else if (config.shard == ShardMode::kFull && config.prefetch_layers) {
-      std::vector<int> all(impl->collectives->world_size());
-      std::iota(all.begin(), all.end(), 0);
-      ASSIGN_OR_RETURN(impl->gathers, impl->collectives->Subgroup(all));
+    if (config.shard == ShardMode::kFull && config.prefetch_layers) {
+      if (impl->device.is_cuda()) {
+        // Both groups' NCCL streams would wait on the default stream in the order the two
+        // threads happened to enqueue, which differs by rank: a cycle. Built once the prefetch
+        // has a stream of its own, linked to the compute by events at each Take.
+        TLOG_WARN(
+            "runner: --prefetch_layers is not built on CUDA yet; layers are gathered as used");
+      } else {
+        std::vector<int> all(impl->collectives->world_size());
+        std::iota(all.begin(), all.end(), 0);
+        ASSIGN_OR_RETURN(impl->gathers, impl->collectives->Subgroup(all));
+      }
     }
     if (holds) {
       ASSIGN_OR_RETURN(impl->experts,

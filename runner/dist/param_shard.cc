@@ -1,6 +1,7 @@
 #include "runner/dist/param_shard.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/util/accumulate.h>
 
 #include <algorithm>
 #include <exception>
@@ -192,9 +193,7 @@ int64_t ParamShard::LargestTensorValues() const {
   int64_t largest = 0;
   for (const ShardedUnit& u : units_) {
     for (const std::vector<int64_t>& shape : u.shapes) {
-      int64_t n = 1;
-      for (int64_t d : shape) n *= d;
-      largest = std::max(largest, n);
+      largest = std::max(largest, c10::multiply_integers(shape));
     }
   }
   return largest;

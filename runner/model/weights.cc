@@ -1,5 +1,7 @@
 #include "runner/model/weights.h"
 
+#include <c10/util/accumulate.h>
+
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -142,11 +144,9 @@ absl::StatusOr<TensorMap> LoadSafetensorsDirStretches(const std::string& dir,
       dir,
       [&](SafetensorsReader& file, const SafetensorsEntry& e,
           at::ScalarType st) -> absl::StatusOr<at::Tensor> {
-        int64_t numel = 1;
-        for (int64_t d : e.shape) numel *= d;
         const auto [begin, length] = stretch(e.name, e.shape);
         if (length < 0) return at::Tensor();
-        if (begin < 0 || begin + length > numel) {
+        if (begin < 0 || begin + length > c10::multiply_integers(e.shape)) {
           return absl::InternalError(absl::StrCat("a stretch past the end of tensor ", e.name));
         }
         at::Tensor t = at::empty({length}, at::TensorOptions().dtype(st));
