@@ -106,6 +106,9 @@ struct ModelRunner::Impl {
   // Under --shard_base: the frozen base's slices, each unit gathered while it runs; `base` then
   // holds no tensor (ParamShard::Placeholders).
   std::optional<ParamShard> base_shard;
+  // How a policy's forward gathers that base (Policy::gathered): ForwardGatheredBase on this rank
+  // alone, unless the server has the other ranks take part (SetGatherBase).
+  std::shared_ptr<const GatherBase> gather_base;
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
@@ -185,15 +188,11 @@ struct ModelRunner::Impl {
         "save_state the model, and load that checkpoint into a server run without "
         "--expert_parallel to sample or export it"));
   }
-  // What is not built yet for a server whose base is sharded (--shard_base): sampling, which
-  // reads the base whole outside a training call.
-  absl::Status WholeBase(const char* what) const {
-    if (!base_shard) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        what,
-        ": this server holds its base model in slices over the ranks (--shard_base), and "
-        "sampling from it is not built yet: export the model (save_weights_for_sampler, "
-        "merged or not) and sample it on a server that holds the base whole"));
+  // A policy's base: the tensors every policy on it shares, or a sharded base's placeholders and
+  // the gather its forwards run through.
+  void OnBase(Policy& p) const {
+    p.weights = base;
+    if (base_shard) p.gathered = gather_base;
   }
   // What a rank holds while a sharded model is gathered a unit at a time: the largest unit whole,
   // and beside it the all-gather's staging: its bucket (at most 64 MiB) twice (Gloo stages a flat
@@ -607,7 +606,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
         wait_policy != nullptr ? wait_policy : "(unset)",
         spin_count != nullptr ? spin_count : "(unset)", blas_calls,
         blas_core.empty() ? "(not OpenBLAS)" : blas_core, onednn_isa);
-    return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
+    auto runner = std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
+    if (runner->impl_->base_shard) {
+      runner->impl_->gather_base =
+          std::make_shared<const GatherBase>([r = runner.get()](const BaseForward& forward) {
+            return r->ForwardGatheredBase(forward);
+          });
+    }
+    return runner;
   });
 }
 
@@ -1383,12 +1389,10 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
   policy->texts = impl_->texts;
   policy->model_id = model_id;
   if (model_id.empty()) {
-    RETURN_IF_ERROR(impl_->WholeBase("create_sampler"));
-    policy->weights = impl_->base;
+    impl_->OnBase(*policy);
     return std::shared_ptr<const Policy>(std::move(policy));
   }
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
-  if (!t->sharded) RETURN_IF_ERROR(impl_->WholeBase("create_sampler"));
   if (t->sharded) {
     // Every rank gathers the parameters a unit at a time (ParamShard::GatherWhole); rank 0 keeps
     // them in the compute dtype, and its outcome is every rank's. The ranks agree before the first
@@ -1439,7 +1443,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
       policy->weights = FrozenWeights(*t->full, impl_->model_config.tie_word_embeddings,
                                       impl_->dtype, &policy->bytes);
     } else {
-      policy->weights = impl_->base;
+      impl_->OnBase(*policy);
     }
     if (t->lora) {
       policy->lora = t->lora->Frozen(impl_->dtype);
@@ -1455,6 +1459,60 @@ bool ModelRunner::Gathers(const std::string& model_id) const {
   absl::MutexLock lock(&impl_->mu);
   absl::StatusOr<ModelState*> t = impl_->Find(model_id);
   return t.ok() && (*t)->sharded.has_value();
+}
+
+void ModelRunner::SetGatherBase(GatherBase gather) {
+  absl::MutexLock lock(&impl_->mu);
+  if (impl_->base_shard) impl_->gather_base = std::make_shared<const GatherBase>(std::move(gather));
+}
+
+absl::Status ModelRunner::ForwardGatheredBase(const BaseForward& forward) const {
+  if (!impl_->base_shard) {
+    return absl::FailedPreconditionError("base_forward: this server holds its base whole");
+  }
+  // Fixed since Create, as the collectives are: no lock, so the forward may take its time while
+  // the ranks' commands wait for it (the server runs one command at a time).
+  const ParamShard& s = *impl_->base_shard;
+  Collectives& c = *impl_->collectives;
+  const ShardedUnit& rest_unit = s.units().front();
+  const int64_t rest_bytes =
+      rest_unit.state.layout.chunk() * c.world_size() * rest_unit.param_C.element_size();
+  ASSIGN_OR_RETURN(Reservation held,
+                   impl_->ReserveOnEveryRank(
+                       rest_bytes + impl_->GatherBytes(s),
+                       "sample: the sharded base's embedding and head, and its largest layer, "
+                       "gathered whole for a forward",
+                       "; retry later", "sample"));
+  ASSIGN_OR_RETURN(BaseWeights rest, s.GatherRest(c));
+  // The layers are gathered in order, one per ask; those a failed forward did not reach are
+  // gathered after it, so every rank runs the same collectives.
+  const int64_t L = impl_->model_config.num_hidden_layers;
+  int64_t next = 0;
+  absl::Status gathers;
+  LayerSource layers;
+  layers.gather = [&](int64_t layer) {
+    if (layer != next) {
+      ThrowStatus(absl::InternalError(
+          absl::StrCat("sample: layer ", layer, " asked for out of order (", next, " next)")));
+    }
+    absl::StatusOr<LayerWeights> w = s.GatherLayer(c, next++);
+    if (!w.ok()) {
+      gathers = w.status();
+      ThrowStatus(gathers);
+    }
+    return *std::move(w);
+  };
+  absl::Status outcome;
+  if (forward) {
+    outcome = Guarded("sample", [&] {
+      forward(rest, layers);
+      return absl::OkStatus();
+    });
+  }
+  RETURN_IF_ERROR(gathers);  // the ranks are out of step: the job is broken
+  for (; next < L; ++next) RETURN_IF_ERROR(s.GatherLayer(c, next).status());
+  if (c.rank() != 0) return ReceiveOutcome(c);
+  return SendOutcome(c, outcome);
 }
 
 absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
@@ -1498,8 +1556,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
       policy->weights = *std::move(w.weights);
       count(policy->weights.Named(policy->config));
     } else {
-      RETURN_IF_ERROR(impl_->WholeBase("create_sampler"));
-      policy->weights = impl_->base;
+      impl_->OnBase(*policy);
     }
     if (w.lora) {
       count(w.lora->Parameters());

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "runner/batch.h"
 #include "runner/runner_config.h"
+#include "runner/sample/base_forward.h"
 #include "runner/types.h"
 #include "runner/util/memory_account.h"
 #include "runner/validate.h"
@@ -139,6 +140,16 @@ class ModelRunner {
   // The weights of a SaveWeightsForSampler export at `path` (either layout), to sample from.
   // Takes no lock: callable from any thread while training runs.
   absl::StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path) const;
+  // Under --shard_base, one forward of a policy on the base (Policy::gathered): `forward` runs
+  // with the base's rest gathered whole and each decoder layer gathered as it asks for it, in
+  // order; the layers it does not reach are gathered after it. A collective: every rank calls it
+  // alike, the others with a null `forward` (they take part in the gathers alone), and rank 0's
+  // outcome is theirs. RESOURCE_EXHAUSTED on every rank when one has no room for the units whole.
+  absl::Status ForwardGatheredBase(const BaseForward& forward) const;
+  // How the policies of a sharded base run their forwards: `gather` must have every rank call
+  // ForwardGatheredBase (the server broadcasts a command for each); until it is set, this rank
+  // calls it alone. Before the first policy is made; a no-op on a base held whole.
+  void SetGatherBase(GatherBase gather);
 
   // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.
   // Under --shard=optimizer, gradients and moments are this rank's slices, each named

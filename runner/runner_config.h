@@ -54,8 +54,8 @@ struct RunnerConfig {
   ShardMode shard = ShardMode::kNone;
   // With shard kFull: the frozen base too is held in slices, 1/W per rank, each layer gathered
   // while it runs (runner/dist/param_shard.h), so that a base no one rank holds trains LoRA
-  // models and full fine-tunes, and exports them. Sampling from it is not built yet
-  // (FAILED_PRECONDITION).
+  // models and full fine-tunes, exports them, and samples them (each sampler forward gathers the
+  // base; ModelRunner::ForwardGatheredBase).
   bool shard_base = false;
   // Under shard kFull: each micro-batch's next layer is gathered while this one computes, on a
   // group of its own (runner/dist/layer_prefetch.h), holding one layer more whole. CPU runs only

@@ -150,8 +150,8 @@ ABSL_FLAG(std::string, shard, "none",
           "runs)");
 ABSL_FLAG(bool, shard_base, false,
           "data parallel, with --shard=full: hold 1/N of the frozen base model on each rank as "
-          "well, each layer gathered while it runs (LoRA on a base no one device holds); its "
-          "models export (merged too) and train, and sampling from it is refused until built");
+          "well, each layer gathered while it runs (LoRA on a base no one device holds); each "
+          "sampler forward on it gathers the base too (one all-gather of it per decode step)");
 ABSL_FLAG(bool, prefetch_layers, true,
           "with --shard=full: gather each micro-batch's next layer while this one computes (on "
           "a process group of its own), holding one layer more whole; CPU runs only for now");

@@ -60,8 +60,7 @@ namespace {
 template <class F>
 absl::Status Guard(const char* what, F&& f) {
   try {
-    f();
-    return absl::OkStatus();
+    return f();
   } catch (...) {
     return ExceptionStatus(what, std::current_exception());
   }
@@ -71,10 +70,25 @@ const LoraAdapter* LoraOf(const Policy& p) {
   return p.lora ? &*p.lora : nullptr;
 }
 
-kernels::LogprobHeadParams Head(const Policy& p, const at::Tensor& hidden_TD) {
+// Runs `forward` on the policy's base: its own weights, or a sharded base gathered for this forward
+// alone (Policy::gathered).
+absl::Status OnBase(
+    const Policy& p,
+    absl::FunctionRef<void(const BaseWeights& w, const LayerSource* layers)> forward) {
+  if (p.gathered == nullptr) {
+    forward(p.weights, nullptr);
+    return absl::OkStatus();
+  }
+  return (*p.gathered)(
+      [&](const BaseWeights& rest, const LayerSource& layers) { forward(rest, &layers); });
+}
+
+// `w`: the policy's base weights as its forward holds them (OnBase).
+kernels::LogprobHeadParams Head(const Policy& p, const BaseWeights& w,
+                                const at::Tensor& hidden_TD) {
   kernels::LogprobHeadParams head;
   head.hidden_TD = hidden_TD;
-  head.weight_VD = p.weights.lm_head_VD;
+  head.weight_VD = w.lm_head_VD;
   if (const LoraPair* pair = HeadAdapter(LoraOf(p))) {
     head.lora_A_rD = pair->A_rI;
     head.lora_B_Vr = pair->B_Or;
@@ -99,11 +113,11 @@ void HeadLogprobs(const at::Tensor& z_SV, const at::Tensor& lse_S, int64_t row, 
 using Runs = std::vector<std::pair<const Policy*, int64_t>>;
 
 // Next-token logits of each row by its run's head, each adapter on its own rows.
-at::Tensor Logits(const Runs& runs, const at::Tensor& hidden_SD) {
-  if (runs.size() == 1) return kernels::HeadLogits(Head(*runs.front().first, hidden_SD));
+at::Tensor Logits(const Runs& runs, const BaseWeights& w, const at::Tensor& hidden_SD) {
+  if (runs.size() == 1) return kernels::HeadLogits(Head(*runs.front().first, w, hidden_SD));
   kernels::LogprobHeadParams head;
   head.hidden_TD = hidden_SD;
-  head.weight_VD = runs.front().first->weights.lm_head_VD;
+  head.weight_VD = w.lm_head_VD;
   for (const auto& [policy, rows] : runs) {
     kernels::LoraRun& run = head.lora_runs.emplace_back();
     run.rows = rows;
@@ -120,7 +134,7 @@ at::Tensor Logits(const Runs& runs, const at::Tensor& hidden_SD) {
 // their adapters.
 bool SharesBase(const Policy& a, const Policy& b) {
   return a.compute_dtype == b.compute_dtype && a.device == b.device && a.rope == b.rope &&
-         a.weights.Shares(b.weights);
+         a.gathered == b.gathered && a.weights.Shares(b.weights);
 }
 
 // Every row's experts in each routed layer of one forward (ForwardOptions::on_routes), on the host.
@@ -136,9 +150,12 @@ struct RouteLog {
   at::Tensor Stacked() const { return at::stack(layers_Nk, 1).contiguous(); }  // [N, R, k]
 };
 
-ForwardOptions Options(const Policy& p, const KvStep* kv) {
-  return ForwardOptions{
-      .recompute_layers = false, .compute_dtype = p.compute_dtype, .rope = p.rope.get(), .kv = kv};
+ForwardOptions Options(const Policy& p, const KvStep* kv, const LayerSource* layers) {
+  return ForwardOptions{.recompute_layers = false,
+                        .compute_dtype = p.compute_dtype,
+                        .rope = p.rope.get(),
+                        .kv = kv,
+                        .layers = layers};
 }
 
 at::Tensor Tokens(const std::vector<int64_t>& ids, at::Device device) {
@@ -179,8 +196,8 @@ constexpr int64_t kPrefillTokens = 8192;
 // target_prompt_logprobs: [P - 1, K] logprobs of the asked ids (row i at prompt position i + 1,
 // from hidden row i), NaN where the id is -1, from one logprob head over the rows from the first
 // that asks anything: its K targets per row ride in the head's one pass over the vocabulary.
-std::vector<double> TargetPromptLogprobs(const Policy& pol, const SampleRequest& r,
-                                         const at::Tensor& hidden_PD) {
+std::vector<double> TargetPromptLogprobs(const Policy& pol, const BaseWeights& w,
+                                         const SampleRequest& r, const at::Tensor& hidden_PD) {
   const int64_t rows = std::ssize(r.prompt) - 1, K = r.target_prompt_k;
   std::vector<double> out(rows * K, std::numeric_limits<double>::quiet_NaN());
   const auto asked = std::find_if(r.target_prompt_ids.begin(), r.target_prompt_ids.end(),
@@ -188,7 +205,7 @@ std::vector<double> TargetPromptLogprobs(const Policy& pol, const SampleRequest&
   const int64_t row0 = (asked - r.target_prompt_ids.begin()) / K;
   std::vector<int64_t> ids(r.target_prompt_ids.begin() + row0 * K, r.target_prompt_ids.end());
   for (int64_t& id : ids) id = std::max<int64_t>(id, 0);  // -1's logprob is computed, then dropped
-  kernels::LogprobHeadParams head = Head(pol, hidden_PD.narrow(0, row0, rows - row0));
+  kernels::LogprobHeadParams head = Head(pol, w, hidden_PD.narrow(0, row0, rows - row0));
   head.targets_T = Tokens(ids, pol.device).view({rows - row0, K});
   const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.to(at::kDouble).cpu().contiguous();
   const double* p = logp.data_ptr<double>();
@@ -275,64 +292,68 @@ void SampleEngine::Release(Job& job) {
   bytes_ -= job.bytes;
 }
 
-void SampleEngine::Prefill(const std::vector<Job*>& jobs) {
+absl::Status SampleEngine::Prefill(const std::vector<Job*>& jobs) {
   const Policy& pol = *jobs.front()->policy;
-  const int64_t layers = pol.config.num_hidden_layers;
-  std::vector<int64_t> tokens, cu{0}, last;
-  for (Job* job : jobs) {
-    tokens.insert(tokens.end(), job->request.prompt.begin(), job->request.prompt.end());
-    cu.push_back(cu.back() + job->prompt_length());
-    last.push_back(cu.back() - 1);
-    job->k_LPKd.resize(layers);
-    job->v_LPKd.resize(layers);
-  }
-  KvStep kv;
-  kv.past.assign(jobs.size(), 0);
-  kv.extend = [&jobs, &cu](int64_t layer, const at::Tensor& k_TKd, const at::Tensor& v_TKd) {
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      const int64_t P = cu[i + 1] - cu[i];
-      // Copies when prompts share the batch: a job's cache then lives as long as the job.
-      const bool alone = jobs.size() == 1;
-      jobs[i]->k_LPKd[layer] = alone ? k_TKd : k_TKd.narrow(0, cu[i], P).clone();
-      jobs[i]->v_LPKd[layer] = alone ? v_TKd : v_TKd.narrow(0, cu[i], P).clone();
+  return OnBase(pol, [&](const BaseWeights& w, const LayerSource* source) {
+    const int64_t layers = pol.config.num_hidden_layers;
+    std::vector<int64_t> tokens, cu{0}, last;
+    for (Job* job : jobs) {
+      tokens.insert(tokens.end(), job->request.prompt.begin(), job->request.prompt.end());
+      cu.push_back(cu.back() + job->prompt_length());
+      last.push_back(cu.back() - 1);
+      job->k_LPKd.resize(layers);
+      job->v_LPKd.resize(layers);
     }
-    return KvPacked{k_TKd, v_TKd, cu};
-  };
-  const PackedBatch batch{Tokens(tokens, pol.device), cu};
-  ForwardOptions options = Options(pol, &kv);
-  const bool routes =
-      std::any_of(jobs.begin(), jobs.end(), [](const Job* j) { return j->request.routed_experts; });
-  RouteLog log;
-  if (routes) log.Attach(options);
-  const at::Tensor hidden_TD = ForwardHidden(pol.config, pol.weights, LoraOf(pol), batch, options);
-  if (routes) {
-    const at::Tensor all_TRk = log.Stacked();
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      if (!jobs[i]->request.routed_experts) continue;
-      const at::Tensor mine = all_TRk.narrow(0, cu[i], cu[i + 1] - cu[i]).contiguous();
-      jobs[i]->result.prompt_routed_experts.assign(mine.data_ptr<int64_t>(),
-                                                   mine.data_ptr<int64_t>() + mine.numel());
-      jobs[i]->result.routed_layers = all_TRk.size(1);
-      jobs[i]->result.experts_per_token = all_TRk.size(2);
+    KvStep kv;
+    kv.past.assign(jobs.size(), 0);
+    kv.extend = [&jobs, &cu](int64_t layer, const at::Tensor& k_TKd, const at::Tensor& v_TKd) {
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        const int64_t P = cu[i + 1] - cu[i];
+        // Copies when prompts share the batch: a job's cache then lives as long as the job.
+        const bool alone = jobs.size() == 1;
+        jobs[i]->k_LPKd[layer] = alone ? k_TKd : k_TKd.narrow(0, cu[i], P).clone();
+        jobs[i]->v_LPKd[layer] = alone ? v_TKd : v_TKd.narrow(0, cu[i], P).clone();
+      }
+      return KvPacked{k_TKd, v_TKd, cu};
+    };
+    const PackedBatch batch{Tokens(tokens, pol.device), cu};
+    ForwardOptions options = Options(pol, &kv, source);
+    const bool routes = std::any_of(jobs.begin(), jobs.end(),
+                                    [](const Job* j) { return j->request.routed_experts; });
+    RouteLog log;
+    if (routes) log.Attach(options);
+    const at::Tensor hidden_TD = ForwardHidden(pol.config, w, LoraOf(pol), batch, options);
+    if (routes) {
+      const at::Tensor all_TRk = log.Stacked();
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        if (!jobs[i]->request.routed_experts) continue;
+        const at::Tensor mine = all_TRk.narrow(0, cu[i], cu[i + 1] - cu[i]).contiguous();
+        jobs[i]->result.prompt_routed_experts.assign(mine.data_ptr<int64_t>(),
+                                                     mine.data_ptr<int64_t>() + mine.numel());
+        jobs[i]->result.routed_layers = all_TRk.size(1);
+        jobs[i]->result.experts_per_token = all_TRk.size(2);
+      }
     }
-  }
-  // Every prompt's next-token logits in one head: its last row.
-  const at::Tensor logits_JV =
-      kernels::HeadLogits(Head(pol, hidden_TD.index_select(0, Tokens(last, pol.device))))
-          .cpu()
-          .contiguous();
-  const at::Tensor lse_J = kernels::LogitsLse(logits_JV);
-  const at::Tensor z_JV = logits_JV.to(at::kDouble);
-  const int64_t V = z_JV.size(1);
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    const double lse = LogSumExp(z_JV.data_ptr<double>() + i * V, V);
-    Begin(*jobs[i], hidden_TD.narrow(0, cu[i], cu[i + 1] - cu[i]), z_JV.data_ptr<double>() + i * V,
-          V, lse, [&, i](Choice& c) { HeadLogprobs(logits_JV, lse_J, i, c); });
-  }
+    // Every prompt's next-token logits in one head: its last row.
+    const at::Tensor logits_JV =
+        kernels::HeadLogits(Head(pol, w, hidden_TD.index_select(0, Tokens(last, pol.device))))
+            .cpu()
+            .contiguous();
+    const at::Tensor lse_J = kernels::LogitsLse(logits_JV);
+    const at::Tensor z_JV = logits_JV.to(at::kDouble);
+    const int64_t V = z_JV.size(1);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const double lse = LogSumExp(z_JV.data_ptr<double>() + i * V, V);
+      Begin(*jobs[i], w, hidden_TD.narrow(0, cu[i], cu[i + 1] - cu[i]),
+            z_JV.data_ptr<double>() + i * V, V, lse,
+            [&, i](Choice& c) { HeadLogprobs(logits_JV, lse_J, i, c); });
+    }
+  });
 }
 
-void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V,
-                         double lse, absl::FunctionRef<void(Choice&)> score) {
+void SampleEngine::Begin(Job& job, const BaseWeights& w, const at::Tensor& hidden_PD,
+                         const double* z_V, int64_t V, double lse,
+                         absl::FunctionRef<void(Choice&)> score) {
   const Policy& pol = *job.policy;
   const SampleRequest& r = job.request;
   const int64_t P = job.prompt_length();
@@ -343,7 +364,7 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
   if (r.prompt_logprobs) {
     job.result.prompt_logprobs.assign(std::min(first, P), std::numeric_limits<double>::quiet_NaN());
     if (first < P) {
-      kernels::LogprobHeadParams head = Head(pol, hidden_PD.narrow(0, first - 1, P - first));
+      kernels::LogprobHeadParams head = Head(pol, w, hidden_PD.narrow(0, first - 1, P - first));
       head.targets_T = Tokens({r.prompt.begin() + first, r.prompt.end()}, pol.device);
       const at::Tensor logp = kernels::TokenLogprobs(head).logp_T.to(at::kDouble).cpu();
       const double* p = logp.data_ptr<double>();
@@ -356,7 +377,7 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
     for (int64_t t0 = first - 1; t0 + 1 < P; t0 += kRows) {
       const int64_t rows = std::min(kRows, P - 1 - t0);
       // The head's logprobs (HeadLogprobs' definition), the most likely first.
-      const at::Tensor z = kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows))).cpu();
+      const at::Tensor z = kernels::HeadLogits(Head(pol, w, hidden_PD.narrow(0, t0, rows))).cpu();
       auto [values, indices] =
           (z - kernels::LogitsLse(z).unsqueeze(1)).topk(r.topk_prompt_logprobs, 1);
       values = values.to(at::kDouble).contiguous();
@@ -370,7 +391,7 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
     }
   }
   if (r.target_prompt_k > 0) {
-    job.result.target_prompt_logprobs = TargetPromptLogprobs(pol, r, hidden_PD);
+    job.result.target_prompt_logprobs = TargetPromptLogprobs(pol, w, r, hidden_PD);
   }
   if (r.prompt_alt_tokens_k > 0) {
     const int64_t k = r.prompt_alt_tokens_k;
@@ -381,7 +402,7 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
     for (int64_t t0 = 0; t0 + 1 < P; t0 += kRows) {
       const int64_t rows = std::min(kRows, P - 1 - t0);
       const at::Tensor logits =
-          kernels::HeadLogits(Head(pol, hidden_PD.narrow(0, t0, rows))).cpu().contiguous();
+          kernels::HeadLogits(Head(pol, w, hidden_PD.narrow(0, t0, rows))).cpu().contiguous();
       const at::Tensor lse = kernels::LogitsLse(logits);
       const at::Tensor z = logits.to(at::kDouble);
       for (int64_t i = 0; i < rows; ++i) {
@@ -415,7 +436,7 @@ void SampleEngine::Begin(Job& job, const at::Tensor& hidden_PD, const double* z_
   }
 }
 
-void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
+absl::Status SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   const Policy& pol = *batch.front().first->policy;
   // The step's loops run on the team, which stays awake from one to the next (kernels/parallel.h):
   // on a CPU where Gemv takes the products; elsewhere its spinning would only take cores from
@@ -479,16 +500,19 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
   for (const auto& [policy, rows] : runs) {
     if (runs.size() > 1) lora.runs.emplace_back(LoraOf(*policy), rows);
   }
-  ForwardOptions options = Options(pol, &kv);
   const bool routes = std::any_of(batch.begin(), batch.end(),
                                   [](const auto& b) { return b.first->request.routed_experts; });
   RouteLog log;
-  if (routes) log.Attach(options);
   const PackedBatch packed{Tokens(tokens, pol.device), cu_q};
-  const at::Tensor hidden_SD = ForwardHidden(pol.config, pol.weights, lora, packed, options);
+  at::Tensor z_SV;
+  RETURN_IF_ERROR(OnBase(pol, [&](const BaseWeights& w, const LayerSource* layers) {
+    ForwardOptions options = Options(pol, &kv, layers);
+    if (routes) log.Attach(options);
+    const at::Tensor hidden_SD = ForwardHidden(pol.config, w, lora, packed, options);
+    z_SV = Logits(runs, w, hidden_SD).cpu().contiguous();
+  }));
   // Each fed-back token's experts, appended once the step is sure to be kept (below).
   const at::Tensor routes_SRk = routes ? log.Stacked() : at::Tensor();
-  const at::Tensor z_SV = Logits(runs, hidden_SD).cpu().contiguous();
   const int64_t V = z_SV.size(1);
   // Every token is chosen (on copies of the generators) before any sample changes, so a failure
   // here leaves the step undone and Step's retry of each policy alone decodes it once.
@@ -517,6 +541,7 @@ void SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& batch) {
     Take(job->request.params, job->policy->config.eos_token_ids, chosen[i].choice, s->out,
          s->finished, s->stop_strings);
   }
+  return absl::OkStatus();
 }
 
 bool SampleEngine::Report(Job& job) {
@@ -576,9 +601,9 @@ bool SampleEngine::Step() {
     prefills.push_back({job.get()});
   }
   for (const std::vector<Job*>& jobs : prefills) {
-    if (Guard("sample prefill", [&] { Prefill(jobs); }).ok()) continue;
+    if (Guard("sample prefill", [&] { return Prefill(jobs); }).ok()) continue;
     for (Job* job : jobs) {
-      absl::Status st = Guard("sample prefill", [&] { Prefill({job}); });
+      absl::Status st = Guard("sample prefill", [&] { return Prefill({job}); });
       if (!st.ok()) fail(*job, st);
     }
   }
@@ -610,10 +635,10 @@ bool SampleEngine::Step() {
     std::vector<std::pair<Job*, Sample*>> batch;
     for (const Policy* p : base) batch.insert(batch.end(), rows[p].begin(), rows[p].end());
     ++decode_forwards_;
-    absl::Status st = Guard("sample decode", [&] { Decode(batch); });
+    absl::Status st = Guard("sample decode", [&] { return Decode(batch); });
     if (st.ok()) continue;
     for (const Policy* p : base) {
-      if (base.size() > 1) st = Guard("sample decode", [&] { Decode(rows[p]); });
+      if (base.size() > 1) st = Guard("sample decode", [&] { return Decode(rows[p]); });
       if (st.ok()) continue;
       for (auto& [job, s] : rows[p]) {
         if (!job->failed) fail(*job, st);

@@ -6,7 +6,8 @@
 // every other running sample; requests join and leave the running batch between steps. The
 // samples of every policy on one base model (the base itself and LoRA adapters of any ranks)
 // decode in one forward, each adapter applied to its own rows; a full fine-tune's policy, which
-// holds its own weights, decodes in its own.
+// holds its own weights, decodes in its own. On a base the ranks hold in slices (--shard_base),
+// each of those forwards gathers the base as it runs (Policy::gathered).
 // The decoder is the trainer's own (runner/model/transformer.h with a KvStep, kernels/attention.h
 // with queries against cached keys, the logprob head's logits), so the logprobs a sample reports
 // are those Forward computes for the same tokens, to rounding.
@@ -67,15 +68,17 @@ class SampleEngine {
  private:
   struct Job;
   struct Sample;
-  // One forward over the prompts of `jobs` (one policy), then Begin for each.
-  void Prefill(const std::vector<Job*>& jobs);
+  // One forward over the prompts of `jobs` (one policy), then Begin for each. A failure is
+  // returned or thrown (Step's Guard takes both).
+  absl::Status Prefill(const std::vector<Job*>& jobs);
   // From a job's prompt hidden states [P, D] and next-token logits z_V (lse: their log-sum-exp):
-  // its prompt logprobs, and each sample's first token and KV cache.
-  // `score` sets a choice's reported logprobs to the trainer's (HeadLogprobs).
-  void Begin(Job& job, const at::Tensor& hidden_PD, const double* z_V, int64_t V, double lse,
-             absl::FunctionRef<void(Choice&)> score);
+  // its prompt logprobs, and each sample's first token and KV cache. `w`: the base weights the
+  // forward ran on (the head's). `score` sets a choice's reported logprobs to the trainer's
+  // (HeadLogprobs).
+  void Begin(Job& job, const BaseWeights& w, const at::Tensor& hidden_PD, const double* z_V,
+             int64_t V, double lse, absl::FunctionRef<void(Choice&)> score);
   // One token for each of `batch`: samples of policies sharing one base, each policy's together.
-  void Decode(const std::vector<std::pair<Job*, Sample*>>& batch);
+  absl::Status Decode(const std::vector<std::pair<Job*, Sample*>>& batch);
   void Release(Job& job);
   // Hands the job's new tokens to its Progress; false when the listener has gone.
   static bool Report(Job& job);

@@ -1,7 +1,7 @@
 // A policy: the weights a sampler reads, frozen when it was made, so training may go on changing
 // the model while its previous policy is sampled (asynchronous RL). A LoRA policy holds a copy of
 // the adapter and shares the base's tensors; a full fine-tune's policy holds a copy of every
-// weight.
+// weight. On a sharded base (--shard_base) the base's tensors are gathered for each forward.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +14,7 @@
 #include "runner/model/lora.h"
 #include "runner/model/rope.h"
 #include "runner/model/transformer.h"
+#include "runner/sample/base_forward.h"
 #include "runner/tokenizer/token_texts.h"
 #include "runner/util/memory_account.h"
 
@@ -22,6 +23,9 @@ namespace tinkerd {
 struct Policy {
   ModelConfig config;
   BaseWeights weights;
+  // Set where the base is sharded: `weights` are then placeholders (no tensors), and every
+  // forward of the policy runs through it, the base gathered for that forward alone.
+  std::shared_ptr<const GatherBase> gathered;
   std::optional<LoraAdapter> lora;
   at::ScalarType compute_dtype = at::kFloat;
   at::Device device = at::kCPU;

@@ -148,6 +148,9 @@ absl::StatusOr<CommandResult> Execute(ModelRunner* r, Command cmd) {
       ASSIGN_OR_RETURN(out.policy, r->FreezePolicy(w.freeze_policy()));
       return out;
     }
+    case C::kBaseForward:
+      RETURN_IF_ERROR(r->ForwardGatheredBase(cmd.forward));
+      return out;
     case C::kPing:
     case C::kShutdown:
     case C::OP_NOT_SET:

@@ -25,6 +25,8 @@ struct Command {
   std::optional<Batch> batch;
   // A joint command's: one per call, in order.
   std::vector<Batch> batches;
+  // A base_forward's, on rank 0: the sampler's forward (followers have none: they gather alone).
+  BaseForward forward;
 };
 
 // What a command answers; rank 0 returns it to the client, followers drop it.

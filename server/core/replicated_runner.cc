@@ -24,8 +24,16 @@ absl::Status AgreeOnOutcome(Collectives* c, const absl::Status& mine) {
 }
 
 ReplicatedRunner::ReplicatedRunner(ModelRunner* runner, std::shared_ptr<Collectives> collectives)
-    : runner_(runner),
-      collectives_(collectives ? std::move(collectives) : MakeLocalCollectives()) {}
+    : runner_(runner), collectives_(collectives ? std::move(collectives) : MakeLocalCollectives()) {
+  if (collectives_->world_size() == 1) return;
+  // A sampler's forward on a sharded base is a command: every rank gathers while rank 0 computes.
+  runner_->SetGatherBase([this](const BaseForward& forward) {
+    Command c;
+    c.wire.set_base_forward(true);
+    c.forward = forward;
+    return Replicate(std::move(c)).status();
+  });
+}
 
 bool ReplicatedRunner::healthy() const {
   absl::MutexLock lock(&mu_);
@@ -85,7 +93,8 @@ absl::Status ReplicatedRunner::DeleteModel(const std::string& model_id) {
 
 absl::StatusOr<ForwardBackwardResult> ReplicatedRunner::ForwardBackward(
     v1::ForwardBackwardRequest req, Batch batch, bool backward) {
-  Command c{{}, std::move(batch), {}};
+  Command c;
+  c.batch = std::move(batch);
   (backward ? c.wire.mutable_forward_backward() : c.wire.mutable_forward())->Swap(&req);
   ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return std::move(r.forward);
@@ -131,7 +140,8 @@ absl::StatusOr<int64_t> ReplicatedRunner::BeginStream(const std::string& model_i
 
 absl::Status ReplicatedRunner::StreamAppend(int64_t stream_id, const v1::LossFn& loss,
                                             std::vector<v1::Datum> data, Batch batch) {
-  Command c{{}, std::move(batch), {}};
+  Command c;
+  c.batch = std::move(batch);
   v1::internal::StreamAppend* a = c.wire.mutable_stream_append();
   a->set_stream_id(stream_id);
   *a->mutable_loss_fn() = loss;

@@ -3,6 +3,9 @@
 // replicas stay identical and their collectives (inside the runner) line up. At world size 1 the
 // broadcast is skipped.
 //
+// A sampler's forward on a base held in slices (--shard_base) is a command too (base_forward): rank
+// 0 computes it while every rank takes part in gathering the base for it.
+//
 // A failed broadcast or collective (a rank died, hangs, or the network broke; bounded by the
 // collective timeout) marks the job broken: every later call answers UNAVAILABLE, and the
 // on_broken callback turns health to NOT_SERVING. A heartbeat (Ping) keeps idle ranks within their
@@ -78,7 +81,9 @@ class ReplicatedRunner {
   // the other ranks on the outcome; one command at a time.
   absl::StatusOr<CommandResult> Replicate(Command cmd);
   absl::StatusOr<CommandResult> Replicate(v1::internal::Command wire) {
-    return Replicate(Command{std::move(wire), std::nullopt, {}});
+    Command c;
+    c.wire = std::move(wire);
+    return Replicate(std::move(c));
   }
   void MarkBroken(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

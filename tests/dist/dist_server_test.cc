@@ -12,10 +12,28 @@
 
 #include "client/client.h"
 #include "runner/dist/dist_config.h"
+#include "runner/sample/engine.h"
+#include "runner/sample/policy.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {
 namespace {
+
+// The prompt followed by a sample's tokens.
+std::vector<int64_t> Continued(const std::vector<int64_t>& prompt, const v1::SampledSequence& s) {
+  std::vector<int64_t> all = prompt;
+  all.insert(all.end(), s.tokens().begin(), s.tokens().end());
+  return all;
+}
+
+// A datum whose Forward scores every token of `all` after the first (cross_entropy, weight 1).
+Datum Scoring(const std::vector<int64_t>& all) {
+  Datum d;
+  d.tokens.assign(all.begin(), all.end() - 1);
+  d.loss_fn_inputs["target_tokens"] = TensorData::Int64({all.begin() + 1, all.end()});
+  d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
+  return d;
+}
 
 // A tinkerd job: rank 0 and, with --nproc, the ranks it spawns, in a process group of their own.
 // A test that ends without reaping it (a failed assertion) kills the whole group, so that no rank
@@ -160,20 +178,95 @@ TEST_P(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
                 2 * 6e-8 * std::abs(want->outputs[0].logprobs[t]));
   }
   if (base()) {
-    // Sampling needs the base whole (not built on a sharded one): refused, naming why, for the
-    // base and for the LoRA model alike; the training above is the control that the job serves.
-    for (const std::string& model_id : {std::string(), info->model_id()}) {
+    // Sampling on the sharded base: each forward gathers it over both ranks (a base_forward
+    // command) while rank 0 computes. The trained LoRA model samples what the same model samples
+    // on a base held whole (the local runner, trained alike): the same tokens, their logprobs
+    // equal to float64 rounding (1e-9: the two trainings sum their gradients in another order), and
+    // those are the trainer's for the same tokens. The control: the base's own logprobs of them
+    // (sampled on the sharded base too) are far outside that bound.
+    const std::vector<int64_t> prompt = {5, 17, 2, 99, 41, 8};
+    constexpr int kTokens = 8;
+    auto sample = [&](const std::string& model_id) {
       v1::SampleRequest req;
       req.set_model_id(model_id);
-      req.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(5);
-      req.set_num_samples(1);
-      req.mutable_sampling_params()->set_max_tokens(2);
+      for (int64_t t : prompt)
+        req.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(t);
+      req.set_num_samples(2);
+      req.set_prompt_logprobs(true);
+      req.mutable_sampling_params()->set_max_tokens(kTokens);
+      req.mutable_sampling_params()->set_seed(3);
+      req.mutable_sampling_params()->set_ignore_eos(true);
       v1::SampleResponse out;
       grpc::ClientContext ctx;
       const grpc::Status st = conn->stub().Sample(&ctx, req, &out);
-      EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << model_id;
-      EXPECT_NE(st.error_message().find("--shard_base"), std::string::npos) << st.error_message();
+      EXPECT_TRUE(st.ok()) << model_id << ": " << st.error_message();
+      return out;
+    };
+    const v1::SampleResponse got = sample(info->model_id());
+    ASSERT_EQ(got.sequences_size(), 2);
+
+    absl::StatusOr<std::shared_ptr<const Policy>> policy = local->FreezePolicy(id);
+    ASSERT_TRUE(policy.ok()) << policy.status().message();
+    SampleRequest r;
+    r.prompt = prompt;
+    r.num_samples = 2;
+    r.prompt_logprobs = true;
+    r.params.max_tokens = kTokens;
+    r.params.seed = 3;
+    r.params.ignore_eos = true;
+    absl::StatusOr<SampleResult> want = absl::UnknownError("not answered");
+    SampleEngine engine({});
+    ASSERT_TRUE(
+        engine.Admit(*policy, r, [&](const absl::StatusOr<SampleResult>& x) { want = x; }).ok());
+    while (engine.Step()) {
     }
+    ASSERT_TRUE(want.ok()) << want.status().message();
+    ASSERT_EQ(want->sequences.size(), 2u);
+    for (int i = 0; i < 2; ++i) {
+      const v1::SampledSequence& s = got.sequences(i);
+      EXPECT_EQ(std::vector<int64_t>(s.tokens().begin(), s.tokens().end()),
+                want->sequences[i].tokens)
+          << i;
+      ASSERT_EQ(s.logprobs_size(), kTokens);
+      for (int t = 0; t < kTokens; ++t) {
+        EXPECT_NEAR(s.logprobs(t), want->sequences[i].logprobs[t], 1e-9) << i << " " << t;
+      }
+    }
+    // The prompt's logprobs, scored by the gathered head in the prefill, match too.
+    ASSERT_EQ(got.prompt_logprobs_size(), static_cast<int>(prompt.size()));
+    for (size_t t = 1; t < prompt.size(); ++t) {
+      EXPECT_NEAR(got.prompt_logprobs(t), want->prompt_logprobs[t], 1e-9) << t;
+    }
+
+    const v1::SampledSequence& s = got.sequences(0);
+    const std::vector<int64_t> all = Continued(prompt, s);
+    auto trainer = tc->Forward(Wire({Scoring(all)}), ce).get();
+    ASSERT_TRUE(trainer.ok()) << trainer.status().message();
+    const std::vector<float> lp = client::ToFloats(trainer->outputs(0).logprobs());
+    ASSERT_EQ(lp.size(), all.size() - 1);
+    // The base, sampled with the same tokens forced as its prompt: its logprob of each.
+    v1::SampleRequest scored;
+    for (int64_t t : all)
+      scored.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(t);
+    scored.set_num_samples(1);
+    scored.set_prompt_logprobs(true);
+    scored.mutable_sampling_params()->set_max_tokens(1);
+    v1::SampleResponse on_base;
+    {
+      grpc::ClientContext ctx;
+      const grpc::Status st = conn->stub().Sample(&ctx, scored, &on_base);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+    }
+    ASSERT_EQ(on_base.prompt_logprobs_size(), static_cast<int>(all.size()));
+    double off_base = 0;
+    for (int t = 0; t < kTokens; ++t) {
+      const double want_t = lp[prompt.size() - 1 + t];
+      // float64 model, float32 on the Forward wire: within float32 rounding.
+      EXPECT_NEAR(s.logprobs(t), want_t, 1e-6 * std::max(1.0, std::abs(want_t))) << t;
+      off_base =
+          std::max(off_base, std::abs(s.logprobs(t) - on_base.prompt_logprobs(prompt.size() + t)));
+    }
+    EXPECT_GT(off_base, 1e-3);
   }
   kill(job.pid, SIGTERM);
   EXPECT_EQ(ExitCode(job), 0);  // rank 0 exits 0 after rank 1 did
@@ -407,12 +500,8 @@ TEST(DataParallelServerSharded, AFullyShardedModelSamplesAndExportsAtThreeRanks)
   ASSERT_EQ(s.tokens_size(), 10);
 
   // The trainer's logprobs of prompt + completion, on the trained model and on the base.
-  std::vector<int64_t> all = prompt;
-  all.insert(all.end(), s.tokens().begin(), s.tokens().end());
-  Datum d;
-  d.tokens.assign(all.begin(), all.end() - 1);
-  d.loss_fn_inputs["target_tokens"] = TensorData::Int64({all.begin() + 1, all.end()});
-  d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
+  const std::vector<int64_t> all = Continued(prompt, s);
+  const Datum d = Scoring(all);
   auto forward = [&](const std::string& model_id, int64_t seq_id) {
     auto out = conn->Attach(model_id, seq_id)->Forward(Wire({d}), ce).get();
     EXPECT_TRUE(out.ok()) << out.status().message();

@@ -105,7 +105,10 @@ at::Tensor Product(const at::Tensor& x_NI, const at::Tensor& w_OI) {
 at::Tensor Kernel(const at::Tensor& x_TD, const Experts& w, bool normalize, bool linear_kernel,
                   kernels::Routing* routing_out = nullptr, const at::Tensor& replay = {}) {
   kernels::RouteParams rp;
-  rp.logits_TE = at::matmul(x_TD, w.router_ED.t());
+  // With the linear kernel the router's product too is the model's (transformer.cc routes through
+  // kernels::Linear): at::matmul of one row takes BLAS's gemv, which may round otherwise than the
+  // gemm of a batch, so the bitwise test below would see the router, not the experts, differ.
+  rp.logits_TE = linear_kernel ? Product(x_TD, w.router_ED) : at::matmul(x_TD, w.router_ED.t());
   rp.top_k = K;
   rp.normalize = normalize;
   rp.experts_Tk = replay;
