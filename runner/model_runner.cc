@@ -109,6 +109,21 @@ struct ModelRunner::Impl {
   // How a policy's forward gathers that base (Policy::gathered): ForwardGatheredBase on this rank
   // alone, unless the server has the other ranks take part (SetGatherBase).
   std::shared_ptr<const GatherBase> gather_base;
+  // Under --expert_parallel: how a policy's forward reaches the experts other ranks hold
+  // (Policy::spread): ForwardSpreadExperts on this rank alone, unless the server has the other
+  // ranks take part (SetSpreadExperts).
+  std::shared_ptr<const SpreadExperts> spread;
+  // On the ranks serving rank 0's sampling forwards: their experts of each frozen policy, by key
+  // (Policy::experts_key), until rank 0 drops it. Touched by commands alone, which run in turn.
+  absl::Mutex frozen_mu;
+  std::map<int64_t, std::shared_ptr<const Policy>> frozen ABSL_GUARDED_BY(frozen_mu);
+  // On rank 0: the keys of frozen policies no sampler holds any more, until the server sends them
+  // to the other ranks (TakeDropped). Shared with the keys' deleters, which may outlive the runner.
+  struct Dropped {
+    absl::Mutex mu;
+    std::vector<int64_t> keys ABSL_GUARDED_BY(mu);
+  };
+  std::shared_ptr<Dropped> dropped = std::make_shared<Dropped>();
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   std::shared_ptr<Collectives> collectives;
@@ -174,6 +189,46 @@ struct ModelRunner::Impl {
       return absl::NotFoundError(absl::StrCat("model_id: no model '", Echo(id), "'"));
     return &it->second;
   }
+  // A policy made on each rank of rank 0's group (its experts' part, under `key`): rank 0 returns
+  // it, holding the key, whose last owner queues the others' parts to be dropped; the other ranks
+  // keep theirs until then, and return null.
+  std::shared_ptr<const Policy> Spread(int64_t key, std::shared_ptr<Policy> policy) {
+    if (collectives->rank() != 0) {
+      absl::MutexLock lock(&frozen_mu);
+      frozen[key] = std::move(policy);
+      return nullptr;
+    }
+    policy->experts_key =
+        std::shared_ptr<const int64_t>(new int64_t(key), [d = dropped](const int64_t* k) {
+          absl::MutexLock lock(&d->mu);
+          d->keys.push_back(*k);
+          delete k;
+        });
+    return policy;
+  }
+  // This rank's experts of decoder layer `layer` as frozen under `key` (0: the base's), for the
+  // rows rank 0 sends them (ExpertParallel::Serve).
+  absl::StatusOr<kernels::ExpertFn> ServedExperts(int64_t layer, int64_t key) {
+    if (layer < 0 || layer >= model_config.num_hidden_layers || !model_config.Routes(layer)) {
+      return absl::InternalError(
+          absl::StrCat("sample: rank 0 sent rows for layer ", layer, ", which routes none"));
+    }
+    std::shared_ptr<const Policy> p;
+    if (key != 0) {
+      absl::MutexLock lock(&frozen_mu);
+      auto it = frozen.find(key);
+      if (it == frozen.end()) {
+        return absl::InternalError(absl::StrCat("sample: no frozen policy ", key, " here"));
+      }
+      p = it->second;
+    }
+    const BaseWeights& w = p ? p->weights : base;
+    const LoraAdapter* lora = p && p->lora ? &*p->lora : nullptr;
+    kernels::ExpertFn run =
+        LayerExperts(model_config, w.layers[static_cast<size_t>(layer)], lora, layer);
+    // `p` rides along: the policy stays whole while its experts run, even once dropped.
+    return [run = std::move(run), p](int64_t e, const at::Tensor& x_ND) { return run(e, x_ND); };
+  }
   // The modules this rank adapts (LoraAdapter::Keep): other ranks' experts are theirs.
   LoraAdapter::Keep Keep() const {
     if (experts == nullptr) return nullptr;
@@ -184,15 +239,16 @@ struct ModelRunner::Impl {
     if (experts == nullptr) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
         what, ": this server spreads each layer's experts over groups of ", experts->size(),
-        " ranks (--expert_parallel), and sampling or exporting from it is not built yet: "
-        "save_state the model, and load that checkpoint into a server run without "
-        "--expert_parallel to sample or export it"));
+        " ranks (--expert_parallel), and merged exports from it are not built yet: export the "
+        "adapter (merged=false), or save_state the model and load that checkpoint into a server "
+        "run without --expert_parallel to export it merged"));
   }
   // A policy's base: the tensors every policy on it shares, or a sharded base's placeholders and
   // the gather its forwards run through.
   void OnBase(Policy& p) const {
     p.weights = base;
     if (base_shard) p.gathered = gather_base;
+    if (experts) p.spread = spread;
   }
   // What a rank holds while a sharded model is gathered a unit at a time: the largest unit whole,
   // and beside it the all-gather's staging: its bucket (at most 64 MiB) twice (Gloo stages a flat
@@ -253,7 +309,9 @@ struct ModelRunner::Impl {
     }
     return held * at::elementSize(TrainDType());
   }
-  // A LoRA model's merged export on the sharded base (defined with the other saves).
+  // SaveWeightsForSampler's adapter export with the experts spread over ranks, and a LoRA
+  // model's merged export on the sharded base (defined with the other saves).
+  absl::Status SaveAdapterOfExperts(const ModelState& t, const std::string& path, bool overwrite);
   absl::Status SaveMergedOnShardedBase(const ModelState& t, const std::string& path,
                                        bool overwrite);
   // Trainable tensors and their accumulators are at least fp32 (DESIGN.md §3).
@@ -611,6 +669,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const RunnerCon
       runner->impl_->gather_base =
           std::make_shared<const GatherBase>([r = runner.get()](const BaseForward& forward) {
             return r->ForwardGatheredBase(forward);
+          });
+    }
+    if (runner->impl_->experts) {
+      runner->impl_->spread =
+          std::make_shared<const SpreadExperts>([r = runner.get()](const ExpertForward& forward) {
+            return r->ForwardSpreadExperts(forward);
           });
     }
     return runner;
@@ -973,6 +1037,16 @@ absl::Status ReceiveOutcome(Collectives& c) {
   return absl::AbortedError(absl::StrCat("on rank 0: ", outcome));
 }
 
+// A failure on any rank made every rank's: `mine`, or ABORTED with `others` where only another
+// rank failed, so that the ranks agree on whether a step that changes their state succeeded.
+absl::Status Agreed(Collectives& c, const absl::Status& mine, absl::string_view others) {
+  bool ok = mine.ok();
+  RETURN_IF_ERROR(c.AllAgree(ok));
+  if (!mine.ok()) return mine;
+  if (!ok) return absl::AbortedError(absl::StrCat(others, "; retry later"));
+  return absl::OkStatus();
+}
+
 // A save every rank takes part in: rank 0 commits the checkpoint, running `first` in the
 // directory it is committing; the other ranks run `others` with that directory once rank 0 has
 // begun (and not at all when it could not begin: a name taken). Each step that can fail on one
@@ -1274,7 +1348,10 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
                                                 bool overwrite) {
   absl::MutexLock lock(&impl_->mu);
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
-  RETURN_IF_ERROR(impl_->AllExperts("save_weights_for_sampler"));
+  if (impl_->experts) {
+    if (merged) return impl_->AllExperts("save_weights_for_sampler");
+    return impl_->SaveAdapterOfExperts(*t, path, overwrite);
+  }
   if (t->sharded) {
     // Every rank gathers the parameters a unit at a time, and rank 0 streams them into the file.
     if (!merged) {
@@ -1324,6 +1401,39 @@ absl::Status ModelRunner::SaveWeightsForSampler(const std::string& model_id,
                     : WritePeftAdapter(*t, impl_->config.base_model_path, impl_->base_fingerprint,
                                        dir);
     });
+  });
+}
+
+// Each group gathers its ranks' experts' pairs (every rank takes part, its room for them reserved
+// and agreed first), and rank 0 writes the whole adapter, as SaveState writes every expert.
+absl::Status ModelRunner::Impl::SaveAdapterOfExperts(const ModelState& t, const std::string& path,
+                                                     bool overwrite) {
+  if (!t.options.lora) {
+    return absl::FailedPreconditionError(
+        "a full fine-tune has no adapter, and its merged export is not built with its experts "
+        "spread over ranks (--expert_parallel): save_state it instead");
+  }
+  int64_t bytes = 0;
+  for (const auto& [name, p] : t.params) {
+    if (ExpertParallel::ExpertOf(name) >= 0) bytes += static_cast<int64_t>(p.nbytes());
+  }
+  ASSIGN_OR_RETURN(Reservation held,
+                   ReserveOnEveryRank(bytes * experts->size(),
+                                      "save_weights_for_sampler: the adapter's experts gathered "
+                                      "from the other ranks while they are written",
+                                      ". Retry later", "save_weights_for_sampler"));
+  return Guarded("save_weights_for_sampler", [&]() -> absl::Status {
+    ModelState whole;
+    whole.id = t.id;
+    whole.options = t.options;
+    whole.step = t.step;
+    ASSIGN_OR_RETURN(whole.params, experts->GatherExperts(t.params));
+    Collectives& c = *collectives;
+    if (c.rank() != 0) return ReceiveOutcome(c);
+    return SendOutcome(c, CommitCheckpoint(path, overwrite, [&](const std::string& dir) {
+                         return WritePeftAdapter(whole, config.base_model_path, base_fingerprint,
+                                                 dir);
+                       }));
   });
 }
 
@@ -1377,10 +1487,14 @@ BaseWeights FrozenWeights(const BaseWeights& w, bool tied, at::ScalarType dtype,
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
-    const std::string& model_id) const {
+absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(const std::string& model_id,
+                                                                        int64_t experts_key) const {
   absl::MutexLock lock(&impl_->mu);
-  RETURN_IF_ERROR(impl_->AllExperts("create_sampler"));
+  if (impl_->experts && !model_id.empty() && experts_key <= 0) {
+    return absl::InvalidArgumentError(
+        "create_sampler: with the experts spread over ranks (--expert_parallel), every rank "
+        "freezes a model under a key rank 0 draws");
+  }
   auto policy = std::make_shared<Policy>();
   policy->config = impl_->model_config;
   policy->compute_dtype = impl_->dtype;
@@ -1393,6 +1507,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
     return std::shared_ptr<const Policy>(std::move(policy));
   }
   ASSIGN_OR_RETURN(ModelState * t, impl_->Find(model_id));
+  if (impl_->experts) return FreezeSpread(*t, experts_key, std::move(policy));
   if (t->sharded) {
     // Every rank gathers the parameters a unit at a time (ParamShard::GatherWhole); rank 0 keeps
     // them in the compute dtype, and its outcome is every rank's. The ranks agree before the first
@@ -1455,6 +1570,129 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(
   });
 }
 
+absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezeSpread(
+    const ModelState& t, int64_t key, std::shared_ptr<Policy> policy) const {
+  // Each rank of rank 0's group copies what it holds of the model (its experts, and every
+  // replicated tensor); the others serve no forward and copy nothing. The ranks agree on the
+  // outcome, so that a copy that failed on one fails on all.
+  Collectives& c = *impl_->collectives;
+  const bool copies = c.rank() < impl_->experts->size();
+  absl::Status mine;
+  if (copies) {
+    mine = Guarded("freezing a policy", [&] {
+      policy->step = t.step;
+      if (t.full) {
+        policy->weights = FrozenWeights(*t.full, impl_->model_config.tie_word_embeddings,
+                                        impl_->dtype, &policy->bytes);
+        policy->spread = impl_->spread;
+      } else {
+        impl_->OnBase(*policy);
+      }
+      if (t.lora) policy->lora = t.lora->Frozen(impl_->dtype);
+      return absl::OkStatus();
+    });
+  }
+  RETURN_IF_ERROR(Agreed(c, mine, "create_sampler: another rank could not copy its experts"));
+  if (!copies) return nullptr;
+  return impl_->Spread(key, std::move(policy));
+}
+
+absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadSpread(const std::string& path,
+                                                                      int64_t key) const {
+  if (key <= 0) {
+    return absl::InvalidArgumentError(
+        "create_sampler: with the experts spread over ranks (--expert_parallel), every rank "
+        "loads an export under a key rank 0 draws");
+  }
+  // Each rank of rank 0's group reads its own experts' pairs and every replicated one; the ranks
+  // agree on the outcome, as a bad path fails on all of them alike.
+  Collectives& c = *impl_->collectives;
+  const bool reads = c.rank() < impl_->experts->size();
+  absl::StatusOr<std::shared_ptr<Policy>> made = nullptr;
+  if (reads) {
+    made = Guarded("loading a policy", [&]() -> absl::StatusOr<std::shared_ptr<Policy>> {
+      ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
+      ASSIGN_OR_RETURN(SamplerWeights w,
+                       ReadSamplerWeights(dir, impl_->model_config, impl_->base_fingerprint,
+                                          impl_->dtype, impl_->device, impl_->Keep()));
+      if (!w.lora) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("path: ", path,
+                         " is a merged export, whose experts this server (--expert_parallel) "
+                         "does not spread; sample an adapter export instead"));
+      }
+      auto policy = std::make_shared<Policy>();
+      policy->config = w.config;
+      policy->compute_dtype = impl_->dtype;
+      policy->device = impl_->device;
+      policy->rope = impl_->rope;
+      policy->texts = impl_->texts;
+      policy->step = w.step;
+      impl_->OnBase(*policy);
+      policy->lora = std::move(w.lora);
+      return policy;
+    });
+  }
+  RETURN_IF_ERROR(Agreed(c, made.status(),
+                         "create_sampler: another rank could not read its experts of the export"));
+  if (!reads) return nullptr;
+  return impl_->Spread(key, *std::move(made));
+}
+
+std::vector<int64_t> ModelRunner::TakeDropped() const {
+  absl::MutexLock lock(&impl_->dropped->mu);
+  return std::exchange(impl_->dropped->keys, {});
+}
+
+void ModelRunner::DropFrozen(const std::vector<int64_t>& keys) const {
+  std::vector<std::shared_ptr<const Policy>> gone;  // freed once frozen_mu is released
+  absl::MutexLock lock(&impl_->frozen_mu);
+  for (int64_t key : keys) {
+    auto it = impl_->frozen.find(key);
+    if (it == impl_->frozen.end()) continue;
+    gone.push_back(std::move(it->second));
+    impl_->frozen.erase(it);
+  }
+}
+
+bool ModelRunner::SpreadsExperts() const {
+  return impl_->experts != nullptr;
+}
+
+void ModelRunner::SetSpreadExperts(SpreadExperts spread) {
+  absl::MutexLock lock(&impl_->mu);
+  if (impl_->experts) impl_->spread = std::make_shared<const SpreadExperts>(std::move(spread));
+}
+
+absl::Status ModelRunner::ForwardSpreadExperts(const ExpertForward& forward) const {
+  if (!impl_->experts) {
+    return absl::FailedPreconditionError("expert_forward: this server holds every expert");
+  }
+  // Fixed since Create, as the collectives are: no lock (the server runs one command at a time).
+  const ExpertParallel& ep = *impl_->experts;
+  Collectives& c = *impl_->collectives;
+  absl::Status mine;
+  if (c.rank() == 0) {
+    if (forward) {
+      const LeadSlots lead{[&ep](int64_t layer, int64_t key) { return ep.Leading(layer, key); }};
+      mine = Guarded("sample", [&] {
+        forward(lead);
+        return absl::OkStatus();
+      });
+    }
+    // Only a failed exchange is UNAVAILABLE: the group is out of step, and the job is broken.
+    if (mine.code() == absl::StatusCode::kUnavailable) return mine;
+    RETURN_IF_ERROR(ep.EndLead());
+  } else if (c.rank() < ep.size()) {  // rank 0's group
+    mine = ep.Serve([this](int64_t layer, int64_t key) { return impl_->ServedExperts(layer, key); },
+                    at::TensorOptions().dtype(impl_->dtype).device(impl_->device),
+                    impl_->model_config.hidden_size);
+    if (mine.code() == absl::StatusCode::kUnavailable) return mine;
+  }
+  // Rank 0 then drops what the forward computed.
+  return Agreed(c, mine, "sample: another rank could not run its experts for a forward");
+}
+
 bool ModelRunner::Gathers(const std::string& model_id) const {
   absl::MutexLock lock(&impl_->mu);
   absl::StatusOr<ModelState*> t = impl_->Find(model_id);
@@ -1515,9 +1753,9 @@ absl::Status ModelRunner::ForwardGatheredBase(const BaseForward& forward) const 
   return SendOutcome(c, outcome);
 }
 
-absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(
-    const std::string& path) const {
-  RETURN_IF_ERROR(impl_->AllExperts("create_sampler"));
+absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadPolicy(const std::string& path,
+                                                                      int64_t experts_key) const {
+  if (impl_->experts) return LoadSpread(path, experts_key);
   ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
   // The files' tensors are admitted before they are read: in the compute dtype, the files' size
   // times the dtypes' ratio (they are stored in float32 or float64), three times over (an

@@ -21,12 +21,14 @@
 #include "runner/batch.h"
 #include "runner/runner_config.h"
 #include "runner/sample/base_forward.h"
+#include "runner/sample/expert_forward.h"
 #include "runner/types.h"
 #include "runner/util/memory_account.h"
 #include "runner/validate.h"
 
 namespace tinkerd {
 
+struct ModelState;
 struct Policy;
 
 // base_model_path naming the small default model generated deterministically in memory.
@@ -132,14 +134,20 @@ class ModelRunner {
   // The weights a sampler reads (runner/sample/policy.h): the model's as they are now, copied so
   // that later training does not change them; `model_id` empty: the base model. For a model
   // whose parameters are sharded (Gathers), every rank calls it in the same order; rank 0 gets
-  // the whole copy and the others, which only take part in the gathers, null.
-  absl::StatusOr<std::shared_ptr<const Policy>> FreezePolicy(const std::string& model_id) const;
+  // the whole copy and the others, which only take part in the gathers, null. With the experts
+  // spread over ranks (SpreadsExperts), every rank calls it for a model, with the same
+  // `experts_key` (> 0, new for each call), and each rank of rank 0's group keeps its own
+  // experts' copy under that key until DropFrozen; rank 0 gets the policy, the others null.
+  absl::StatusOr<std::shared_ptr<const Policy>> FreezePolicy(const std::string& model_id,
+                                                             int64_t experts_key = 0) const;
   // Whether the model's parameters are spread over the ranks (a full fine-tune under
   // --shard=full), so that exporting or freezing it is a collective; false for no such model.
   bool Gathers(const std::string& model_id) const;
   // The weights of a SaveWeightsForSampler export at `path` (either layout), to sample from.
-  // Takes no lock: callable from any thread while training runs.
-  absl::StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path) const;
+  // Takes no lock: callable from any thread while training runs. With the experts spread over
+  // ranks (an adapter export only), a collective with a key, as FreezePolicy.
+  absl::StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& path,
+                                                           int64_t experts_key = 0) const;
   // Under --shard_base, one forward of a policy on the base (Policy::gathered): `forward` runs
   // with the base's rest gathered whole and each decoder layer gathered as it asks for it, in
   // order; the layers it does not reach are gathered after it. A collective: every rank calls it
@@ -150,6 +158,23 @@ class ModelRunner {
   // ForwardGatheredBase (the server broadcasts a command for each); until it is set, this rank
   // calls it alone. Before the first policy is made; a no-op on a base held whole.
   void SetGatherBase(GatherBase gather);
+
+  // Whether each layer's experts are spread over the ranks (--expert_parallel > 1).
+  bool SpreadsExperts() const;
+  // Then one forward of a policy (Policy::spread): rank 0 runs `forward`, whose routed layers
+  // send their rows to the ranks of its group holding their experts, which run them on the
+  // policy's frozen copy (FreezePolicy's key); the other ranks of the group serve, and the rest
+  // return. A collective: every rank calls it alike, the others with a null `forward`. A failure
+  // on any rank is every rank's.
+  absl::Status ForwardSpreadExperts(const ExpertForward& forward) const;
+  // How the policies run those forwards: `spread` must have every rank call ForwardSpreadExperts
+  // (the server broadcasts a command for each); until it is set, this rank calls it alone. Before
+  // the first policy is made; a no-op where every rank holds every expert.
+  void SetSpreadExperts(SpreadExperts spread);
+  // On rank 0: the keys of frozen policies that are gone (their last copy dropped) since the last
+  // call; the server sends them to every rank, which calls DropFrozen with them.
+  std::vector<int64_t> TakeDropped() const;
+  void DropFrozen(const std::vector<int64_t>& keys) const;
 
   // Copies of a model's trainable tensors (or their gradients / Adam moments), sorted by name.
   // Under --shard=optimizer, gradients and moments are this rank's slices, each named
@@ -171,6 +196,13 @@ class ModelRunner {
  private:
   struct Impl;
   explicit ModelRunner(std::unique_ptr<Impl> impl);
+  // FreezePolicy's part with the experts spread over ranks; `policy` holds the fields every
+  // policy takes from the runner.
+  absl::StatusOr<std::shared_ptr<const Policy>> FreezeSpread(const ModelState& t, int64_t key,
+                                                             std::shared_ptr<Policy> policy) const;
+  // LoadPolicy's part likewise.
+  absl::StatusOr<std::shared_ptr<const Policy>> LoadSpread(const std::string& path,
+                                                           int64_t key) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "runner/checkpoint/manifest.h"
 #include "runner/checkpoint/store.h"
@@ -524,7 +525,8 @@ std::set<std::string> MlpModules(const ModelConfig& config) {
 }
 
 absl::StatusOr<LoraAdapter> ReadPeftAdapter(const std::string& dir, const ModelConfig& config,
-                                            at::ScalarType dtype, at::Device device) {
+                                            at::ScalarType dtype, at::Device device,
+                                            const LoraAdapter::Keep& keep) {
   auto text = ReadFileToString(Join(dir, "adapter_config.json"));
   if (!text.ok()) return DataLoss(dir, "adapter_config.json is missing");
   const json c = json::parse(*text, nullptr, false);
@@ -554,7 +556,7 @@ absl::StatusOr<LoraAdapter> ReadPeftAdapter(const std::string& dir, const ModelC
   }
   ASSIGN_OR_RETURN(TensorMap tensors,
                    LoadSafetensorsFile(Join(dir, "adapter_model.safetensors"), dtype));
-  ASSIGN_OR_RETURN(LoraAdapter adapter, LoraAdapter::Create(config, lora, 0, dtype, device));
+  ASSIGN_OR_RETURN(LoraAdapter adapter, LoraAdapter::Create(config, lora, 0, dtype, device, keep));
   at::NoGradGuard no_grad;
   const std::map<std::string, at::Tensor> params = adapter.Parameters();
   for (const auto& [name, p] : params) {
@@ -569,7 +571,17 @@ absl::StatusOr<LoraAdapter> ReadPeftAdapter(const std::string& dir, const ModelC
     }
     at::Tensor(p).copy_(it->second);
   }
-  if (tensors.size() != params.size()) {
+  // Each tensor has a place here, or is another rank's (whose own read checks it there).
+  int64_t others = 0;
+  if (keep) {
+    constexpr absl::string_view kPrefix = "base_model.model.";
+    for (const auto& [name, t] : tensors) {
+      const size_t lora_at = name.rfind(".lora_");
+      if (!absl::StartsWith(name, kPrefix) || lora_at == std::string::npos) continue;
+      others += !keep(name.substr(kPrefix.size(), lora_at - kPrefix.size()));
+    }
+  }
+  if (static_cast<int64_t>(tensors.size()) - others != static_cast<int64_t>(params.size())) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", dir, ": the adapter holds tensors this base model has no place for"));
   }
@@ -581,7 +593,8 @@ absl::StatusOr<LoraAdapter> ReadPeftAdapter(const std::string& dir, const ModelC
 absl::StatusOr<SamplerWeights> ReadSamplerWeights(const std::string& dir,
                                                   const ModelConfig& base_config,
                                                   uint64_t base_fingerprint, at::ScalarType dtype,
-                                                  at::Device device) {
+                                                  at::Device device,
+                                                  const LoraAdapter::Keep& keep) {
   auto text = ReadFileToString(Join(dir, "manifest.json"));
   if (!text.ok()) return DataLoss(dir, "manifest.json is missing");
   const json m = json::parse(*text, nullptr, false);
@@ -604,7 +617,7 @@ absl::StatusOr<SamplerWeights> ReadSamplerWeights(const std::string& dir,
       return absl::FailedPreconditionError(
           absl::StrCat("checkpoint ", dir, " is an adapter of another base model"));
     }
-    ASSIGN_OR_RETURN(out.lora, ReadPeftAdapter(dir, base_config, dtype, device));
+    ASSIGN_OR_RETURN(out.lora, ReadPeftAdapter(dir, base_config, dtype, device, keep));
     return out;
   }
   if (layout != "hf_merged") return DataLoss(dir, absl::StrCat("unknown layout '", layout, "'"));

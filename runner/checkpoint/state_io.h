@@ -131,11 +131,13 @@ struct SamplerWeights {
 
 // FAILED_PRECONDITION when the export belongs to another base model (another fingerprint, or an
 // architecture or tensor shapes that differ from `base_config`); INVALID_ARGUMENT for a training
-// checkpoint; DATA_LOSS when its files are missing or malformed.
+// checkpoint; DATA_LOSS when its files are missing or malformed. `keep` (an adapter's: expert
+// parallelism) leaves out the modules it does not keep.
 absl::StatusOr<SamplerWeights> ReadSamplerWeights(const std::string& dir,
                                                   const ModelConfig& base_config,
                                                   uint64_t base_fingerprint, at::ScalarType dtype,
-                                                  at::Device device);
+                                                  at::Device device,
+                                                  const LoraAdapter::Keep& keep = nullptr);
 
 // A cheap identity of the base model: its config and a sample of its weights.
 uint64_t BaseFingerprint(const ModelConfig& config, const BaseWeights& base);

@@ -106,22 +106,31 @@ absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(Collectiv
 
 kernels::SlotsFn ExpertParallel::Slots() const {
   return [this](const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
-                const kernels::ExpertFn& expert) { return Exchange(x_SD, rows_E, expert); };
+                const kernels::ExpertFn& expert) {
+    return Exchange(x_SD, rows_E, Counts(rows_E, {}), expert);
+  };
+}
+
+at::Tensor ExpertParallel::Counts(const std::vector<int64_t>& rows_E, const Head& head) const {
+  const auto E = static_cast<int64_t>(rows_E.size());
+  TORCH_CHECK(E == size() * count_, "expert parallelism: ", E, " experts over ", size(),
+              " ranks of ", count_);
+  std::vector<int64_t> mine = rows_E;
+  if (head.on) mine.insert(mine.end(), {head.op, head.layer, head.key});
+  at::Tensor all_GC = at::empty({size(), static_cast<int64_t>(mine.size())}, at::kLong);
+  if (auto st = group_->AllGather(at::tensor(mine, at::kLong), all_GC); !st.ok()) ThrowStatus(st);
+  return all_GC;
 }
 
 at::Tensor ExpertParallel::Exchange(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
+                                    const at::Tensor& all_GC,
                                     const kernels::ExpertFn& expert) const {
-  Collectives& c = *group_;
-  const int G = c.world_size();
-  const auto E = static_cast<int64_t>(rows_E.size());
-  TORCH_CHECK(E == G * count_, "expert parallelism: ", E, " experts over ", G, " ranks of ",
-              count_);
-  // Every rank's slots per expert, so that each knows what it sends, receives, and from whom.
-  at::Tensor all_GE = at::empty({G, E}, at::kLong);
-  const at::Tensor mine_E = at::tensor(rows_E, at::kLong);
-  if (auto st = c.AllGather(mine_E, all_GE); !st.ok()) ThrowStatus(st);
-  const int64_t* all = all_GE.data_ptr<int64_t>();
-  auto rows = [&](int64_t g, int64_t e) { return all[g * E + e]; };
+  const int G = size();
+  // Every rank's slots per expert (a row of all_GC each, the head's columns after them), so that
+  // each knows what it sends, receives, and from whom.
+  const int64_t* all = all_GC.data_ptr<int64_t>();
+  const int64_t stride = all_GC.size(1);
+  auto rows = [&](int64_t g, int64_t e) { return all[g * stride + e]; };
   std::vector<int64_t> send(G, 0), recv(G, 0);
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = 0; j < count_; ++j) {
@@ -158,6 +167,53 @@ at::Tensor ExpertParallel::Exchange(const at::Tensor& x_SD, const std::vector<in
           /*every_expert=*/at::GradMode::is_enabled())
           .index_select(0, inverse_R);
   return AllToAllFn::apply(y_RD, group_.get(), recv, send);
+}
+
+kernels::SlotsFn ExpertParallel::Leading(int64_t layer, int64_t key) const {
+  return [this, layer, key](const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
+                            const kernels::ExpertFn& expert) {
+    TORCH_CHECK(group_->rank() == 0, "expert parallelism: only a group's first rank leads");
+    return Exchange(x_SD, rows_E, Counts(rows_E, {true, kExchange, layer, key}), expert);
+  };
+}
+
+absl::Status ExpertParallel::EndLead() const {
+  try {
+    (void)Counts(std::vector<int64_t>(static_cast<size_t>(size() * count_), 0), {true, kEnd, 0, 0});
+  } catch (...) {
+    return ExceptionStatus("sample", std::current_exception());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExpertParallel::Serve(const ServedExperts& experts, const at::TensorOptions& options,
+                                   int64_t hidden) const {
+  const std::vector<int64_t> none(static_cast<size_t>(size() * count_), 0);
+  const at::Tensor nothing_SD = at::empty({0, hidden}, options);
+  absl::Status failed;  // the first expert that could not run here
+  while (true) {
+    try {
+      const at::Tensor all_GC = Counts(none, {true, kEnd, 0, 0});
+      const int64_t* head = all_GC.data_ptr<int64_t>() + static_cast<int64_t>(none.size());
+      if (head[0] == kEnd) return failed;
+      absl::StatusOr<kernels::ExpertFn> expert = experts(head[1], head[2]);
+      if (!expert.ok() && failed.ok()) failed = expert.status();
+      // An expert that cannot run answers zeros, so that the group's exchange completes; the
+      // forward then fails on every rank (ModelRunner::ForwardSpreadExperts).
+      (void)Exchange(nothing_SD, none, all_GC, [&](int64_t e, const at::Tensor& x_ND) {
+        if (failed.ok()) {
+          try {
+            return (*expert)(e, x_ND);
+          } catch (...) {
+            failed = ExceptionStatus("sample: serving experts", std::current_exception());
+          }
+        }
+        return at::zeros_like(x_ND);
+      });
+    } catch (...) {
+      return ExceptionStatus("sample: serving experts", std::current_exception());  // UNAVAILABLE
+    }
+  }
 }
 
 absl::StatusOr<std::map<std::string, at::Tensor>> ExpertParallel::GatherExperts(

@@ -19,18 +19,25 @@
 // before. The squared norm adds each block once: the replicated part, plus the experts' part
 // summed over the group.
 //
+// Sampling is rank 0's alone, so there the exchanges are led: rank 0 runs the forward, and at each
+// routed layer sends, beside its counts, which layer and whose weights (a policy's) the rest of
+// its group runs; those ranks serve until rank 0 ends the forward (ModelRunner::
+// ForwardSpreadExperts). Rank 0 may then skip a layer's exchange for a run of no rows.
+//
 // Shape suffixes: S this rank's slots, sorted by expert; R slots received; D hidden; E experts;
-// G ranks of the group.
+// G ranks of the group; C the counts' columns (E, then a head's).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kernels/routed_experts.h"
@@ -69,6 +76,22 @@ class ExpertParallel {
 
   // The routed layers' exchange (kernels::SlotsFn), in the forward and through autograd.
   kernels::SlotsFn Slots() const;
+
+  // Sampling: one rank runs a forward and its group serves their experts to it. The leading rank
+  // (the group's first) sends each exchange's head with its counts: the decoder layer and `key`,
+  // which weights the serving ranks run (a policy's frozen experts; 0: the base's). Its rows go
+  // out and come back as in Slots; the others send none. Throws CollectiveFailure as Slots does.
+  kernels::SlotsFn Leading(int64_t layer, int64_t key) const;
+  // Ends a leading forward, whether it succeeded or not: the serving ranks return.
+  absl::Status EndLead() const;
+  // A serving rank's part: answers the leader's exchanges until it ends them, running its
+  // experts of each exchange's layer and key (`experts`), over activations of `options` and
+  // `hidden` columns. Returns the first error of an expert that could not run (having answered
+  // zeros for it, so the group stays in step), or UNAVAILABLE when an exchange failed.
+  using ServedExperts =
+      std::function<absl::StatusOr<kernels::ExpertFn>(int64_t layer, int64_t key)>;
+  absl::Status Serve(const ServedExperts& experts, const at::TensorOptions& options,
+                     int64_t hidden) const;
   // Every expert's tensors, on every rank of the group: `kept` (this rank's, by name; other names
   // are returned as they are) gathered over the group under their own experts' names. A
   // collective; every rank of the group passes tensors of the same names, experts renumbered.
@@ -80,8 +103,16 @@ class ExpertParallel {
                  int64_t first, int64_t count)
       : group_(std::move(group)), replicas_(std::move(replicas)), first_(first), count_(count) {}
 
+  // What a leader's exchange sends beside its counts (op: kExchange or kEnd).
+  static constexpr int64_t kEnd = 0, kExchange = 1;
+  struct Head {
+    bool on = false;
+    int64_t op = kEnd, layer = 0, key = 0;
+  };
+  // Every rank's slots per expert, [G, E] (then the head's columns): a collective of the group.
+  at::Tensor Counts(const std::vector<int64_t>& rows_E, const Head& head) const;
   at::Tensor Exchange(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
-                      const kernels::ExpertFn& expert) const;
+                      const at::Tensor& all_GC, const kernels::ExpertFn& expert) const;
 
   std::shared_ptr<Collectives> group_, replicas_;
   int64_t first_, count_;

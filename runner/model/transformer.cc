@@ -57,25 +57,38 @@ at::Tensor Mlp(const at::Tensor& x_ND, const at::Tensor& gate, const at::Tensor&
 }
 
 // A forward's router replay and recording (PackedBatch::routes_TRk, ForwardOptions::on_routes),
-// and where its experts run (ForwardOptions::expert_slots).
+// and where its experts run (ForwardOptions::expert_slots, expert_slots_of).
 struct RouteIo {
   at::Tensor replay_TRk;
   std::function<void(int64_t routed, const at::Tensor& experts_Tk)> record;
   kernels::SlotsFn slots;
   std::function<void(int64_t routed, const at::Tensor& probs_TE, const at::Tensor& experts_Tk)>
       observe;
+  std::function<kernels::SlotsFn(int64_t layer, size_t run)> slots_of;
 };
+
+// Layer `p`'s expert e of the routed MLP: a SwiGLU, each projection adapted under its name.
+at::Tensor Expert(const MoeConfig& m, const LayerWeights& L, const Adapters& lora,
+                  const std::string& p, int64_t e, const at::Tensor& x_ND) {
+  const ExpertWeights& W = L.experts[static_cast<size_t>(e)];
+  return Mlp(x_ND, W.gate_ID, W.up_ID, W.down_DI, lora, p + m.names.Expert(e),
+             {m.names.gate, m.names.up, m.names.down});
+}
 
 // The routed MLP (kernels/routed_experts.h), the rows' experts given by replay_Tk where it is
 // defined (a row of -1 routes itself), `chosen_Tk` (when set) receiving the experts used and
 // `probs_TE` (when set; not with runs) the router's probabilities. Rows in runs (Adapters::runs)
 // route run by run, each with its adapter as `all`: a run's tokens meet only their own model's
 // expert adapters, in products over that run's rows alone, so a call computes what it would alone.
+// `slots_of` (when set) gives each run's slots, `slots` else.
 at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& lora,
                      const std::string& p, const at::Tensor& replay_Tk, const at::Tensor& x_TD,
-                     const kernels::SlotsFn& slots, at::Tensor* chosen_Tk, at::Tensor* probs_TE) {
+                     const kernels::SlotsFn& slots,
+                     const std::function<kernels::SlotsFn(size_t run)>& slots_of,
+                     at::Tensor* chosen_Tk, at::Tensor* probs_TE) {
   if (!lora.runs.empty()) {
-    // Run by run, a run of no rows skipped: not a collective every rank takes part in alike.
+    // Run by run, a run of no rows skipped: not a collective every rank takes part in alike
+    // (slots_of's are led by this rank: runner/dist/expert_parallel.h).
     TORCH_CHECK(!slots, "RoutedMlp: experts spread over ranks route the batch whole");
     TORCH_CHECK(probs_TE == nullptr, "RoutedMlp: the router's loss takes one model's rows");
     std::vector<int64_t> rows;
@@ -89,8 +102,8 @@ at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& 
         chosen[i] = at::empty({0, m.top_k}, x_TD.options().dtype(at::kLong));
         continue;
       }
-      out[i] = RoutedMlp(m, L, Adapters(lora.runs[i].first), p, replay[i], out[i], slots,
-                         &chosen[i], nullptr);
+      out[i] = RoutedMlp(m, L, Adapters(lora.runs[i].first), p, replay[i], out[i],
+                         slots_of ? slots_of(i) : slots, nullptr, &chosen[i], nullptr);
     }
     if (chosen_Tk != nullptr) *chosen_Tk = at::cat(chosen);
     return at::cat(out);
@@ -105,14 +118,10 @@ at::Tensor RoutedMlp(const MoeConfig& m, const LayerWeights& L, const Adapters& 
   const kernels::Routing routing = kernels::Route(route);
   if (chosen_Tk != nullptr) *chosen_Tk = routing.experts_Tk;
   if (probs_TE != nullptr) *probs_TE = routing.probs_TE;
-  const std::array<std::string, 3> names{m.names.gate, m.names.up, m.names.down};
-  return kernels::RoutedExperts({x_TD, &routing,
-                                 [&](int64_t e, const at::Tensor& x_ND) {
-                                   const ExpertWeights& W = L.experts[static_cast<size_t>(e)];
-                                   return Mlp(x_ND, W.gate_ID, W.up_ID, W.down_DI, lora,
-                                              p + m.names.Expert(e), names);
-                                 },
-                                 slots});
+  return kernels::RoutedExperts(
+      {x_TD, &routing,
+       [&](int64_t e, const at::Tensor& x_ND) { return Expert(m, L, lora, p, e, x_ND); },
+       slots_of ? slots_of(0) : slots});
 }
 
 // One decoder layer on the residual stream h_TD: h + attn(norm(h)), then + mlp(norm(·)).
@@ -168,9 +177,13 @@ at::Tensor DecoderLayer(const ModelConfig& c, const LayerWeights& L, const Adapt
   }
   const int64_t routed = c.moe.RoutedIndex(layer);
   at::Tensor chosen_Tk, probs_TE;
+  std::function<kernels::SlotsFn(size_t run)> slots_of;
+  if (routes.slots_of) {
+    slots_of = [&routes, layer](size_t run) { return routes.slots_of(layer, run); };
+  }
   const at::Tensor mlp_TD = RoutedMlp(
       c.moe, L, lora, p, routes.replay_TRk.defined() ? routes.replay_TRk.select(1, routed) : none,
-      x_TD, routes.slots, routes.record || routes.observe ? &chosen_Tk : nullptr,
+      x_TD, routes.slots, slots_of, routes.record || routes.observe ? &chosen_Tk : nullptr,
       routes.observe ? &probs_TE : nullptr);
   if (routes.record) routes.record(routed, chosen_Tk);
   if (routes.observe) routes.observe(routed, probs_TE, chosen_Tk);
@@ -431,6 +444,13 @@ bool BaseWeights::Shares(const BaseWeights& other) const {
   return true;
 }
 
+kernels::ExpertFn LayerExperts(const ModelConfig& c, const LayerWeights& L, const LoraAdapter* lora,
+                               int64_t layer) {
+  return
+      [&m = c.moe, &L, lora, p = absl::StrCat("model.layers.", layer, ".")](
+          int64_t e, const at::Tensor& x_ND) { return Expert(m, L, Adapters(lora), p, e, x_ND); };
+}
+
 const LoraPair* HeadAdapter(const LoraAdapter* lora) {
   return lora != nullptr ? lora->Find("lm_head") : nullptr;
 }
@@ -449,7 +469,7 @@ at::Tensor ForwardHidden(const ModelConfig& c, const BaseWeights& w, const Adapt
   const bool recomputes =
       (options.recompute_layers && options.kv == nullptr) || options.layers != nullptr;
   const RouteIo routes{batch.routes_TRk, recomputes ? nullptr : options.on_routes,
-                       options.expert_slots, options.on_router};
+                       options.expert_slots, options.on_router, options.expert_slots_of};
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const auto index = static_cast<int64_t>(l);

@@ -149,6 +149,11 @@ struct ForwardOptions {
   // Set: where each routed layer's experts run (expert parallelism, runner/dist/expert_parallel.h:
   // a collective, so every rank runs its forwards in step); unset: here.
   kernels::SlotsFn expert_slots = nullptr;
+  // Set (sampling where the experts are spread over ranks): decoder layer `layer`'s slots for
+  // the rows of run `run` (Adapters::runs, in order; 0 without runs). Unlike expert_slots these
+  // are not a collective every rank runs alike: this rank leads its group's exchanges
+  // (runner/dist/expert_parallel.h), so a run of no rows may skip them.
+  std::function<kernels::SlotsFn(int64_t layer, size_t run)> expert_slots_of = nullptr;
 };
 
 // The LoRA adapters a forward applies: one for every row (null: none, the base model or full
@@ -167,6 +172,12 @@ struct Adapters {
 at::Tensor ForwardHidden(const ModelConfig& config, const BaseWeights& weights,
                          const Adapters& lora, const PackedBatch& batch,
                          const ForwardOptions& options = {});
+
+// Decoder layer `layer`'s experts (weights `L`, adapted by `lora` when set) as its routed MLP runs
+// them: what a rank holding some of them runs for rows another rank routed to it. Keeps
+// references to `c`, `L` and `lora`.
+kernels::ExpertFn LayerExperts(const ModelConfig& c, const LayerWeights& L, const LoraAdapter* lora,
+                               int64_t layer);
 
 // The pair adapting the unembedding, or null.
 const LoraPair* HeadAdapter(const LoraAdapter* lora);

@@ -70,17 +70,28 @@ const LoraAdapter* LoraOf(const Policy& p) {
   return p.lora ? &*p.lora : nullptr;
 }
 
-// Runs `forward` on the policy's base: its own weights, or a sharded base gathered for this forward
-// alone (Policy::gathered).
-absl::Status OnBase(
-    const Policy& p,
-    absl::FunctionRef<void(const BaseWeights& w, const LayerSource* layers)> forward) {
-  if (p.gathered == nullptr) {
-    forward(p.weights, nullptr);
-    return absl::OkStatus();
+// What a forward runs on beyond its policy's weights: a sharded base's layers, gathered as it
+// reaches them (Policy::gathered), or the exchanges that take its routed layers' rows to the ranks
+// holding their experts (Policy::spread).
+struct OnRanks {
+  const LayerSource* layers = nullptr;
+  const LeadSlots* lead = nullptr;
+};
+
+// Runs `forward` on the policy's base: its own weights, a sharded base gathered for this forward
+// alone, or with the experts spread over ranks.
+absl::Status OnBase(const Policy& p,
+                    absl::FunctionRef<void(const BaseWeights& w, const OnRanks& at)> forward) {
+  if (p.gathered != nullptr) {
+    return (*p.gathered)([&](const BaseWeights& rest, const LayerSource& layers) {
+      forward(rest, OnRanks{.layers = &layers});
+    });
   }
-  return (*p.gathered)(
-      [&](const BaseWeights& rest, const LayerSource& layers) { forward(rest, &layers); });
+  if (p.spread != nullptr) {
+    return (*p.spread)([&](const LeadSlots& lead) { forward(p.weights, OnRanks{.lead = &lead}); });
+  }
+  forward(p.weights, OnRanks{});
+  return absl::OkStatus();
 }
 
 // `w`: the policy's base weights as its forward holds them (OnBase).
@@ -134,7 +145,7 @@ at::Tensor Logits(const Runs& runs, const BaseWeights& w, const at::Tensor& hidd
 // their adapters.
 bool SharesBase(const Policy& a, const Policy& b) {
   return a.compute_dtype == b.compute_dtype && a.device == b.device && a.rope == b.rope &&
-         a.gathered == b.gathered && a.weights.Shares(b.weights);
+         a.gathered == b.gathered && a.spread == b.spread && a.weights.Shares(b.weights);
 }
 
 // Every row's experts in each routed layer of one forward (ForwardOptions::on_routes), on the host.
@@ -150,12 +161,23 @@ struct RouteLog {
   at::Tensor Stacked() const { return at::stack(layers_Nk, 1).contiguous(); }  // [N, R, k]
 };
 
-ForwardOptions Options(const Policy& p, const KvStep* kv, const LayerSource* layers) {
-  return ForwardOptions{.recompute_layers = false,
-                        .compute_dtype = p.compute_dtype,
-                        .rope = p.rope.get(),
-                        .kv = kv,
-                        .layers = layers};
+// `runs`: the policy of each run of rows (Adapters::runs, in order), whose experts the exchanges
+// of a spread model ask for.
+ForwardOptions Options(const Policy& p, const KvStep* kv, const OnRanks& at,
+                       const std::vector<const Policy*>& runs) {
+  ForwardOptions o{.recompute_layers = false,
+                   .compute_dtype = p.compute_dtype,
+                   .rope = p.rope.get(),
+                   .kv = kv,
+                   .layers = at.layers};
+  if (at.lead != nullptr) {
+    std::vector<int64_t> keys;
+    for (const Policy* run : runs) keys.push_back(ExpertsKey(*run));
+    o.expert_slots_of = [lead = at.lead, keys](int64_t layer, size_t run) {
+      return lead->of(layer, keys.at(run));
+    };
+  }
+  return o;
 }
 
 at::Tensor Tokens(const std::vector<int64_t>& ids, at::Device device) {
@@ -294,7 +316,7 @@ void SampleEngine::Release(Job& job) {
 
 absl::Status SampleEngine::Prefill(const std::vector<Job*>& jobs) {
   const Policy& pol = *jobs.front()->policy;
-  return OnBase(pol, [&](const BaseWeights& w, const LayerSource* source) {
+  return OnBase(pol, [&](const BaseWeights& w, const OnRanks& at) {
     const int64_t layers = pol.config.num_hidden_layers;
     std::vector<int64_t> tokens, cu{0}, last;
     for (Job* job : jobs) {
@@ -317,7 +339,7 @@ absl::Status SampleEngine::Prefill(const std::vector<Job*>& jobs) {
       return KvPacked{k_TKd, v_TKd, cu};
     };
     const PackedBatch batch{Tokens(tokens, pol.device), cu};
-    ForwardOptions options = Options(pol, &kv, source);
+    ForwardOptions options = Options(pol, &kv, at, {&pol});
     const bool routes = std::any_of(jobs.begin(), jobs.end(),
                                     [](const Job* j) { return j->request.routed_experts; });
     RouteLog log;
@@ -505,8 +527,10 @@ absl::Status SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& b
   RouteLog log;
   const PackedBatch packed{Tokens(tokens, pol.device), cu_q};
   at::Tensor z_SV;
-  RETURN_IF_ERROR(OnBase(pol, [&](const BaseWeights& w, const LayerSource* layers) {
-    ForwardOptions options = Options(pol, &kv, layers);
+  std::vector<const Policy*> policies;
+  for (const auto& [policy, rows] : runs) policies.push_back(policy);
+  RETURN_IF_ERROR(OnBase(pol, [&](const BaseWeights& w, const OnRanks& at) {
+    ForwardOptions options = Options(pol, &kv, at, policies);
     if (routes) log.Attach(options);
     const at::Tensor hidden_SD = ForwardHidden(pol.config, w, lora, packed, options);
     z_SV = Logits(runs, w, hidden_SD).cpu().contiguous();

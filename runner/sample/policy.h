@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,6 +17,7 @@
 #include "runner/model/rope.h"
 #include "runner/model/transformer.h"
 #include "runner/sample/base_forward.h"
+#include "runner/sample/expert_forward.h"
 #include "runner/tokenizer/token_texts.h"
 #include "runner/util/memory_account.h"
 
@@ -26,6 +29,12 @@ struct Policy {
   // Set where the base is sharded: `weights` are then placeholders (no tensors), and every
   // forward of the policy runs through it, the base gathered for that forward alone.
   std::shared_ptr<const GatherBase> gathered;
+  // Set where the experts are spread over ranks (--expert_parallel): every forward of the policy
+  // runs through it, rank 0 leading its group, whose ranks run their experts of `experts_key`'s
+  // frozen copy (held on those ranks until this key is dropped: ModelRunner::TakeDropped); null
+  // key: the base's experts. `weights` and `lora` then hold rank 0's experts alone.
+  std::shared_ptr<const SpreadExperts> spread;
+  std::shared_ptr<const int64_t> experts_key;
   std::optional<LoraAdapter> lora;
   at::ScalarType compute_dtype = at::kFloat;
   at::Device device = at::kCPU;
@@ -40,5 +49,14 @@ struct Policy {
   // The base model's tokenizer, to match stop strings; null when its directory has none.
   std::shared_ptr<const TokenTexts> texts;
 };
+
+struct LeadSlots {
+  std::function<kernels::SlotsFn(int64_t layer, int64_t key)> of;
+};
+
+// The key Policy::experts_key names (0: the base's experts).
+inline int64_t ExpertsKey(const Policy& p) {
+  return p.experts_key ? *p.experts_key : 0;
+}
 
 }  // namespace tinkerd

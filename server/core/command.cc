@@ -60,6 +60,9 @@ absl::StatusOr<CommandResult> Execute(ModelRunner* r, Command cmd) {
   const v1::internal::Command& w = cmd.wire;
   const Batch* batch = cmd.batch.has_value() ? &*cmd.batch : nullptr;
   CommandResult out;
+  if (!w.dropped_experts().empty()) {
+    r->DropFrozen({w.dropped_experts().begin(), w.dropped_experts().end()});
+  }
   switch (w.op_case()) {
     case C::kCreateModel: {
       ASSIGN_OR_RETURN(out.model_id, RunCreate(r, w.create_model(), w.new_model_id()));
@@ -141,15 +144,22 @@ absl::StatusOr<CommandResult> Execute(ModelRunner* r, Command cmd) {
     case C::kExportWeights: {
       const auto& e = w.export_weights();
       RETURN_IF_ERROR(
-          r->SaveWeightsForSampler(e.model_id(), e.fs_path(), /*merged=*/true, e.overwrite()));
+          r->SaveWeightsForSampler(e.model_id(), e.fs_path(), !e.adapter(), e.overwrite()));
       return out;
     }
     case C::kFreezePolicy: {
-      ASSIGN_OR_RETURN(out.policy, r->FreezePolicy(w.freeze_policy()));
+      ASSIGN_OR_RETURN(out.policy, r->FreezePolicy(w.freeze_policy(), w.experts_key()));
+      return out;
+    }
+    case C::kLoadPolicy: {
+      ASSIGN_OR_RETURN(out.policy, r->LoadPolicy(w.load_policy(), w.experts_key()));
       return out;
     }
     case C::kBaseForward:
       RETURN_IF_ERROR(r->ForwardGatheredBase(cmd.forward));
+      return out;
+    case C::kExpertForward:
+      RETURN_IF_ERROR(r->ForwardSpreadExperts(cmd.lead));
       return out;
     case C::kPing:
     case C::kShutdown:

@@ -27,6 +27,8 @@ struct Command {
   std::vector<Batch> batches;
   // A base_forward's, on rank 0: the sampler's forward (followers have none: they gather alone).
   BaseForward forward;
+  // An expert_forward's, on rank 0 (followers have none: they serve their experts).
+  ExpertForward lead;
 };
 
 // What a command answers; rank 0 returns it to the client, followers drop it.

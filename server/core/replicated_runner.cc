@@ -33,6 +33,13 @@ ReplicatedRunner::ReplicatedRunner(ModelRunner* runner, std::shared_ptr<Collecti
     c.forward = forward;
     return Replicate(std::move(c)).status();
   });
+  // So is one with the experts spread over ranks: rank 0's group serves the experts it holds.
+  runner_->SetSpreadExperts([this](const ExpertForward& forward) {
+    Command c;
+    c.wire.set_expert_forward(true);
+    c.lead = forward;
+    return Replicate(std::move(c)).status();
+  });
 }
 
 bool ReplicatedRunner::healthy() const {
@@ -57,6 +64,7 @@ absl::StatusOr<CommandResult> ReplicatedRunner::Replicate(Command cmd) {
   if (!broken_.ok()) return broken_;
   if (shut_down_) return absl::UnavailableError("server is shutting down");
   if (collectives_->world_size() > 1) {
+    for (int64_t key : runner_->TakeDropped()) cmd.wire.add_dropped_experts(key);
     std::string bytes = cmd.wire.SerializeAsString();
     if (auto st = collectives_->BroadcastBytes(bytes, 0); !st.ok()) {
       MarkBroken(st);
@@ -187,7 +195,8 @@ absl::Status ReplicatedRunner::SaveState(const std::string& model_id, const std:
 absl::Status ReplicatedRunner::SaveWeightsForSampler(const std::string& model_id,
                                                      const std::string& fs_path, bool merged,
                                                      bool overwrite) {
-  if (world_size() == 1 || !merged || !runner_->Gathers(model_id)) {
+  if (world_size() == 1 ||
+      (!runner_->SpreadsExperts() && (!merged || !runner_->Gathers(model_id)))) {
     return runner_->SaveWeightsForSampler(model_id, fs_path, merged, overwrite);
   }
   v1::internal::Command c;
@@ -195,14 +204,29 @@ absl::Status ReplicatedRunner::SaveWeightsForSampler(const std::string& model_id
   e->set_model_id(model_id);
   e->set_fs_path(fs_path);
   e->set_overwrite(overwrite);
+  e->set_adapter(!merged);
   return Replicate(std::move(c)).status();
 }
 
 absl::StatusOr<std::shared_ptr<const Policy>> ReplicatedRunner::FreezePolicy(
     const std::string& model_id) {
-  if (world_size() == 1 || !runner_->Gathers(model_id)) return runner_->FreezePolicy(model_id);
+  const bool spread = runner_->SpreadsExperts() && !model_id.empty();
+  if (world_size() == 1 || (!runner_->Gathers(model_id) && !spread)) {
+    return runner_->FreezePolicy(model_id);
+  }
   v1::internal::Command c;
   c.set_freeze_policy(model_id);
+  if (spread) c.set_experts_key(++experts_keys_);
+  ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
+  return std::move(r.policy);
+}
+
+absl::StatusOr<std::shared_ptr<const Policy>> ReplicatedRunner::LoadPolicy(
+    const std::string& fs_path) {
+  if (world_size() == 1 || !runner_->SpreadsExperts()) return runner_->LoadPolicy(fs_path);
+  v1::internal::Command c;
+  c.set_load_policy(fs_path);
+  c.set_experts_key(++experts_keys_);
   ASSIGN_OR_RETURN(CommandResult r, Replicate(std::move(c)));
   return std::move(r.policy);
 }

@@ -4,7 +4,9 @@
 // broadcast is skipped.
 //
 // A sampler's forward on a base held in slices (--shard_base) is a command too (base_forward): rank
-// 0 computes it while every rank takes part in gathering the base for it.
+// 0 computes it while every rank takes part in gathering the base for it. So is one with the
+// experts spread over ranks (expert_forward): rank 0 computes it while the rest of its group runs
+// their experts for the rows it sends them.
 //
 // A failed broadcast or collective (a rank died, hangs, or the network broke; bounded by the
 // collective timeout) marks the job broken: every later call answers UNAVAILABLE, and the
@@ -12,6 +14,7 @@
 // collective timeout and notices dead ranks while no request is running.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -59,10 +62,14 @@ class ReplicatedRunner {
                          bool with_optimizer);
   absl::StatusOr<std::string> CreateModelFromState(const std::string& fs_path, bool with_optimizer);
   // A sampler export, and a sampler's copy of a model's weights: on rank 0 alone, or, for a model
-  // whose parameters are sharded (ModelRunner::Gathers), gathered by every rank for rank 0.
+  // whose parameters are sharded (ModelRunner::Gathers), gathered by every rank for rank 0; with
+  // the experts spread over ranks, a copy is made on every rank of rank 0's group.
   absl::Status SaveWeightsForSampler(const std::string& model_id, const std::string& fs_path,
                                      bool merged, bool overwrite);
   absl::StatusOr<std::shared_ptr<const Policy>> FreezePolicy(const std::string& model_id);
+  // A sampler export's weights: read on rank 0 alone (from any thread), or, with the experts
+  // spread over ranks, by each rank of rank 0's group for its experts (a command).
+  absl::StatusOr<std::shared_ptr<const Policy>> LoadPolicy(const std::string& fs_path);
   // Heartbeat; a no-op at world size 1.
   absl::Status Ping();
   // Tells the other ranks to exit. Call once, after the last request.
@@ -93,6 +100,7 @@ class ReplicatedRunner {
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(const absl::Status&)> on_broken_;
+  std::atomic<int64_t> experts_keys_{0};  // the last key a freeze_policy drew
 };
 
 // After each command every rank shares whether it succeeded. DATA_LOSS when some succeeded and

@@ -195,7 +195,7 @@ absl::StatusOr<v1::SamplerInfo> Sampling::Make(const std::string& tenant,
   ReplicatedRunner* runner = base->runner;
   auto make = [&] {
     return checkpoint_dir.empty() ? runner->FreezePolicy(req.model_id())
-                                  : runner->local()->LoadPolicy(checkpoint_dir);
+                                  : runner->LoadPolicy(checkpoint_dir);
   };
   absl::StatusOr<std::shared_ptr<const Policy>> policy = make();
   // The copy is reserved in the memory account before it is made: where there is no room, the

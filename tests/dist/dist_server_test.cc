@@ -14,6 +14,7 @@
 #include "runner/dist/dist_config.h"
 #include "runner/sample/engine.h"
 #include "runner/sample/policy.h"
+#include "runner/util/status_macros.h"
 #include "tests/e2e/e2e_util.h"
 
 namespace tinkerd::testing {
@@ -33,6 +34,57 @@ Datum Scoring(const std::vector<int64_t>& all) {
   d.loss_fn_inputs["target_tokens"] = TensorData::Int64({all.begin() + 1, all.end()});
   d.loss_fn_inputs["weights"] = TensorData::Float32(std::vector<float>(d.tokens.size(), 1.f));
   return d;
+}
+
+// Two samples of `prompt` with their prompt's logprobs, seed 3, `max_tokens` each.
+SampleRequest TwoSeeded(const std::vector<int64_t>& prompt, int max_tokens) {
+  SampleRequest r;
+  r.prompt = prompt;
+  r.num_samples = 2;
+  r.prompt_logprobs = true;
+  r.params.max_tokens = max_tokens;
+  r.params.seed = 3;
+  r.params.ignore_eos = true;
+  return r;
+}
+
+// What `policy` samples for `r` on an engine in this process.
+absl::StatusOr<SampleResult> SampleHere(const std::shared_ptr<const Policy>& policy,
+                                        const SampleRequest& r) {
+  absl::StatusOr<SampleResult> out = absl::UnknownError("not answered");
+  SampleEngine engine({});
+  RETURN_IF_ERROR(engine.Admit(policy, r, [&](const absl::StatusOr<SampleResult>& x) { out = x; }));
+  while (engine.Step()) {
+  }
+  return out;
+}
+
+// save_weights_for_sampler through gRPC; `path` gets the export's.
+grpc::Status ExportForSampler(const client::Connection& conn, const std::string& model_id,
+                              int64_t seq_id, const std::string& name, bool merged,
+                              std::string* path = nullptr) {
+  v1::SaveWeightsForSamplerRequest req;
+  req.set_model_id(model_id);
+  req.set_seq_id(seq_id);
+  req.set_name(name);
+  req.set_merged(merged);
+  v1::SaveWeightsForSamplerResponse out;
+  grpc::ClientContext ctx;
+  const grpc::Status st = conn.stub().SaveWeightsForSampler(&ctx, req, &out);
+  if (path != nullptr) *path = out.path();
+  return st;
+}
+
+// create_sampler from an export at `path` through gRPC; `sampler_id` gets the sampler's.
+grpc::Status SamplerOf(const client::Connection& conn, const std::string& path,
+                       std::string* sampler_id) {
+  v1::CreateSamplerRequest req;
+  req.set_path(path);
+  v1::SamplerInfo out;
+  grpc::ClientContext ctx;
+  const grpc::Status st = conn.stub().CreateSampler(&ctx, req, &out);
+  *sampler_id = out.sampler_id();
+  return st;
 }
 
 // A tinkerd job: rank 0 and, with --nproc, the ranks it spawns, in a process group of their own.
@@ -207,19 +259,7 @@ TEST_P(DataParallelServer, TwoRanksThroughGrpcEqualOneProcess) {
 
     absl::StatusOr<std::shared_ptr<const Policy>> policy = local->FreezePolicy(id);
     ASSERT_TRUE(policy.ok()) << policy.status().message();
-    SampleRequest r;
-    r.prompt = prompt;
-    r.num_samples = 2;
-    r.prompt_logprobs = true;
-    r.params.max_tokens = kTokens;
-    r.params.seed = 3;
-    r.params.ignore_eos = true;
-    absl::StatusOr<SampleResult> want = absl::UnknownError("not answered");
-    SampleEngine engine({});
-    ASSERT_TRUE(
-        engine.Admit(*policy, r, [&](const absl::StatusOr<SampleResult>& x) { want = x; }).ok());
-    while (engine.Step()) {
-    }
+    const absl::StatusOr<SampleResult> want = SampleHere(*policy, TwoSeeded(prompt, kTokens));
     ASSERT_TRUE(want.ok()) << want.status().message();
     ASSERT_EQ(want->sequences.size(), 2u);
     for (int i = 0; i < 2; ++i) {
@@ -449,6 +489,137 @@ TEST(DataParallelJob, KilledRankMakesServerUnhealthyWithinBound) {
 // the wire; the export, loaded as a sampler, samples the same tokens with the same logprobs. The
 // control: the untrained base's logprobs of those tokens are far outside that bound, so a sampler
 // frozen from the wrong weights could not pass.
+// Sampling with each layer's experts spread over ranks (--expert_parallel=2 at 4 ranks: rank 0's
+// group serves its forwards' routed rows, the other group sits them out). A LoRA model on a
+// Mixtral layout, a full fine-tune and the base sample what the same models sample in one
+// process holding every expert (trained alike): the same tokens and routes, their logprobs and
+// the prompt's equal to float64 rounding (1e-9: the trainings sum their gradients in another
+// order). The control: the base's own logprobs of the LoRA model's tokens are far outside that.
+TEST(DataParallelServerExperts, ExpertsSpreadOverRanksSampleWhatOneProcessSamples) {
+  TempDir dir;
+  const std::string model = WriteModel(dir, TinyConfig("mixtral"));
+  Job job = StartJob({"--nproc=4", "--expert_parallel=2", "--base_model=" + model,
+                      "--compute_dtype=float64", "--micro_batch_tokens=16"});
+  ASSERT_GT(job.port, 0);
+  client::ClientOptions o;
+  o.target = "127.0.0.1:" + std::to_string(job.port);
+  auto conn = client::Connection::Create(o);
+  auto local = MakeRunner(model, ComputeDType::kFloat64, 16);
+
+  const std::vector<int64_t> prompt = {5, 17, 2, 99, 41, 8};
+  constexpr int kTokens = 8;
+  auto sample = [&](const std::string& model_id, const std::vector<int64_t>& tokens, int max_tokens,
+                    const std::string& sampler_id = "") {
+    v1::SampleRequest req;
+    req.set_model_id(model_id);
+    req.set_sampler_id(sampler_id);
+    for (int64_t t : tokens)
+      req.mutable_prompt()->add_chunks()->mutable_encoded_text()->add_tokens(t);
+    req.set_num_samples(2);
+    req.set_prompt_logprobs(true);
+    req.set_routed_experts(true);
+    req.mutable_sampling_params()->set_max_tokens(max_tokens);
+    req.mutable_sampling_params()->set_seed(3);
+    req.mutable_sampling_params()->set_ignore_eos(true);
+    v1::SampleResponse out;
+    grpc::ClientContext ctx;
+    const grpc::Status st = conn->stub().Sample(&ctx, req, &out);
+    EXPECT_TRUE(st.ok()) << model_id << ": " << st.error_message();
+    return out;
+  };
+  // What `policy` (the local runner's) samples, compared with the server's `got`.
+  auto agree = [&](const absl::StatusOr<std::shared_ptr<const Policy>>& policy,
+                   const v1::SampleResponse& got, const std::string& what) {
+    ASSERT_TRUE(policy.ok()) << policy.status().message();
+    SampleRequest r = TwoSeeded(prompt, kTokens);
+    r.routed_experts = true;
+    const absl::StatusOr<SampleResult> want = SampleHere(*policy, r);
+    ASSERT_TRUE(want.ok()) << want.status().message();
+    ASSERT_EQ(got.sequences_size(), 2) << what;
+    for (int i = 0; i < 2; ++i) {
+      const v1::SampledSequence& s = got.sequences(i);
+      const SampledSequence& w = want->sequences[static_cast<size_t>(i)];
+      EXPECT_EQ(std::vector<int64_t>(s.tokens().begin(), s.tokens().end()), w.tokens)
+          << what << " " << i;
+      EXPECT_EQ(std::vector<int64_t>(s.routed_experts().begin(), s.routed_experts().end()),
+                w.routed_experts)
+          << what << " " << i;
+      ASSERT_EQ(s.logprobs_size(), kTokens) << what;
+      for (int t = 0; t < kTokens; ++t) {
+        EXPECT_NEAR(s.logprobs(t), w.logprobs[static_cast<size_t>(t)], 1e-9)
+            << what << " " << i << " " << t;
+      }
+    }
+    ASSERT_EQ(got.prompt_logprobs_size(), static_cast<int>(prompt.size())) << what;
+    for (size_t t = 1; t < prompt.size(); ++t) {
+      EXPECT_NEAR(got.prompt_logprobs(static_cast<int>(t)), want->prompt_logprobs[t], 1e-9)
+          << what << " " << t;
+    }
+    EXPECT_EQ(std::vector<int64_t>(got.prompt_routed_experts().begin(),
+                                   got.prompt_routed_experts().end()),
+              want->prompt_routed_experts)
+        << what;
+  };
+
+  SplitMix64 g(9);
+  v1::LossFn ce;
+  ce.set_name("cross_entropy");
+  std::string lora_id;
+  for (const bool full : {false, true}) {
+    v1::CreateModelRequest req;
+    req.set_seed(2);
+    req.set_full_finetune(full);
+    auto info = conn->CreateModel(req);
+    ASSERT_TRUE(info.ok()) << info.status().message();
+    auto tc = conn->Attach(info->model_id());
+    CreateModelOptions co;
+    co.seed = 2;
+    if (full) co.lora.reset();
+    const std::string id = *local->CreateModel(co);
+    const auto data = RandomData(g, {3, 29, 8, 14}, "cross_entropy", 128);
+    ASSERT_TRUE(tc->ForwardBackward(Wire(data), ce).get().ok());
+    ASSERT_TRUE(local->ForwardBackward(id, data, "cross_entropy", {}).ok());
+    v1::AdamParams adam;
+    adam.set_learning_rate(5e-2);
+    ASSERT_TRUE(tc->OptimStep(adam).get().ok());
+    AdamParams p;
+    p.learning_rate = 5e-2;
+    ASSERT_TRUE(local->OptimStep(id, p).ok());
+    agree(local->FreezePolicy(id), sample(info->model_id(), prompt, kTokens),
+          full ? "full" : "lora");
+    if (full) continue;
+    lora_id = info->model_id();
+    // Its adapter export (each group gathers its experts, rank 0 writes), loaded as a sampler
+    // (each rank of rank 0's group reads its experts), samples what the local export does.
+    std::string path, sampler_id;
+    grpc::Status st = ExportForSampler(*conn, lora_id, 3, "adapter", /*merged=*/false, &path);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    // A merged export is not built here: refused on every rank alike, and the job serves on.
+    st = ExportForSampler(*conn, lora_id, 4, "merged", /*merged=*/true);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    st = SamplerOf(*conn, path, &sampler_id);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    const std::string exported = dir.Sub("local-adapter");
+    ASSERT_TRUE(local->SaveWeightsForSampler(id, exported, /*merged=*/false, false).ok());
+    agree(local->LoadPolicy(exported), sample("", prompt, kTokens, sampler_id), "export");
+  }
+  agree(local->FreezePolicy(""), sample("", prompt, kTokens), "base");
+
+  const v1::SampleResponse got = sample(lora_id, prompt, kTokens);
+  ASSERT_EQ(got.sequences_size(), 2);
+  const v1::SampleResponse on_base = sample("", Continued(prompt, got.sequences(0)), 1);
+  ASSERT_EQ(on_base.prompt_logprobs_size(), static_cast<int>(prompt.size()) + kTokens);
+  double off_base = 0;
+  for (int t = 0; t < kTokens; ++t) {
+    off_base =
+        std::max(off_base, std::abs(got.sequences(0).logprobs(t) -
+                                    on_base.prompt_logprobs(static_cast<int>(prompt.size()) + t)));
+  }
+  EXPECT_GT(off_base, 1e-3);
+  kill(job.pid, SIGTERM);
+  EXPECT_EQ(ExitCode(job), 0);
+}
+
 TEST(DataParallelServerSharded, AFullyShardedModelSamplesAndExportsAtThreeRanks) {
   TempDir dir;
   const std::string model = WriteModel(dir, TinyConfig("llama"));
@@ -519,37 +690,15 @@ TEST(DataParallelServerSharded, AFullyShardedModelSamplesAndExportsAtThreeRanks)
   EXPECT_GT(off_base, 1e-3);
 
   // The merged export, gathered for rank 0's file, loads as a sampler that samples the same.
-  v1::SaveWeightsForSamplerRequest save;
-  save.set_model_id(trained);
-  save.set_seq_id(4);
-  save.set_name("merged");
-  save.set_merged(true);
-  v1::SaveWeightsForSamplerResponse saved;
-  {
-    grpc::ClientContext ctx;
-    const grpc::Status st = conn->stub().SaveWeightsForSampler(&ctx, save, &saved);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-  }
+  std::string path, sampler_id;
+  grpc::Status st = ExportForSampler(*conn, trained, 4, "merged", /*merged=*/true, &path);
+  ASSERT_TRUE(st.ok()) << st.error_message();
   // An adapter export of a full fine-tune is refused (on rank 0 alone: no rank gathers).
-  {
-    v1::SaveWeightsForSamplerRequest peft = save;
-    peft.set_seq_id(5);
-    peft.set_name("peft");
-    peft.set_merged(false);
-    v1::SaveWeightsForSamplerResponse refused;
-    grpc::ClientContext ctx;
-    const grpc::Status st = conn->stub().SaveWeightsForSampler(&ctx, peft, &refused);
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
-  }
-  v1::CreateSamplerRequest load;
-  load.set_path(saved.path());
-  v1::SamplerInfo loaded;
-  {
-    grpc::ClientContext ctx;
-    const grpc::Status st = conn->stub().CreateSampler(&ctx, load, &loaded);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-  }
-  const v1::SampleResponse exported = sample("", loaded.sampler_id());
+  st = ExportForSampler(*conn, trained, 5, "peft", /*merged=*/false);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  st = SamplerOf(*conn, path, &sampler_id);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  const v1::SampleResponse exported = sample("", sampler_id);
   ASSERT_EQ(exported.sequences_size(), 1);
   EXPECT_EQ(std::vector<int64_t>(exported.sequences(0).tokens().begin(),
                                  exported.sequences(0).tokens().end()),
