@@ -1588,7 +1588,12 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezeSpread(
       } else {
         impl_->OnBase(*policy);
       }
-      if (t.lora) policy->lora = t.lora->Frozen(impl_->dtype);
+      if (t.lora) {
+        policy->lora = t.lora->Frozen(impl_->dtype);
+        for (const auto& [name, p] : policy->lora->Parameters()) {
+          policy->bytes += static_cast<int64_t>(p.nbytes());
+        }
+      }
       return absl::OkStatus();
     });
   }
@@ -1612,6 +1617,14 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadSpread(const std:
   if (reads) {
     made = Guarded("loading a policy", [&]() -> absl::StatusOr<std::shared_ptr<Policy>> {
       ASSIGN_OR_RETURN(std::string dir, ResolveCheckpoint(path));
+      // Refused before any tensor is read: a merged export holds every expert whole.
+      std::error_code ec;
+      if (!std::filesystem::exists(std::filesystem::path(dir) / "adapter_config.json", ec)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "path: ", path,
+            " is not an adapter export; with its experts spread over ranks (--expert_parallel) "
+            "this server samples adapter exports alone"));
+      }
       ASSIGN_OR_RETURN(SamplerWeights w,
                        ReadSamplerWeights(dir, impl_->model_config, impl_->base_fingerprint,
                                           impl_->dtype, impl_->device, impl_->Keep()));
@@ -1630,6 +1643,9 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::LoadSpread(const std:
       policy->step = w.step;
       impl_->OnBase(*policy);
       policy->lora = std::move(w.lora);
+      for (const auto& [name, p] : policy->lora->Parameters()) {
+        policy->bytes += static_cast<int64_t>(p.nbytes());
+      }
       return policy;
     });
   }
@@ -1669,6 +1685,8 @@ absl::Status ModelRunner::ForwardSpreadExperts(const ExpertForward& forward) con
     return absl::FailedPreconditionError("expert_forward: this server holds every expert");
   }
   // Fixed since Create, as the collectives are: no lock (the server runs one command at a time).
+  // Inference on every rank: a serving rank runs only the experts that received rows.
+  at::NoGradGuard no_grad;
   const ExpertParallel& ep = *impl_->experts;
   Collectives& c = *impl_->collectives;
   absl::Status mine;

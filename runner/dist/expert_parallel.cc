@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <numeric>
 #include <stdexcept>
 
@@ -123,8 +124,8 @@ at::Tensor ExpertParallel::Counts(const std::vector<int64_t>& rows_E, const Head
 }
 
 at::Tensor ExpertParallel::Exchange(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
-                                    const at::Tensor& all_GC,
-                                    const kernels::ExpertFn& expert) const {
+                                    const at::Tensor& all_GC, const kernels::ExpertFn& expert,
+                                    bool led) const {
   const int G = size();
   // Every rank's slots per expert (a row of all_GC each, the head's columns after them), so that
   // each knows what it sends, receives, and from whom.
@@ -160,20 +161,35 @@ at::Tensor ExpertParallel::Exchange(const at::Tensor& x_SD, const std::vector<in
   // in every rank's graph whenever the experts train (LoRA on them, or full fine-tuning), whatever
   // the routing sent where; a rank that received nothing would otherwise skip the collective its
   // group waits in.
-  const at::Tensor y_RD =
-      kernels::RunSlots(
-          x_RD.index_select(0, order_R), rows_n,
-          [&](int64_t j, const at::Tensor& x_ND) { return expert(first_ + j, x_ND); },
-          /*every_expert=*/at::GradMode::is_enabled())
-          .index_select(0, inverse_R);
-  return AllToAllFn::apply(y_RD, group_.get(), recv, send);
+  auto run = [&] {
+    return kernels::RunSlots(
+               x_RD.index_select(0, order_R), rows_n,
+               [&](int64_t j, const at::Tensor& x_ND) { return expert(first_ + j, x_ND); },
+               /*every_expert=*/at::GradMode::is_enabled())
+        .index_select(0, inverse_R);
+  };
+  if (!led) return AllToAllFn::apply(run(), group_.get(), recv, send);
+  // A led exchange (sampling) fails without leaving its group behind: the outputs that could
+  // not be made go back as zeros, the return exchange completes, and then the error is thrown.
+  std::exception_ptr failed;
+  at::Tensor y_RD;
+  try {
+    y_RD = run();
+  } catch (...) {
+    failed = std::current_exception();
+    y_RD = at::zeros({R, x_RD.size(1)}, x_RD.options());
+  }
+  at::Tensor out = AllToAllFn::apply(y_RD, group_.get(), recv, send);
+  if (failed) std::rethrow_exception(failed);
+  return out;
 }
 
 kernels::SlotsFn ExpertParallel::Leading(int64_t layer, int64_t key) const {
   return [this, layer, key](const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
                             const kernels::ExpertFn& expert) {
     TORCH_CHECK(group_->rank() == 0, "expert parallelism: only a group's first rank leads");
-    return Exchange(x_SD, rows_E, Counts(rows_E, {true, kExchange, layer, key}), expert);
+    return Exchange(x_SD, rows_E, Counts(rows_E, {true, kExchange, layer, key}), expert,
+                    /*led=*/true);
   };
 }
 
@@ -190,28 +206,33 @@ absl::Status ExpertParallel::Serve(const ServedExperts& experts, const at::Tenso
                                    int64_t hidden) const {
   const std::vector<int64_t> none(static_cast<size_t>(size() * count_), 0);
   const at::Tensor nothing_SD = at::empty({0, hidden}, options);
-  absl::Status failed;  // the first expert that could not run here
+  absl::Status failed;  // the first error here; the rows it touched were answered with zeros
   while (true) {
     try {
       const at::Tensor all_GC = Counts(none, {true, kEnd, 0, 0});
       const int64_t* head = all_GC.data_ptr<int64_t>() + static_cast<int64_t>(none.size());
       if (head[0] == kEnd) return failed;
-      absl::StatusOr<kernels::ExpertFn> expert = experts(head[1], head[2]);
+      absl::StatusOr<kernels::ExpertFn> expert;
+      try {
+        expert = experts(head[1], head[2]);
+      } catch (...) {
+        expert = ExceptionStatus("sample: serving experts", std::current_exception());
+      }
       if (!expert.ok() && failed.ok()) failed = expert.status();
-      // An expert that cannot run answers zeros, so that the group's exchange completes; the
-      // forward then fails on every rank (ModelRunner::ForwardSpreadExperts).
-      (void)Exchange(nothing_SD, none, all_GC, [&](int64_t e, const at::Tensor& x_ND) {
-        if (failed.ok()) {
-          try {
-            return (*expert)(e, x_ND);
-          } catch (...) {
-            failed = ExceptionStatus("sample: serving experts", std::current_exception());
-          }
-        }
-        return at::zeros_like(x_ND);
-      });
+      // Once something failed here every expert answers zeros, so that the group's exchanges
+      // complete; the forward then fails on every rank (ModelRunner::ForwardSpreadExperts).
+      (void)Exchange(
+          nothing_SD, none, all_GC,
+          [&](int64_t e, const at::Tensor& x_ND) {
+            return failed.ok() ? (*expert)(e, x_ND) : at::zeros_like(x_ND);
+          },
+          /*led=*/true);
     } catch (...) {
-      return ExceptionStatus("sample: serving experts", std::current_exception());  // UNAVAILABLE
+      // A failed collective leaves the group out of step (UNAVAILABLE); anything else was thrown
+      // after the exchange completed.
+      absl::Status st = ExceptionStatus("sample: serving experts", std::current_exception());
+      if (st.code() == absl::StatusCode::kUnavailable) return st;
+      if (failed.ok()) failed = std::move(st);
     }
   }
 }

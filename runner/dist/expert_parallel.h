@@ -87,7 +87,7 @@ class ExpertParallel {
   // A serving rank's part: answers the leader's exchanges until it ends them, running its
   // experts of each exchange's layer and key (`experts`), over activations of `options` and
   // `hidden` columns. Returns the first error of an expert that could not run (having answered
-  // zeros for it, so the group stays in step), or UNAVAILABLE when an exchange failed.
+  // zeros from then on, so the group stays in step), or UNAVAILABLE when an exchange failed.
   using ServedExperts =
       std::function<absl::StatusOr<kernels::ExpertFn>(int64_t layer, int64_t key)>;
   absl::Status Serve(const ServedExperts& experts, const at::TensorOptions& options,
@@ -111,8 +111,11 @@ class ExpertParallel {
   };
   // Every rank's slots per expert, [G, E] (then the head's columns): a collective of the group.
   at::Tensor Counts(const std::vector<int64_t>& rows_E, const Head& head) const;
+  // `led` (sampling): an error running the experts is thrown only after the return exchange,
+  // which carries zeros for the rows it left without outputs.
   at::Tensor Exchange(const at::Tensor& x_SD, const std::vector<int64_t>& rows_E,
-                      const at::Tensor& all_GC, const kernels::ExpertFn& expert) const;
+                      const at::Tensor& all_GC, const kernels::ExpertFn& expert,
+                      bool led = false) const;
 
   std::shared_ptr<Collectives> group_, replicas_;
   int64_t first_, count_;

@@ -462,9 +462,11 @@ absl::Status SampleEngine::Decode(const std::vector<std::pair<Job*, Sample*>>& b
   const Policy& pol = *batch.front().first->policy;
   // The step's loops run on the team, which stays awake from one to the next (kernels/parallel.h):
   // on a CPU where Gemv takes the products; elsewhere its spinning would only take cores from
-  // OpenBLAS's threads, or hold them through a GPU's step.
+  // OpenBLAS's threads, or hold them through a GPU's step or through the collectives of a forward
+  // on other ranks' weights or experts.
   std::optional<kernels::SpinningTeam::Scope> hot;
-  if (pol.device.is_cpu() && kernels::GemvRunsHere()) {
+  if (pol.device.is_cpu() && kernels::GemvRunsHere() && pol.gathered == nullptr &&
+      pol.spread == nullptr) {
     if (team_ == nullptr || team_->threads() != at::get_num_threads()) {
       team_ = std::make_unique<kernels::SpinningTeam>(at::get_num_threads());
     }

@@ -60,9 +60,6 @@ absl::StatusOr<CommandResult> Execute(ModelRunner* r, Command cmd) {
   const v1::internal::Command& w = cmd.wire;
   const Batch* batch = cmd.batch.has_value() ? &*cmd.batch : nullptr;
   CommandResult out;
-  if (!w.dropped_experts().empty()) {
-    r->DropFrozen({w.dropped_experts().begin(), w.dropped_experts().end()});
-  }
   switch (w.op_case()) {
     case C::kCreateModel: {
       ASSIGN_OR_RETURN(out.model_id, RunCreate(r, w.create_model(), w.new_model_id()));

@@ -272,6 +272,10 @@ absl::Status ReplicatedRunner::FollowerLoop(ModelRunner* runner, Collectives* co
     }
     v1::internal::Command wire;
     if (!wire.ParseFromString(bytes)) return absl::DataLossError("unparsable command from rank 0");
+    // Before the command, whether or not it decodes: rank 0 no longer holds these keys.
+    if (!wire.dropped_experts().empty()) {
+      runner->DropFrozen({wire.dropped_experts().begin(), wire.dropped_experts().end()});
+    }
     if (wire.has_shutdown()) {
       TLOG_INFO("rank 0 shut down; exiting");
       return absl::OkStatus();

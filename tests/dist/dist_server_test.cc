@@ -483,12 +483,6 @@ TEST(DataParallelJob, KilledRankMakesServerUnhealthyWithinBound) {
   ExitCode(job);
 }
 
-// A fully sharded full fine-tune at three ranks (uneven shards) samples and exports through the
-// server: its sampler's copy and its merged export are gathered from every rank's slices. A
-// sampled token's logprob is what the trainer (sharded) computes for it, to float32 rounding on
-// the wire; the export, loaded as a sampler, samples the same tokens with the same logprobs. The
-// control: the untrained base's logprobs of those tokens are far outside that bound, so a sampler
-// frozen from the wrong weights could not pass.
 // Sampling with each layer's experts spread over ranks (--expert_parallel=2 at 4 ranks: rank 0's
 // group serves its forwards' routed rows, the other group sits them out). A LoRA model on a
 // Mixtral layout, a full fine-tune and the base sample what the same models sample in one
@@ -564,7 +558,7 @@ TEST(DataParallelServerExperts, ExpertsSpreadOverRanksSampleWhatOneProcessSample
   SplitMix64 g(9);
   v1::LossFn ce;
   ce.set_name("cross_entropy");
-  std::string lora_id;
+  std::string lora_id, lora_local;  // the LoRA model's id on the server, and locally
   for (const bool full : {false, true}) {
     v1::CreateModelRequest req;
     req.set_seed(2);
@@ -589,6 +583,7 @@ TEST(DataParallelServerExperts, ExpertsSpreadOverRanksSampleWhatOneProcessSample
           full ? "full" : "lora");
     if (full) continue;
     lora_id = info->model_id();
+    lora_local = id;
     // Its adapter export (each group gathers its experts, rank 0 writes), loaded as a sampler
     // (each rank of rank 0's group reads its experts), samples what the local export does.
     std::string path, sampler_id;
@@ -604,6 +599,14 @@ TEST(DataParallelServerExperts, ExpertsSpreadOverRanksSampleWhatOneProcessSample
     agree(local->LoadPolicy(exported), sample("", prompt, kTokens, sampler_id), "export");
   }
   agree(local->FreezePolicy(""), sample("", prompt, kTokens), "base");
+  // The LoRA model and the base at once, so that their rows meet in shared decode steps, each run
+  // exchanged under its own policy's key: each still samples what it samples alone.
+  {
+    auto lora = std::async(std::launch::async, [&] { return sample(lora_id, prompt, kTokens); });
+    const v1::SampleResponse base = sample("", prompt, kTokens);
+    agree(local->FreezePolicy(""), base, "base beside lora");
+    agree(local->FreezePolicy(lora_local), lora.get(), "lora beside base");
+  }
 
   const v1::SampleResponse got = sample(lora_id, prompt, kTokens);
   ASSERT_EQ(got.sequences_size(), 2);
@@ -620,6 +623,12 @@ TEST(DataParallelServerExperts, ExpertsSpreadOverRanksSampleWhatOneProcessSample
   EXPECT_EQ(ExitCode(job), 0);
 }
 
+// A fully sharded full fine-tune at three ranks (uneven shards) samples and exports through the
+// server: its sampler's copy and its merged export are gathered from every rank's slices. A
+// sampled token's logprob is what the trainer (sharded) computes for it, to float32 rounding on
+// the wire; the export, loaded as a sampler, samples the same tokens with the same logprobs. The
+// control: the untrained base's logprobs of those tokens are far outside that bound, so a sampler
+// frozen from the wrong weights could not pass.
 TEST(DataParallelServerSharded, AFullyShardedModelSamplesAndExportsAtThreeRanks) {
   TempDir dir;
   const std::string model = WriteModel(dir, TinyConfig("llama"));
