@@ -309,6 +309,9 @@ struct ModelRunner::Impl {
     }
     return held * at::elementSize(TrainDType());
   }
+  // A policy's copy of the trainable model `t` (a full fine-tune's weights, or the base's with the
+  // adapter) in the compute dtype, counted in its bytes; the runner's fields are set already.
+  void Freeze(const ModelState& t, Policy& p) const;
   // SaveWeightsForSampler's adapter export with the experts spread over ranks, and a LoRA
   // model's merged export on the sharded base (defined with the other saves).
   absl::Status SaveAdapterOfExperts(const ModelState& t, const std::string& path, bool overwrite);
@@ -1553,21 +1556,25 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezePolicy(const st
   }
   ASSIGN_OR_RETURN(policy->memory, impl_->ReservePolicy(copy_bytes));
   return Guarded("freezing a policy", [&]() -> absl::StatusOr<std::shared_ptr<const Policy>> {
-    policy->step = t->step;
-    if (t->full) {
-      policy->weights = FrozenWeights(*t->full, impl_->model_config.tie_word_embeddings,
-                                      impl_->dtype, &policy->bytes);
-    } else {
-      impl_->OnBase(*policy);
-    }
-    if (t->lora) {
-      policy->lora = t->lora->Frozen(impl_->dtype);
-      for (const auto& [name, p] : policy->lora->Parameters()) {
-        policy->bytes += static_cast<int64_t>(p.numel() * p.element_size());
-      }
-    }
+    impl_->Freeze(*t, *policy);
     return std::shared_ptr<const Policy>(std::move(policy));
   });
+}
+
+void ModelRunner::Impl::Freeze(const ModelState& t, Policy& p) const {
+  p.step = t.step;
+  if (t.full) {
+    p.weights = FrozenWeights(*t.full, model_config.tie_word_embeddings, dtype, &p.bytes);
+    if (experts) p.spread = spread;
+  } else {
+    OnBase(p);
+  }
+  if (t.lora) {
+    p.lora = t.lora->Frozen(dtype);
+    for (const auto& [name, pair] : p.lora->Parameters()) {
+      p.bytes += static_cast<int64_t>(pair.nbytes());
+    }
+  }
 }
 
 absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezeSpread(
@@ -1580,20 +1587,7 @@ absl::StatusOr<std::shared_ptr<const Policy>> ModelRunner::FreezeSpread(
   absl::Status mine;
   if (copies) {
     mine = Guarded("freezing a policy", [&] {
-      policy->step = t.step;
-      if (t.full) {
-        policy->weights = FrozenWeights(*t.full, impl_->model_config.tie_word_embeddings,
-                                        impl_->dtype, &policy->bytes);
-        policy->spread = impl_->spread;
-      } else {
-        impl_->OnBase(*policy);
-      }
-      if (t.lora) {
-        policy->lora = t.lora->Frozen(impl_->dtype);
-        for (const auto& [name, p] : policy->lora->Parameters()) {
-          policy->bytes += static_cast<int64_t>(p.nbytes());
-        }
-      }
+      impl_->Freeze(t, *policy);
       return absl::OkStatus();
     });
   }

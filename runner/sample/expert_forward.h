@@ -1,5 +1,6 @@
 // A sampler's forward where each layer's experts are spread over ranks (--expert_parallel), and
-// what runs one. Apart from policy.h so that the runner's API names them without LibTorch's headers.
+// what runs one. Apart from policy.h so that the runner's API names them without LibTorch's
+// headers.
 #pragma once
 
 #include <cstdint>
